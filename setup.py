@@ -1,0 +1,24 @@
+"""Packaging for megatron-lowprec.
+
+Runtime needs torch alone; megatron-core, Transformer Engine, apex, hydra and wandb are optional
+extras imported lazily where used.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lowprec",
+    version="0.1.0",
+    description="Low-precision training strategies (Collage, stochastic rounding, COAT, ExMy emulation) for Megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_lowprec", "megatron_lowprec.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.4"],
+        "megatron": ["megatron-core>=0.16.1"],
+    },
+)
