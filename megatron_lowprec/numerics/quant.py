@@ -1,0 +1,200 @@
+"""Per-tensor and per-group FP8 quantization with COAT dynamic range expansion.
+
+COAT (Xi et al., 2024), section 3: a tensor is cut into groups of ``G`` consecutive elements
+(1 x G along the flattened tensor; one group for per-tensor quantization). Each group is scaled so
+that its largest magnitude lands on the format's largest finite value, then cast to FP8 with
+round-to-nearest-even:
+
+    scale = max|x| / fp8_max,    payload = RNE_fp8(x / scale),    x ~ payload * scale.
+
+Dynamic range expansion (section 4.2) first applies ``f(x) = sign(x) |x|^k`` per group, with
+``k = log_{R_X}(R_fmt)``: ``R_X = max|x| / min|x|`` over the group's non-zero elements and
+``R_fmt = fp8_max / smallest positive subnormal`` (E4M3: 448 / 2^-9 = 229376, the paper's figure;
+E5M2: 57344 / 2^-16 = 3758096384, the paper's Delta_max / Delta_min for E5M2), so that ``f(X)``
+spans the whole format. To stay finite the expansion acts on the group normalised by its maximum
+``M = max|x|``:
+
+    payload = RNE_fp8(fp8_max * f(x / M)),    x ~ M * f^{-1}(payload / fp8_max).
+
+``k`` follows the paper's formula without clamping: ``k > 1`` widens a group narrower than the
+format, ``k < 1`` narrows a group wider than the format (its smallest elements then stay non-zero
+instead of underflowing). Groups without two distinct non-zero magnitudes get ``k = 1``.
+All arithmetic is float32 tensor code, device-agnostic; the caller's device is kept.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_dtype_of(fp8_format: "str | torch.dtype") -> torch.dtype:
+    """The torch float8 dtype named by ``fp8_format`` ("e4m3", "e5m2", any case, or the dtype)."""
+    if isinstance(fp8_format, torch.dtype) and fp8_format in _FORMATS.values():
+        return fp8_format
+    if isinstance(fp8_format, str) and fp8_format.lower() in _FORMATS:
+        return _FORMATS[fp8_format.lower()]
+    valid = ", ".join([*_FORMATS, *(str(dtype) for dtype in _FORMATS.values())])
+    raise ValueError(f"unknown FP8 format {fp8_format!r}; valid: {valid}")
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of the format (COAT section 3: Delta_max; 448 for E4M3, 57344 for E5M2)."""
+    return float(torch.finfo(fp8_dtype).max)
+
+
+def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
+    """R_fmt = Delta_max / Delta_min, Delta_min the smallest positive subnormal (COAT section 4.1)."""
+    info = torch.finfo(fp8_dtype)
+    smallest_subnormal = info.smallest_normal * info.eps
+    return float(info.max) / smallest_subnormal
+
+
+def expand_dynamic_range(x: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
+    """COAT expand function f(x) = sign(x) |x|^k (section 4.2)."""
+    return torch.copysign(x.abs().pow(expansion_exponent), x)
+
+
+def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
+    """Inverse of the expand function, f^{-1}(y) = sign(y) |y|^{1/k} (section 4.2)."""
+    return torch.copysign(y.abs().pow(expansion_exponent.reciprocal()), y)
+
+
+@dataclass
+class QuantizedTensor:
+    """An FP8 tensor with per-group float32 scales and, under COAT expansion, per-group exponents k.
+
+    ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent`` is
+    None when expansion is off; ``group_size`` None means one group for the whole tensor.
+    """
+
+    payload: torch.Tensor
+    scale: torch.Tensor
+    expansion_exponent: "torch.Tensor | None"
+    group_size: "int | None"
+    shape: torch.Size
+    fp8_dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Storage in bytes: FP8 payload plus per-group scales and exponents."""
+        tensors = [self.payload, self.scale]
+        if self.expansion_exponent is not None:
+            tensors.append(self.expansion_exponent)
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def num_groups(numel: int, group_size: "int | None") -> int:
+    """Number of groups of ``group_size`` consecutive elements; the last one may be partial."""
+    return -(-numel // _resolved_group_size(numel, group_size))
+
+
+def _resolved_group_size(numel: int, group_size: "int | None") -> int:
+    if group_size is None:
+        return max(numel, 1)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+    return group_size
+
+
+def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View ``flat`` as (groups, group_size), zero-padding the last group (zeros change neither
+    the group's max|x| nor its smallest non-zero |x|)."""
+    padding = -flat.numel() % group_size
+    return torch.nn.functional.pad(flat, (0, padding)).view(-1, group_size)
+
+
+def quantize_fp8_into(
+    x: torch.Tensor,
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    expansion_exponent: "torch.Tensor | None" = None,
+    group_size: "int | None" = None,
+) -> None:
+    """Quantize ``x`` into preallocated buffers (COAT section 3, per-group; section 4.2 expansion).
+
+    ``payload`` (float8, ``x.numel()`` elements) fixes the format; ``scale`` and, to enable
+    expansion, ``expansion_exponent`` are float32 with one element per group. Raises ValueError on
+    non-finite input or mismatched buffers.
+    """
+    fp8_dtype = fp8_dtype_of(payload.dtype)
+    groups_count = num_groups(x.numel(), group_size)
+    if payload.numel() != x.numel():
+        raise ValueError(f"payload has {payload.numel()} elements, x has {x.numel()}")
+    for name, buffer in (("scale", scale), ("expansion_exponent", expansion_exponent)):
+        if buffer is not None and (buffer.dtype != torch.float32 or buffer.numel() != groups_count):
+            raise ValueError(f"{name} must be float32 with {groups_count} elements, got {buffer.dtype} "
+                             f"with {buffer.numel()}")
+    format_max = fp8_max(fp8_dtype)
+    groups = _grouped(x.detach().reshape(-1).float(), _resolved_group_size(x.numel(), group_size))
+    magnitude = groups.abs()
+    group_max = magnitude.amax(dim=1, keepdim=True)
+    if not bool(torch.isfinite(group_max).all()):
+        raise ValueError("cannot quantize a tensor holding NaN or infinity")
+    nonzero_group = group_max > 0
+    group_scale = torch.where(
+        nonzero_group, (group_max / format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0
+    )
+    if expansion_exponent is None:
+        scaled = groups / group_scale
+    else:
+        normalized = groups / torch.where(nonzero_group, group_max, 1.0)
+        normalized_magnitude = normalized.abs()
+        smallest_nonzero = torch.where(normalized_magnitude > 0, normalized_magnitude, math.inf).amin(
+            dim=1, keepdim=True
+        )
+        # k comes from the same float32 ratios that f raises to the power k, so the smallest non-zero
+        # element lands on the smallest subnormal even when R_X is within rounding of 1.
+        log_group_range = -torch.log(smallest_nonzero)
+        group_exponent = torch.where(
+            (log_group_range > 0) & torch.isfinite(log_group_range),
+            math.log(fp8_dynamic_range(fp8_dtype)) / log_group_range,
+            1.0,
+        )
+        scaled = format_max * expand_dynamic_range(normalized, group_exponent)
+        expansion_exponent.view(-1).copy_(group_exponent.view(-1))
+    quantized = scaled.clamp(-format_max, format_max).to(fp8_dtype)
+    payload.view(-1).copy_(quantized.view(-1)[: x.numel()])
+    scale.view(-1).copy_(group_scale.view(-1))
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    fp8_dtype: "str | torch.dtype" = "e4m3",
+    group_size: "int | None" = None,
+    expand: bool = False,
+) -> QuantizedTensor:
+    """Quantize ``x`` to FP8 per tensor (``group_size=None``) or per 1 x ``group_size`` group,
+    optionally with COAT dynamic range expansion (section 4.2)."""
+    dtype = fp8_dtype_of(fp8_dtype)
+    groups_count = num_groups(x.numel(), group_size)
+    quantized = QuantizedTensor(
+        payload=torch.empty(x.numel(), dtype=dtype, device=x.device),
+        scale=torch.empty(groups_count, dtype=torch.float32, device=x.device),
+        expansion_exponent=(
+            torch.empty(groups_count, dtype=torch.float32, device=x.device) if expand else None
+        ),
+        group_size=group_size,
+        shape=x.shape,
+        fp8_dtype=dtype,
+    )
+    quantize_fp8_into(x, quantized.payload, quantized.scale, quantized.expansion_exponent, group_size)
+    return quantized
+
+
+def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
+    """Float32 tensor of the original shape: payload * scale, or under expansion
+    max|x| * f^{-1}(payload / fp8_max) (COAT section 4.2 and Appendix A)."""
+    numel = q.payload.numel()
+    groups = _grouped(q.payload.float(), _resolved_group_size(numel, q.group_size))
+    group_scale = q.scale.view(-1, 1)
+    if q.expansion_exponent is None:
+        values = groups * group_scale
+    else:
+        format_max = fp8_max(q.fp8_dtype)
+        values = (group_scale * format_max) * contract_dynamic_range(
+            groups / format_max, q.expansion_exponent.view(-1, 1)
+        )
+    return values.view(-1)[:numel].view(q.shape)

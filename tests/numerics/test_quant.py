@@ -1,0 +1,360 @@
+"""FP8 quantization and COAT dynamic range expansion, checked against torch's own float8 casts and
+float64 arithmetic; the COAT Table 1 experiment on AdamW states of a small trained model."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_lowprec.numerics.quant import (
+    QuantizedTensor,
+    contract_dynamic_range,
+    dequantize_fp8,
+    expand_dynamic_range,
+    fp8_dtype_of,
+    fp8_dynamic_range,
+    quantize_fp8,
+    quantize_fp8_into,
+)
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
+SMALLEST_NORMAL = {"e4m3": 2.0**-6, "e5m2": 2.0**-14}
+SMALLEST_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
+
+
+def wide_range_sample(numel: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator) * torch.exp(2 * torch.randn(numel, generator=generator))
+
+
+def bits(fp8_tensor: torch.Tensor) -> torch.Tensor:
+    return fp8_tensor.reshape(-1).view(torch.uint8)
+
+
+def reference_scale_by_reshape(x: torch.Tensor, group_size: int, fp8_format: str) -> torch.Tensor:
+    return x.reshape(-1, group_size).abs().amax(dim=1) / FORMAT_MAX[fp8_format]
+
+
+def reference_scale_by_loop(x: torch.Tensor, group_size: int, fp8_format: str) -> torch.Tensor:
+    flat = x.reshape(-1)
+    maxima = [flat[start : start + group_size].abs().max() for start in range(0, flat.numel(), group_size)]
+    return torch.stack(maxima) / FORMAT_MAX[fp8_format]
+
+
+def reference_expansion_exponent(group: torch.Tensor, fp8_format: str) -> float:
+    """COAT section 4.2 in float64: k = log(R_fmt) / log(R_X), R_fmt = fp8 max / smallest subnormal."""
+    magnitude = group.double().abs()
+    nonzero = magnitude[magnitude > 0]
+    format_range = FORMAT_MAX[fp8_format] / SMALLEST_SUBNORMAL[fp8_format]
+    return math.log(format_range) / math.log(float(nonzero.max() / nonzero.min()))
+
+
+def test_format_names_and_ranges():
+    assert fp8_dtype_of("E4M3") is torch.float8_e4m3fn
+    assert fp8_dtype_of("e5m2") is torch.float8_e5m2
+    assert fp8_dtype_of(torch.float8_e5m2) is torch.float8_e5m2
+    for unknown in ("e3m4", torch.float8_e4m3fnuz, torch.bfloat16):
+        with pytest.raises(ValueError, match="e4m3, e5m2"):
+            quantize_fp8(torch.ones(4), unknown)
+    assert fp8_dynamic_range(torch.float8_e4m3fn) == 448 * 512 == 229376
+    assert fp8_dynamic_range(torch.float8_e5m2) == 57344 * 2**16
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_payload_matches_torch_cast_bit_exact(fp8_format):
+    x = wide_range_sample(64 * 128, seed=1)
+    q = quantize_fp8(x, fp8_format, group_size=128)
+    scale = reference_scale_by_reshape(x, 128, fp8_format)
+    expected = (x.reshape(-1, 128) / scale[:, None]).to(FORMATS[fp8_format])
+    assert torch.equal(q.scale, scale)
+    assert torch.equal(bits(q.payload), bits(expected))
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_partial_last_group_bit_exact(fp8_format):
+    x = wide_range_sample(1000, seed=2)
+    q = quantize_fp8(x, fp8_format, group_size=128)
+    scale = reference_scale_by_loop(x, 128, fp8_format)
+    expected = torch.cat([(chunk / s).to(FORMATS[fp8_format]) for chunk, s in zip(x.split(128), scale)])
+    assert q.scale.shape == (8,)
+    assert torch.equal(q.scale, scale)
+    assert torch.equal(bits(q.payload), bits(expected))
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_per_tensor_matches_torch_cast(fp8_format):
+    x = wide_range_sample(3 * 5 * 7, seed=3).reshape(3, 5, 7)
+    q = quantize_fp8(x, fp8_format)
+    scale = x.abs().max() / FORMAT_MAX[fp8_format]
+    assert q.scale.shape == (1,) and q.group_size is None
+    assert torch.equal(q.scale[0], scale)
+    assert torch.equal(bits(q.payload), bits((x / scale).to(FORMATS[fp8_format])))
+
+
+@pytest.mark.parametrize("group_size", [None, 128, 100])
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_round_trip_within_half_ulp_in_normal_range(fp8_format, group_size):
+    x = wide_range_sample(1000, seed=4)
+    restored = dequantize_fp8(quantize_fp8(x, fp8_format, group_size)).double()
+    size = group_size or x.numel()
+    scale = reference_scale_by_loop(x, size, fp8_format).double().repeat_interleave(size)[: x.numel()]
+    normal = (x.double() / scale).abs() >= SMALLEST_NORMAL[fp8_format]
+    relative_error = ((restored - x.double()).abs() / x.double().abs())[normal]
+    assert normal.sum() > 500
+    assert relative_error.max() <= 2.0 ** -(MANTISSA_BITS[fp8_format] + 1) + 1e-6
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_last_group_statistics_ignore_other_groups_and_padding(expand):
+    x = wide_range_sample(1000, seed=5)
+    x[896:] *= 1e-3
+    q = quantize_fp8(x, "e4m3", group_size=128, expand=expand)
+    louder = x.clone()
+    louder[:896] *= 1e3
+    q_louder = quantize_fp8(louder, "e4m3", group_size=128, expand=expand)
+    last_group = x[896:]
+    assert torch.equal(q.scale[-1], last_group.abs().max() / 448.0)
+    assert torch.equal(q.scale[-1], q_louder.scale[-1])
+    assert torch.equal(bits(q.payload[896:]), bits(q_louder.payload[896:]))
+    if expand:
+        expected_exponent = reference_expansion_exponent(last_group, "e4m3")
+        assert q.expansion_exponent[-1].item() == pytest.approx(expected_exponent, rel=1e-5)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_zero_groups_are_exact_and_finite(fp8_format, expand):
+    x = wide_range_sample(300, seed=6)
+    x[100:200] = 0
+    x[250:] = 0
+    q = quantize_fp8(x, fp8_format, group_size=100, expand=expand)
+    restored = dequantize_fp8(q)
+    assert torch.isfinite(q.scale).all()
+    assert torch.equal(restored[x == 0], torch.zeros(int((x == 0).sum())))
+    all_zero = torch.zeros(5, 7)
+    assert torch.equal(dequantize_fp8(quantize_fp8(all_zero, fp8_format, expand=expand)), all_zero)
+    if expand:
+        assert torch.isfinite(q.expansion_exponent).all()
+        assert q.expansion_exponent[1] == 1
+
+
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("expand", [False, True])
+def test_non_finite_input_raises(bad_value, expand):
+    x = torch.randn(300)
+    x[137] = bad_value
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        quantize_fp8(x, "e4m3", group_size=128, expand=expand)
+
+
+def test_invalid_group_size_and_buffers_raise():
+    for group_size in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="group_size"):
+            quantize_fp8(torch.ones(8), "e4m3", group_size=group_size)
+    payload = torch.empty(1000, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale"):
+        quantize_fp8_into(torch.ones(1000), payload, torch.empty(7), group_size=128)
+    with pytest.raises(ValueError, match="payload"):
+        quantize_fp8_into(torch.ones(999), payload, torch.empty(8), group_size=128)
+
+
+def test_shape_dtype_and_nbytes():
+    x = torch.randn(10, 100, dtype=torch.bfloat16)
+    q = quantize_fp8(x, "e4m3", group_size=128)
+    restored = dequantize_fp8(q)
+    assert isinstance(q, QuantizedTensor) and q.payload.dtype == torch.float8_e4m3fn
+    assert restored.dtype == torch.float32 and restored.shape == x.shape
+    assert q.nbytes == 1000 + 8 * 4
+    assert quantize_fp8(x, "e5m2", group_size=128, expand=True).nbytes == 1000 + 8 * 4 + 8 * 4
+    assert quantize_fp8(x, "e5m2").nbytes == 1000 + 4
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_into_buffers_in_place_matches_allocating_version(expand):
+    x = wide_range_sample(1000, seed=7)
+    payload = torch.empty(1000, dtype=torch.float8_e5m2)
+    scale = torch.empty(8)
+    exponent = torch.empty(8) if expand else None
+    addresses = (payload.data_ptr(), scale.data_ptr())
+    quantize_fp8_into(x, payload, scale, exponent, group_size=128)
+    q = quantize_fp8(x, "e5m2", group_size=128, expand=expand)
+    assert (payload.data_ptr(), scale.data_ptr()) == addresses
+    assert torch.equal(bits(payload), bits(q.payload)) and torch.equal(scale, q.scale)
+    if expand:
+        assert torch.equal(exponent, q.expansion_exponent)
+
+
+def test_expand_contract_are_inverse_in_float64():
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(10_000, dtype=torch.float64, generator=generator)
+    x[::17] = 0
+    k = torch.empty(10_000, dtype=torch.float64).uniform_(0.2, 20.0, generator=generator)
+    expanded = expand_dynamic_range(x, k)
+    assert torch.equal(expanded, torch.sign(x) * x.abs() ** k)
+    torch.testing.assert_close(contract_dynamic_range(expanded, k), x, rtol=1e-12, atol=0)
+
+
+def groups_with_known_ranges(fp8_format: str) -> torch.Tensor:
+    """Groups of 128 with log-uniform magnitudes spanning 10^0.5 .. beyond the format, random signs."""
+    generator = torch.Generator().manual_seed(9)
+    decades = torch.tensor([0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 12.0]).double()
+    unit = torch.rand(decades.numel(), 128, generator=generator, dtype=torch.float64)
+    unit[:, 0], unit[:, 1] = 0.0, 1.0
+    signs = torch.where(torch.rand(unit.shape, generator=generator) < 0.5, -1.0, 1.0)
+    return (signs * 10 ** (-decades[:, None] * unit)).float()
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_expansion_follows_paper_formula_and_spans_format(fp8_format):
+    groups = groups_with_known_ranges(fp8_format)
+    q = quantize_fp8(groups, fp8_format, group_size=128, expand=True)
+    expected = torch.tensor([reference_expansion_exponent(group, fp8_format) for group in groups],
+                            dtype=torch.float64)
+    torch.testing.assert_close(q.expansion_exponent.double(), expected, rtol=1e-5, atol=0)
+    assert (q.expansion_exponent < 1).any(), "groups wider than the format are compressed (k unclamped)"
+    payload_magnitude = q.payload.float().abs().reshape(groups.shape)
+    assert (payload_magnitude.amax(dim=1) == FORMAT_MAX[fp8_format]).all()
+    assert (payload_magnitude.amin(dim=1) == SMALLEST_SUBNORMAL[fp8_format]).all()
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_expansion_round_trip_error_and_signs(fp8_format):
+    groups = groups_with_known_ranges(fp8_format)
+    groups[:, 5:9] = 0
+    q = quantize_fp8(groups, fp8_format, group_size=128, expand=True)
+    restored = dequantize_fp8(q).double()
+    original = groups.double()
+    nonzero = original != 0
+    assert torch.equal(restored[~nonzero], torch.zeros(int((~nonzero).sum()), dtype=torch.float64))
+    assert torch.equal(torch.sign(restored), torch.sign(original))
+    # A normal payload p is within half_ulp * |p| of the expanded value, so the restored value r is
+    # within r * ((1 +- half_ulp)^(1/k) - 1) of the original.
+    half_ulp = 2.0 ** -(MANTISSA_BITS[fp8_format] + 1)
+    inverse_k = 1 / q.expansion_exponent.double()[:, None]
+    bound = torch.maximum((1 + half_ulp) ** inverse_k - 1, 1 - (1 - half_ulp) ** inverse_k) + 1e-5
+    normal_payload = q.payload.float().abs().reshape(groups.shape) >= SMALLEST_NORMAL[fp8_format]
+    error_relative_to_restored = (restored - original).abs() / restored.abs()
+    assert (error_relative_to_restored <= bound)[normal_payload].all()
+    relative_error = (restored - original).abs() / original.abs()
+    plain_restored = dequantize_fp8(quantize_fp8(groups, fp8_format, 128)).double()
+    plain_error = (plain_restored - original).abs() / original.abs()
+    assert relative_error[nonzero].median() < plain_error[nonzero].median()
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_expansion_degenerate_groups_stay_finite(fp8_format):
+    equal_magnitudes = torch.tensor([0.3, -0.3] * 64)
+    single_nonzero = torch.zeros(128)
+    single_nonzero[17] = -2.5
+    nearly_equal = torch.full((128,), 1.0)
+    nearly_equal[::2] = 1.0 + 2.0**-23
+    x = torch.cat([equal_magnitudes, single_nonzero, nearly_equal, torch.zeros(128)])
+    q = quantize_fp8(x, fp8_format, group_size=128, expand=True)
+    restored = dequantize_fp8(q).double()
+    assert torch.isfinite(q.expansion_exponent).all() and torch.isfinite(restored).all()
+    assert q.expansion_exponent[0] == 1 and q.expansion_exponent[1] == 1 and q.expansion_exponent[3] == 1
+    assert q.expansion_exponent[2] > 1e7
+    torch.testing.assert_close(restored, x.double(), rtol=1e-6, atol=0)
+
+
+def train_adamw_states(
+    steps: int = 200, batch: int = 32, seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """First and second moments of torch.optim.AdamW after training a 2-layer causal transformer
+    on a synthetic first-order Markov language (vocabulary 64, context 32)."""
+    torch.manual_seed(seed)
+    vocab, context, width = 64, 32, 64
+
+    class TinyLanguageModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(vocab, width)
+            self.position = torch.nn.Parameter(0.02 * torch.randn(context, width))
+            layer = torch.nn.TransformerEncoderLayer(
+                width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+            )
+            self.blocks = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(width, vocab)
+            self.register_buffer("causal_mask", torch.nn.Transformer.generate_square_subsequent_mask(context))
+
+        def forward(self, tokens):
+            embedded = self.embedding(tokens) + self.position
+            hidden = self.blocks(embedded, mask=self.causal_mask, is_causal=True)
+            return self.head(hidden)
+
+    model = TinyLanguageModel()
+    transitions = torch.softmax(3 * torch.randn(vocab, vocab), dim=-1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # matrices this small train faster, and steadier on a busy host, on one thread
+    try:
+        for _ in range(steps):
+            tokens = torch.empty(batch, context + 1, dtype=torch.long)
+            tokens[:, 0] = torch.randint(0, vocab, (batch,))
+            for position in range(context):
+                tokens[:, position + 1] = torch.multinomial(transitions[tokens[:, position]], 1).squeeze(1)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    states = [optimizer.state[parameter] for parameter in model.parameters()]
+    return [state["exp_avg"] for state in states], [state["exp_avg_sq"] for state in states]
+
+
+TABLE1_SETTINGS = {"E4M3": ("e4m3", False), "E4M3+Expand": ("e4m3", True), "E5M2": ("e5m2", False),
+                   "E5M2+Expand": ("e5m2", True)}
+
+
+def coat_table1_mse(first_moments, second_moments, group_size: int = 128, eps: float = 1e-8) -> dict:
+    """COAT Table 1: MSE of m / (sqrt(v) + eps) after FP8 round trips of m and v, quantized per
+    parameter tensor in 1 x group_size groups, against the FP32 states (float64 arithmetic, v > 0)."""
+
+    def round_trip(tensors, fp8_format, expand):
+        return torch.cat([dequantize_fp8(quantize_fp8(t, fp8_format, group_size, expand)).reshape(-1)
+                          for t in tensors]).double()
+
+    m = torch.cat([t.reshape(-1) for t in first_moments]).double()
+    v = torch.cat([t.reshape(-1) for t in second_moments]).double()
+    used = v > 0
+    reference = (m / (v.sqrt() + eps))[used]
+    m_restored = {name: round_trip(first_moments, *setting) for name, setting in TABLE1_SETTINGS.items()}
+    v_restored = {name: round_trip(second_moments, *setting) for name, setting in TABLE1_SETTINGS.items()}
+    return {
+        (m_name, v_name): float(((m_hat / (v_hat.sqrt() + eps))[used] - reference).square().mean())
+        for m_name, m_hat in m_restored.items()
+        for v_name, v_hat in v_restored.items()
+    }
+
+
+def format_table1(table: dict) -> str:
+    names = list(TABLE1_SETTINGS)
+    anchor = table[("E4M3", "E4M3")]
+    lines = ["MSE of m/(sqrt(v)+1e-8) x 1e6, rows: first moment, columns: second moment;",
+             "(in brackets: rescaled so that E4M3/E4M3 = 20.10, COAT Table 1's value)",
+             f"{'':12}" + "".join(f"{name:>18}" for name in names)]
+    for m_name in names:
+        mse = [table[m_name, v_name] for v_name in names]
+        cells = [f"{1e6 * value:.2f} ({20.10 * value / anchor:.2f})" for value in mse]
+        lines.append(f"{m_name:12}" + "".join(f"{cell:>18}" for cell in cells))
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_coat_table1_on_trained_adamw_states():
+    first_moments, second_moments = train_adamw_states()
+    table = coat_table1_mse(first_moments, second_moments)
+    print("\n" + format_table1(table))
+    assert table["E4M3+Expand", "E4M3+Expand"] < 0.8 * table["E4M3", "E4M3"]
+    for other in TABLE1_SETTINGS:
+        first_moment_order = ("E4M3+Expand", "E5M2+Expand", "E4M3", "E5M2")
+        first_moment_column = [table[m_name, other] for m_name in first_moment_order]
+        assert first_moment_column == sorted(first_moment_column)
+        second_moment_row = [table[other, v_name] for v_name in ("E4M3+Expand", "E4M3", "E5M2")]
+        assert second_moment_row == sorted(second_moment_row)
+        assert table[other, "E5M2+Expand"] < table[other, "E4M3"]
+        assert table[other, "E4M3+Expand"] == pytest.approx(table[other, "E5M2+Expand"], rel=0.1)
