@@ -1,0 +1,298 @@
+"""Binary floating-point formats (BF16, FP16, FP32, FP8, generic ExMy) and round-to-nearest-even casts.
+
+A format is described by its exponent and mantissa widths and by how it spends the top exponent
+code on special values. Rounding works on the float32 bit pattern with integer operations, so a
+format that torch lacks (E8M5, E3M2, ...) is emulated exactly and identically on every device:
+results are float32 tensors holding exact values of the target format ("ExMy emulation",
+to_fp8_and_back.txt section 3.2: removing mantissa bits rounds them away, removing exponent bits
+narrows the range at both ends).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+_SPECIALS = ("ieee", "fn", "finite")
+_FP32_MANTISSA_BITS = 23
+_FP32_BIAS = 127
+_FP32_ABS_MASK = 0x7FFFFFFF
+_FP32_INF_BITS = 0x7F800000
+_FP32_QUIET_NAN_BITS = 0x7FC00000
+_FP32_SIGN_BIT = -(2**31)
+_FP32_IMPLICIT_BIT = 1 << _FP32_MANTISSA_BITS
+_ROUNDABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+RoundingIncrement = Callable[[torch.Tensor, "int | torch.Tensor"], torch.Tensor]
+"""``increment(kept_is_odd, shift)``: what to add to a magnitude before its low ``shift`` bits are dropped.
+
+``kept_is_odd`` (0 or 1, in the integer dtype to return) is the parity of the kept integer significand.
+"""
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point format with a sign bit, ``exponent_bits`` and ``mantissa_bits``.
+
+    ``specials`` says how the top exponent code is used:
+
+    - ``"ieee"``: reserved for inf and NaN (BF16, FP16, FP32, E5M2 and every generic ExMy);
+    - ``"fn"``: finite values and NaN only; just the all-ones code is NaN (OCP FP8 E4M3, max 448);
+    - ``"finite"``: finite values only, no inf and no NaN (OCP MX float6 / float4 element types).
+
+    Two formats are equal when they hold the same values; ``name`` is a label.
+    """
+
+    name: str = field(compare=False)
+    exponent_bits: int
+    mantissa_bits: int
+    specials: str = "ieee"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.exponent_bits <= 8:
+            raise ValueError(f"exponent_bits must be in 2..8, got {self.exponent_bits}")
+        if not 0 <= self.mantissa_bits <= 23:
+            raise ValueError(f"mantissa_bits must be in 0..23, got {self.mantissa_bits}")
+        if self.specials not in _SPECIALS:
+            raise ValueError(f"specials must be one of {', '.join(_SPECIALS)}; got {self.specials!r}")
+        if self.specials != "ieee" and self.exponent_bits == 8:
+            raise ValueError(
+                f"specials {self.specials!r} needs exponent_bits in 2..7 (its range must fit in float32), got 8"
+            )
+        if self.specials == "fn" and self.mantissa_bits == 0:
+            raise ValueError("specials 'fn' needs mantissa_bits in 1..23 (NaN takes the all-ones mantissa), got 0")
+
+    @property
+    def bias(self) -> float:
+        """Exponent bias, 2^(exponent_bits - 1) - 1."""
+        return float(2 ** (self.exponent_bits - 1) - 1)
+
+    @property
+    def min_exponent(self) -> int:
+        """Exponent of the smallest normal binade, 1 - bias."""
+        return 2 - 2 ** (self.exponent_bits - 1)
+
+    @property
+    def max_exponent(self) -> int:
+        """Exponent of the largest finite binade (the top code is finite unless specials is "ieee")."""
+        top_code = 2**self.exponent_bits - (2 if self.specials == "ieee" else 1)
+        return top_code - int(self.bias)
+
+    @property
+    def max_finite(self) -> float:
+        """Largest finite value: 2^max_exponent * (2 - 2^-m), one code lower for "fn" (NaN is all ones)."""
+        return float(self._max_significand_field * 2.0 ** (self.max_exponent - self.mantissa_bits))
+
+    @property
+    def min_normal(self) -> float:
+        """Smallest positive normal value, 2^min_exponent."""
+        return 2.0**self.min_exponent
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value, 2^(min_exponent - mantissa_bits) (equals min_normal when m = 0)."""
+        return 2.0 ** (self.min_exponent - self.mantissa_bits)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The native torch dtype holding exactly this format, or None."""
+        return _NATIVE_DTYPES.get((self.exponent_bits, self.mantissa_bits, self.specials))
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype that stores values of this format exactly: the native dtype, else float32."""
+        return self.torch_dtype or torch.float32
+
+    def ulp(self, x: torch.Tensor) -> torch.Tensor:
+        """Spacing of this format at |x|: 2^(clamp(floor(log2|x|), min_exponent, max_exponent) - m).
+
+        ``x`` is float32, bfloat16 or float16. Below min_normal the spacing is min_subnormal (gradual
+        underflow); above the range it is the spacing of the top binade. Float32 result; NaN where x
+        is inf or NaN.
+        """
+        magnitude_bits = _float32_bits(x) & _FP32_ABS_MASK
+        binade = torch.clamp_min(magnitude_bits >> _FP32_MANTISSA_BITS, 1) - _FP32_BIAS
+        spacing_exponent = binade.clamp(self.min_exponent, self.max_exponent) - self.mantissa_bits
+        normal_bits = (spacing_exponent + _FP32_BIAS) << _FP32_MANTISSA_BITS
+        subnormal_bits = 1 << torch.clamp_min(spacing_exponent + _FP32_BIAS + _FP32_MANTISSA_BITS - 1, 0)
+        spacing_bits = torch.where(spacing_exponent >= 1 - _FP32_BIAS, normal_bits, subnormal_bits)
+        spacing = spacing_bits.view(torch.float32)
+        return torch.where(magnitude_bits < _FP32_INF_BITS, spacing, torch.nan)
+
+    @property
+    def _max_significand_field(self) -> int:
+        """Largest significand (implicit bit included) of the top binade, as an integer."""
+        return 2 ** (self.mantissa_bits + 1) - (2 if self.specials == "fn" else 1)
+
+    @property
+    def _max_finite_bits(self) -> int:
+        """The float32 bit pattern of max_finite."""
+        fraction_field = self._max_significand_field - 2**self.mantissa_bits
+        exponent_field = self.max_exponent + _FP32_BIAS
+        return (exponent_field << _FP32_MANTISSA_BITS) | (fraction_field << (_FP32_MANTISSA_BITS - self.mantissa_bits))
+
+
+BF16 = FloatFormat("bf16", 8, 7)
+FP16 = FloatFormat("fp16", 5, 10)
+FP32 = FloatFormat("fp32", 8, 23)
+E4M3 = FloatFormat("e4m3", 4, 3, "fn")
+E5M2 = FloatFormat("e5m2", 5, 2)
+FLOAT6_E3M2FN = FloatFormat("float6_e3m2fn", 3, 2, "finite")
+FLOAT6_E2M3FN = FloatFormat("float6_e2m3fn", 2, 3, "finite")
+FLOAT4_E2M1FN = FloatFormat("float4_e2m1fn", 2, 1, "finite")
+
+_NATIVE_DTYPES = {
+    (8, 7, "ieee"): torch.bfloat16,
+    (5, 10, "ieee"): torch.float16,
+    (8, 23, "ieee"): torch.float32,
+    (4, 3, "fn"): torch.float8_e4m3fn,
+    (5, 2, "ieee"): torch.float8_e5m2,
+}
+
+_NAMED_FORMATS = {
+    "bf16": BF16,
+    "bfloat16": BF16,
+    "fp16": FP16,
+    "float16": FP16,
+    "half": FP16,
+    "fp32": FP32,
+    "float32": FP32,
+    "e4m3": E4M3,
+    "e4m3fn": E4M3,
+    "float8_e4m3fn": E4M3,
+    "e5m2": E5M2,
+    "float8_e5m2": E5M2,
+    "float6_e3m2fn": FLOAT6_E3M2FN,
+    "float6_e2m3fn": FLOAT6_E2M3FN,
+    "float4_e2m1fn": FLOAT4_E2M1FN,
+}
+
+_EXMY_PATTERN = re.compile(r"e(\d+)m(\d+)")
+
+
+def float_format(spec: str | FloatFormat | torch.dtype) -> FloatFormat:
+    """Resolve a format from a name (case-insensitive), a generic "E{e}M{m}", a torch dtype, or a FloatFormat.
+
+    Names win over the generic pattern: "e4m3" is the OCP FP8 E4M3 (fn, max 448), "e5m2" the OCP E5M2.
+    A generic "E{e}M{m}" is IEEE-like (top exponent code for inf/NaN), so "E8M7" is BF16 and "E5M10" FP16.
+    """
+    if isinstance(spec, FloatFormat):
+        return spec
+    if not isinstance(spec, (str, torch.dtype)):
+        raise TypeError(f"a float format is a name, a torch.dtype or a FloatFormat; got {type(spec).__name__}")
+    if isinstance(spec, torch.dtype):
+        for fmt in _NAMED_FORMATS.values():
+            if fmt.torch_dtype == spec:
+                return fmt
+        native = ", ".join(str(dtype) for dtype in _NATIVE_DTYPES.values())
+        raise ValueError(f"no float format for dtype {spec}; supported dtypes: {native}")
+    key = spec.strip().lower()
+    if key in _NAMED_FORMATS:
+        return _NAMED_FORMATS[key]
+    generic = _EXMY_PATTERN.fullmatch(key)
+    if generic:
+        return FloatFormat(spec.strip().upper(), int(generic.group(1)), int(generic.group(2)))
+    raise ValueError(
+        f"unknown float format {spec!r}; valid names: {', '.join(_NAMED_FORMATS)}, "
+        "or 'E{e}M{m}' with e in 2..8 exponent bits and m in 0..23 mantissa bits (e.g. 'E8M5')"
+    )
+
+
+def round_to_format(x: torch.Tensor, fmt: str | FloatFormat, *, saturate: bool = False) -> torch.Tensor:
+    """Round to the nearest value of ``fmt``, ties to even, with gradual underflow; float32 result.
+
+    ``x`` is float32, bfloat16 or float16 (exactly widened to float32). The result holds exact values
+    of ``fmt`` and keeps the sign of zeros. Values beyond the range, decided after rounding (e.g.
+    464 < |x| < 480 rounds to 480, past the E4M3 max 448):
+
+    - ``saturate=False``: overflow and ±inf become ±inf for "ieee" formats and NaN for "fn" formats
+      (the OCP FP8 non-saturating mode, as ml_dtypes casts); "finite" formats have neither, so they
+      clamp to ±max_finite, as ml_dtypes does.
+    - ``saturate=True``: every magnitude above max_finite, ±inf included, becomes ±max_finite
+      (the saturating rule of the ONNX Cast operator; torch 2.13's cast to float8_e4m3fn does the same).
+
+    NaN stays NaN in every format (ml_dtypes turns NaN into a zero for "finite" formats; a NaN is kept
+    here so that it stays visible).
+    """
+    return _round_with_increment(x, float_format(fmt), _nearest_even_increment, saturate=saturate)
+
+
+def cast(x: torch.Tensor, fmt: str | FloatFormat, *, saturate: bool = False) -> torch.Tensor:
+    """``round_to_format`` then store in ``fmt.storage_dtype`` (an exact conversion)."""
+    fmt = float_format(fmt)
+    return round_to_format(x, fmt, saturate=saturate).to(fmt.storage_dtype)
+
+
+def _nearest_even_increment(kept_is_odd: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+    """Half a unit of the kept bits, minus one unless the kept significand is odd: ties round to even."""
+    return (1 << (shift - 1)) - 1 + kept_is_odd
+
+
+def _float32_bits(x: torch.Tensor) -> torch.Tensor:
+    """The int32 bit pattern of ``x`` widened exactly to float32."""
+    if x.dtype not in _ROUNDABLE_DTYPES:
+        accepted = ", ".join(str(dtype) for dtype in _ROUNDABLE_DTYPES)
+        raise TypeError(f"expected a tensor of dtype {accepted}; got {x.dtype}")
+    return x.to(torch.float32).view(torch.int32)
+
+
+def _round_with_increment(
+    x: torch.Tensor, fmt: FloatFormat, increment: RoundingIncrement, *, saturate: bool
+) -> torch.Tensor:
+    """Round |x| to ``fmt`` by adding ``increment(kept_is_odd, dropped_bit_count)`` and dropping bits.
+
+    In the normal range of ``fmt`` the low 23 - m bits of the float32 pattern are dropped (a carry
+    moves into the exponent field, as it should). The kept significand's parity is its last mantissa
+    bit, or with m = 0 its implicit bit, so 1.5 * 2^k ties up to 2^(k+1), as torch and ml_dtypes
+    round float8_e8m0fnu.
+
+    Below min_normal of ``fmt`` the grid is uniform with step min_subnormal, so the 24-bit
+    significand is shifted right by 23 - m plus the binade distance, at most 32 bits (beyond that
+    the extra low bits are truncated first; they are worth under 2^-8 of the step).
+
+    Shared by round-to-nearest-even and stochastic rounding.
+    """
+    bits = _float32_bits(x)
+    sign = bits & _FP32_SIGN_BIT
+    magnitude = bits & _FP32_ABS_MASK
+    is_finite = magnitude < _FP32_INF_BITS
+    finite_magnitude = torch.where(is_finite, magnitude, 0)
+
+    dropped = _FP32_MANTISSA_BITS - fmt.mantissa_bits
+    rounded = finite_magnitude
+    if dropped > 0:
+        kept_bits = finite_magnitude >> dropped
+        kept_is_odd = kept_bits & 1 if fmt.mantissa_bits else torch.clamp_max(kept_bits, 1)
+        rounded = ((finite_magnitude + increment(kept_is_odd, dropped)) >> dropped) << dropped
+
+    min_normal_exponent_field = fmt.min_exponent + _FP32_BIAS
+    if min_normal_exponent_field > 1:
+        rounded = torch.where(
+            finite_magnitude < (min_normal_exponent_field << _FP32_MANTISSA_BITS),
+            _round_below_min_normal(finite_magnitude, fmt, increment),
+            rounded,
+        )
+
+    max_bits = fmt._max_finite_bits
+    overflow_bits = _FP32_QUIET_NAN_BITS if fmt.specials == "fn" else _FP32_INF_BITS
+    if saturate or fmt.specials == "finite":
+        overflow_bits = max_bits
+    result = torch.where(rounded > max_bits, overflow_bits, rounded)
+    result = torch.where(is_finite, result, overflow_bits)
+    result = torch.where(magnitude > _FP32_INF_BITS, magnitude, result)
+    return (result | sign).view(torch.float32)
+
+
+def _round_below_min_normal(magnitude: torch.Tensor, fmt: FloatFormat, increment: RoundingIncrement) -> torch.Tensor:
+    """Float32 bit patterns of |x| rounded to a multiple of fmt.min_subnormal (valid for |x| < min_normal)."""
+    exponent_field = magnitude >> _FP32_MANTISSA_BITS
+    significand = (magnitude & (_FP32_IMPLICIT_BIT - 1)) | torch.where(exponent_field > 0, _FP32_IMPLICIT_BIT, 0)
+    binade_distance = (fmt.min_exponent + _FP32_BIAS) - torch.clamp_min(exponent_field, 1)
+    shift = _FP32_MANTISSA_BITS - fmt.mantissa_bits + torch.clamp_min(binade_distance, 0)
+    significand = significand.to(torch.int64) >> torch.clamp(shift - 32, 0, 31)
+    shift = torch.clamp(shift, 1, 32).to(torch.int64)
+    steps = (significand + increment((significand >> shift) & 1, shift)) >> shift
+    return (steps.to(torch.float32) * fmt.min_subnormal).view(torch.int32)

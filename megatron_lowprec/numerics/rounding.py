@@ -1,0 +1,120 @@
+"""Stochastic rounding by dithering, and the random 32-bit words that drive it.
+
+Stochastic rounding (stochastic_rounding.md, eq. 2) rounds x up to the next value of the format with
+probability (x - floor(x)) / ulp and down otherwise, so E[Q_SR(x)] = x. It is implemented by
+dithering (ibid., section 3): add a uniform random integer to the bits that the format discards,
+then drop them.
+
+Two sources of words: ``generator_random_bits`` draws from a torch.Generator; ``counter_random_bits``
+is stateless, a hash of (seed, step, global element index), so that every replica and every shard of
+an element draws the same word whatever the sharding (the shared randomness of Algorithm 1, lines 9-11).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from megatron_lowprec.numerics.formats import FloatFormat, _round_with_increment, float_format
+
+_WORD_MASK = 0xFFFFFFFF
+_UINT64_MASK = 2**64 - 1
+_LOWBIAS32_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+_SPLITMIX64_INCREMENT = 0x9E3779B97F4A7C15
+_SPLITMIX64_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def stochastic_round(
+    x: torch.Tensor, fmt: str | FloatFormat, random_bits: torch.Tensor, *, saturate: bool = False
+) -> torch.Tensor:
+    """Stochastically round float32 (or bfloat16/float16) values to ``fmt``; float32 result of exact fmt values.
+
+    Let s be the number of low bits of the magnitude that ``fmt`` discards at x: 23 - m in the normal
+    range of ``fmt``, more below its min_normal (gradual underflow). The dither is the low s bits of
+    the element's word in ``random_bits`` (int32 or int64, x's shape, uniform 32-bit words; bits above
+    the 32nd are ignored). It is added to the discarded bits and the carry, if any, rounds up, so
+    P(round up) = (|x| - floor|x|) / ulp exactly. When s > 32 (deep underflow) the dither is the whole
+    word, added to the 32 most significant discarded bits, the rest being truncated: P(round up) is
+    then exact to 2^-32. Zeros, exact values, NaN and overflow behave as in ``round_to_format``.
+    """
+    if random_bits.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"random_bits must be int32 or int64, got {random_bits.dtype}")
+    if random_bits.shape != x.shape:
+        raise ValueError(f"random_bits has shape {tuple(random_bits.shape)}, x has {tuple(x.shape)}; they must match")
+
+    def dither(kept_is_odd: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+        return (random_bits & ((1 << shift) - 1)).to(kept_is_odd.dtype)
+
+    return _round_with_increment(x, float_format(fmt), dither, saturate=saturate)
+
+
+def generator_random_bits(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Uniform 32-bit words (int32, two's complement) drawn from ``generator``, on its device by default."""
+    if device is None:
+        device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randint(-(2**31), 2**31, tuple(shape), generator=generator, dtype=torch.int32, device=device)
+
+
+def counter_random_bits(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
+    """The uniform 32-bit word (int32, two's complement) of each global element ``index`` at ``step`` under ``seed``.
+
+    Stateless and counter-based: the word depends on (seed, step, index) only. Three round keys k0, k1,
+    k2 are derived from (seed, step) by SplitMix64 (Steele, Lea & Flood 2014) in Python integers; each
+    element then takes h = f(f(f(hi ^ k0) ^ lo ^ k1) ^ k2), where (hi, lo) are the 32-bit halves of the
+    index and f is Wellons' "lowbias32" integer hash (hash-prospector), a bijection of 32-bit words.
+    Products keep one factor below 2^32 and the other within ±2^31 (the multiplier taken mod 2^32 in
+    signed form), so int64 never overflows and CPU and CUDA agree. seed and step are taken mod 2^64,
+    index mod 2^64.
+    """
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise TypeError(f"index must be an integer tensor, got {index.dtype}")
+    first_key, second_key, third_key = _round_keys(seed, step)
+    index = index.to(torch.int64)
+    high = (index >> 32) & _WORD_MASK
+    low = index & _WORD_MASK
+    word = _lowbias32(high ^ first_key)
+    word = _lowbias32(word ^ low ^ second_key)
+    word = _lowbias32(word ^ third_key)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def counter_random_bits_range(
+    seed: int, step: int, start: int, numel: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``counter_random_bits`` of the contiguous global indices start, ..., start + numel - 1."""
+    index = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    return counter_random_bits(seed, step, index)
+
+
+def _lowbias32(word: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 hash of 32-bit words held in int64: xorshifts 16, 15, 16 around two multiplies."""
+    first_multiplier, second_multiplier = _LOWBIAS32_MULTIPLIERS
+    word = word ^ (word >> 16)
+    word = (word * _signed_word(first_multiplier)) & _WORD_MASK
+    word = word ^ (word >> 15)
+    word = (word * _signed_word(second_multiplier)) & _WORD_MASK
+    return word ^ (word >> 16)
+
+
+def _signed_word(value: int) -> int:
+    """The representative of ``value`` mod 2^32 in [-2^31, 2^31)."""
+    return value - 2**32 if value >= 2**31 else value
+
+
+def _splitmix64(state: int) -> int:
+    """SplitMix64 output for ``state`` (Steele, Lea & Flood 2014), in Python integers."""
+    z = (state + _SPLITMIX64_INCREMENT) & _UINT64_MASK
+    z = ((z ^ (z >> 30)) * _SPLITMIX64_MULTIPLIERS[0]) & _UINT64_MASK
+    z = ((z ^ (z >> 27)) * _SPLITMIX64_MULTIPLIERS[1]) & _UINT64_MASK
+    return z ^ (z >> 31)
+
+
+def _round_keys(seed: int, step: int) -> tuple[int, int, int]:
+    """Three 32-bit round keys from (seed, step), each taken mod 2^64."""
+    seed_key = _splitmix64(operator.index(seed) & _UINT64_MASK)
+    step_key = _splitmix64(seed_key ^ (operator.index(step) & _UINT64_MASK))
+    last_key = _splitmix64(step_key)
+    return step_key & _WORD_MASK, step_key >> 32, last_key & _WORD_MASK

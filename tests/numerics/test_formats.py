@@ -1,0 +1,338 @@
+"""FloatFormat descriptors and round-to-nearest-even casts, bit-exact against torch, ml_dtypes and fp64."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from megatron_lowprec.numerics.formats import (
+    BF16,
+    E4M3,
+    E5M2,
+    FP16,
+    FP32,
+    FloatFormat,
+    cast,
+    float_format,
+    round_to_format,
+)
+
+FLOAT6_E3M2FN = float_format("float6_e3m2fn")
+FLOAT6_E2M3FN = float_format("float6_e2m3fn")
+FLOAT4_E2M1FN = float_format("float4_e2m1fn")
+IEEE_E4M3 = FloatFormat("ieee_e4m3", 4, 3, "ieee")
+
+TORCH_REFERENCES = {"bf16": torch.bfloat16, "fp16": torch.float16, "e5m2": torch.float8_e5m2}
+ML_DTYPES_REFERENCES = [
+    (E4M3, ml_dtypes.float8_e4m3fn),
+    (FLOAT6_E3M2FN, ml_dtypes.float6_e3m2fn),
+    (FLOAT6_E2M3FN, ml_dtypes.float6_e2m3fn),
+    (FLOAT4_E2M1FN, ml_dtypes.float4_e2m1fn),
+    (float_format("E3M4"), ml_dtypes.float8_e3m4),
+    (IEEE_E4M3, ml_dtypes.float8_e4m3),
+]
+GENERIC_SPECS = ["E8M5", "E7M7", "E5M7", "E8M0", "E6M0", "E2M1", "E3M1", "E8M22", "E7M23", "E4M20", "E6M3"]
+
+
+def format_values(exponent_bits, mantissa_bits, specials):
+    """All non-negative finite values of an ExMy format, from its encoding rules, in fp64."""
+    bias = 2 ** (exponent_bits - 1) - 1
+    field, fraction = np.meshgrid(
+        np.arange(2**exponent_bits, dtype=np.float64), np.arange(2**mantissa_bits, dtype=np.float64), indexing="ij"
+    )
+    subnormal = fraction * 2.0 ** (1 - bias - mantissa_bits)
+    normal = (2.0**mantissa_bits + fraction) * np.exp2(field - bias - mantissa_bits)
+    values = np.where(field == 0, subnormal, normal)
+    top_field = field == 2**exponent_bits - 1
+    if specials == "ieee":
+        values = values[~top_field]
+    elif specials == "fn":
+        values = values[~(top_field & (fraction == 2**mantissa_bits - 1))]
+    return np.unique(values)
+
+
+def rounding_probes(values):
+    """Values, midpoints of neighbours (exact ties), the float32 numbers either side of each, and the
+    midpoint between the largest value and the next binade step (the overflow tie), both signs."""
+    top_gap = values[-1] - values[-2]
+    midpoints = np.concatenate([(values[:-1] + values[1:]) / 2, [values[-1] + top_gap / 2, values[-1] + top_gap]])
+    midpoints = midpoints[midpoints <= np.finfo(np.float32).max]
+    midpoints32 = midpoints.astype(np.float32)
+    assert np.array_equal(midpoints32.astype(np.float64), midpoints)
+    probes = np.concatenate(
+        [
+            values.astype(np.float32),
+            midpoints32,
+            np.nextafter(midpoints32, np.float32(np.inf)),
+            np.nextafter(midpoints32, np.float32(0)),
+        ]
+    )
+    return np.concatenate([probes, -probes])
+
+
+@pytest.fixture(scope="module")
+def probes():
+    """About 1.4M float32 values: every exponent, exact ties of each tested format, subnormals, specials."""
+    rng = np.random.default_rng(20240611)
+    random_patterns = rng.integers(0, 2**32, size=600_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    fp32_subnormals = rng.integers(0, 2**23, size=20_000, dtype=np.uint32).view(np.float32)
+    scaled_normals = (rng.standard_normal(100_000) * np.exp2(rng.integers(-40, 40, size=100_000))).astype(np.float32)
+    specials = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, -1.0],
+        dtype=np.float32,
+    )
+    tested = [BF16, FP16, E4M3, E5M2, FLOAT6_E3M2FN, FLOAT6_E2M3FN, FLOAT4_E2M1FN, IEEE_E4M3]
+    tested += [float_format(spec) for spec in ["E8M5", "E7M7", "E3M4", "E2M1", "E6M0", "E6M3"]]
+    per_format = [rounding_probes(format_values(f.exponent_bits, f.mantissa_bits, f.specials)) for f in tested]
+    values = np.concatenate([random_patterns, fp32_subnormals, scaled_normals, specials, *per_format])
+    assert values.size > 1_000_000
+    return values
+
+
+def assert_same_floats(actual, expected, inputs):
+    """Bit-for-bit equality (signed zeros included), any NaN matching any NaN."""
+    actual = actual.numpy()
+    assert actual.dtype == np.float32
+    actual_nan, expected_nan = np.isnan(actual), np.isnan(expected)
+    mismatch = (actual_nan != expected_nan) | (
+        ~actual_nan & ~expected_nan & (actual.view(np.uint32) != expected.view(np.uint32))
+    )
+    if mismatch.any():
+        where = np.flatnonzero(mismatch)[:5]
+        details = ", ".join(f"x={inputs[i]!r}: got {actual[i]!r}, expected {expected[i]!r}" for i in where)
+        raise AssertionError(f"{mismatch.sum()} mismatches, e.g. {details}")
+
+
+def reference_ieee_round(values, exponent_bits, mantissa_bits, saturate=False):
+    """RNE to an IEEE-like ExMy in exact fp64 arithmetic: scale to the grid step, np.rint (ties to even), rescale."""
+    bias = 2 ** (exponent_bits - 1) - 1
+    min_exponent, max_exponent = 1 - bias, 2**exponent_bits - 2 - bias
+    max_finite = (2.0 - 2.0**-mantissa_bits) * 2.0**max_exponent
+    with np.errstate(invalid="ignore"):
+        x = values.astype(np.float64)
+        _, exponent = np.frexp(np.abs(x))
+        step = np.exp2(np.maximum(exponent - 1, min_exponent) - mantissa_bits)
+        rounded = np.rint(np.abs(x) / step) * step
+        if saturate:
+            rounded = np.minimum(rounded, max_finite)
+        rounded = np.where(rounded > max_finite, np.inf, rounded)
+        rounded = np.where(np.isinf(x), np.inf if not saturate else max_finite, rounded)
+    return np.copysign(np.where(np.isnan(x), np.nan, rounded), x).astype(np.float32)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp16", "e5m2", "E8M7", "E5M10", "E5M2"])
+def test_round_matches_torch_cast(probes, spec):
+    fmt = float_format(spec)
+    reference_dtype = TORCH_REFERENCES.get(spec, fmt.torch_dtype)
+    x = torch.from_numpy(probes)
+    expected = x.to(reference_dtype).float().numpy()
+    assert_same_floats(round_to_format(x, spec), expected, probes)
+
+
+def test_e4m3_matches_torch_cast_where_torch_agrees_across_versions(probes):
+    """torch >= 2.13 saturates E4M3 overflow, older torch gave NaN: compare where no overflow occurs."""
+    in_range = np.isnan(probes) | (np.abs(probes) <= 464)
+    x = torch.from_numpy(probes[in_range])
+    expected = x.to(torch.float8_e4m3fn).float().numpy()
+    assert_same_floats(round_to_format(x, E4M3), expected, probes[in_range])
+
+
+@pytest.mark.parametrize(("fmt", "ml_dtype"), ML_DTYPES_REFERENCES, ids=lambda value: getattr(value, "name", None))
+def test_round_matches_ml_dtypes(probes, fmt, ml_dtype):
+    """ml_dtypes maps NaN to a zero in formats without NaN; round_to_format keeps NaN (checked separately)."""
+    keep = ~np.isnan(probes) if fmt.specials == "finite" else np.ones(probes.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        expected = probes[keep].astype(ml_dtype).astype(np.float32)
+    assert_same_floats(round_to_format(torch.from_numpy(probes[keep]), fmt), expected, probes[keep])
+
+
+@pytest.mark.parametrize("spec", GENERIC_SPECS)
+def test_generic_format_matches_fp64_reference(probes, spec):
+    fmt = float_format(spec)
+    expected = reference_ieee_round(probes, fmt.exponent_bits, fmt.mantissa_bits)
+    assert_same_floats(round_to_format(torch.from_numpy(probes), fmt), expected, probes)
+
+
+@pytest.mark.parametrize("spec", ["E8M5", "E3M4", "E5M2", "E8M7"])
+def test_saturate_matches_fp64_reference(probes, spec):
+    fmt = float_format(spec)
+    expected = reference_ieee_round(probes, fmt.exponent_bits, fmt.mantissa_bits, saturate=True)
+    assert_same_floats(round_to_format(torch.from_numpy(probes), fmt, saturate=True), expected, probes)
+
+
+@pytest.mark.parametrize(("fmt", "ml_dtype"), ML_DTYPES_REFERENCES[:4], ids=lambda value: getattr(value, "name", None))
+def test_saturate_equals_rounding_the_clamped_input(probes, fmt, ml_dtype):
+    """saturate=True: every magnitude above max_finite, inf included, becomes max_finite; NaN stays NaN."""
+    clamped = np.clip(probes, -fmt.max_finite, fmt.max_finite)
+    keep = ~np.isnan(probes)
+    expected = clamped[keep].astype(ml_dtype).astype(np.float32)
+    result = round_to_format(torch.from_numpy(probes), fmt, saturate=True)
+    assert_same_floats(result[torch.from_numpy(keep)], expected, probes[keep])
+    assert torch.isnan(result[torch.from_numpy(~keep)]).all()
+
+
+def test_e4m3_saturate_matches_torch_cast_of_clamped_input(probes):
+    x = torch.from_numpy(probes)
+    expected = x.clamp(-448, 448).to(torch.float8_e4m3fn).float().numpy()
+    assert_same_floats(round_to_format(x, E4M3, saturate=True), expected, probes)
+
+
+@pytest.mark.parametrize("fmt", [BF16, E4M3, E5M2, FLOAT6_E3M2FN, FLOAT4_E2M1FN], ids=lambda f: f.name)
+def test_specials(fmt):
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4e38, -3.4e38])
+    result = round_to_format(x, fmt)
+    overflow = {"ieee": float("inf"), "fn": float("nan"), "finite": fmt.max_finite}[fmt.specials]
+    expected = torch.tensor([float("nan"), overflow, -overflow, 0.0, -0.0, overflow, -overflow])
+    assert torch.equal(torch.isnan(result), torch.isnan(expected))
+    finite = ~torch.isnan(expected)
+    assert torch.equal(result[finite], expected[finite])
+    assert torch.equal(torch.signbit(result[finite]), torch.signbit(expected[finite]))
+    saturated = round_to_format(x, fmt, saturate=True)
+    assert torch.equal(saturated[1:3], torch.tensor([fmt.max_finite, -fmt.max_finite]))
+    assert torch.equal(saturated[5:], torch.tensor([fmt.max_finite, -fmt.max_finite]))
+    assert torch.isnan(saturated[0])
+
+
+@pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["e4m3", "e5m2", "fp16", "bf16"])
+def test_half_precision_inputs(probes, source_dtype, spec):
+    x = torch.from_numpy(probes).to(source_dtype)
+    fmt = float_format(spec)
+    reference = x.float().clamp(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype).float().numpy()
+    assert_same_floats(round_to_format(x, fmt, saturate=True), reference, x.float().numpy())
+
+
+def test_rejects_other_input_dtypes():
+    with pytest.raises(TypeError, match="float32"):
+        round_to_format(torch.ones(3, dtype=torch.float64), BF16)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp16", "e4m3", "e5m2", "fp32"])
+def test_cast_to_native_dtype(probes, spec):
+    fmt = float_format(spec)
+    x = torch.from_numpy(probes)
+    stored = cast(x, fmt, saturate=True)
+    assert stored.dtype == fmt.torch_dtype
+    expected = x.clamp(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype)
+    assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_cast_to_emulated_format_stores_float32(probes):
+    stored = cast(torch.from_numpy(probes), "E8M5")
+    assert stored.dtype == torch.float32
+    assert_same_floats(stored, reference_ieee_round(probes, 8, 5), probes)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "finfo"),
+    [
+        (BF16, ml_dtypes.finfo(ml_dtypes.bfloat16)),
+        (FP16, np.finfo(np.float16)),
+        (FP32, np.finfo(np.float32)),
+        (E4M3, ml_dtypes.finfo(ml_dtypes.float8_e4m3fn)),
+        (E5M2, ml_dtypes.finfo(ml_dtypes.float8_e5m2)),
+        (FLOAT6_E3M2FN, ml_dtypes.finfo(ml_dtypes.float6_e3m2fn)),
+        (FLOAT6_E2M3FN, ml_dtypes.finfo(ml_dtypes.float6_e2m3fn)),
+        (FLOAT4_E2M1FN, ml_dtypes.finfo(ml_dtypes.float4_e2m1fn)),
+        (float_format("E3M4"), ml_dtypes.finfo(ml_dtypes.float8_e3m4)),
+        (IEEE_E4M3, ml_dtypes.finfo(ml_dtypes.float8_e4m3)),
+    ],
+    ids=lambda value: getattr(value, "name", ""),
+)
+def test_descriptors_match_finfo(fmt, finfo):
+    assert fmt.max_finite == float(finfo.max)
+    assert fmt.min_normal == float(finfo.smallest_normal)
+    assert fmt.min_subnormal == float(finfo.smallest_subnormal)
+    assert fmt.bias == 2 ** (finfo.nexp - 1) - 1
+    if fmt.torch_dtype is not None:
+        torch_finfo = torch.finfo(fmt.torch_dtype)
+        assert (fmt.max_finite, fmt.min_normal) == (torch_finfo.max, torch_finfo.smallest_normal)
+        assert fmt.storage_dtype == fmt.torch_dtype
+    else:
+        assert fmt.storage_dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16, E4M3, E5M2, FLOAT6_E2M3FN, float_format("E8M5"), float_format("E3M0")])
+def test_ulp_is_the_gap_to_the_next_value(fmt):
+    values = format_values(fmt.exponent_bits, fmt.mantissa_bits, fmt.specials)
+    gaps = np.diff(values)
+    _, top_exponent = np.frexp(values[-1])
+    gaps = np.append(gaps, np.exp2(top_exponent - 1 - fmt.mantissa_bits))
+    midpoints = np.append((values[:-1] + values[1:]) / 2, values[-1])
+    for points in (values, -values, midpoints):
+        assert np.array_equal(fmt.ulp(torch.from_numpy(points.astype(np.float32))).numpy(), gaps.astype(np.float32))
+    assert fmt.ulp(torch.tensor([float("inf"), float("nan")])).isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("bf16", BF16),
+        ("BFloat16", BF16),
+        ("fp16", FP16),
+        ("float16", FP16),
+        ("HALF", FP16),
+        ("fp32", FP32),
+        ("float32", FP32),
+        ("e4m3", E4M3),
+        ("E4M3FN", E4M3),
+        ("float8_e4m3fn", E4M3),
+        ("e5m2", E5M2),
+        ("float8_e5m2", E5M2),
+        ("float6_e3m2fn", FLOAT6_E3M2FN),
+        ("float6_e2m3fn", FLOAT6_E2M3FN),
+        ("float4_e2m1fn", FLOAT4_E2M1FN),
+        ("E8M7", BF16),
+        ("e5m10", FP16),
+        ("E8M23", FP32),
+        (torch.bfloat16, BF16),
+        (torch.float16, FP16),
+        (torch.float32, FP32),
+        (torch.float8_e4m3fn, E4M3),
+        (torch.float8_e5m2, E5M2),
+        (E4M3, E4M3),
+    ],
+)
+def test_float_format_names(spec, expected):
+    fmt = float_format(spec)
+    assert fmt == expected
+    assert fmt.torch_dtype == expected.torch_dtype
+
+
+def test_generic_names():
+    fmt = float_format("e7m7")
+    assert (fmt.exponent_bits, fmt.mantissa_bits, fmt.specials) == (7, 7, "ieee")
+    assert float_format("E8M5") == FloatFormat("anything", 8, 5, "ieee")
+    assert float_format("E8M5").torch_dtype is None
+
+
+@pytest.mark.parametrize("spec", ["fp8", "bf17", "int8", "E4", "float8_e4m3fnuz"])
+def test_unknown_name_lists_valid_names(spec):
+    with pytest.raises(ValueError, match="bf16.*float4_e2m1fn.*E\\{e\\}M\\{m\\}"):
+        float_format(spec)
+
+
+def test_unsupported_dtype():
+    with pytest.raises(ValueError, match="bfloat16"):
+        float_format(torch.int8)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((9, 3, "ieee"), "exponent_bits must be in 2..8, got 9"),
+        ((1, 3, "ieee"), "exponent_bits must be in 2..8, got 1"),
+        ((5, 24, "ieee"), "mantissa_bits must be in 0..23, got 24"),
+        ((4, 3, "nan"), "specials must be one of ieee, fn, finite"),
+        ((8, 3, "fn"), "exponent_bits in 2..7"),
+        ((4, 0, "fn"), "mantissa_bits in 1..23"),
+    ],
+)
+def test_invalid_formats(args, message):
+    with pytest.raises(ValueError, match=message):
+        FloatFormat("bad", *args)
+
+
+def test_generic_name_out_of_range():
+    with pytest.raises(ValueError, match="exponent_bits must be in 2..8, got 9"):
+        float_format("E9M3")
