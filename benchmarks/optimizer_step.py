@@ -1,0 +1,107 @@
+"""Optimizer step benchmark: every precision option against ``torch.optim.AdamW(fused=True)`` in FP32.
+
+For each parameter count, the baseline and every option run in the same process on the same
+parameter layout; times are medians over ``--repeats`` steps after ``--warmup`` steps. Reported per
+option: bytes/param measured from the optimizer's real tensors (params, BF16 grads, states), median
+step time, Gparam/s, effective GB/s (bytes the option must read and write per parameter / time) and
+the time ratio to the baseline (lower is faster).
+
+    python benchmarks/optimizer_step.py --sizes 1M 16M
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
+
+FP32_ADAMW_TRAFFIC_BYTES = 16 + 12
+"""torch fused AdamW in FP32 reads param, grad, m, v (16 B) and writes param, m, v (12 B)."""
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    suffix = text[-1].upper()
+    return int(float(text[:-1]) * units[suffix]) if suffix in units else int(text)
+
+
+def layout(numel: int) -> list[int]:
+    """A transformer-like mix of tensor sizes (none a multiple of 128) adding up to ``numel``."""
+    sizes = [numel // 2 + 1, numel // 4 - 3, numel // 8 + 5]
+    sizes.append(numel - sum(sizes))
+    return sizes
+
+
+def median_step_seconds(optimizer: torch.optim.Optimizer, warmup: int, repeats: int, sync) -> float:
+    for _ in range(warmup):
+        optimizer.step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_params(numel: int, dtype: torch.dtype, device: torch.device, grad_dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    params = []
+    for size in layout(numel):
+        param = torch.nn.Parameter(torch.randn(size, generator=generator).to(device=device, dtype=dtype))
+        param.grad = (torch.randn(size, generator=generator) * 1e-3).to(device=device, dtype=grad_dtype)
+        params.append(param)
+    return params
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device) -> None:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} warmup={warmup} repeats={repeats}")
+    header = f"{'params':>8} {'option':>8} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7}"
+    for numel in sizes:
+        print(header)
+        params = make_params(numel, torch.float32, device, torch.float32)
+        baseline = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+        baseline_time = median_step_seconds(baseline, warmup, repeats, sync)
+        print(
+            f"{numel:>8.2g} {'torch32':>8} {16:>8.3f} {baseline_time * 1e3:>9.2f} {numel / baseline_time / 1e9:>9.3f} "
+            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f}"
+        )
+        del baseline, params
+        for option in options:
+            strategy = get_strategy(option)
+            params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
+            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=option)
+            state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
+            bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
+            traffic = 2 * 2 + 2 + 2 * state_bytes / numel
+            seconds = median_step_seconds(optimizer, warmup, repeats, sync)
+            print(
+                f"{numel:>8.2g} {strategy.name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} "
+                f"{numel / seconds / 1e9:>9.3f} {traffic * numel / seconds / 1e9:>9.2f} {seconds / baseline_time:>7.2f}"
+            )
+            del optimizer, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["1M"], help="parameter counts, e.g. 1M 16M 64M")
+    parser.add_argument("--options", nargs="+", default=[s.name for s in available_strategies()])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    run([parse_size(s) for s in args.sizes], args.options, args.warmup, args.repeats, torch.device(args.device))
+
+
+if __name__ == "__main__":
+    main()

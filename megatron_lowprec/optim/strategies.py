@@ -1,0 +1,217 @@
+"""Precision strategies: declarative descriptions of where AdamW keeps each tensor and how it rounds.
+
+A strategy is data. The eager reference step (``adamw.py``) reads these fields and nothing else,
+so adding a strategy is one :func:`register_strategy` call plus a row in the test matrix.
+
+Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Collage-plus,
+``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
+(Collage App. C), stochastic rounding (SR paper, Alg. 1) and COAT FP8 optimizer states (COAT §4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+MOMENT_STORAGES = ("low", "fp32", "fp8")
+PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
+WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
+MOMENT_ARITHMETICS = ("separate", "torch")
+
+LOW_PRECISION_BYTES = 2
+FP32_BYTES = 4
+FP8_BYTES = 1
+FP8_GROUP_METADATA_BYTES = 8
+"""Per FP8 group: one FP32 scale and one FP32 expansion exponent k (COAT §4.2)."""
+
+
+def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field_name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class PrecisionStrategy:
+    """Which tensor of AdamW lives in which format, and how the update is rounded."""
+
+    name: str
+    """Canonical name, e.g. ``"C"``; looked up case-insensitively."""
+
+    summary: str
+    """One line for tables and error messages."""
+
+    aliases: tuple[str, ...] = ()
+    """Other accepted names, e.g. ``("collage_plus",)``."""
+
+    moments: str = "low"
+    """Storage of m and v: ``"low"`` (the parameter's own 16-bit dtype), ``"fp32"``, or ``"fp8"``
+    (per-group FP8 with dynamic range expansion, COAT §4)."""
+
+    master_weights: bool = False
+    """Keep an FP32 master copy that AdamW updates; the 16-bit parameter is its nearest rounding
+    (Collage option D, COAT)."""
+
+    param_update: str = "nearest"
+    """How the FP32 update Δθ reaches the stored parameter: ``"nearest"`` (θ + Δθ rounded to nearest),
+    ``"mcf"`` (Grow into the expansion (θ, δθ), Collage Alg. 1), ``"kahan"`` (Kahan-compensated sum,
+    Collage App. C), ``"stochastic"`` (θ + Δθ stochastically rounded, SR paper Alg. 1)."""
+
+    second_moment_mcf: bool = False
+    """Keep v as an expansion (v, δv) and beta2 as an expansion, updated with Mul and Grow
+    (Collage Alg. 2, line 9)."""
+
+    weight_decay: str = "in_update"
+    """``"in_update"``: Δθ = -lr (m̂ / (√v̂ + ε) + λθ) (Collage App. D; required when θ is 16-bit,
+    since θ(1 - lr·λ) is a lost operation in BF16). ``"multiplicative"``: θ ← θ(1 - lr·λ) then the
+    Adam step, operation for operation as ``torch.optim.AdamW`` (exact enough in an FP32 master)."""
+
+    moment_arithmetic: str = "separate"
+    """``"separate"``: m = β1·m + (1-β1)·g and v = β2·v + g·g·(1-β2) with every operation rounded
+    to FP32 on its own (what a compiled kernel computes). ``"torch"``: the operations of
+    ``torch.optim.AdamW`` (``lerp`` and ``addcmul``, which torch's CPU kernels evaluate as fused
+    multiply-adds), so that an FP32 master is updated bit-identically to torch (option D)."""
+
+    fp8_format: str = "e4m3"
+    """FP8 format of both moments when ``moments == "fp8"``."""
+
+    fp8_group_size: int = 128
+    """Elements per quantization group (1 x G along the flattened state, COAT §4)."""
+
+    fp8_expand: bool = True
+    """Apply COAT's dynamic range expansion before FP8 quantization (COAT §4.2)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("moments", self.moments, MOMENT_STORAGES)
+        _check_choice("param_update", self.param_update, PARAM_UPDATES)
+        _check_choice("weight_decay", self.weight_decay, WEIGHT_DECAY_PLACEMENTS)
+        _check_choice("moment_arithmetic", self.moment_arithmetic, MOMENT_ARITHMETICS)
+        if self.master_weights and self.param_update != "nearest":
+            raise ValueError(
+                f"strategy {self.name!r}: master weights are rounded to the parameter by nearest; "
+                f"param_update={self.param_update!r} needs master_weights=False"
+            )
+        if self.second_moment_mcf and self.moments != "low":
+            raise ValueError(f"strategy {self.name!r}: second_moment_mcf needs moments='low', got {self.moments!r}")
+        if self.weight_decay == "multiplicative" and not self.master_weights:
+            raise ValueError(
+                f"strategy {self.name!r}: multiplicative weight decay is a lost operation on 16-bit "
+                "parameters (Collage App. D); use weight_decay='in_update'"
+            )
+        if self.fp8_group_size < 1:
+            raise ValueError(f"fp8_group_size must be >= 1, got {self.fp8_group_size}")
+
+    @property
+    def keeps_param_low_component(self) -> bool:
+        """The parameter is an MCF expansion (θ, δθ)."""
+        return self.param_update == "mcf"
+
+    def without_master_weights(self) -> PrecisionStrategy:
+        """The same strategy with the 16-bit parameter as the only copy (e.g. COAT with a BF16 master)."""
+        if not self.master_weights:
+            return self
+        return replace(self, name=f"{self.name}-no-master", aliases=(), master_weights=False, weight_decay="in_update")
+
+    def moment_bytes(self, numel: int) -> float:
+        """Bytes of one moment (m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
+        if self.moments == "low":
+            return LOW_PRECISION_BYTES * numel
+        if self.moments == "fp32":
+            return FP32_BYTES * numel
+        return FP8_BYTES * numel + FP8_GROUP_METADATA_BYTES * math.ceil(numel / self.fp8_group_size)
+
+    def state_bytes(self, numel: int) -> float:
+        """Bytes of optimizer state for a tensor with ``numel`` elements (no parameter, no gradient)."""
+        extra_components = (
+            self.keeps_param_low_component + self.second_moment_mcf + (self.param_update == "kahan")
+        )
+        return (
+            2 * self.moment_bytes(numel)
+            + FP32_BYTES * numel * self.master_weights
+            + LOW_PRECISION_BYTES * numel * extra_components
+        )
+
+    def bytes_per_param(self, numel: int | None = None) -> float:
+        """Bytes per parameter including the 16-bit parameter and its 16-bit gradient (Collage Table 2).
+
+        With ``numel`` given, the FP8 group metadata of a tensor of that size is counted exactly;
+        without it, groups are taken as full.
+        """
+        count = self.fp8_group_size if numel is None else numel
+        return (2 * LOW_PRECISION_BYTES * count + self.state_bytes(count)) / count
+
+
+_REGISTRY: dict[str, PrecisionStrategy] = {}
+_CANONICAL: list[PrecisionStrategy] = []
+
+
+def register_strategy(strategy: PrecisionStrategy) -> PrecisionStrategy:
+    """Register ``strategy`` under its name and aliases (case-insensitive)."""
+    keys = [key.lower() for key in (strategy.name, *strategy.aliases)]
+    taken = [key for key in keys if key in _REGISTRY]
+    if taken:
+        raise ValueError(f"strategy names already registered: {', '.join(taken)}")
+    for key in keys:
+        _REGISTRY[key] = strategy
+    _CANONICAL.append(strategy)
+    return strategy
+
+
+def available_strategies() -> list[PrecisionStrategy]:
+    """All registered strategies in registration order."""
+    return list(_CANONICAL)
+
+
+def strategy_names() -> list[str]:
+    """Every accepted name, canonical names first within each strategy."""
+    return [name for s in _CANONICAL for name in (s.name, *s.aliases)]
+
+
+def get_strategy(name: str | PrecisionStrategy) -> PrecisionStrategy:
+    """Look a strategy up by name or alias, case-insensitively; unknown names raise ``ValueError``."""
+    if isinstance(name, PrecisionStrategy):
+        return name
+    strategy = _REGISTRY.get(str(name).lower())
+    if strategy is None:
+        raise ValueError(f"unknown precision option {name!r}; valid options: {', '.join(strategy_names())}")
+    return strategy
+
+
+register_strategy(PrecisionStrategy("A", "pure BF16 AdamW", aliases=("bf16",)))
+register_strategy(
+    PrecisionStrategy("B", "Collage-light: MCF parameters (θ, δθ)", aliases=("collage_light",), param_update="mcf")
+)
+register_strategy(
+    PrecisionStrategy(
+        "C",
+        "Collage-plus: MCF parameters and MCF second moment, beta2 as an expansion",
+        aliases=("collage_plus",),
+        param_update="mcf",
+        second_moment_mcf=True,
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "D",
+        "BF16 model + FP32 master weights + FP32 states",
+        aliases=("fp32_master",),
+        moments="fp32",
+        master_weights=True,
+        weight_decay="multiplicative",
+        moment_arithmetic="torch",
+    )
+)
+register_strategy(PrecisionStrategy("D-MW", "BF16 parameters + FP32 states", aliases=("fp32_states",), moments="fp32"))
+register_strategy(PrecisionStrategy("kahan", "BF16 AdamW with Kahan-compensated updates", param_update="kahan"))
+register_strategy(
+    PrecisionStrategy("sr", "BF16 AdamW with stochastically rounded updates", aliases=("bf16_sr",), param_update="stochastic")
+)
+register_strategy(
+    PrecisionStrategy(
+        "coat",
+        "COAT: FP8 E4M3 moments, per-group 1x128 with dynamic range expansion, FP32 master weights",
+        aliases=("fp8_states",),
+        moments="fp8",
+        master_weights=True,
+        weight_decay="multiplicative",
+    )
+)

@@ -1,0 +1,370 @@
+"""The precision-aware AdamW family, tested as a matrix of options against independent references."""
+
+import copy
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from megatron_lowprec.optim import AdamW, get_strategy, state_keys, strategy_names
+
+from .conftest import OPTIONS
+
+
+def _param(values, dtype=torch.bfloat16):
+    return torch.nn.Parameter(torch.as_tensor(values, dtype=torch.float32).to(dtype))
+
+
+def _constant_update_optimizer(param, option, lr):
+    """beta1 = beta2 = 0 and gradient -1 make AdamW's update exactly +lr each step (eps below half an FP32 ulp)."""
+    return AdamW([param], lr=lr, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option=option)
+
+
+def _represented(optimizer, param):
+    state = optimizer.state[param]
+    if "master" in state:
+        return state["master"].double()
+    if "param_lo" in state:
+        return param.detach().double() + state["param_lo"].double()
+    return param.detach().double()
+
+
+def _run_constant_update(option, steps, start=200.0, lr=0.1, numel=1):
+    param = _param([start] * numel)
+    optimizer = _constant_update_optimizer(param, option, lr)
+    for _ in range(steps):
+        param.grad = torch.full_like(param, -1.0)
+        optimizer.step()
+    return optimizer, param
+
+
+def test_lost_arithmetic_under_option_a():
+    """Collage §3.1: BF16 200 + 0.1 is 200, step after step."""
+    _, param = _run_constant_update("A", steps=100)
+    assert param.item() == 200.0
+
+
+@pytest.mark.parametrize("option", ["B", "C", "D"])
+def test_exact_accumulation_under_collage_and_master_weights(option):
+    """B, C, D accumulate the 100 updates: the represented value moves by 100 x the applied update.
+
+    MCF keeps the BF16 increment Δ = bf16(0.1) = 205/2048 with δθ within ulp(θ)/2; every partial sum
+    200 + kΔ has at most 8 + 11 significant bits, so the pair (θ, δθ) may round δθ by up to ulp(δθ)/2
+    <= 2^-10 per step (δθ < 0.5). The FP32 master rounds by ulp_fp32(256)/2 = 2^-17 per step.
+    """
+    steps = 100
+    optimizer, param = _run_constant_update(option, steps)
+    applied = Fraction(float(torch.tensor(0.1, dtype=torch.float32).to(torch.bfloat16)))
+    per_step_bound = Fraction(1, 2**17)
+    if option == "D":
+        applied = Fraction(float(torch.tensor(0.1, dtype=torch.float32)))
+    else:
+        per_step_bound = Fraction(1, 2**10)
+    exact = 200 + steps * applied
+    represented = Fraction(_represented(optimizer, param).item())
+    assert abs(represented - exact) <= steps * per_step_bound
+    assert param.item() == 210.0
+
+
+def test_stochastic_rounding_moves_in_expectation():
+    """E[SR(x)] = x: the mean over 4096 independently rounded copies tracks 200 + 100 x 0.1.
+
+    Each step adds a Bernoulli error of variance <= ulp²/4 = 1/4 per element, so after 100 steps an
+    element's variance is <= 25 and the mean of 4096 elements has standard deviation <= 5/64; the test
+    allows 5 standard deviations.
+    """
+    numel, steps = 4096, 100
+    _, param = _run_constant_update("sr", steps, numel=numel)
+    mean = param.double().mean().item()
+    exact = 200 + steps * float(torch.tensor(0.1, dtype=torch.float32))
+    assert abs(mean - exact) <= 5 * 5 / math.sqrt(numel)
+    assert param.double().std().item() > 0
+
+
+def _second_moment_after(option, gradients, beta2):
+    param = _param([1.0])
+    optimizer = AdamW([param], lr=1e-6, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, option=option)
+    history = []
+    for value in gradients:
+        param.grad = torch.tensor([value], dtype=torch.bfloat16)
+        optimizer.step()
+        state = optimizer.state[param]
+        v = state["exp_avg_sq"].double()
+        if "exp_avg_sq_lo" in state:
+            v = v + state["exp_avg_sq_lo"].double()
+        history.append(v.item())
+    return history
+
+
+def _fp64_second_moment(gradients, beta2):
+    v, history = 0.0, []
+    for value in gradients:
+        v = beta2 * v + (1 - beta2) * value * value
+        history.append(v)
+    return history
+
+
+def test_bf16_second_moment_never_decays_with_beta2_0_999():
+    """Under A, v·0.999 rounds back to v in BF16: v only grows for a constant-then-zero gradient."""
+    gradients = [1.0] * 50 + [0.0] * 200
+    history = _second_moment_after("A", gradients, beta2=0.999)
+    assert all(later >= earlier for earlier, later in zip(history, history[1:]))
+    assert history[-1] == history[49]
+
+
+def test_collage_plus_second_moment_decays_like_fp64():
+    """Under C, (v, δv) tracks the fp64 recursion. The fresh term (1-β2)g² enters as one BF16 value
+    (relative error <= 2^-9, Collage Alg. 2 line 9), and each Mul+Grow adds a relative error of order
+    2^-15 (a length-2 BF16 expansion holds 16 significant bits): after n steps the relative error is
+    at most 2^-9 + n·2^-14."""
+    gradients = [1.0] * 50 + [0.0] * 200
+    history = _second_moment_after("C", gradients, beta2=0.999)
+    reference = _fp64_second_moment(gradients, beta2=0.999)
+    for step, (got, want) in enumerate(zip(history, reference), start=1):
+        assert abs(got - want) <= (2**-9 + step * 2**-14) * want
+    assert history[-1] / history[49] == pytest.approx(0.999**200, rel=200 * 2**-14)
+
+
+def _state_nbytes(optimizer):
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
+
+
+@pytest.mark.parametrize("shapes", [[(64, 32), (256,)], [(7, 13), (1000,), (3,)]])
+def test_bytes_per_param_measured_from_state_tensors(option, shapes):
+    params = [_param(torch.randn(shape)) for shape in shapes]
+    optimizer = AdamW(params, option=option)
+    numel = sum(p.numel() for p in params)
+    grad_bytes = 2 * numel
+    measured = (_state_nbytes(optimizer) + sum(p.numel() * p.element_size() for p in params) + grad_bytes) / numel
+    expected = sum(get_strategy(option).bytes_per_param(p.numel()) * p.numel() for p in params) / numel
+    assert measured == pytest.approx(expected, rel=0, abs=1e-12)
+    if get_strategy(option).moments != "fp8":
+        assert measured == get_strategy(option).bytes_per_param()
+
+
+def test_state_keys_are_exactly_the_strategy_components(option):
+    param = _param(torch.randn(10))
+    optimizer = AdamW([param], option=option)
+    assert set(optimizer.state[param]) == set(state_keys(get_strategy(option))) | {"step"}
+
+
+def _regression_problem(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(256, 16, generator=generator)
+    teacher = torch.randn(16, 1, generator=generator)
+    targets = torch.tanh(inputs @ teacher)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    torch.manual_seed(seed)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            layer.reset_parameters()
+    return model.to(torch.bfloat16), inputs.bfloat16(), targets.bfloat16()
+
+
+def _train(model, optimizer, inputs, targets, steps):
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs).float(), targets.float())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_every_option_trains_a_small_model(option):
+    model, inputs, targets = _regression_problem()
+    optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option)
+    losses = _train(model, optimizer, inputs, targets, steps=150)
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-10:]) / 10 < 0.25 * losses[0]
+
+
+def test_option_d_matches_torch_adamw_on_the_fp32_master():
+    """Option D repeats torch.optim.AdamW on the FP32 master: within 1 FP32 ulp after 100 steps."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(33, 17), (129,), (5,)]
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    reference = [torch.nn.Parameter(t.float()) for t in start]
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizer = AdamW(ours, option="D", **hyper)
+    reference_optimizer = torch.optim.AdamW(reference, **hyper, foreach=False)
+    for _ in range(100):
+        for p, q in zip(ours, reference):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad, grad.float()
+        optimizer.step()
+        reference_optimizer.step()
+    for p, q in zip(ours, reference):
+        master = optimizer.state[p]["master"]
+        magnitude = q.detach().abs()
+        ulp = torch.nextafter(magnitude, torch.tensor(float("inf"))) - magnitude
+        assert torch.all((master - q.detach()).abs() <= ulp)
+        assert torch.equal(p.detach(), master.bfloat16())
+
+
+def _snapshot(model, optimizer):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+def test_state_dict_round_trip_continues_bit_identically(option):
+    model, inputs, targets = _regression_problem(seed=3)
+    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=7)
+    _train(model, optimizer, inputs, targets, steps=10)
+    model_state, optimizer_state = _snapshot(model, optimizer)
+    straight = _train(model, optimizer, inputs, targets, steps=10)
+
+    resumed_model, _, _ = _regression_problem(seed=99)
+    resumed_model.load_state_dict(model_state)
+    resumed_optimizer = AdamW(resumed_model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=12345)
+    resumed_optimizer.load_state_dict(optimizer_state)
+    resumed = _train(resumed_model, resumed_optimizer, inputs, targets, steps=10)
+
+    assert resumed == straight
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+        for key, value in optimizer.state[p].items():
+            other = resumed_optimizer.state[q][key]
+            if torch.is_tensor(value):
+                assert other.dtype == value.dtype
+                assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)), key
+            else:
+                assert other == value
+
+
+def test_load_state_dict_rejects_another_option_without_changing_state():
+    param = _param(torch.randn(8))
+    optimizer = AdamW([param], option="C")
+    other = AdamW([_param(torch.randn(8))], option="A")
+    before = copy.deepcopy(optimizer.state[param])
+    with pytest.raises(ValueError, match="'A'"):
+        optimizer.load_state_dict(other.state_dict())
+    for key, value in before.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer.state[param][key]))
+
+
+def test_unknown_option_lists_valid_names():
+    with pytest.raises(ValueError) as error:
+        AdamW([_param([1.0])], option="collage_max")
+    for name in strategy_names():
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_parameter_dtype_the_option_cannot_hold_is_rejected_at_construction(option, dtype):
+    with pytest.raises(ValueError, match=str(dtype)):
+        AdamW([torch.nn.Parameter(torch.ones(3, dtype=dtype))], option=option)
+
+
+@pytest.mark.parametrize(
+    "hyper, fragment",
+    [(dict(lr=-1.0), "lr=-1.0"), (dict(betas=(1.0, 0.9)), "betas\\[0\\]"), (dict(eps=0.0), "eps=0.0"),
+     (dict(weight_decay=-0.1), "weight_decay")],
+)
+def test_bad_hyperparameters_are_named(hyper, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        AdamW([_param([1.0])], option="A", **hyper)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_skips_the_step_and_leaves_state_untouched(option, bad):
+    params = [_param(torch.randn(300)), _param(torch.randn(4, 4))]
+    optimizer = AdamW(params, lr=1e-2, option=option)
+    for p in params:
+        p.grad = torch.randn(p.shape).bfloat16()
+    optimizer.step()
+    before_params = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(optimizer.state_dict())
+    params[0].grad = torch.randn(300).bfloat16()
+    params[1].grad = torch.randn(4, 4).bfloat16()
+    params[1].grad[2, 3] = bad
+    optimizer.step()
+    assert optimizer.skipped_steps == 1
+    after_state = optimizer.state_dict()
+    for p, q in zip(params, before_params):
+        assert torch.equal(p.detach(), q)
+    for index, state in before_state["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert torch.equal(value.view(torch.uint8), after_state["state"][index][key].view(torch.uint8))
+                assert torch.isfinite(after_state["state"][index][key].float()).all()
+            else:
+                assert value == after_state["state"][index][key]
+
+
+def test_fp32_gradients_are_accepted(option):
+    param = _param(torch.randn(64))
+    optimizer = AdamW([param], lr=1e-2, option=option)
+    param.grad_dtype = None
+    param.grad = torch.randn(64)
+    optimizer.step()
+    assert optimizer.state[param]["step"] == 1
+
+
+def test_update_quality_shows_lost_arithmetic_under_a_and_none_under_c():
+    def quality(option):
+        param = _param([200.0] * 64 + [1.0] * 64)
+        optimizer = AdamW([param], lr=0.1, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option=option,
+                          track_update_quality=True)
+        param.grad = torch.full_like(param, -1.0)
+        optimizer.step()
+        return optimizer.update_quality[0]
+
+    lossy, exact = quality("A"), quality("C")
+    assert lossy.intended_nonzero == exact.intended_nonzero == 128
+    assert lossy.lost == 64 and lossy.imprecision_percent == 50.0
+    assert exact.lost == 0
+    intended_norm = math.sqrt(128) * float(torch.tensor(0.1, dtype=torch.float32))
+    assert exact.edq == pytest.approx(intended_norm, rel=2**-8)
+    assert lossy.edq < exact.edq
+
+
+def test_update_quality_is_off_by_default():
+    param = _param(torch.randn(16))
+    optimizer = AdamW([param], option="C")
+    param.grad = torch.randn(16).bfloat16()
+    optimizer.step()
+    assert optimizer.update_quality == []
+
+
+def test_stochastic_rounding_uses_the_given_generator():
+    def run(generator):
+        param = _param(torch.full((512,), 200.0))
+        optimizer = AdamW([param], lr=0.1, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option="sr",
+                          generator=generator)
+        param.grad = torch.full_like(param, -1.0)
+        optimizer.step()
+        return param.detach().clone()
+
+    same_a = run(torch.Generator().manual_seed(5))
+    same_b = run(lambda: torch.Generator().manual_seed(5))
+    other = run(torch.Generator().manual_seed(6))
+    assert torch.equal(same_a, same_b)
+    assert not torch.equal(same_a, other)
+
+
+def test_coat_without_master_keeps_bf16_parameters_only():
+    param = _param(torch.randn(256))
+    optimizer = AdamW([param], option="coat", master_weights=False)
+    assert "master" not in optimizer.state[param]
+    with pytest.raises(ValueError, match="no FP32 master"):
+        AdamW([_param(torch.randn(4))], option="A", master_weights=True)
+
+
+@pytest.mark.parametrize("option_name", OPTIONS)
+def test_moments_stay_finite_under_large_gradients(option_name):
+    param = _param(torch.randn(512))
+    optimizer = AdamW([param], lr=1e-3, option=option_name)
+    for scale in (1e-30, 1e15, 1.0):
+        param.grad = (torch.randn(512) * scale).bfloat16()
+        optimizer.step()
+    for value in optimizer.state[param].values():
+        if torch.is_tensor(value):
+            assert torch.isfinite(value.float()).all()
