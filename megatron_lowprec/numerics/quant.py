@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lowprec.numerics import aten_ops
+
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -54,12 +56,12 @@ def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
 
 def expand_dynamic_range(x: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
     """COAT expand function f(x) = sign(x) |x|^k (section 4.2)."""
-    return torch.copysign(x.abs().pow(expansion_exponent), x)
+    return torch.copysign(aten_ops.pow(x.abs(), expansion_exponent), x)
 
 
 def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
     """Inverse of the expand function, f^{-1}(y) = sign(y) |y|^{1/k} (section 4.2)."""
-    return torch.copysign(y.abs().pow(expansion_exponent.reciprocal()), y)
+    return torch.copysign(aten_ops.pow(y.abs(), expansion_exponent.reciprocal()), y)
 
 
 @dataclass
@@ -112,12 +114,14 @@ def quantize_fp8_into(
     scale: torch.Tensor,
     expansion_exponent: "torch.Tensor | None" = None,
     group_size: "int | None" = None,
+    check_finite: bool = True,
 ) -> None:
     """Quantize ``x`` into preallocated buffers (COAT section 3, per-group; section 4.2 expansion).
 
     ``payload`` (float8, ``x.numel()`` elements) fixes the format; ``scale`` and, to enable
     expansion, ``expansion_exponent`` are float32 with one element per group. Raises ValueError on
-    non-finite input or mismatched buffers.
+    mismatched buffers, and on non-finite input unless ``check_finite=False`` (a compiled caller
+    that has already checked its inputs skips the device sync).
     """
     fp8_dtype = fp8_dtype_of(payload.dtype)
     groups_count = num_groups(x.numel(), group_size)
@@ -131,7 +135,7 @@ def quantize_fp8_into(
     groups = _grouped(x.detach().reshape(-1).float(), _resolved_group_size(x.numel(), group_size))
     magnitude = groups.abs()
     group_max = magnitude.amax(dim=1, keepdim=True)
-    if not bool(torch.isfinite(group_max).all()):
+    if check_finite and not bool(torch.isfinite(group_max).all()):
         raise ValueError("cannot quantize a tensor holding NaN or infinity")
     nonzero_group = group_max > 0
     group_scale = torch.where(
@@ -147,7 +151,7 @@ def quantize_fp8_into(
         )
         # k comes from the same float32 ratios that f raises to the power k, so the smallest non-zero
         # element lands on the smallest subnormal even when R_X is within rounding of 1.
-        log_group_range = -torch.log(smallest_nonzero)
+        log_group_range = -aten_ops.log(smallest_nonzero)
         group_exponent = torch.where(
             (log_group_range > 0) & torch.isfinite(log_group_range),
             math.log(fp8_dynamic_range(fp8_dtype)) / log_group_range,

@@ -62,16 +62,25 @@ def counter_random_bits(seed: int, step: int, index: torch.Tensor) -> torch.Tens
     """The uniform 32-bit word (int32, two's complement) of each global element ``index`` at ``step`` under ``seed``.
 
     Stateless and counter-based: the word depends on (seed, step, index) only. Three round keys k0, k1,
-    k2 are derived from (seed, step) by SplitMix64 (Steele, Lea & Flood 2014) in Python integers; each
-    element then takes h = f(f(f(hi ^ k0) ^ lo ^ k1) ^ k2), where (hi, lo) are the 32-bit halves of the
-    index and f is Wellons' "lowbias32" integer hash (hash-prospector), a bijection of 32-bit words.
+    k2 are derived from (seed, step) by SplitMix64 (Steele, Lea & Flood 2014) in Python integers
+    (:func:`counter_round_keys`); each element then takes h = f(f(f(hi ^ k0) ^ lo ^ k1) ^ k2)
+    (:func:`keyed_random_bits`), where (hi, lo) are the 32-bit halves of the index and f is Wellons'
+    "lowbias32" integer hash (hash-prospector), a bijection of 32-bit words. seed and step are taken
+    mod 2^64, index mod 2^64.
+    """
+    return keyed_random_bits(counter_round_keys(seed, step), index)
+
+
+def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """The words of :func:`counter_random_bits` from precomputed round keys (Python ints or 0-d int64
+    tensors, so that a compiled kernel need not be specialised on the step).
+
     Products keep one factor below 2^32 and the other within ±2^31 (the multiplier taken mod 2^32 in
-    signed form), so int64 never overflows and CPU and CUDA agree. seed and step are taken mod 2^64,
-    index mod 2^64.
+    signed form), so int64 never overflows and CPU and CUDA agree.
     """
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise TypeError(f"index must be an integer tensor, got {index.dtype}")
-    first_key, second_key, third_key = _round_keys(seed, step)
+    first_key, second_key, third_key = keys
     index = index.to(torch.int64)
     high = (index >> 32) & _WORD_MASK
     low = index & _WORD_MASK
@@ -112,8 +121,8 @@ def _splitmix64(state: int) -> int:
     return z ^ (z >> 31)
 
 
-def _round_keys(seed: int, step: int) -> tuple[int, int, int]:
-    """Three 32-bit round keys from (seed, step), each taken mod 2^64."""
+def counter_round_keys(seed: int, step: int) -> tuple[int, int, int]:
+    """The three 32-bit round keys of the counter stream for (seed, step), each taken mod 2^64."""
     seed_key = _splitmix64(operator.index(seed) & _UINT64_MASK)
     step_key = _splitmix64(seed_key ^ (operator.index(step) & _UINT64_MASK))
     last_key = _splitmix64(step_key)

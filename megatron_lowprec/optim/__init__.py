@@ -1,6 +1,8 @@
 """The precision-aware AdamW family (torch.optim API), driven by declarative strategies."""
 
-from megatron_lowprec.optim.adamw import AdamW, adamw_step_, init_state, state_keys
+from megatron_lowprec.optim.adamw import AdamW
+from megatron_lowprec.optim.buckets import state_keys
+from megatron_lowprec.optim.kernel import adamw_step_, init_state
 from megatron_lowprec.optim.strategies import (
     PrecisionStrategy,
     available_strategies,

@@ -1,310 +1,30 @@
-"""Precision-aware AdamW: one eager reference step for every registered precision strategy.
+"""The precision-aware AdamW optimizer: a thin ``torch.optim.Optimizer`` around the kernel.
 
-The functional core (:func:`init_state`, :func:`adamw_step_`) is the specification that fused steps
-must reproduce bit for bit; :class:`AdamW` is a thin ``torch.optim.Optimizer`` around it.
-
-Rounding points of the reference, for every strategy:
-
-* Scalars (bias corrections, step size, ``lr * weight_decay``, ``1 - beta``) are Python floats (fp64)
-  and never pass through a low-precision tensor (Collage §4.2, "compute scalars in high precision").
-* Each moment is decoded to FP32, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), each
-  operation rounded to FP32, none fused; or torch's own ``lerp``/``addcmul`` for option D) and
-  rounded once when stored (nearest for 16-bit,
-  per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and Grow,
-  every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
-* The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) and then applied as
-  the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding. Strategies with
-  ``weight_decay="multiplicative"`` instead update the FP32 master as ``torch.optim.AdamW`` does,
-  θ ← θ(1 - lr·λ) - lr/(1-β1^t) · m / (√v / √(1-β2^t) + ε).
+The state of each parameter group lives in flat buckets (``buckets.py``); a step runs either the
+eager reference per parameter or the fused (compiled) kernel per bucket (``fused.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics.formats import float_format
-from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import generator_random_bits, stochastic_round
+from megatron_lowprec.metrics.update_quality import UpdateQuality
+from megatron_lowprec.numerics.rounding import counter_round_keys, generator_random_bits
+from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
+from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
+from megatron_lowprec.optim.kernel import (
+    SUPPORTED_GRAD_DTYPES,
+    CounterStream,
+    RandomSource,
+    adamw_step_,
+    check_param_dtype,
+)
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 
-SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MOMENTS = ("exp_avg", "exp_avg_sq")
-FP8_PARTS = ("payload", "scale", "expansion_exponent")
-
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
-
-
-def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
-    """Raise ``ValueError`` if ``strategy`` cannot store ``param``."""
-    if param.dtype not in SUPPORTED_PARAM_DTYPES:
-        valid = ", ".join(str(d) for d in SUPPORTED_PARAM_DTYPES)
-        raise ValueError(
-            f"option {strategy.name!r} keeps the model's parameters in 16 bits; {where} of shape "
-            f"{tuple(param.shape)} has dtype {param.dtype}, valid dtypes: {valid}"
-        )
-
-
-def state_keys(strategy: PrecisionStrategy) -> list[str]:
-    """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these)."""
-    if strategy.moments == "fp8":
-        keys = [f"{moment}_{part}" for moment in MOMENTS for part in FP8_PARTS]
-    else:
-        keys = list(MOMENTS)
-    if strategy.master_weights:
-        keys.append("master")
-    if strategy.keeps_param_low_component:
-        keys.append("param_lo")
-    if strategy.second_moment_mcf:
-        keys.append("exp_avg_sq_lo")
-    if strategy.param_update == "kahan":
-        keys.append("kahan_compensation")
-    return keys
-
-
-def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> QuantizedTensor:
-    return QuantizedTensor(
-        payload=state[f"{moment}_payload"],
-        scale=state[f"{moment}_scale"],
-        expansion_exponent=state[f"{moment}_expansion_exponent"] if strategy.fp8_expand else None,
-        group_size=strategy.fp8_group_size,
-        shape=param.shape,
-        fp8_dtype=state[f"{moment}_payload"].dtype,
-    )
-
-
-def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, Any]:
-    """Fresh optimizer state for ``param``: zero moments and components, an FP32 master if any."""
-    state: dict[str, Any] = {"step": 0}
-    for moment in MOMENTS:
-        if strategy.moments == "low":
-            state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif strategy.moments == "fp32":
-            state[moment] = torch.zeros_like(param, dtype=torch.float32)
-        else:
-            zeros = quantize_fp8(
-                torch.zeros(param.numel(), device=param.device),
-                strategy.fp8_format,
-                group_size=strategy.fp8_group_size,
-                expand=strategy.fp8_expand,
-            )
-            state.update({f"{moment}_{part}": getattr(zeros, part) for part in FP8_PARTS})
-    if strategy.master_weights:
-        state["master"] = param.detach().to(torch.float32, copy=True)
-    for key in ("param_lo", "exp_avg_sq_lo", "kahan_compensation"):
-        if key in state_keys(strategy):
-            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state
-
-
-def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
-    """The moment as an FP32 tensor."""
-    if strategy.moments == "fp8":
-        return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
-    return state[moment].float()
-
-
-def _encode_moment(
-    state: dict[str, Any], moment: str, values: torch.Tensor, param: torch.Tensor, strategy: PrecisionStrategy
-) -> None:
-    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8."""
-    if strategy.moments == "fp8":
-        stored = _fp8_moment(state, moment, param, strategy)
-        quantize_fp8_into(values, stored.payload, stored.scale, stored.expansion_exponent, strategy.fp8_group_size)
-    else:
-        state[moment].copy_(values)
-
-
-@dataclass(frozen=True)
-class StepScalars:
-    """The scalars of one AdamW step, computed in Python floats (fp64) before they meet a tensor.
-
-    They are used as Python floats (eager) or 0-d FP32 tensors (compiled); either way each is
-    rounded once to FP32 where it multiplies an FP32 tensor.
-    """
-
-    beta1: float
-    one_minus_beta1: float
-    beta2: float
-    one_minus_beta2: float
-    eps: float
-    bias_correction2_sqrt: float
-    neg_step_size: float
-    """-lr / (1 - beta1^t)."""
-    neg_lr_weight_decay: float
-    """-lr * weight_decay (decay inside the update, Collage App. D)."""
-    decay_factor: float
-    """1 - lr * weight_decay (multiplicative decay, as torch.optim.AdamW)."""
-
-    @classmethod
-    def for_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> StepScalars:
-        return cls(
-            beta1=beta1,
-            one_minus_beta1=1 - beta1,
-            beta2=beta2,
-            one_minus_beta2=1 - beta2,
-            eps=eps,
-            bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
-            neg_step_size=-lr / (1 - beta1**step),
-            neg_lr_weight_decay=-lr * weight_decay,
-            decay_factor=1 - lr * weight_decay,
-        )
-
-
-def _collage_second_moment_(
-    state: dict[str, Any], grad: torch.Tensor, scalars: StepScalars, beta2_expansion: tuple[Any, Any], dtype: torch.dtype
-) -> torch.Tensor:
-    """(v, δv) ← Grow(Mul((β̂2, δβ2), (v, δv)), (1 - β2) g²) in 16-bit MCF (Collage Alg. 2, line 9).
-
-    Returns the represented v = v + δv in FP32.
-    """
-    fresh = (grad * grad * scalars.one_minus_beta2).to(dtype)
-    scaled_hi, scaled_lo = mul(*beta2_expansion, state["exp_avg_sq"], state["exp_avg_sq_lo"])
-    v_hi, v_lo = grow(scaled_hi, scaled_lo, fresh)
-    state["exp_avg_sq"].copy_(v_hi)
-    state["exp_avg_sq_lo"].copy_(v_lo)
-    return v_hi.float() + v_lo.float()
-
-
-def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The exact value the optimizer holds for ``param`` in float64: master, θ + δθ, or θ."""
-    if "master" in state:
-        return state["master"].double()
-    if "param_lo" in state:
-        return param.double() + state["param_lo"].double()
-    return param.double()
-
-
-def _decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
-    if "master" in state:
-        return state["master"]
-    if "param_lo" in state:
-        return param.float() + state["param_lo"].float()
-    return param.float()
-
-
-def _apply_nearest(param, state, update, random_bits):
-    if "master" in state:
-        state["master"].copy_(state["master"] + update)
-    else:
-        param.copy_(param.float() + update)
-
-
-def _apply_mcf(param, state, update, random_bits):
-    """(θ, δθ) ← Grow((θ, δθ), Δθ) (Collage Alg. 2, line 13)."""
-    hi, lo = grow(param, state["param_lo"], update.to(param.dtype))
-    param.copy_(hi)
-    state["param_lo"].copy_(lo)
-
-
-def _apply_kahan(param, state, update, random_bits):
-    """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
-    compensated = (update + state["kahan_compensation"].float()).to(param.dtype)
-    new_param, compensation = fast2sum(param, compensated)
-    param.copy_(new_param)
-    state["kahan_compensation"].copy_(compensation)
-
-
-def _apply_stochastic(param, state, update, random_bits):
-    """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
-    exact = param.float() + update
-    param.copy_(stochastic_round(exact, float_format(param.dtype), random_bits))
-
-
-_PARAM_UPDATES = {
-    "nearest": _apply_nearest,
-    "mcf": _apply_mcf,
-    "kahan": _apply_kahan,
-    "stochastic": _apply_stochastic,
-}
-
-
-def adamw_kernel_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, Any],
-    strategy: PrecisionStrategy,
-    scalars: StepScalars,
-    beta2_expansion: tuple[Any, Any],
-    random_bits: torch.Tensor | None,
-    want_update: bool,
-) -> torch.Tensor | None:
-    """The elementwise body of one step, in place. Apart from ``moment_arithmetic="torch"`` every
-    operation is a separately rounded FP32 operation (no lerp, addcmul, addcdiv, whose CPU kernels
-    fuse multiply-adds), so an eager run and a compiled run round alike.
-
-    Returns the intended FP32 update Δθ when ``want_update`` (for the update-quality metrics).
-    """
-    grad = grad.float()
-    torch_arithmetic = strategy.moment_arithmetic == "torch"
-    exp_avg = _decode_moment(state, "exp_avg", param, strategy)
-    if torch_arithmetic:
-        exp_avg = torch.lerp(exp_avg, grad, scalars.one_minus_beta1)
-    else:
-        exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
-    if strategy.second_moment_mcf:
-        exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
-    elif torch_arithmetic:
-        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
-        exp_avg_sq = torch.addcmul(decoded * scalars.beta2, grad, grad, value=scalars.one_minus_beta2)
-    else:
-        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
-        exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
-    denom = exp_avg_sq.sqrt() / scalars.bias_correction2_sqrt + scalars.eps
-    update = None
-    if strategy.weight_decay == "multiplicative":
-        master = state["master"]
-        if want_update:
-            update = master * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
-        master.copy_(master * scalars.decay_factor + scalars.neg_step_size * exp_avg / denom)
-    else:
-        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
-        _PARAM_UPDATES[strategy.param_update](param, state, update, random_bits)
-    if strategy.master_weights:
-        param.copy_(state["master"])
-    _encode_moment(state, "exp_avg", exp_avg, param, strategy)
-    if not strategy.second_moment_mcf:
-        _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
-    return update
-
-
-@torch.no_grad()
-def adamw_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, Any],
-    strategy: PrecisionStrategy,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    random_bits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    track_update_quality: bool = False,
-) -> UpdateQuality | None:
-    """One AdamW step on one parameter, in place, following ``strategy`` (see the module docstring).
-
-    ``grad`` must be finite (the optimizer checks before calling). ``random_bits(param)`` returns
-    uniform 32-bit words of ``param``'s shape for stochastic rounding. Returns the update-quality
-    pieces when ``track_update_quality`` is set, else ``None``.
-    """
-    state["step"] += 1
-    scalars = StepScalars.for_step(state["step"], lr, beta1, beta2, eps, weight_decay)
-    beta2_expansion = expand_scalar(beta2, param.dtype) if strategy.second_moment_mcf else (None, None)
-    bits = random_bits(param) if strategy.param_update == "stochastic" else None
-    before = represented_value(param, state) if track_update_quality else None
-    update = adamw_kernel_(param, grad, state, strategy, scalars, beta2_expansion, bits, track_update_quality)
-    if before is None:
-        return None
-    return measure_update_quality(update, before, represented_value(param, state))
 
 
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -326,12 +46,19 @@ class AdamW(torch.optim.Optimizer):
     ``option`` is a registered strategy name or alias (case-insensitive; see
     :func:`megatron_lowprec.optim.strategies.strategy_names`) or a :class:`PrecisionStrategy`.
     Parameters must be bfloat16 or float16; gradients may be bfloat16, float16 or float32.
-    State is created at construction, so memory is known before the first step.
+    State is created at construction, in flat buckets, so memory is known before the first step.
+
+    ``fused`` (default: where available) runs one compiled pass per bucket. It re-points each
+    parameter's ``.data`` (and, at the first step, ``.grad``) at views of flat buffers, as
+    megatron-core's DistributedDataParallel does; :meth:`zero_grad` then zeroes the gradient buffer
+    in place and keeps the views. ``fused=False`` runs the eager reference per parameter. Both give
+    bit-identical results.
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
-    parameters as the only copy). Stochastic rounding draws its bits from ``generator`` (a
-    ``torch.Generator`` or a callable returning one, e.g. a fork of a shared RNG tracker); by default
-    from a generator owned by the optimizer and seeded with ``seed``.
+    parameters as the only copy). Stochastic rounding draws its bits from a counter-based stream
+    keyed by (``seed``, step, element index), which needs no state and gives every replica of an
+    element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one, e.g.
+    a fork of a shared RNG tracker) replaces it and implies the eager path.
 
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
     state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step).
@@ -350,6 +77,7 @@ class AdamW(torch.optim.Optimizer):
         *,
         option: str | PrecisionStrategy,
         master_weights: bool | None = None,
+        fused: bool | None = None,
         generator: GeneratorSource | None = None,
         seed: int = 0,
         track_update_quality: bool = False,
@@ -360,46 +88,107 @@ class AdamW(torch.optim.Optimizer):
             strategy = strategy.without_master_weights()
         elif master_weights and not strategy.master_weights:
             raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; use option 'D' or 'coat'")
+        if fused and generator is not None and strategy.param_update == "stochastic":
+            raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
         self.strategy = strategy
         self.track_update_quality = track_update_quality
         self.skipped_steps = 0
         self.update_quality: list[UpdateQuality] = []
+        self.buckets: list[Bucket] = []
+        self.seed = seed
+        self._fused_request = fused
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
-        self._seed = seed
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
+    def _wants_fused(self, device: torch.device) -> bool:
+        if self._generator_source is not None and self.strategy.param_update == "stochastic":
+            return False
+        if self._fused_request is None:
+            return fused_available(device)
+        return self._fused_request
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        group_index = len(self.param_groups) - 1
+        group = self.param_groups[group_index]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        by_layout: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):
-            check_param_dtype(param, self.strategy, f"parameter {index} of group {len(self.param_groups) - 1}")
-            self.state[param] = init_state(param, self.strategy)
+            check_param_dtype(param, self.strategy, f"parameter {index} of group {group_index}")
+            by_layout.setdefault((param.device, param.dtype), []).append(param)
+        for (device, _), params in by_layout.items():
+            element_base = sum(bucket.numel for bucket in self.buckets)
+            bucket, states = build_bucket(self.strategy, group_index, params, element_base, self._wants_fused(device))
+            self.buckets.append(bucket)
+            for param, state in zip(params, states):
+                self.state[param] = state
 
     @property
-    def generator(self) -> torch.Generator:
-        """The generator stochastic rounding draws from in the current step."""
-        if self._generator_source is None:
-            if self._own_generator is None:
-                device = self.param_groups[0]["params"][0].device
-                self._own_generator = torch.Generator(device=device).manual_seed(self._seed)
-            return self._own_generator
-        if isinstance(self._generator_source, torch.Generator):
+    def generator(self) -> torch.Generator | None:
+        """The generator stochastic rounding draws from in this step, or ``None`` for the counter stream."""
+        if self._generator_source is None or isinstance(self._generator_source, torch.Generator):
             return self._generator_source
         return self._generator_source()
-
-    def _saved_generator(self) -> torch.Generator | None:
-        if self._generator_source is None:
-            return self.generator
-        return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
 
     def _grads_are_finite(self) -> bool:
         flags = [
             torch.isfinite(p.grad).all() for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
         return bool(torch.stack(flags).all()) if flags else True
+
+    def _check_grads(self) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and (grad.is_sparse or grad.dtype not in SUPPORTED_GRAD_DTYPES):
+                    raise ValueError(
+                        f"gradient of dtype {grad.dtype} (sparse={grad.is_sparse}) is not supported; "
+                        f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
+                    )
+
+    def _random_source(self, bucket: Bucket, index: int, step: int, generator: torch.Generator | None) -> RandomSource:
+        if self.strategy.param_update != "stochastic":
+            return None
+        param = bucket.params[index]
+        if generator is not None:
+            return generator_random_bits(param.shape, generator, param.device)
+        return CounterStream(counter_round_keys(self.seed, step), bucket.element_base + bucket.offsets[index])
+
+    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> UpdateQuality:
+        group = self.param_groups[bucket.group_index]
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        steps = {self.state[p]["step"] for p in bucket.params}
+        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
+        if grad is not None:
+            step = steps.pop() + 1
+            for param in bucket.params:
+                self.state[param]["step"] = step
+            sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
+            quality = fused_bucket_step_(
+                bucket, grad, self.strategy, step=step, sr_seed=sr_seed,
+                track_update_quality=self.track_update_quality, **hyper,
+            )
+            return quality or UpdateQuality()
+        quality = UpdateQuality()
+        for index, param in enumerate(bucket.params):
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            piece = adamw_step_(
+                param,
+                param.grad,
+                state,
+                self.strategy,
+                random_source=self._random_source(bucket, index, state["step"] + 1, generator),
+                track_update_quality=self.track_update_quality,
+                **hyper,
+            )
+            if piece is not None:
+                quality = quality + piece
+        return quality
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -408,54 +197,43 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and (param.grad.is_sparse or param.grad.dtype not in SUPPORTED_GRAD_DTYPES):
-                    raise ValueError(
-                        f"gradient of dtype {param.grad.dtype} (sparse={param.grad.is_sparse}) is not supported; "
-                        f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
-                    )
+        self._check_grads()
         if not self._grads_are_finite():
             self.skipped_steps += 1
             return loss
-        random_bits = None
-        if self.strategy.param_update == "stochastic":
-            generator = self.generator
-            random_bits = lambda x: generator_random_bits(x.shape, generator, x.device)  # noqa: E731
-        qualities = []
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            quality = UpdateQuality()
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                piece = adamw_step_(
-                    param,
-                    param.grad,
-                    self.state[param],
-                    self.strategy,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    random_bits=random_bits,
-                    track_update_quality=self.track_update_quality,
-                )
-                if piece is not None:
-                    quality = quality + piece
-            qualities.append(quality)
+        generator = self.generator if self.strategy.param_update == "stochastic" else None
+        qualities = [UpdateQuality() for _ in self.param_groups]
+        for bucket in self.buckets:
+            qualities[bucket.group_index] = qualities[bucket.group_index] + self._step_bucket(bucket, generator)
         if self.track_update_quality:
             self.update_quality = qualities
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers in place (keeping the gradient views), and the rest as torch does."""
+        pooled = {id(p) for bucket in self.buckets if bucket.grad_buffer is not None for p in bucket.params}
+        for bucket in self.buckets:
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in pooled and param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.zero_()
+
+    def _saved_generator(self) -> torch.Generator | None:
+        return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
+
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus a ``lowprec`` section: option, skipped steps, SR generator state."""
+        """torch's state dict plus a ``lowprec`` section: option, skipped steps, SR seed and generator state."""
         state_dict = super().state_dict()
-        generator = self._saved_generator() if self.strategy.param_update == "stochastic" else None
+        generator = self._saved_generator()
         state_dict["lowprec"] = {
             "option": self.strategy.name,
             "skipped_steps": self.skipped_steps,
+            "seed": self.seed,
             "generator_state": None if generator is None else generator.get_state(),
         }
         return state_dict
@@ -469,6 +247,8 @@ class AdamW(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")
         for saved_group, group in zip(saved_groups, self.param_groups):
+            if len(saved_group["params"]) != len(group["params"]):
+                raise ValueError("state dict and optimizer differ in the number of parameters of a group")
             for index, param in zip(saved_group["params"], group["params"]):
                 saved = state_dict["state"].get(index)
                 expected = self.state[param]
@@ -482,21 +262,25 @@ class AdamW(torch.optim.Optimizer):
                         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore every state component bit-exactly, in its own dtype (torch would cast to the param's).
+        """Restore every state component bit-exactly into the existing buckets, in its own dtype.
 
         The whole state dict is validated first; a mismatch raises ``ValueError`` and changes nothing.
         """
         self._check_loaded_state(state_dict)
-        torch_part = {key: value for key, value in state_dict.items() if key != "lowprec"}
-        super().load_state_dict(torch_part)
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, value in saved_group.items():
+                if key != "params":
+                    group[key] = value
             for index, param in zip(saved_group["params"], group["params"]):
-                self.state[param] = {
-                    key: value.to(param.device, copy=True) if torch.is_tensor(value) else value
-                    for key, value in state_dict["state"][index].items()
-                }
+                state = self.state[param]
+                for key, value in state_dict["state"][index].items():
+                    if torch.is_tensor(value):
+                        state[key].copy_(value)
+                    else:
+                        state[key] = value
         extra = state_dict["lowprec"]
         self.skipped_steps = extra["skipped_steps"]
-        generator = self._saved_generator() if self.strategy.param_update == "stochastic" else None
+        self.seed = extra["seed"]
+        generator = self._saved_generator()
         if generator is not None and extra["generator_state"] is not None:
             generator.set_state(extra["generator_state"])

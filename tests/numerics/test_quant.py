@@ -344,7 +344,6 @@ def format_table1(table: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.slow
 def test_coat_table1_on_trained_adamw_states():
     first_moments, second_moments = train_adamw_states()
     table = coat_table1_mse(first_moments, second_moments)

@@ -1,0 +1,155 @@
+"""Flat, contiguous buckets of optimizer state: one per (parameter group, device, dtype).
+
+Every state tensor of a bucket is one flat buffer; each parameter's state entries are views into it
+at the parameter's offset, so the eager reference (per parameter) and the fused step (per bucket)
+read and write the very same memory. Offsets are aligned to :data:`ALIGNMENT` elements (and to the
+FP8 group size), so FP8 groups never straddle two parameters and the zero padding between
+parameters stays zero under every strategy (zero gradient, zero moments, zero parameter).
+
+With ``own_params=True`` the bucket also owns a flat parameter buffer and re-points each
+parameter's ``.data`` at its view, as megatron-core's DistributedDataParallel does with its
+contiguous parameter buffer; gradients are gathered into a flat gradient buffer the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_lowprec.numerics.quant import quantize_fp8
+from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+ALIGNMENT = 128
+"""Elements between parameter starts in a bucket are a multiple of this (and of the FP8 group size)."""
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FP8_PARTS = ("payload", "scale", "expansion_exponent")
+LOW_COMPONENTS = ("param_lo", "exp_avg_sq_lo", "kahan_compensation")
+
+
+def state_keys(strategy: PrecisionStrategy) -> list[str]:
+    """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these)."""
+    if strategy.moments == "fp8":
+        parts = FP8_PARTS if strategy.fp8_expand else FP8_PARTS[:2]
+        keys = [f"{moment}_{part}" for moment in MOMENTS for part in parts]
+    else:
+        keys = list(MOMENTS)
+    if strategy.master_weights:
+        keys.append("master")
+    if strategy.keeps_param_low_component:
+        keys.append("param_lo")
+    if strategy.second_moment_mcf:
+        keys.append("exp_avg_sq_lo")
+    if strategy.param_update == "kahan":
+        keys.append("kahan_compensation")
+    return keys
+
+
+def bucket_alignment(strategy: PrecisionStrategy) -> int:
+    if strategy.moments == "fp8":
+        return math.lcm(ALIGNMENT, strategy.fp8_group_size)
+    return ALIGNMENT
+
+
+@dataclass
+class Bucket:
+    """Flat state of the parameters of one group that share a device and a dtype."""
+
+    group_index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    numel: int
+    """Padded number of elements of every flat buffer (FP8 scales: ``numel / group_size``)."""
+    element_base: int
+    """Global index of the bucket's first element in the counter-based SR stream."""
+    state: dict[str, torch.Tensor]
+    param_buffer: torch.Tensor | None = None
+    grad_buffer: torch.Tensor | None = field(default=None, repr=False)
+
+    def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
+        """The flat slice of ``buffer`` that belongs to parameter ``index`` (``per_group`` > 1: FP8 scales)."""
+        start = self.offsets[index] // per_group
+        return buffer[start : start + math.ceil(self.params[index].numel() / per_group)]
+
+
+def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
+    reference = params[0]
+    dtype, device = reference.dtype, reference.device
+    state: dict[str, torch.Tensor] = {}
+    for moment in MOMENTS:
+        if strategy.moments == "low":
+            state[moment] = torch.zeros(numel, dtype=dtype, device=device)
+        elif strategy.moments == "fp32":
+            state[moment] = torch.zeros(numel, dtype=torch.float32, device=device)
+        else:
+            zeros = quantize_fp8(
+                torch.zeros(numel, device=device),
+                strategy.fp8_format,
+                group_size=strategy.fp8_group_size,
+                expand=strategy.fp8_expand,
+            )
+            for part in FP8_PARTS:
+                if getattr(zeros, part) is not None:
+                    state[f"{moment}_{part}"] = getattr(zeros, part)
+    if strategy.master_weights:
+        master = torch.zeros(numel, dtype=torch.float32, device=device)
+        for param, offset in zip(params, offsets):
+            master[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+        state["master"] = master
+    for key in LOW_COMPONENTS:
+        if key in state_keys(strategy):
+            state[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return state
+
+
+def build_bucket(
+    strategy: PrecisionStrategy,
+    group_index: int,
+    params: list[torch.nn.Parameter],
+    element_base: int,
+    own_params: bool,
+) -> tuple[Bucket, list[dict[str, Any]]]:
+    """A bucket for ``params`` (same device and dtype) and each parameter's state of views into it."""
+    alignment = bucket_alignment(strategy)
+    offsets, numel = [], 0
+    for param in params:
+        offsets.append(numel)
+        numel += -(-param.numel() // alignment) * alignment
+    bucket = Bucket(group_index, list(params), offsets, numel, element_base, _flat_state(strategy, params, offsets, numel))
+    if own_params:
+        bucket.param_buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        for index, param in enumerate(params):
+            view = bucket.param_buffer[offsets[index] : offsets[index] + param.numel()].view(param.shape)
+            view.copy_(param.detach())
+            param.data = view
+    group_size = strategy.fp8_group_size
+    states = []
+    for index in range(len(params)):
+        entry: dict[str, Any] = {"step": 0}
+        for key, buffer in bucket.state.items():
+            per_group = group_size if key.endswith(("_scale", "_expansion_exponent")) else 1
+            flat = bucket.view(buffer, index, per_group)
+            entry[key] = flat if key.endswith(FP8_PARTS) else flat.view(params[index].shape)
+        states.append(entry)
+    return bucket, states
+
+
+def gather_grads(bucket: Bucket) -> torch.Tensor | None:
+    """The bucket's gradients as one flat buffer, or ``None`` if some parameter has no gradient or
+    the gradients do not share one dtype. Gradients that are not yet views of the buffer are copied
+    in once and re-pointed, so that later backward passes accumulate into the buffer directly."""
+    grads = [param.grad for param in bucket.params]
+    if any(grad is None for grad in grads) or len({grad.dtype for grad in grads}) != 1:
+        return None
+    dtype = grads[0].dtype
+    if bucket.grad_buffer is None or bucket.grad_buffer.dtype != dtype:
+        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=dtype, device=grads[0].device)
+    for param, offset, grad in zip(bucket.params, bucket.offsets, grads):
+        view = bucket.grad_buffer[offset : offset + param.numel()].view(param.shape)
+        if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+            view.copy_(grad)
+            param.grad = view
+    return bucket.grad_buffer

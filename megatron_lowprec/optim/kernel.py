@@ -1,0 +1,313 @@
+"""The functional core of the precision-aware AdamW: one reference step for every strategy.
+
+:func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
+(``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
+agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+
+Rounding points of the reference, for every strategy:
+
+* Scalars (bias corrections, step size, ``lr * weight_decay``, ``1 - beta``) are Python floats (fp64)
+  and never pass through a low-precision tensor (Collage §4.2, "compute scalars in high precision").
+* Each moment is decoded to FP32, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), each
+  operation rounded to FP32, none fused; or torch's own ``lerp``/``addcmul`` for option D) and
+  rounded once when stored (nearest for 16-bit,
+  per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and Grow,
+  every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
+* The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) and then applied as
+  the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding. Strategies with
+  ``weight_decay="multiplicative"`` instead update the FP32 master as ``torch.optim.AdamW`` does,
+  θ ← θ(1 - lr·λ) - lr/(1-β1^t) · m / (√v / √(1-β2^t) + ε).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+
+from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
+from megatron_lowprec.numerics import aten_ops
+from megatron_lowprec.numerics.formats import float_format
+from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8, quantize_fp8_into
+from megatron_lowprec.numerics.rounding import keyed_random_bits, stochastic_round
+from megatron_lowprec.optim.buckets import build_bucket
+from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class CounterStream(NamedTuple):
+    """Where the counter-based SR stream starts for one tensor: round keys of (seed, step) and the
+    global index of the tensor's first element (ints, or 0-d int64 tensors in a compiled step)."""
+
+    keys: tuple[Any, Any, Any]
+    index_base: Any
+
+    def words(self, like: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(like.numel(), dtype=torch.int64, device=like.device) + self.index_base
+        return keyed_random_bits(self.keys, index).view(like.shape)
+
+
+RandomSource = torch.Tensor | CounterStream | None
+"""Precomputed 32-bit words (a generator's draw), a counter stream, or nothing (no SR)."""
+
+
+def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
+    """Raise ``ValueError`` if ``strategy`` cannot store ``param``."""
+    if param.dtype not in SUPPORTED_PARAM_DTYPES:
+        valid = ", ".join(str(d) for d in SUPPORTED_PARAM_DTYPES)
+        raise ValueError(
+            f"option {strategy.name!r} keeps the model's parameters in 16 bits; {where} of shape "
+            f"{tuple(param.shape)} has dtype {param.dtype}, valid dtypes: {valid}"
+        )
+
+
+def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> QuantizedTensor:
+    return QuantizedTensor(
+        payload=state[f"{moment}_payload"],
+        scale=state[f"{moment}_scale"],
+        expansion_exponent=state[f"{moment}_expansion_exponent"] if strategy.fp8_expand else None,
+        group_size=strategy.fp8_group_size,
+        shape=param.shape,
+        fp8_dtype=state[f"{moment}_payload"].dtype,
+    )
+
+
+def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, Any]:
+    """Fresh optimizer state for one ``param``: zero moments and components, an FP32 master if any."""
+    return build_bucket(strategy, 0, [param], 0, own_params=False)[1][0]
+
+
+def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
+    """The moment as an FP32 tensor."""
+    if strategy.moments == "fp8":
+        return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
+    return state[moment].float()
+
+
+def _encode_moment(
+    state: dict[str, Any], moment: str, values: torch.Tensor, param: torch.Tensor, strategy: PrecisionStrategy
+) -> None:
+    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8."""
+    if strategy.moments == "fp8":
+        stored = _fp8_moment(state, moment, param, strategy)
+        quantize_fp8_into(
+            values,
+            stored.payload,
+            stored.scale,
+            stored.expansion_exponent,
+            strategy.fp8_group_size,
+            check_finite=not torch.compiler.is_compiling(),
+        )
+    else:
+        state[moment].copy_(values)
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The scalars of one AdamW step, computed in Python floats (fp64) before they meet a tensor.
+
+    They are used as Python floats (eager) or 0-d FP32 tensors (compiled); either way each is
+    rounded once to FP32 where it multiplies an FP32 tensor.
+    """
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    bias_correction2_sqrt: float
+    neg_step_size: float
+    """-lr / (1 - beta1^t)."""
+    neg_lr_weight_decay: float
+    """-lr * weight_decay (decay inside the update, Collage App. D)."""
+    decay_factor: float
+    """1 - lr * weight_decay (multiplicative decay, as torch.optim.AdamW)."""
+
+    @classmethod
+    def for_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> StepScalars:
+        return cls(
+            beta1=beta1,
+            one_minus_beta1=1 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1 - beta2,
+            eps=eps,
+            bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
+            neg_step_size=-lr / (1 - beta1**step),
+            neg_lr_weight_decay=-lr * weight_decay,
+            decay_factor=1 - lr * weight_decay,
+        )
+
+    def as_tensors(self, device: torch.device) -> StepScalars:
+        """The same scalars as 0-d FP32 tensors, so that a compiled step is not specialised on them."""
+        return StepScalars(
+            *(torch.tensor(getattr(self, f.name), dtype=torch.float32, device=device) for f in fields(self))
+        )
+
+
+def _collage_second_moment_(
+    state: dict[str, Any], grad: torch.Tensor, scalars: StepScalars, beta2_expansion: tuple[Any, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    """(v, δv) ← Grow(Mul((β̂2, δβ2), (v, δv)), (1 - β2) g²) in 16-bit MCF (Collage Alg. 2, line 9).
+
+    Returns the represented v = v + δv in FP32.
+    """
+    fresh = (grad * grad * scalars.one_minus_beta2).to(dtype)
+    scaled_hi, scaled_lo = mul(*beta2_expansion, state["exp_avg_sq"], state["exp_avg_sq_lo"])
+    v_hi, v_lo = grow(scaled_hi, scaled_lo, fresh)
+    state["exp_avg_sq"].copy_(v_hi)
+    state["exp_avg_sq_lo"].copy_(v_lo)
+    return v_hi.float() + v_lo.float()
+
+
+def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    """The exact value the optimizer holds for ``param`` in float64: master, θ + δθ, or θ."""
+    if "master" in state:
+        return state["master"].double()
+    if "param_lo" in state:
+        return param.double() + state["param_lo"].double()
+    return param.double()
+
+
+def _decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
+    if "master" in state:
+        return state["master"]
+    if "param_lo" in state:
+        return param.float() + state["param_lo"].float()
+    return param.float()
+
+
+def _apply_nearest(param, state, update, random_source):
+    if "master" in state:
+        state["master"].copy_(state["master"] + update)
+    else:
+        param.copy_(param.float() + update)
+
+
+def _apply_mcf(param, state, update, random_source):
+    """(θ, δθ) ← Grow((θ, δθ), Δθ) (Collage Alg. 2, line 13)."""
+    hi, lo = grow(param, state["param_lo"], update.to(param.dtype))
+    param.copy_(hi)
+    state["param_lo"].copy_(lo)
+
+
+def _apply_kahan(param, state, update, random_source):
+    """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
+    compensated = (update + state["kahan_compensation"].float()).to(param.dtype)
+    new_param, compensation = fast2sum(param, compensated)
+    param.copy_(new_param)
+    state["kahan_compensation"].copy_(compensation)
+
+
+def _apply_stochastic(param, state, update, random_source: RandomSource):
+    """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
+    exact = param.float() + update
+    words = random_source.words(exact) if isinstance(random_source, CounterStream) else random_source
+    param.copy_(stochastic_round(exact, float_format(param.dtype), words))
+
+
+_PARAM_UPDATES = {
+    "nearest": _apply_nearest,
+    "mcf": _apply_mcf,
+    "kahan": _apply_kahan,
+    "stochastic": _apply_stochastic,
+}
+
+
+def adamw_kernel_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    scalars: StepScalars,
+    beta2_expansion: tuple[Any, Any],
+    random_source: RandomSource,
+    want_update: bool,
+) -> torch.Tensor | None:
+    """The elementwise body of one step, in place. Apart from ``moment_arithmetic="torch"`` every
+    operation is one correctly rounded FP32 operation (no lerp, addcmul or addcdiv, whose CPU
+    kernels fuse multiply-adds; a correctly rounded sqrt), so an eager run and a compiled run round
+    alike. ``moment_arithmetic="torch"`` runs ATen's own lerp, addcmul and sqrt (``aten_ops``).
+
+    Returns the intended FP32 update Δθ when ``want_update`` (for the update-quality metrics).
+    """
+    grad = grad.float()
+    torch_arithmetic = strategy.moment_arithmetic == "torch"
+    exp_avg = _decode_moment(state, "exp_avg", param, strategy)
+    if torch_arithmetic:
+        exp_avg = aten_ops.lerp(exp_avg, grad, scalars.one_minus_beta1)
+    else:
+        exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
+    if strategy.second_moment_mcf:
+        exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
+    elif torch_arithmetic:
+        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
+        exp_avg_sq = aten_ops.addcmul(decoded * scalars.beta2, grad, grad, scalars.one_minus_beta2)
+    else:
+        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
+        exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
+    root = aten_ops.sqrt(exp_avg_sq) if torch_arithmetic else aten_ops.sqrt_rn(exp_avg_sq)
+    denom = root / scalars.bias_correction2_sqrt + scalars.eps
+    update = None
+    if strategy.weight_decay == "multiplicative":
+        master = state["master"]
+        if want_update:
+            update = master * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
+        master.copy_(master * scalars.decay_factor + scalars.neg_step_size * exp_avg / denom)
+    else:
+        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
+        _PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    if strategy.master_weights:
+        param.copy_(state["master"])
+    _encode_moment(state, "exp_avg", exp_avg, param, strategy)
+    if not strategy.second_moment_mcf:
+        _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
+    return update
+
+
+def beta2_expansion_for(strategy: PrecisionStrategy, beta2: float, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The 16-bit expansion of beta2 for Collage-plus (Collage Table 1); ``(None, None)`` otherwise."""
+    return expand_scalar(beta2, dtype) if strategy.second_moment_mcf else (None, None)
+
+
+@torch.no_grad()
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    random_source: RandomSource = None,
+    track_update_quality: bool = False,
+) -> UpdateQuality | None:
+    """One AdamW step on one parameter, in place, following ``strategy`` (see the module docstring).
+
+    ``grad`` must be finite (the optimizer checks before calling). ``random_source`` drives
+    stochastic rounding: 32-bit words of ``param``'s shape, or a :class:`CounterStream`. Returns the
+    update-quality pieces when ``track_update_quality`` is set, else ``None``.
+    """
+    state["step"] += 1
+    scalars = StepScalars.for_step(state["step"], lr, beta1, beta2, eps, weight_decay)
+    before = represented_value(param, state) if track_update_quality else None
+    update = adamw_kernel_(
+        param,
+        grad,
+        state,
+        strategy,
+        scalars,
+        beta2_expansion_for(strategy, beta2, param.dtype),
+        random_source,
+        track_update_quality,
+    )
+    if before is None:
+        return None
+    return measure_update_quality(update, before, represented_value(param, state))

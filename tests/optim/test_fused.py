@@ -1,0 +1,114 @@
+"""The fused (compiled, per-bucket) step against the eager reference (per parameter): bit for bit."""
+
+import pytest
+import torch
+
+from megatron_lowprec.optim import AdamW
+from megatron_lowprec.optim.fused import fused_available
+
+from .conftest import OPTIONS
+
+pytestmark = pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
+
+SHAPES = [(1000,), (3,), (129,), (4097,), (7, 13), (300,)]
+"""Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
+
+
+def _twin_optimizers(option, grad_dtype=torch.bfloat16, **kwargs):
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in SHAPES]
+    eager_params = [torch.nn.Parameter(t.clone()) for t in start]
+    fused_params = [torch.nn.Parameter(t.clone()) for t in start]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option, seed=3, **kwargs)
+    for p in eager_params + fused_params:
+        p.grad_dtype = grad_dtype
+    return (eager_params, AdamW(eager_params, fused=False, **hyper)), (fused_params, AdamW(fused_params, fused=True, **hyper))
+
+
+def _assert_bit_identical(eager, fused):
+    (eager_params, eager_optimizer), (fused_params, fused_optimizer) = eager, fused
+    for index, (p, q) in enumerate(zip(eager_params, fused_params)):
+        assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), f"parameter {index}"
+        for key, value in eager_optimizer.state[p].items():
+            other = fused_optimizer.state[q][key]
+            if torch.is_tensor(value):
+                assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)), f"state {key} of parameter {index}"
+            else:
+                assert value == other
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype):
+    eager, fused = _twin_optimizers(option, grad_dtype)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(50):
+        scale = 10.0 ** (step % 7 - 3)
+        for p, q in zip(eager[0], fused[0]):
+            grad = (torch.randn(p.shape, generator=generator) * scale).to(grad_dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager[1].step()
+        fused[1].step()
+    _assert_bit_identical(eager, fused)
+
+
+@pytest.mark.parametrize("option", ["C", "sr"])
+def test_parameters_without_gradient_fall_back_to_the_reference_and_stay_identical(option):
+    eager, fused = _twin_optimizers(option)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(6):
+        for index, (p, q) in enumerate(zip(eager[0], fused[0])):
+            grad = torch.randn(p.shape, generator=generator).bfloat16() if (index + step) % 3 else None
+            p.grad, q.grad = grad, None if grad is None else grad.clone()
+        eager[1].step()
+        fused[1].step()
+    _assert_bit_identical(eager, fused)
+
+
+def test_fused_is_the_default_and_owns_flat_parameter_and_gradient_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 1)).bfloat16()
+    optimizer = AdamW(model.parameters(), option="A")
+    bucket = optimizer.buckets[0]
+    assert bucket.param_buffer is not None
+    for param, offset in zip(bucket.params, bucket.offsets):
+        assert param.data_ptr() == bucket.param_buffer[offset:].data_ptr()
+    inputs = torch.randn(4, 5).bfloat16()
+    model(inputs).sum().backward()
+    optimizer.step()
+    assert all(p.grad.data_ptr() == bucket.grad_buffer[o:].data_ptr() for p, o in zip(bucket.params, bucket.offsets))
+    optimizer.zero_grad()
+    assert torch.count_nonzero(bucket.grad_buffer) == 0
+    model(inputs).sum().backward()
+    assert torch.count_nonzero(bucket.grad_buffer) > 0
+    padding = torch.ones(bucket.numel, dtype=torch.bool)
+    for param, offset in zip(bucket.params, bucket.offsets):
+        padding[offset : offset + param.numel()] = False
+    optimizer.step()
+    assert torch.count_nonzero(bucket.param_buffer[padding]) == 0
+
+
+def test_eager_path_is_selectable_and_leaves_parameters_in_place():
+    param = torch.nn.Parameter(torch.randn(10).bfloat16())
+    pointer = param.data_ptr()
+    optimizer = AdamW([param], option="C", fused=False)
+    assert optimizer.buckets[0].param_buffer is None and param.data_ptr() == pointer
+
+
+def test_a_generator_for_stochastic_rounding_needs_the_eager_path():
+    param = torch.nn.Parameter(torch.randn(10).bfloat16())
+    with pytest.raises(ValueError, match="fused=False"):
+        AdamW([param], option="sr", fused=True, generator=torch.Generator())
+    assert AdamW([param], option="sr", generator=torch.Generator()).buckets[0].param_buffer is None
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_fused_update_quality_equals_the_reference(option):
+    eager, fused = _twin_optimizers(option, track_update_quality=True)
+    generator = torch.Generator().manual_seed(4)
+    for p, q in zip(eager[0], fused[0]):
+        grad = torch.randn(p.shape, generator=generator).bfloat16()
+        p.grad, q.grad = grad.clone(), grad.clone()
+    eager[1].step()
+    fused[1].step()
+    expected, got = eager[1].update_quality[0], fused[1].update_quality[0]
+    assert (got.intended_nonzero, got.lost) == (expected.intended_nonzero, expected.lost)
+    assert got.edq == pytest.approx(expected.edq, rel=1e-12)
