@@ -3,22 +3,31 @@
 For each parameter count, the baseline and every option run in the same process on the same
 parameter layout; times are medians over ``--repeats`` steps after ``--warmup`` steps. Reported per
 option: bytes/param measured from the optimizer's real tensors (params, BF16 grads, states), median
-step time, Gparam/s, effective GB/s (bytes the option must read and write per parameter / time) and
-the time ratio to the baseline (lower is faster).
+step time, Gparam/s, effective GB/s (bytes the option must read and write per parameter / time),
+the time ratio to the baseline (lower is faster), and the peak memory a step allocates beyond what
+was live before it, next to the size of the largest bucket.
 
-    python benchmarks/optimizer_step.py --sizes 1M 16M
+Peak memory: on CUDA from the caching allocator's statistics; on CPU from the process's peak
+resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), with glibc told to serve every
+allocation above 64 KiB by mmap so that freed temporaries leave the resident set at once.
+
+    python benchmarks/optimizer_step.py --sizes 1M 16M 64M
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
 
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 FP32_ADAMW_TRAFFIC_BYTES = 16 + 12
 """torch fused AdamW in FP32 reads param, grad, m, v (16 B) and writes param, m, v (12 B)."""
 
@@ -49,6 +58,28 @@ def median_step_seconds(optimizer: torch.optim.Optimizer, warmup: int, repeats: 
     return statistics.median(times)
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_bytes(step, device: torch.device) -> int:
+    """Bytes allocated by ``step()`` at its peak beyond what was live before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    step()
+    return max(0, _status_kib("VmHWM") - before) * 1024
+
+
 def make_params(numel: int, dtype: torch.dtype, device: torch.device, grad_dtype: torch.dtype) -> list[torch.Tensor]:
     generator = torch.Generator(device="cpu").manual_seed(0)
     params = []
@@ -63,31 +94,42 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device) -> None:
+def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, fused: bool) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} warmup={warmup} repeats={repeats}")
-    header = f"{'params':>8} {'option':>8} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7}"
+    print(
+        f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"warmup={warmup} repeats={repeats} path={'fused' if fused else 'eager'}"
+    )
+    header = (
+        f"{'params':>8} {'option':>8} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
+        f"{'peak MB':>8} {'bucket MB':>9}"
+    )
     for numel in sizes:
         print(header)
         params = make_params(numel, torch.float32, device, torch.float32)
         baseline = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
         baseline_time = median_step_seconds(baseline, warmup, repeats, sync)
+        baseline_peak = peak_extra_bytes(baseline.step, device)
         print(
             f"{numel:>8.2g} {'torch32':>8} {16:>8.3f} {baseline_time * 1e3:>9.2f} {numel / baseline_time / 1e9:>9.3f} "
-            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f}"
+            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f} {baseline_peak / 2**20:>8.1f} "
+            f"{4 * numel / 2**20:>9.1f}"
         )
         del baseline, params
         for option in options:
             strategy = get_strategy(option)
             params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
-            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=option)
+            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=option, fused=fused)
             state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
             bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
             traffic = 2 * 2 + 2 + 2 * state_bytes / numel
             seconds = median_step_seconds(optimizer, warmup, repeats, sync)
+            peak = peak_extra_bytes(optimizer.step, device)
+            largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
             print(
                 f"{numel:>8.2g} {strategy.name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} "
-                f"{numel / seconds / 1e9:>9.3f} {traffic * numel / seconds / 1e9:>9.2f} {seconds / baseline_time:>7.2f}"
+                f"{numel / seconds / 1e9:>9.3f} {traffic * numel / seconds / 1e9:>9.2f} {seconds / baseline_time:>7.2f} "
+                f"{peak / 2**20:>8.1f} {largest_bucket / 2**20:>9.1f}"
             )
             del optimizer, params
 
@@ -99,8 +141,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--eager", action="store_true", help="time the eager reference instead of the fused step")
     args = parser.parse_args()
-    run([parse_size(s) for s in args.sizes], args.options, args.warmup, args.repeats, torch.device(args.device))
+    if args.device == "cpu" and MMAP_THRESHOLD_ENV not in os.environ:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_THRESHOLD_ENV: "65536"})
+    sizes = [parse_size(s) for s in args.sizes]
+    run(sizes, args.options, args.warmup, args.repeats, torch.device(args.device), fused=not args.eager)
 
 
 if __name__ == "__main__":

@@ -133,10 +133,18 @@ class AdamW(torch.optim.Optimizer):
         return self._generator_source()
 
     def _grads_are_finite(self) -> bool:
-        flags = [
-            torch.isfinite(p.grad).all() for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]
-        return bool(torch.stack(flags).all()) if flags else True
+        """One fused pass per device (the kernel torch's GradScaler uses, with an unscale factor of 1)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    by_device.setdefault(param.grad.device, []).append(param.grad)
+        for device, grads in by_device.items():
+            found_inf = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
+            if found_inf.item():
+                return False
+        return True
 
     def _check_grads(self) -> None:
         for group in self.param_groups:

@@ -8,15 +8,18 @@ Rounding points of the reference, for every strategy:
 
 * Scalars (bias corrections, step size, ``lr * weight_decay``, ``1 - beta``) are Python floats (fp64)
   and never pass through a low-precision tensor (Collage §4.2, "compute scalars in high precision").
-* Each moment is decoded to FP32, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), each
-  operation rounded to FP32, none fused; or torch's own ``lerp``/``addcmul`` for option D) and
-  rounded once when stored (nearest for 16-bit,
-  per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and Grow,
-  every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
-* The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) and then applied as
-  the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding. Strategies with
-  ``weight_decay="multiplicative"`` instead update the FP32 master as ``torch.optim.AdamW`` does,
-  θ ← θ(1 - lr·λ) - lr/(1-β1^t) · m / (√v / √(1-β2^t) + ε).
+* Each moment is decoded to FP32, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), every
+  operation rounded to FP32 on its own, none fused) and rounded once when stored (nearest for
+  16-bit, per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and
+  Grow, every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
+* The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) as
+  λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2) and a correctly
+  rounded square root, then applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or
+  stochastic rounding.
+* ``moment_arithmetic="torch"`` (option D) instead repeats ``torch.optim.AdamW`` operation for
+  operation on the FP32 master, ATen's fused multiply-adds and square root included:
+  m ← lerp(m, g, 1-β1), v ← addcmul(β2·v, g, g, 1-β2),
+  θ ← θ(1 - lr·λ) + (-lr/(1-β1^t))·m / (√v / √(1-β2^t) + ε).
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ class StepScalars:
     bias_correction2_sqrt: float
     neg_step_size: float
     """-lr / (1 - beta1^t)."""
+    neg_scaled_step_size: float
+    """-lr √(1 - beta2^t) / (1 - beta1^t): the step size with both bias corrections (Adam §2)."""
+    scaled_eps: float
+    """ε √(1 - beta2^t), so that m̂ / (√v̂ + ε) = √(1-β2^t)/(1-β1^t) · m / (√v + ε̂) with one division."""
     neg_lr_weight_decay: float
     """-lr * weight_decay (decay inside the update, Collage App. D)."""
     decay_factor: float
@@ -129,14 +136,18 @@ class StepScalars:
 
     @classmethod
     def for_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> StepScalars:
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         return cls(
             beta1=beta1,
             one_minus_beta1=1 - beta1,
             beta2=beta2,
             one_minus_beta2=1 - beta2,
             eps=eps,
-            bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
-            neg_step_size=-lr / (1 - beta1**step),
+            bias_correction2_sqrt=bias_correction2_sqrt,
+            neg_step_size=-lr / bias_correction1,
+            neg_scaled_step_size=-lr * bias_correction2_sqrt / bias_correction1,
+            scaled_eps=eps * bias_correction2_sqrt,
             neg_lr_weight_decay=-lr * weight_decay,
             decay_factor=1 - lr * weight_decay,
         )
@@ -218,6 +229,15 @@ _PARAM_UPDATES = {
 }
 
 
+def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars, torch_arithmetic: bool) -> torch.Tensor:
+    """-lr m̂ / (√v̂ + ε): as torch.optim.AdamW (two divisions, ATen's sqrt), or with the bias
+    corrections folded into the scalars (one division, correctly rounded sqrt; Adam §2)."""
+    if torch_arithmetic:
+        denom = aten_ops.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
+        return scalars.neg_step_size * exp_avg / denom
+    return scalars.neg_scaled_step_size * exp_avg / (aten_ops.sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
+
+
 def adamw_kernel_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -250,23 +270,22 @@ def adamw_kernel_(
     else:
         decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
-    root = aten_ops.sqrt(exp_avg_sq) if torch_arithmetic else aten_ops.sqrt_rn(exp_avg_sq)
-    denom = root / scalars.bias_correction2_sqrt + scalars.eps
+    adam_term = _adam_term(exp_avg, exp_avg_sq, scalars, torch_arithmetic)
     update = None
     if strategy.weight_decay == "multiplicative":
         master = state["master"]
         if want_update:
-            update = master * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
-        master.copy_(master * scalars.decay_factor + scalars.neg_step_size * exp_avg / denom)
+            update = master * scalars.neg_lr_weight_decay + adam_term
+        master.copy_(master * scalars.decay_factor + adam_term)
     else:
-        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + scalars.neg_step_size * exp_avg / denom
+        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
         _PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
     if strategy.master_weights:
         param.copy_(state["master"])
     _encode_moment(state, "exp_avg", exp_avg, param, strategy)
     if not strategy.second_moment_mcf:
         _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
-    return update
+    return update if want_update else None
 
 
 def beta2_expansion_for(strategy: PrecisionStrategy, beta2: float, dtype: torch.dtype) -> tuple[Any, Any]:
