@@ -368,3 +368,21 @@ def test_moments_stay_finite_under_large_gradients(option_name):
     for value in optimizer.state[param].values():
         if torch.is_tensor(value):
             assert torch.isfinite(value.float()).all()
+
+
+def test_generator_driven_stochastic_rounding_resumes_bit_identically():
+    def run(generator, state=None, steps=5):
+        param = _param(torch.full((256,), 3.0))
+        optimizer = AdamW([param], lr=1e-3, option="sr", generator=generator)
+        if state is not None:
+            param.data.copy_(state[0])
+            optimizer.load_state_dict(state[1])
+        for _ in range(steps):
+            param.grad = torch.full_like(param, -1.0)
+            optimizer.step()
+        return param.detach().clone(), copy.deepcopy(optimizer.state_dict())
+
+    straight, _ = run(torch.Generator().manual_seed(11), steps=10)
+    half = run(torch.Generator().manual_seed(11), steps=5)
+    resumed, _ = run(torch.Generator().manual_seed(999), state=half)
+    assert torch.equal(resumed, straight)
