@@ -58,7 +58,10 @@ class AdamW(torch.optim.Optimizer):
     parameters as the only copy). Stochastic rounding draws its bits from a counter-based stream
     keyed by (``seed``, step, element index), which needs no state and gives every replica of an
     element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one, e.g.
-    a fork of a shared RNG tracker) replaces it and implies the eager path.
+    a fork of a shared RNG tracker) replaces it and implies the eager path. ``stream_offset(param)``
+    shifts a parameter's element indices in that stream (parameters with different offsets go to
+    different buckets): a distributed caller gives the shards of a tensor-parallel parameter
+    distinct offsets, and replicas the same one.
 
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
     state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step).
@@ -81,6 +84,7 @@ class AdamW(torch.optim.Optimizer):
         generator: GeneratorSource | None = None,
         seed: int = 0,
         track_update_quality: bool = False,
+        stream_offset: Callable[[torch.nn.Parameter], int] | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
         strategy = get_strategy(option)
@@ -96,6 +100,7 @@ class AdamW(torch.optim.Optimizer):
         self.update_quality: list[UpdateQuality] = []
         self.buckets: list[Bucket] = []
         self.seed = seed
+        self._stream_offset = stream_offset or (lambda param: 0)
         self._fused_request = fused
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
@@ -114,12 +119,12 @@ class AdamW(torch.optim.Optimizer):
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        by_layout: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        by_layout: dict[tuple[torch.device, torch.dtype, int], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):
             check_param_dtype(param, self.strategy, f"parameter {index} of group {group_index}")
-            by_layout.setdefault((param.device, param.dtype), []).append(param)
-        for (device, _), params in by_layout.items():
-            element_base = sum(bucket.numel for bucket in self.buckets)
+            by_layout.setdefault((param.device, param.dtype, self._stream_offset(param)), []).append(param)
+        for (device, _, offset), params in by_layout.items():
+            element_base = offset + sum(bucket.numel for bucket in self.buckets)
             bucket, states = build_bucket(self.strategy, group_index, params, element_base, self._wants_fused(device))
             self.buckets.append(bucket)
             for param, state in zip(params, states):

@@ -386,3 +386,18 @@ def test_generator_driven_stochastic_rounding_resumes_bit_identically():
     half = run(torch.Generator().manual_seed(11), steps=5)
     resumed, _ = run(torch.Generator().manual_seed(999), state=half)
     assert torch.equal(resumed, straight)
+
+
+def test_stream_offset_gives_shards_their_own_bits_and_leaves_replicas_alone():
+    def run(offset_of_first):
+        params = [_param(torch.full((256,), 3.0)), _param(torch.full((256,), 3.0))]
+        first = params[0]
+        optimizer = AdamW(params, lr=1e-3, option="sr", stream_offset=lambda p: offset_of_first if p is first else 0)
+        for param in params:
+            param.grad = torch.full_like(param, -1.0)
+        optimizer.step()
+        return [param.detach().clone() for param in params]
+
+    same, shifted = run(0), run(1 << 40)
+    assert torch.equal(same[1], shifted[1])
+    assert not torch.equal(same[0], shifted[0])
