@@ -16,6 +16,7 @@ GPU. What keeps the compiled step bit-identical to the eager one:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
@@ -41,11 +42,7 @@ RECOMPILE_LIMIT = 64
 def fused_available(device: torch.device) -> bool:
     """Whether ``torch.compile`` can build the fused step here: a C++ compiler on CPU, Triton on GPU."""
     if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return importlib.util.find_spec("triton") is not None
     if device.type == "cpu":
         return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
     return False

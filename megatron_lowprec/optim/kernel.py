@@ -33,7 +33,7 @@ from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_updat
 from megatron_lowprec.numerics import aten_ops
 from megatron_lowprec.numerics.formats import float_format
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8, quantize_fp8_into
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
 from megatron_lowprec.numerics.rounding import keyed_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy

@@ -7,15 +7,9 @@ below checks one scenario of that run. The in-process tests touch no megatron co
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +18,7 @@ import torch
 from megatron_lowprec.megatron import cpu
 
 from ._cpu_bridge_worker import RealCudaCallError, real_cuda_forbidden
+from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_cpu_bridge_worker.py")
 WORLD_SIZE = 2
@@ -37,57 +32,9 @@ requires_no_cuda = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _run_ranks(result_dir: Path) -> list[dict]:
-    """Launch one worker per rank, wait (bounded) and return each rank's results."""
-    environment = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD_SIZE),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    logs = [result_dir / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
-    with contextlib.ExitStack() as open_logs:
-        workers = [
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(result_dir)],
-                env={**environment, "RANK": str(rank)},
-                stdout=open_logs.enter_context(log.open("w")),
-                stderr=subprocess.STDOUT,
-            )
-            for rank, log in enumerate(logs)
-        ]
-        deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
-        try:
-            for worker in workers:
-                worker.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_SECONDS} s:\n{_tails(logs)}")
-        finally:
-            for worker in workers:
-                if worker.poll() is None:
-                    worker.kill()
-                    worker.wait()
-    result_files = [result_dir / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
-    if not all(result_file.exists() for result_file in result_files):
-        pytest.fail(f"a rank wrote no results:\n{_tails(logs)}")
-    return [json.loads(result_file.read_text()) for result_file in result_files]
-
-
-def _tails(logs: list[Path]) -> str:
-    return "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return _run_ranks(tmp_path_factory.mktemp("cpu_bridge"))
+    return run_ranks(WORKER, tmp_path_factory.mktemp("cpu_bridge"), WORLD_SIZE, timeout_seconds=RUN_TIMEOUT_SECONDS)
 
 
 def _scenario(ranks: list[dict], name: str) -> list[dict]:

@@ -1,0 +1,66 @@
+"""Launch a worker script once per rank (gloo on localhost), bounded in time, and collect its results.
+
+Each worker gets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``, is called as
+``python WORKER RESULT_DIR *ARGS`` and writes ``RESULT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
+
+
+def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeout_seconds: float = 240) -> list[dict]:
+    """Launch one ``worker`` per rank, wait (bounded) and return each rank's results."""
+    environment = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    logs = [result_dir / f"rank{rank}.log" for rank in range(world_size)]
+    with contextlib.ExitStack() as open_logs:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(worker), str(result_dir), *args],
+                env={**environment, "RANK": str(rank)},
+                stdout=open_logs.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+            )
+            for rank, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + timeout_seconds
+        try:
+            for worker_process in workers:
+                worker_process.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the ranks did not finish within {timeout_seconds} s:\n{_tails(logs)}")
+        finally:
+            for worker_process in workers:
+                if worker_process.poll() is None:
+                    worker_process.kill()
+                    worker_process.wait()
+    result_files = [result_dir / f"rank{rank}.json" for rank in range(world_size)]
+    if not all(result_file.exists() for result_file in result_files):
+        pytest.fail(f"a rank wrote no results:\n{_tails(logs)}")
+    return [json.loads(result_file.read_text()) for result_file in result_files]
