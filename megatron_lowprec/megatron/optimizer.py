@@ -1,0 +1,155 @@
+"""Precision options as Megatron optimizers: ``build_optimizer(option, model_chunks, config)``.
+
+The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP32 copy of the model:
+the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
+its config says) become ``param.grad``, they are clipped by their global norm over the
+model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` updates the model's
+16-bit parameters in place with the chosen precision option (only ``D`` and ``coat`` keep an FP32
+master, inside the optimizer state). A step whose gradients hold NaN or inf on any rank is skipped
+on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
+
+Stochastic rounding draws from the stateless counter stream of ``AdamW``. Replicas of a parameter
+share its bits: every data-parallel rank builds the same buckets, and so does every tensor-parallel
+rank for parameters that tensor parallelism does not shard. The shards of a tensor-parallel
+parameter get disjoint element indices (``stream_offset``), so their bits are independent.
+``shared_randomness=False`` mixes the global rank into the seed: the SR paper's ablation, in which
+replicas drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import _get_param_groups as megatron_param_groups
+from megatron.core.optimizer.optimizer import FP32Optimizer
+
+from megatron_lowprec.optim import AdamW, get_strategy
+
+TENSOR_PARALLEL_STREAM_STRIDE = 1 << 44
+"""Element-index distance between the SR streams of two tensor-parallel shards (room for 16T elements)."""
+
+
+class LowPrecisionOptimizer(FP32Optimizer):
+    """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
+
+    def __init__(self, optimizer: AdamW, config: OptimizerConfig) -> None:
+        super().__init__(optimizer, config, init_state_fn=lambda optimizer, config: None)
+        self._grad_dtypes: dict[torch.nn.Parameter, torch.dtype | None] = {}
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's step (prepare, clip, count zeros, update); afterwards the parameters' ``.grad``
+        are released and their ``grad_dtype`` restored, so that the next backward pass rounds the
+        gradients of 16-bit parameters as it would without this optimizer."""
+        try:
+            return super().step()
+        finally:
+            for param, grad_dtype in self._grad_dtypes.items():
+                param.grad = None
+                param.grad_dtype = grad_dtype
+            self._grad_dtypes.clear()
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """``main_grad`` → ``grad``; returns whether any rank of the model-parallel group found inf/NaN.
+
+        FP32 main gradients (``grad_reduce_in_fp32``) become the gradients of 16-bit parameters as
+        they are, through torch's ``grad_dtype`` for the duration of :meth:`step`.
+        """
+        for param in self.get_parameters():
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None and main_grad.dtype != param.grad_dtype:
+                self._grad_dtypes.setdefault(param, param.grad_dtype)
+                param.grad_dtype = main_grad.dtype
+        super().prepare_grads()
+        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        found_inf = torch.zeros(1, device=self.get_loss_scale().device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones_like(found_inf))
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
+        if found_inf.item():
+            self.optimizer.skipped_steps += 1
+            return True
+        return False
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clipping by the global L2 norm over the model-parallel group: megatron's own for FP32
+        gradients, the same computation with squares accumulated in FP32 for 16-bit gradients
+        (megatron's asserts FP32)."""
+        if all(p.grad.dtype == torch.float32 for p in self.get_parameters() if p.grad is not None):
+            return super().clip_grad_norm(clip_grad)
+        squares = torch.zeros(1, device=self.get_loss_scale().device)
+        for grad in self.get_main_grads_for_grad_norm():
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
+        grad_norm = squares.item() ** 0.5
+        coefficient = clip_grad / (grad_norm + 1.0e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coefficient)
+        return grad_norm
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+        """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
+        parameter's shape), which ``dist_checkpointing`` reshards across layouts."""
+        if self.optimizer.strategy.moments == "fp8":
+            raise ValueError(
+                "option 'coat' keeps per-group FP8 scales that do not follow the parameter's shape; "
+                "save it with state_dict() instead of dist_checkpointing"
+            )
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+
+
+def tensor_parallel_stream_offset(param: torch.nn.Parameter) -> int:
+    """SR stream offset of ``param``: 0 for parameters replicated across tensor-parallel ranks, a
+    distinct non-zero offset per tensor-parallel rank for shards (non-zero on rank 0 too, so that
+    shards and replicated parameters never share a bucket and every rank lays out the same buckets)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return (parallel_state.get_tensor_model_parallel_rank() + 1) * TENSOR_PARALLEL_STREAM_STRIDE
+    return 0
+
+
+def build_optimizer(
+    option: str,
+    model_chunks: list[torch.nn.Module],
+    config: OptimizerConfig,
+    *,
+    seed: int = 0,
+    shared_randomness: bool = True,
+    fused: bool | None = None,
+    track_update_quality: bool = False,
+) -> LowPrecisionOptimizer:
+    """The Megatron optimizer of precision ``option`` for ``model_chunks`` (after megatron DDP wrapping).
+
+    Parameter groups are megatron's own (no weight decay on biases and 1-D parameters, ``wd_mult``
+    and ``lr_mult`` for ``OptimizerParamScheduler``); ``config`` supplies lr, weight decay, Adam's
+    betas and eps and ``clip_grad``. Parameters must be BF16 or FP16 (``Float16Module``). An unknown
+    option raises ``ValueError`` listing the valid names before anything is built.
+    """
+    strategy = get_strategy(option)
+    if config.use_distributed_optimizer:
+        raise ValueError("use_distributed_optimizer=True is not supported by the precision options; set it to False")
+    groups: list[dict[str, Any]] = []
+    for group in megatron_param_groups(model_chunks, config, None):
+        if group["params"]:
+            groups.append(
+                {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
+            )
+    if not shared_randomness:
+        seed = seed + torch.distributed.get_rank() * 1_000_003
+    adamw = AdamW(
+        groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        option=strategy,
+        seed=seed,
+        fused=fused,
+        track_update_quality=track_update_quality,
+        stream_offset=tensor_parallel_stream_offset,
+    )
+    return LowPrecisionOptimizer(adamw, config)

@@ -1,0 +1,166 @@
+"""One rank of the optimizer-hook checks: a tiny megatron GPT trained with ``build_optimizer`` on gloo.
+
+Launched by ``test_optimizer_hook.py`` as ``python _optimizer_hook_worker.py RESULT_DIR SCENARIO JSON``
+once per rank; writes ``RESULT_DIR/rank<N>.json``. The model, data and schedule are those of the
+CPU-bridge checks (``_cpu_bridge_worker``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config
+
+from megatron_lowprec.megatron import cpu as cpu_bridge
+
+
+def _ddp(config, grad_reduce_in_fp32: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
+
+
+def _optimizer_config():
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta2=0.95, bf16=True, clip_grad=1.0
+    )
+
+
+def _scheduler(optimizer, steps: int):
+    """Megatron's own LR/WD schedule (cosine with warmup), which also applies ``wd_mult``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = _optimizer_config()
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=2,
+        lr_decay_steps=steps,
+        lr_decay_style="cosine",
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+
+
+def _train(model, optimizer, steps: int) -> dict:
+    from megatron.core import parallel_state
+
+    data_rank = parallel_state.get_data_parallel_rank()
+    scheduler = _scheduler(optimizer, steps)
+    losses, successes = [], []
+    for step in range(steps):
+        scheduler.step(1)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.extend(_train_step(model, data_seed=1000 * step + data_rank))
+        model.finish_grad_sync()
+        success, _, _ = optimizer.step()
+        successes.append(success)
+    return {"losses": losses, "successes": successes}
+
+
+def _bitwise_equal_across(tensor: torch.Tensor, group) -> bool:
+    return all(torch.equal(other, tensor) for other in _gather(tensor, group))
+
+
+def replicas(option: str, tensor_parallel: int, shared_randomness: bool, steps: int, fused: bool) -> dict:
+    """Train, then compare parameters bit for bit across data-parallel replicas and, for parameters
+    tensor parallelism does not shard, across tensor-parallel ranks."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(config, grad_reduce_in_fp32=False)
+    optimizer = build_optimizer(
+        option, [model], _optimizer_config(), seed=5, shared_randomness=shared_randomness, fused=fused
+    )
+    result = _train(model, optimizer, steps)
+    params = list(model.parameters())
+    replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
+    result.update(
+        data_parallel_identical=_bitwise_equal_across(
+            _flat(params).view(torch.int32), parallel_state.get_data_parallel_group()
+        ),
+        tensor_parallel_replicated_identical=_bitwise_equal_across(
+            _flat(replicated).view(torch.int32), parallel_state.get_tensor_model_parallel_group()
+        ),
+        moved=not torch.equal(_flat(params), _flat(_seeded_model(config).parameters())),
+    )
+    return result
+
+
+def option_d_against_stock_megatron(steps: int) -> dict:
+    """Option D and megatron's own bf16 optimizer (Float16OptimizerWithFloat16Params around torch's
+    AdamW) from the same weights on the same data: their losses."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    ours = _ddp(config, grad_reduce_in_fp32=True)
+    stock = _ddp(config, grad_reduce_in_fp32=True)
+    return {
+        "ours": _train(ours, build_optimizer("D", [ours], _optimizer_config(), fused=False), steps)["losses"],
+        "stock": _train(stock, get_megatron_optimizer(_optimizer_config(), [stock]), steps)["losses"],
+    }
+
+
+def non_finite_gradient_skips_everywhere() -> dict:
+    """A NaN gradient on one rank only: every rank skips the step and keeps its parameters."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = _ddp(_transformer_config(tensor_parallel=2), grad_reduce_in_fp32=False)
+    optimizer = build_optimizer("C", [model], _optimizer_config(), fused=False)
+    model.zero_grad_buffer()
+    _train_step(model, data_seed=3)
+    model.finish_grad_sync()
+    if torch.distributed.get_rank() == 1:
+        next(iter(model.parameters())).main_grad.view(-1)[0] = math.nan
+    before = _flat(model.parameters())
+    success, grad_norm, _ = optimizer.step()
+    return {
+        "success": success,
+        "grad_norm_is_none": grad_norm is None,
+        "unchanged": torch.equal(before, _flat(model.parameters())),
+        "skipped_steps": optimizer.optimizer.skipped_steps,
+    }
+
+
+SCENARIOS = {f.__name__: f for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere)}
+
+
+def main(result_dir: Path, scenario: str, arguments: dict) -> None:
+    from megatron.core import parallel_state
+
+    with cpu_bridge.cpu_bridge():
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            result = SCENARIOS[scenario](**arguments)
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))

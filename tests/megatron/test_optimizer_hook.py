@@ -1,0 +1,59 @@
+"""Precision options as Megatron optimizers (``build_optimizer``), trained on CPU with gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from .launch import run_ranks
+
+WORKER = Path(__file__).with_name("_optimizer_hook_worker.py")
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
+]
+
+
+def _run(tmp_path: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
+    return run_ranks(WORKER, tmp_path, world_size, scenario, json.dumps(arguments))
+
+
+@pytest.mark.parametrize(
+    "option, tensor_parallel, fused",
+    [("sr", 1, False), ("sr", 2, False), ("sr", 1, True), ("A", 2, False), ("C", 2, False), ("D", 2, False)],
+)
+def test_replicas_stay_bit_identical(tmp_path, option, tensor_parallel, fused):
+    """DP=2 or TP=2 (two ranks): finite losses, every step taken, parameters moved; data-parallel
+    replicas bit-identical; TP-replicated parameters bit-identical across TP ranks."""
+    ranks = _run(tmp_path, 2, "replicas", option=option, tensor_parallel=tensor_parallel,
+                 shared_randomness=True, steps=8, fused=fused)
+    for rank in ranks:
+        assert all(math.isfinite(loss) for loss in rank["losses"])
+        assert all(rank["successes"]) and rank["moved"]
+        assert rank["data_parallel_identical"] and rank["tensor_parallel_replicated_identical"]
+
+
+def test_stochastic_rounding_replicas_drift_without_shared_randomness(tmp_path):
+    """The negative control of the SR paper's ablation: each rank its own bits, replicas differ."""
+    ranks = _run(tmp_path, 2, "replicas", option="sr", tensor_parallel=1, shared_randomness=False, steps=8, fused=False)
+    assert not any(rank["data_parallel_identical"] for rank in ranks)
+
+
+def test_option_d_reproduces_stock_megatron_bf16_optimizer(tmp_path):
+    """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW does (DP=2)."""
+    ranks = _run(tmp_path, 2, "option_d_against_stock_megatron", steps=10)
+    for rank in ranks:
+        assert rank["ours"] == pytest.approx(rank["stock"], rel=1e-6, abs=0)
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):
+    ranks = _run(tmp_path, 2, "non_finite_gradient_skips_everywhere")
+    for rank in ranks:
+        assert rank["success"] is False and rank["grad_norm_is_none"]
+        assert rank["unchanged"] and rank["skipped_steps"] == 1
