@@ -55,13 +55,13 @@ def _scheduler(optimizer, steps: int):
     )
 
 
-def _train(model, optimizer, steps: int) -> dict:
+def _train(model, optimizer, steps: int, scheduler=None, first_step: int = 0) -> dict:
     from megatron.core import parallel_state
 
     data_rank = parallel_state.get_data_parallel_rank()
-    scheduler = _scheduler(optimizer, steps)
+    scheduler = scheduler or _scheduler(optimizer, steps)
     losses, successes = [], []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         scheduler.step(1)
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -146,7 +146,56 @@ def non_finite_gradient_skips_everywhere() -> dict:
     }
 
 
-SCENARIOS = {f.__name__: f for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere)}
+def resume(options: list[str], steps: int) -> dict:
+    """DP=2: ``steps`` straight against ``steps / 2`` + state dicts (model, optimizer, scheduler, RNG
+    states, as a checkpoint holds them) + a fresh model and optimizer that load them and run the
+    rest; per option, whether losses and parameters are bit-identical."""
+    import copy
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config()
+    half = steps // 2
+    result = {}
+    for option in options:
+
+        def fresh():
+            model = _ddp(config, grad_reduce_in_fp32=False)
+            optimizer = build_optimizer(option, [model], _optimizer_config(), seed=3, fused=False)
+            return model, optimizer, _scheduler(optimizer, steps)
+
+        model, optimizer, scheduler = fresh()
+        first = _train(model, optimizer, half, scheduler)["losses"]
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        saved = copy.deepcopy(
+            (model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), tracker.get_states())
+        )
+        straight = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        straight_params = _flat(model.parameters())
+
+        model, optimizer, scheduler = fresh()
+        _train(model, optimizer, 1, scheduler, first_step=steps)
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        scheduler = _scheduler(optimizer, steps)
+        scheduler.load_state_dict(saved[2])
+        torch.set_rng_state(saved[3])
+        tracker.set_states(saved[4])
+        resumed = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        result[option] = {
+            "finite": all(math.isfinite(loss) for loss in first + straight),
+            "losses_identical": resumed == straight,
+            "params_identical": torch.equal(straight_params.view(torch.int32), _flat(model.parameters()).view(torch.int32)),
+        }
+    return result
+
+
+SCENARIOS = {
+    f.__name__: f for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere, resume)
+}
 
 
 def main(result_dir: Path, scenario: str, arguments: dict) -> None:

@@ -57,3 +57,13 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):
     for rank in ranks:
         assert rank["success"] is False and rank["grad_norm_is_none"]
         assert rank["unchanged"] and rank["skipped_steps"] == 1
+
+
+def test_resume_from_state_dicts_continues_bit_identically(tmp_path):
+    """Every option at DP=2 (dropout on): 6 steps straight = 3 steps, state dicts, 3 steps in a fresh
+    model and optimizer (which first took a step of its own, so that loading must overwrite it)."""
+    options = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
+    ranks = _run(tmp_path, 2, "resume", options=options, steps=6)
+    for rank in ranks:
+        for option in options:
+            assert rank[option] == {"finite": True, "losses_identical": True, "params_identical": True}, option
