@@ -4,8 +4,9 @@ For each parameter count, the baseline and every option run in the same process 
 parameter layout; times are medians over ``--repeats`` steps after ``--warmup`` steps. Reported per
 option: bytes/param measured from the optimizer's real tensors (params, BF16 grads, states), median
 step time, Gparam/s, effective GB/s (bytes the option must read and write per parameter / time),
-the time ratio to the baseline (lower is faster), and the peak memory a step allocates beyond what
-was live before it, next to the size of the largest bucket.
+the time ratio to the baseline (lower is faster), the effective bandwidth as a share of a plain FP32
+copy measured in the same run ("copy %"), and the peak memory a step allocates beyond what was live
+before it, next to the size of the largest bucket.
 
 Peak memory: on CUDA from the caching allocator's statistics; on CPU from the process's peak
 resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), with glibc told to serve every
@@ -80,6 +81,20 @@ def peak_extra_bytes(step, device: torch.device) -> int:
     return max(0, _status_kib("VmHWM") - before) * 1024
 
 
+def copy_bandwidth(numel: int, device: torch.device, repeats: int, sync) -> float:
+    """Bytes per second of a plain FP32 copy (read + write) of ``numel`` elements on ``device``."""
+    source = torch.randn(numel, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        target.copy_(source)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 8 * numel / statistics.median(times[1:])
+
+
 def make_params(numel: int, dtype: torch.dtype, device: torch.device, grad_dtype: torch.dtype) -> list[torch.Tensor]:
     generator = torch.Generator(device="cpu").manual_seed(0)
     params = []
@@ -102,9 +117,11 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
     )
     header = (
         f"{'params':>8} {'option':>8} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
-        f"{'peak MB':>8} {'bucket MB':>9}"
+        f"{'copy %':>7} {'peak MB':>8} {'bucket MB':>9}"
     )
     for numel in sizes:
+        bandwidth = copy_bandwidth(numel, device, repeats, sync)
+        print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")
         print(header)
         params = make_params(numel, torch.float32, device, torch.float32)
         baseline = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
@@ -112,7 +129,8 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
         baseline_peak = peak_extra_bytes(baseline.step, device)
         print(
             f"{numel:>8.2g} {'torch32':>8} {16:>8.3f} {baseline_time * 1e3:>9.2f} {numel / baseline_time / 1e9:>9.3f} "
-            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f} {baseline_peak / 2**20:>8.1f} "
+            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f} "
+            f"{100 * FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / bandwidth:>7.1f} {baseline_peak / 2**20:>8.1f} "
             f"{4 * numel / 2**20:>9.1f}"
         )
         del baseline, params
@@ -129,7 +147,7 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
             print(
                 f"{numel:>8.2g} {strategy.name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} "
                 f"{numel / seconds / 1e9:>9.3f} {traffic * numel / seconds / 1e9:>9.2f} {seconds / baseline_time:>7.2f} "
-                f"{peak / 2**20:>8.1f} {largest_bucket / 2**20:>9.1f}"
+                f"{100 * traffic * numel / seconds / bandwidth:>7.1f} {peak / 2**20:>8.1f} {largest_bucket / 2**20:>9.1f}"
             )
             del optimizer, params
 
