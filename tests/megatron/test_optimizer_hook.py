@@ -25,13 +25,21 @@ def _run(tmp_path: Path, world_size: int, scenario: str, **arguments) -> list[di
 
 
 @pytest.mark.parametrize(
-    "option, tensor_parallel, fused",
-    [("sr", 1, False), ("sr", 2, False), ("sr", 1, True), ("A", 2, False), ("C", 2, False), ("D", 2, False)],
+    "option, world_size, tensor_parallel, fused",
+    [
+        ("sr", 2, 1, False),
+        ("sr", 2, 2, False),
+        ("sr", 2, 1, True),
+        ("sr", 4, 2, False),
+        ("A", 2, 2, False),
+        ("C", 2, 2, False),
+        ("D", 2, 2, False),
+    ],
 )
-def test_replicas_stay_bit_identical(tmp_path, option, tensor_parallel, fused):
-    """DP=2 or TP=2 (two ranks): finite losses, every step taken, parameters moved; data-parallel
+def test_replicas_stay_bit_identical(tmp_path, option, world_size, tensor_parallel, fused):
+    """DP=2, TP=2 and TP2xDP2: finite losses, every step taken, parameters moved; data-parallel
     replicas bit-identical; TP-replicated parameters bit-identical across TP ranks."""
-    ranks = _run(tmp_path, 2, "replicas", option=option, tensor_parallel=tensor_parallel,
+    ranks = _run(tmp_path, world_size, "replicas", option=option, tensor_parallel=tensor_parallel,
                  shared_randomness=True, steps=8, fused=fused)
     for rank in ranks:
         assert all(math.isfinite(loss) for loss in rank["losses"])
