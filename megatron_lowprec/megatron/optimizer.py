@@ -21,11 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
 
+from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.optim import AdamW, get_strategy
 
 TENSOR_PARALLEL_STREAM_STRIDE = 1 << 44
@@ -91,6 +92,21 @@ class LowPrecisionOptimizer(FP32Optimizer):
         if coefficient < 1.0:
             torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coefficient)
         return grad_norm
+
+    def update_quality(self) -> UpdateQuality:
+        """EDQ and imprecision pieces of the last step for the whole model (``track_update_quality``).
+
+        Pieces are summed over the model-parallel group (tensor and pipeline ranks), counting the
+        copies of a tensor-parallel-replicated parameter once; data-parallel replicas are identical
+        and are not summed.
+        """
+        local = UpdateQuality()
+        for bucket, quality in zip(self.optimizer.buckets, self.optimizer.bucket_update_quality):
+            if tensor_parallel.param_is_not_tensor_parallel_duplicate(bucket.params[0]):
+                local = local + quality
+        pieces = local.to_tensor(self.get_loss_scale().device)
+        torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
+        return UpdateQuality.from_tensor(pieces)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its

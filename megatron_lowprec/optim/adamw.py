@@ -66,8 +66,9 @@ class AdamW(torch.optim.Optimizer):
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
     state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step).
 
-    With ``track_update_quality=True`` every step stores, per parameter group, the EDQ and
-    imprecision pieces in :attr:`update_quality`; when off it costs no memory or time.
+    With ``track_update_quality=True`` every step stores the EDQ and imprecision pieces per
+    parameter group in :attr:`update_quality` and per bucket (aligned with :attr:`buckets`) in
+    :attr:`bucket_update_quality`; when off it costs no memory or time.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class AdamW(torch.optim.Optimizer):
         self.track_update_quality = track_update_quality
         self.skipped_steps = 0
         self.update_quality: list[UpdateQuality] = []
+        self.bucket_update_quality: list[UpdateQuality] = []
         self.buckets: list[Bucket] = []
         self.seed = seed
         self._stream_offset = stream_offset or (lambda param: 0)
@@ -215,11 +217,12 @@ class AdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None
-        qualities = [UpdateQuality() for _ in self.param_groups]
-        for bucket in self.buckets:
-            qualities[bucket.group_index] = qualities[bucket.group_index] + self._step_bucket(bucket, generator)
+        bucket_quality = [self._step_bucket(bucket, generator) for bucket in self.buckets]
         if self.track_update_quality:
-            self.update_quality = qualities
+            self.bucket_update_quality = bucket_quality
+            self.update_quality = [UpdateQuality() for _ in self.param_groups]
+            for bucket, quality in zip(self.buckets, bucket_quality):
+                self.update_quality[bucket.group_index] = self.update_quality[bucket.group_index] + quality
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

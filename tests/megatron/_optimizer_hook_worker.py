@@ -193,8 +193,32 @@ def resume(options: list[str], steps: int) -> dict:
     return result
 
 
+def update_quality(option: str, tensor_parallel: int) -> dict:
+    """One step on the same global weights and the same data on every rank; the model's EDQ pieces."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(config, grad_reduce_in_fp32=True)
+    optimizer = build_optimizer(option, [model], _optimizer_config(), fused=False, track_update_quality=True)
+    model.zero_grad_buffer()
+    _train_step(model, data_seed=42)
+    model.finish_grad_sync()
+    optimizer.step()
+    quality = optimizer.update_quality()
+    return {
+        "edq": quality.edq,
+        "imprecision_percent": quality.imprecision_percent,
+        "intended_nonzero": quality.intended_nonzero,
+        "numel": sum(p.numel() for p in model.parameters()),
+    }
+
+
 SCENARIOS = {
-    f.__name__: f for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere, resume)
+    f.__name__: f
+    for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere, resume, update_quality)
 }
 
 

@@ -20,8 +20,9 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
-    return run_ranks(WORKER, tmp_path, world_size, scenario, json.dumps(arguments))
+def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments))
 
 
 @pytest.mark.parametrize(
@@ -75,3 +76,17 @@ def test_resume_from_state_dicts_continues_bit_identically(tmp_path):
     for rank in ranks:
         for option in options:
             assert rank[option] == {"finite": True, "losses_identical": True, "params_identical": True}, option
+
+
+def test_update_quality_is_the_same_at_tp1_and_tp2(tmp_path):
+    """EDQ and imprecision of one step of option A from the same global weights on the same data:
+    the model-parallel reduction counts every parameter once, so TP=2 reports what TP=1 does, up to
+    the different order of TP=2's reductions (bf16 activations) in the gradients."""
+    tp1 = _run(tmp_path / "tp1", 2, "update_quality", option="A", tensor_parallel=1)
+    tp2 = _run(tmp_path / "tp2", 2, "update_quality", option="A", tensor_parallel=2)
+    assert tp1[0]["intended_nonzero"] == tp2[0]["intended_nonzero"] == tp2[1]["intended_nonzero"]
+    assert tp1[0]["intended_nonzero"] > 0.99 * tp1[0]["numel"]
+    assert tp2[0]["edq"] == tp2[1]["edq"]
+    assert tp2[0]["edq"] == pytest.approx(tp1[0]["edq"], rel=1e-2)
+    assert tp2[0]["imprecision_percent"] == pytest.approx(tp1[0]["imprecision_percent"], abs=1.0)
+    assert 0 < tp1[0]["imprecision_percent"] < 100
