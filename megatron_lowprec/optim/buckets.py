@@ -122,7 +122,7 @@ def build_bucket(
     if own_params:
         bucket.param_buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         for index, param in enumerate(params):
-            view = bucket.param_buffer[offsets[index] : offsets[index] + param.numel()].view(param.shape)
+            view = bucket.view(bucket.param_buffer, index).view(param.shape)
             view.copy_(param.detach())
             param.data = view
     group_size = strategy.fp8_group_size
@@ -147,8 +147,8 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | None:
     dtype = grads[0].dtype
     if bucket.grad_buffer is None or bucket.grad_buffer.dtype != dtype:
         bucket.grad_buffer = torch.zeros(bucket.numel, dtype=dtype, device=grads[0].device)
-    for param, offset, grad in zip(bucket.params, bucket.offsets, grads):
-        view = bucket.grad_buffer[offset : offset + param.numel()].view(param.shape)
+    for index, (param, grad) in enumerate(zip(bucket.params, grads)):
+        view = bucket.view(bucket.grad_buffer, index).view(param.shape)
         if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
             view.copy_(grad)
             param.grad = view
