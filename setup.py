@@ -18,7 +18,7 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1,<0.17"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "megatron-core>=0.16.1,<0.17"],
+        "megatron": ["megatron-core>=0.16.1,<0.17", "psutil"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "megatron-core>=0.16.1,<0.17", "psutil"],
     },
 )

@@ -216,9 +216,56 @@ def update_quality(option: str, tensor_parallel: int) -> dict:
     }
 
 
+def _state_norms(model, optimizer) -> dict[str, float]:
+    """Per optimizer-state key, the global sum of squares over the model, each parameter counted once."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    keys = [key for key, value in optimizer.optimizer.state[next(iter(model.parameters()))].items() if torch.is_tensor(value)]
+    sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    for param in model.parameters():
+        if tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            state = optimizer.optimizer.state[param]
+            sums[:-1] += torch.stack([state[key].double().square().sum() for key in keys])
+            sums[-1] += param.double().square().sum()
+    torch.distributed.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
+    return dict(zip([*keys, "param"], sums.tolist()))
+
+
+def dist_checkpoint(option: str, tensor_parallel: int, checkpoint_dir: str, save: bool) -> dict:
+    """Train and save a megatron dist checkpoint (model + optimizer), or load one saved at another
+    tensor-parallel size; the state norms and the loss on fixed data either way."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(config, grad_reduce_in_fp32=False)
+    optimizer = build_optimizer(option, [model], _optimizer_config(), fused=False)
+    if save:
+        _train(model, optimizer, 3)
+    model_state = model.module.sharded_state_dict()
+    sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=not save)}
+    if save:
+        dist_checkpointing.save(sharded, checkpoint_dir)
+    else:
+        loaded = dist_checkpointing.load(sharded, checkpoint_dir)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+    model.zero_grad_buffer()
+    return {"norms": _state_norms(model, optimizer), "loss": _train_step(model, data_seed=77)}
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (replicas, option_d_against_stock_megatron, non_finite_gradient_skips_everywhere, resume, update_quality)
+    for f in (
+        replicas,
+        option_d_against_stock_megatron,
+        non_finite_gradient_skips_everywhere,
+        resume,
+        update_quality,
+        dist_checkpoint,
+    )
 }
 
 

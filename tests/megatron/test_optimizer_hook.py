@@ -90,3 +90,18 @@ def test_update_quality_is_the_same_at_tp1_and_tp2(tmp_path):
     assert tp2[0]["edq"] == pytest.approx(tp1[0]["edq"], rel=1e-2)
     assert tp2[0]["imprecision_percent"] == pytest.approx(tp1[0]["imprecision_percent"], abs=1.0)
     assert 0 < tp1[0]["imprecision_percent"] < 100
+
+
+@pytest.mark.parametrize("option", ["C", "D"])
+def test_dist_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path, option):
+    """megatron dist_checkpointing: save model + optimizer at TP=2, load at TP=1 (resharded). Every
+    state component and the parameters keep their global norms (fp64 sums of the same values), and
+    the loss on fixed data agrees up to TP's reduction order."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    saved = _run(tmp_path / "save", 2, "dist_checkpoint", option=option, tensor_parallel=2,
+                 checkpoint_dir=str(checkpoint), save=True)
+    loaded = _run(tmp_path / "load", 2, "dist_checkpoint", option=option, tensor_parallel=1,
+                  checkpoint_dir=str(checkpoint), save=False)
+    assert loaded[0]["norms"] == pytest.approx(saved[0]["norms"], rel=1e-12)
+    assert loaded[0]["loss"] == pytest.approx(saved[0]["loss"], rel=1e-4)
