@@ -55,10 +55,12 @@ def test_stochastic_rounding_replicas_drift_without_shared_randomness(tmp_path):
 
 
 def test_option_d_reproduces_stock_megatron_bf16_optimizer(tmp_path):
-    """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW does (DP=2)."""
+    """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW does (DP=2):
+    the same losses, bit for bit (both clip FP32 gradients with megatron's own norm, and D repeats
+    torch AdamW's operations)."""
     ranks = _run(tmp_path, 2, "option_d_against_stock_megatron", steps=10)
     for rank in ranks:
-        assert rank["ours"] == pytest.approx(rank["stock"], rel=1e-6, abs=0)
+        assert rank["ours"] == rank["stock"]
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):
