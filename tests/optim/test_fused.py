@@ -14,9 +14,9 @@ SHAPES = [(1000,), (3,), (129,), (4097,), (7, 13), (300,)]
 """Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
 
 
-def _twin_optimizers(option, grad_dtype=torch.bfloat16, **kwargs):
+def _twin_optimizers(option, grad_dtype=torch.bfloat16, param_dtype=torch.bfloat16, **kwargs):
     generator = torch.Generator().manual_seed(0)
-    start = [torch.randn(shape, generator=generator).bfloat16() for shape in SHAPES]
+    start = [torch.randn(shape, generator=generator).to(param_dtype) for shape in SHAPES]
     eager_params = [torch.nn.Parameter(t.clone()) for t in start]
     fused_params = [torch.nn.Parameter(t.clone()) for t in start]
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option, seed=3, **kwargs)
@@ -45,6 +45,19 @@ def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype):
         scale = 10.0 ** (step % 7 - 3)
         for p, q in zip(eager[0], fused[0]):
             grad = (torch.randn(p.shape, generator=generator) * scale).to(grad_dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager[1].step()
+        fused[1].step()
+    _assert_bit_identical(eager, fused)
+
+
+@pytest.mark.parametrize("option", ["A", "C", "kahan", "sr"])
+def test_float16_parameters_are_bit_identical_too(option):
+    eager, fused = _twin_optimizers(option, grad_dtype=torch.float16, param_dtype=torch.float16)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        for p, q in zip(eager[0], fused[0]):
+            grad = torch.randn(p.shape, generator=generator).half()
             p.grad, q.grad = grad.clone(), grad.clone()
         eager[1].step()
         fused[1].step()
