@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_lowprec.optim import AdamW
+from megatron_lowprec.optim import AdamW, PrecisionStrategy
 from megatron_lowprec.optim.fused import fused_available
 
 from .conftest import OPTIONS
@@ -125,3 +125,22 @@ def test_fused_update_quality_equals_the_reference(option):
     expected, got = eager[1].update_quality[0], fused[1].update_quality[0]
     assert (got.intended_nonzero, got.lost) == (expected.intended_nonzero, expected.lost)
     assert got.edq == pytest.approx(expected.edq, rel=1e-12)
+
+
+def test_a_new_strategy_is_data_only():
+    """A strategy that no option names (FP8 E5M2 moments in groups of 64, no range expansion, no
+    master) runs through both paths without a line of new optimizer code, bit-identically."""
+    strategy = PrecisionStrategy(
+        "e5m2-moments", "FP8 E5M2 moments without expansion", moments="fp8", fp8_format="e5m2", fp8_group_size=64,
+        fp8_expand=False,
+    )
+    eager, fused = _twin_optimizers(strategy)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(10):
+        for p, q in zip(eager[0], fused[0]):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager[1].step()
+        fused[1].step()
+    _assert_bit_identical(eager, fused)
+    assert "exp_avg_expansion_exponent" not in eager[1].state[eager[0][0]]
