@@ -4,8 +4,9 @@ Some of ATen's CPU kernels do not round like a plain sequence of IEEE operations
 ``addcmul`` are fused multiply-adds, and ``sqrt``, ``log`` and ``pow`` come from SLEEF and are not
 always correctly rounded. Inductor would re-derive them from its own primitives (no FMA, correctly
 rounded ``sqrt``), so a compiled kernel would no longer match eager code bit for bit. The functions
-here are opaque custom ops: eager and compiled code both run the same ATen kernel. Scalars may be
-Python floats or 0-d tensors (so that compiled code need not specialise on them).
+here are opaque custom ops: eager and compiled code both run the same ATen kernel, in place where
+the name ends in ``_`` (so a compiled step allocates nothing for them). Scalars may be Python floats
+or 0-d tensors (so that compiled code need not specialise on them).
 
 :func:`sqrt_rn` is the opposite case: a correctly rounded square root, computed the cheapest exact
 way in each mode.
@@ -18,14 +19,16 @@ import torch
 Scalar = float | torch.Tensor
 
 
-@torch.library.custom_op("megatron_lowprec::aten_lerp", mutates_args=())
-def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.lerp(start, end, weight.item())
+@torch.library.custom_op("megatron_lowprec::aten_lerp_", mutates_args=("start",))
+def _lerp_(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> None:
+    start.lerp_(end, weight.item())
 
 
-@torch.library.custom_op("megatron_lowprec::aten_addcmul", mutates_args=())
-def _addcmul(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(base, first, second, value=value.item())
+@torch.library.custom_op("megatron_lowprec::aten_scale_addcmul_", mutates_args=("base",))
+def _scale_addcmul_(
+    base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: torch.Tensor, value: torch.Tensor
+) -> None:
+    base.mul_(scale.item()).addcmul_(first, second, value=value.item())
 
 
 @torch.library.custom_op("megatron_lowprec::aten_sqrt", mutates_args=())
@@ -41,16 +44,6 @@ def _log(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("megatron_lowprec::aten_pow", mutates_args=())
 def _pow(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     return torch.pow(x, exponent)
-
-
-@_lerp.register_fake
-def _(start, end, weight):
-    return torch.empty_like(start)
-
-
-@_addcmul.register_fake
-def _(base, first, second, value):
-    return torch.empty_like(base)
 
 
 @_sqrt.register_fake
@@ -72,18 +65,20 @@ def _as_tensor(value: Scalar, like: torch.Tensor) -> torch.Tensor:
     return value if torch.is_tensor(value) else torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
-def lerp(start: torch.Tensor, end: torch.Tensor, weight: Scalar) -> torch.Tensor:
-    """``torch.lerp(start, end, weight)`` exactly as ATen computes it (a fused multiply-add on CPU)."""
-    if not torch.compiler.is_compiling() and not torch.is_tensor(weight):
-        return torch.lerp(start, end, weight)
-    return _lerp(start, end, _as_tensor(weight, start))
+def lerp_(start: torch.Tensor, end: torch.Tensor, weight: Scalar) -> None:
+    """``start.lerp_(end, weight)`` in place, exactly as ATen computes it (a fused multiply-add on CPU)."""
+    if torch.compiler.is_compiling() or torch.is_tensor(weight):
+        _lerp_(start, end, _as_tensor(weight, start))
+    else:
+        start.lerp_(end, weight)
 
 
-def addcmul(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, value: Scalar) -> torch.Tensor:
-    """``torch.addcmul(base, first, second, value=value)`` exactly as ATen computes it."""
-    if not torch.compiler.is_compiling() and not torch.is_tensor(value):
-        return torch.addcmul(base, first, second, value=value)
-    return _addcmul(base, first, second, _as_tensor(value, base))
+def scale_addcmul_(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Scalar, value: Scalar) -> None:
+    """``base.mul_(scale).addcmul_(first, second, value=value)`` in place, exactly as ATen computes it."""
+    if torch.compiler.is_compiling() or torch.is_tensor(scale):
+        _scale_addcmul_(base, first, second, _as_tensor(scale, base), _as_tensor(value, base))
+    else:
+        base.mul_(scale).addcmul_(first, second, value=value)
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, An
 
 
 def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
-    """The moment as an FP32 tensor."""
+    """The moment as an FP32 tensor: the stored tensor itself when it is FP32 (updated in place), else a copy."""
     if strategy.moments == "fp8":
         return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
     return state[moment].float()
@@ -105,7 +105,7 @@ def _encode_moment(
             strategy.fp8_group_size,
             check_finite=not torch.compiler.is_compiling(),
         )
-    else:
+    elif values is not state[moment]:
         state[moment].copy_(values)
 
 
@@ -259,14 +259,14 @@ def adamw_kernel_(
     torch_arithmetic = strategy.moment_arithmetic == "torch"
     exp_avg = _decode_moment(state, "exp_avg", param, strategy)
     if torch_arithmetic:
-        exp_avg = aten_ops.lerp(exp_avg, grad, scalars.one_minus_beta1)
+        aten_ops.lerp_(exp_avg, grad, scalars.one_minus_beta1)
     else:
         exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
     if strategy.second_moment_mcf:
         exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
     elif torch_arithmetic:
-        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
-        exp_avg_sq = aten_ops.addcmul(decoded * scalars.beta2, grad, grad, scalars.one_minus_beta2)
+        exp_avg_sq = _decode_moment(state, "exp_avg_sq", param, strategy)
+        aten_ops.scale_addcmul_(exp_avg_sq, grad, grad, scalars.beta2, scalars.one_minus_beta2)
     else:
         decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
