@@ -13,12 +13,23 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lowprec", "megatron_lowprec.*"]),
+    package_data={"megatron_lowprec.data": ["*.txt.xz"]},
+    entry_points={"console_scripts": ["lowprec-prepare-data=megatron_lowprec.data.prepare:main"]},
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16.1,<0.17", "psutil"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "megatron-core>=0.16.1,<0.17", "psutil"],
+        "data": ["tokenizers>=0.15", "sentencepiece>=0.1.99"],
+        "dev": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "ml_dtypes>=0.5",
+            "megatron-core>=0.16.1,<0.17",
+            "psutil",
+            "tokenizers>=0.15",
+            "sentencepiece>=0.1.99",
+        ],
     },
 )
