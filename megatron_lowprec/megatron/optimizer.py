@@ -166,6 +166,7 @@ def build_optimizer(
         seed=seed,
         fused=fused,
         track_update_quality=track_update_quality,
+        check_grads_finite=False,
         stream_offset=tensor_parallel_stream_offset,
     )
     return LowPrecisionOptimizer(adamw, config)

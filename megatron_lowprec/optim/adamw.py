@@ -64,7 +64,9 @@ class AdamW(torch.optim.Optimizer):
     distinct offsets, and replicas the same one.
 
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
-    state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step).
+    state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step). A
+    caller that has already checked (e.g. across ranks, as the Megatron hook does) passes
+    ``check_grads_finite=False`` to save that pass over the gradients.
 
     With ``track_update_quality=True`` every step stores the EDQ and imprecision pieces per
     parameter group in :attr:`update_quality` and per bucket (aligned with :attr:`buckets`) in
@@ -85,6 +87,7 @@ class AdamW(torch.optim.Optimizer):
         generator: GeneratorSource | None = None,
         seed: int = 0,
         track_update_quality: bool = False,
+        check_grads_finite: bool = True,
         stream_offset: Callable[[torch.nn.Parameter], int] | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -97,6 +100,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
         self.strategy = strategy
         self.track_update_quality = track_update_quality
+        self.check_grads_finite = check_grads_finite
         self.skipped_steps = 0
         self.update_quality: list[UpdateQuality] = []
         self.bucket_update_quality: list[UpdateQuality] = []
@@ -213,7 +217,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_grads()
-        if not self._grads_are_finite():
+        if self.check_grads_finite and not self._grads_are_finite():
             self.skipped_steps += 1
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None

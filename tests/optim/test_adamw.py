@@ -401,3 +401,11 @@ def test_stream_offset_gives_shards_their_own_bits_and_leaves_replicas_alone():
     same, shifted = run(0), run(1 << 40)
     assert torch.equal(same[1], shifted[1])
     assert not torch.equal(same[0], shifted[0])
+
+
+def test_the_finiteness_check_can_be_left_to_the_caller():
+    param = _param(torch.randn(8))
+    optimizer = AdamW([param], lr=1e-2, option="A", fused=False, check_grads_finite=False)
+    param.grad = torch.full_like(param, float("nan"))
+    optimizer.step()
+    assert optimizer.skipped_steps == 0 and optimizer.state[param]["step"] == 1
