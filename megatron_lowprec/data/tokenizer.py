@@ -11,6 +11,7 @@ Every tokenizer exposes ``vocab_size``, ``eod``, ``tokenize``, ``tokenize_batch`
 ``detokenize`` and ``unique_identifiers`` (which megatron hashes into its dataset cache keys).
 """
 
+from abc import ABC, abstractmethod
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
@@ -33,7 +34,7 @@ def _require_file(path: Optional[PathLike], what: str) -> Path:
     return path
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Common interface; subclasses implement the four token operations."""
 
     kind = ""
@@ -46,26 +47,26 @@ class Tokenizer:
         }
 
     @property
+    @abstractmethod
     def vocab_size(self) -> int:
         """Number of token ids."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def eod(self) -> int:
         """The end-of-document token id."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tokenize(self, text: str) -> List[int]:
         """Token ids of one text."""
-        raise NotImplementedError
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Token ids of several texts."""
         return [self.tokenize(text) for text in texts]
 
+    @abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of token ids."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
