@@ -28,6 +28,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.optim import AdamW, get_strategy
+from megatron_lowprec.optim.adamw import non_finite_flag
 
 TENSOR_PARALLEL_STREAM_STRIDE = 1 << 44
 """Element-index distance between the SR streams of two tensor-parallel shards (room for 16T elements)."""
@@ -67,9 +68,7 @@ class LowPrecisionOptimizer(FP32Optimizer):
                 param.grad_dtype = main_grad.dtype
         super().prepare_grads()
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
-        found_inf = torch.zeros(1, device=self.get_loss_scale().device)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones_like(found_inf))
+        found_inf = non_finite_flag(grads, self.get_loss_scale().device)
         torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
         if found_inf.item():
             self.optimizer.skipped_steps += 1

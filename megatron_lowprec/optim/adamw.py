@@ -27,6 +27,17 @@ from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
 
 
+def non_finite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 1-element FP32 tensor on ``device``: 1 if any of ``grads`` (all on ``device``) holds NaN or inf.
+
+    One fused pass: the kernel torch's GradScaler uses, with an unscale factor of 1.
+    """
+    found = torch.zeros(1, device=device)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+    return found
+
+
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     checks = [
         ("lr", lr, lr >= 0, ">= 0"),
@@ -144,18 +155,13 @@ class AdamW(torch.optim.Optimizer):
         return self._generator_source()
 
     def _grads_are_finite(self) -> bool:
-        """One fused pass per device (the kernel torch's GradScaler uses, with an unscale factor of 1)."""
+        """One fused pass per device (:func:`non_finite_flag`)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
                     by_device.setdefault(param.grad.device, []).append(param.grad)
-        for device, grads in by_device.items():
-            found_inf = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
-            if found_inf.item():
-                return False
-        return True
+        return not any(non_finite_flag(grads, device).item() for device, grads in by_device.items())
 
     def _check_grads(self) -> None:
         for group in self.param_groups:
