@@ -25,6 +25,17 @@ def _twin_optimizers(option, grad_dtype=torch.bfloat16, param_dtype=torch.bfloat
     return (eager_params, AdamW(eager_params, fused=False, **hyper)), (fused_params, AdamW(fused_params, fused=True, **hyper))
 
 
+def _step_twins(eager, fused, steps, seed, grad_dtype=torch.bfloat16, scale=lambda step: 1.0):
+    """``steps`` steps of both optimizers on the same random gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for p, q in zip(eager[0], fused[0]):
+            grad = (torch.randn(p.shape, generator=generator) * scale(step)).to(grad_dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager[1].step()
+        fused[1].step()
+
+
 def _assert_bit_identical(eager, fused):
     (eager_params, eager_optimizer), (fused_params, fused_optimizer) = eager, fused
     for index, (p, q) in enumerate(zip(eager_params, fused_params)):
@@ -40,27 +51,14 @@ def _assert_bit_identical(eager, fused):
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype):
     eager, fused = _twin_optimizers(option, grad_dtype)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(50):
-        scale = 10.0 ** (step % 7 - 3)
-        for p, q in zip(eager[0], fused[0]):
-            grad = (torch.randn(p.shape, generator=generator) * scale).to(grad_dtype)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        eager[1].step()
-        fused[1].step()
+    _step_twins(eager, fused, steps=50, seed=1, grad_dtype=grad_dtype, scale=lambda step: 10.0 ** (step % 7 - 3))
     _assert_bit_identical(eager, fused)
 
 
 @pytest.mark.parametrize("option", ["A", "C", "kahan", "sr"])
 def test_float16_parameters_are_bit_identical_too(option):
     eager, fused = _twin_optimizers(option, grad_dtype=torch.float16, param_dtype=torch.float16)
-    generator = torch.Generator().manual_seed(5)
-    for _ in range(20):
-        for p, q in zip(eager[0], fused[0]):
-            grad = torch.randn(p.shape, generator=generator).half()
-            p.grad, q.grad = grad.clone(), grad.clone()
-        eager[1].step()
-        fused[1].step()
+    _step_twins(eager, fused, steps=20, seed=5, grad_dtype=torch.float16)
     _assert_bit_identical(eager, fused)
 
 
@@ -116,12 +114,7 @@ def test_a_generator_for_stochastic_rounding_needs_the_eager_path():
 @pytest.mark.parametrize("option", OPTIONS)
 def test_fused_update_quality_equals_the_reference(option):
     eager, fused = _twin_optimizers(option, track_update_quality=True)
-    generator = torch.Generator().manual_seed(4)
-    for p, q in zip(eager[0], fused[0]):
-        grad = torch.randn(p.shape, generator=generator).bfloat16()
-        p.grad, q.grad = grad.clone(), grad.clone()
-    eager[1].step()
-    fused[1].step()
+    _step_twins(eager, fused, steps=1, seed=4)
     expected, got = eager[1].update_quality[0], fused[1].update_quality[0]
     assert (got.intended_nonzero, got.lost) == (expected.intended_nonzero, expected.lost)
     assert got.edq == pytest.approx(expected.edq, rel=1e-12)
@@ -135,12 +128,6 @@ def test_a_new_strategy_is_data_only():
         fp8_expand=False,
     )
     eager, fused = _twin_optimizers(strategy)
-    generator = torch.Generator().manual_seed(6)
-    for _ in range(10):
-        for p, q in zip(eager[0], fused[0]):
-            grad = torch.randn(p.shape, generator=generator).bfloat16()
-            p.grad, q.grad = grad.clone(), grad.clone()
-        eager[1].step()
-        fused[1].step()
+    _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert "exp_avg_expansion_exponent" not in eager[1].state[eager[0][0]]
