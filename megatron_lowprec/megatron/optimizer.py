@@ -37,9 +37,21 @@ TENSOR_PARALLEL_STREAM_STRIDE = 1 << 44
 class LowPrecisionOptimizer(FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
 
-    def __init__(self, optimizer: AdamW, config: OptimizerConfig) -> None:
+    def __init__(self, optimizer: AdamW, config: OptimizerConfig, seed_offset: int = 0) -> None:
         super().__init__(optimizer, config, init_state_fn=lambda optimizer, config: None)
         self._grad_dtypes: dict[torch.nn.Parameter, torch.dtype | None] = {}
+        self.seed_offset = seed_offset
+
+    def state_dict(self):
+        """The AdamW state dict with the run's SR seed, without this rank's offset
+        (``shared_randomness=False``), so that every rank restores its own stream from rank 0's copy."""
+        state_dict = super().state_dict()
+        state_dict["lowprec"]["seed"] -= self.seed_offset
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self.optimizer.seed += self.seed_offset
 
     @torch.no_grad()
     def step(self):
@@ -109,13 +121,18 @@ class LowPrecisionOptimizer(FP32Optimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
-        parameter's shape), which ``dist_checkpointing`` reshards across layouts."""
+        parameter's shape), which ``dist_checkpointing`` reshards across layouts. The shared step is
+        kept also when it is 0 (megatron drops a falsy step, and the state could not load)."""
         if self.optimizer.strategy.moments == "fp8":
             raise ValueError(
                 "option 'coat' keeps per-group FP8 scales that do not follow the parameter's shape; "
                 "save it with state_dict() instead of dist_checkpointing"
             )
-        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        step = self._extract_common_per_param_step(self.state_dict())
+        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        if step is not None:
+            sharded["state"]["common_step"] = step
+        return sharded
 
 
 def tensor_parallel_stream_offset(param: torch.nn.Parameter) -> int:
@@ -153,8 +170,7 @@ def build_optimizer(
             groups.append(
                 {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
             )
-    if not shared_randomness:
-        seed = seed + torch.distributed.get_rank() * 1_000_003
+    seed_offset = 0 if shared_randomness else torch.distributed.get_rank() * 1_000_003
     adamw = AdamW(
         groups,
         lr=config.lr,
@@ -162,10 +178,10 @@ def build_optimizer(
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
         option=strategy,
-        seed=seed,
+        seed=seed + seed_offset,
         fused=fused,
         track_update_quality=track_update_quality,
         check_grads_finite=False,
         stream_offset=tensor_parallel_stream_offset,
     )
-    return LowPrecisionOptimizer(adamw, config)
+    return LowPrecisionOptimizer(adamw, config, seed_offset)
