@@ -1,0 +1,1 @@
+"""The Hydra training app ``lowprec-train``: config schema, setup, loop, evaluation, checkpoints."""

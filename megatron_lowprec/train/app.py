@@ -1,0 +1,125 @@
+"""``lowprec-train``: compose the Hydra config from command-line overrides, validate it, train.
+
+    lowprec-train                                    # tiny GPT on the shipped corpus, option A
+    lowprec-train precision=C trainer.max_steps=100  # Collage-plus
+    torchrun --nproc-per-node 8 -m megatron_lowprec.train model=gpt_125m precision=sr
+
+The config is composed with Hydra's compose API from ``configs/`` (or ``$LOWPREC_CONFIG_DIR``) on
+top of the typed schema :class:`~megatron_lowprec.train.config.TrainConfig`; every rank composes the
+same config. Errors in the config (an unknown option or key, a layout that does not fit the world
+size) are reported in one line, before any process group, dataset or model is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_lowprec.train.config import ConfigError, TrainConfig, validate
+
+CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
+SCHEMA_NAME = "train_schema"
+
+
+def config_dir() -> Path:
+    """``$LOWPREC_CONFIG_DIR``, else the ``configs/`` folder of the source tree this package is in."""
+    configured = os.environ.get(CONFIG_DIR_VARIABLE)
+    directory = Path(configured) if configured else Path(__file__).resolve().parents[2] / "configs"
+    if not (directory / "train.yaml").is_file():
+        raise ConfigError(
+            f"no train.yaml in {str(directory)!r}; set {CONFIG_DIR_VARIABLE} to the project's configs/ folder"
+        )
+    return directory
+
+
+def compose(overrides: Sequence[str] = ()) -> TrainConfig:
+    """The typed config of ``train.yaml`` with Hydra ``overrides`` applied.
+
+    Hydra's own errors (an unknown group member such as ``precision=Z``, which lists the
+    available ones, or a key the schema does not have) become :class:`ConfigError`.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            composed = hydra_compose(config_name="train", overrides=list(overrides))
+        _reject_unknown_keys(OmegaConf.to_container(composed), TrainConfig, "")
+        return OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(_explain(error)) from None
+
+
+def _reject_unknown_keys(values: dict, schema: type, prefix: str) -> None:
+    """Hydra lets ``+key=value`` append keys that the schema does not have; refuse them."""
+    fields = {field.name: field for field in dataclasses.fields(schema)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {prefix + key!r}; valid keys: {', '.join(fields)}")
+        if isinstance(value, dict) and isinstance(fields[key].default_factory, type):
+            _reject_unknown_keys(value, fields[key].default_factory, f"{prefix}{key}.")
+
+
+def _explain(error: BaseException) -> str:
+    """One line out of Hydra's and OmegaConf's chained errors, with the valid choices."""
+    options = getattr(error, "options", None)
+    if options:
+        return f"{str(error).splitlines()[0]}; choose one of: {', '.join(options)}"
+    lines = []
+    while error is not None:
+        line = str(error).splitlines()[0] if str(error) else ""
+        if "$VALUE" not in line and line not in lines:
+            lines.append(line)
+        node_type = getattr(error, "object_type", None)
+        if node_type is not None and dataclasses.is_dataclass(node_type) and "not in" in line:
+            lines.append(f"valid keys: {', '.join(f.name for f in dataclasses.fields(node_type))}")
+            break
+        error = error.__cause__
+    return " ".join(lines)
+
+
+def to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _check_resumable(config: TrainConfig) -> None:
+    from megatron_lowprec.train.checkpoint import checkpoints_dir, latest_checkpoint
+
+    if config.resume and latest_checkpoint(Path(config.run_dir)) is None:
+        raise ConfigError(f"resume=true, but {str(checkpoints_dir(Path(config.run_dir)))!r} holds no checkpoint")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``lowprec-train``: Hydra overrides in, exit status out."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments and arguments[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        config = compose(arguments)
+        validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+        _check_resumable(config)
+    except ConfigError as error:
+        print(f"lowprec-train: config error: {error}", file=sys.stderr)
+        return 2
+    if config.trainer.dry_run:
+        from megatron_lowprec.train.plan import describe
+
+        print(to_yaml(config))
+        print(describe(config, int(os.environ.get("WORLD_SIZE", "1"))))
+        return 0
+    from megatron_lowprec.train.loop import train
+
+    train(config)
+    return 0

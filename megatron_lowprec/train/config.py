@@ -1,0 +1,278 @@
+"""The typed schema of ``lowprec-train``'s Hydra config, and the checks that run before any work.
+
+Hydra merges ``configs/train.yaml`` and one file per group (``model/``, ``precision/``, ``data/``,
+``trainer/``, ``logging/``) onto :class:`TrainConfig`, so a misspelt or unknown key is an error that
+names the node and its valid keys. :func:`validate` then checks the values that depend on each
+other (parallel layout, batch sizes, option names) before a process group, a model or a dataset
+exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_lowprec.optim.strategies import get_strategy
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+DATA_KINDS = ("embedded", "indexed")
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class ModelConfig:
+    """A megatron-core ``GPTModel`` (``TransformerConfig`` plus the model's own arguments)."""
+
+    name: str = "tiny"
+    """Label used in run names and summaries."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads; must be divisible by the tensor-parallel size."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention groups (``None``: multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width (``None``: 4 x hidden_size, megatron's default)."""
+    seq_length: int = 64
+    """Tokens per training sequence."""
+    max_position_embeddings: Optional[int] = None
+    """Positions of learned embeddings (``None``: seq_length)."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size (``None``: the tokenizer's), padded to ``make_vocab_size_divisible_by x TP``."""
+    make_vocab_size_divisible_by: int = 128
+    """Padding multiple of the vocabulary, as megatron's ``--make-vocab-size-divisible-by``."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (GPT) or ``RMSNorm`` (LLaMA)."""
+    activation: str = "gelu"
+    """MLP activation: ``gelu`` (GPT) or ``swiglu`` (LLaMA, a gated linear unit)."""
+    position_embedding_type: str = "rope"
+    """``rope`` (rotary, the papers' choice) or ``learned_absolute``."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that rotary embeddings rotate."""
+    rotary_base: int = 10000
+    """Rotary base frequency."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate input embedding and LM head (Collage App. E.2: untied)."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (GPT: yes, LLaMA: no)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    layernorm_epsilon: float = 1.0e-5
+    """Epsilon of the normalisation layers."""
+    transformer_impl: str = "local"
+    """``local`` (megatron's plain-torch layer spec) or ``transformer_engine`` (needs TE)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
+
+    option: str = "A"
+    """Precision option: A, B, C, D, D-MW, kahan, sr, coat (or an alias)."""
+    fused: Optional[bool] = None
+    """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
+    shared_randomness: bool = True
+    """Stochastic rounding draws the same bits on every replica of a parameter (SR paper Alg. 1)."""
+    grad_reduce_in_fp32: Optional[bool] = None
+    """Reduce gradients in FP32 (``None``: FP32 for options with FP32 master weights, else BF16)."""
+    track_update_quality: bool = False
+    """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW hyper-parameters and the learning-rate schedule (megatron's ``OptimizerParamScheduler``)."""
+
+    lr: float = 3.0e-3
+    """Peak learning rate."""
+    min_lr: float = 3.0e-4
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = 20
+    """Linear warmup steps from 0 to ``lr``."""
+    lr_decay_steps: Optional[int] = None
+    """Steps of the decay (``None``: ``trainer.max_steps``)."""
+    lr_decay_style: str = "cosine"
+    """``cosine``, ``linear`` or ``constant``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to biases and norms)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    kind: str = "embedded"
+    """``embedded`` (the shipped corpus, prepared on first use) or ``indexed`` (prepared .bin/.idx)."""
+    data_prefix: list[str] = field(default_factory=list)
+    """``indexed``: prefixes written by ``lowprec-prepare-data``."""
+    data_weights: Optional[list[float]] = None
+    """``indexed``: blend weights of the prefixes (``None``: by size)."""
+    tokenizer_type: str = "byte_bpe"
+    """``indexed``: byte_bpe, gpt2_bpe or sentencepiece."""
+    tokenizer_dir: Optional[str] = None
+    """``byte_bpe``: directory holding tokenizer.json."""
+    vocab_file: Optional[str] = None
+    """``gpt2_bpe``: vocab.json."""
+    merge_file: Optional[str] = None
+    """``gpt2_bpe``: merges.txt."""
+    sentencepiece_model: Optional[str] = None
+    """``sentencepiece``: the .model file."""
+    split: str = "980,10,10"
+    """Train/valid/test split weights (the papers use 980:10:10)."""
+    cache_dir: Optional[str] = None
+    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE)."""
+
+
+@dataclass
+class TrainerConfig:
+    """Parallel layout, batch sizes, and the cadence of logging, evaluation and checkpoints."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; the remaining ranks are data parallel."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks (micro-batches are accumulated)."""
+    max_steps: int = 300
+    """Optimizer steps to train."""
+    log_interval: int = 25
+    """Print and record training metrics every this many steps."""
+    eval_interval: int = 100
+    """Evaluate on the validation split every this many steps (and at the end)."""
+    eval_iters: int = 4
+    """Global batches per evaluation."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    save: bool = True
+    """Save a checkpoint at the end (and at ``save_interval``)."""
+    seed: int = 1234
+    """Seed of initialisation, dropout, data order and stochastic rounding."""
+    dry_run: bool = False
+    """Print the resolved config and the plan, then exit without training."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics file and Weights & Biases."""
+
+    wandb: bool = True
+    """Log to wandb (offline unless WANDB_MODE says otherwise)."""
+    wandb_project: str = "megatron-lowprec"
+    """wandb project."""
+    wandb_mode: str = "offline"
+    """wandb mode when WANDB_MODE is unset: offline, online or disabled."""
+    metrics_file: str = "metrics.jsonl"
+    """JSON-lines metrics file in the run directory (always written)."""
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: Optional[str] = None
+    """Run directory (config, metrics, checkpoints); ``None``: ``runs/<time>-<model>-<option>``."""
+    resume: Optional[bool] = None
+    """``None``: resume when run_dir holds a checkpoint; ``true``: require one; ``false``: start fresh."""
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work, named with the valid choices."""
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be a positive integer")
+
+
+def data_parallel_size(config: TrainConfig, world_size: int) -> int:
+    """Data-parallel ranks left once tensor and pipeline parallelism take theirs."""
+    model_parallel = config.trainer.tensor_model_parallel_size * config.trainer.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {config.trainer.tensor_model_parallel_size} x "
+            f"{config.trainer.pipeline_model_parallel_size}"
+        )
+    return world_size // model_parallel
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
+    model, trainer = config.model, config.trainer
+    try:
+        get_strategy(config.precision.option)
+    except ValueError as error:
+        raise ConfigError(f"precision.option: {error}") from None
+    _choice("model.normalization", model.normalization, NORMALIZATIONS)
+    _choice("model.activation", model.activation, ACTIVATIONS)
+    _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)
+    _choice("model.transformer_impl", model.transformer_impl, TRANSFORMER_IMPLS)
+    _choice("data.kind", config.data.kind, DATA_KINDS)
+    _choice("optimizer.lr_decay_style", config.optimizer.lr_decay_style, LR_DECAY_STYLES)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                 "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
+        _positive(f"trainer.{name}", getattr(trainer, name))
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _positive(f"model.{name}", getattr(model, name))
+    if trainer.max_steps < 0:
+        raise ConfigError(f"trainer.max_steps={trainer.max_steps} must be >= 0")
+    tp, pp = trainer.tensor_model_parallel_size, trainer.pipeline_model_parallel_size
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
+            f"trainer.tensor_model_parallel_size={tp}"
+        )
+    if model.num_query_groups is not None and model.num_query_groups % tp:
+        raise ConfigError(
+            f"model.num_query_groups={model.num_query_groups} is not divisible by "
+            f"trainer.tensor_model_parallel_size={tp}"
+        )
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not divisible by "
+            f"model.num_attention_heads={model.num_attention_heads}"
+        )
+    if model.num_layers % pp:
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by trainer.pipeline_model_parallel_size={pp}"
+        )
+    dp = data_parallel_size(config, world_size)
+    if trainer.global_batch_size % (trainer.micro_batch_size * dp):
+        raise ConfigError(
+            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
+            f"trainer.micro_batch_size x data-parallel size = {trainer.micro_batch_size} x {dp}"
+        )
+    if config.data.kind == "indexed" and not config.data.data_prefix:
+        raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")
+    if config.resume and config.run_dir is None:
+        raise ConfigError("resume=true needs run_dir=<the directory of the run to resume>")

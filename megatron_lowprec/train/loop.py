@@ -1,0 +1,285 @@
+"""The training run: distributed setup, model, optimizer hook, data, the loop, evaluation, summary.
+
+Megatron-LM's ``pretrain`` flow on megatron-core: ``parallel_state`` with TP x PP and the rest data
+parallel, a BF16 ``GPTModel`` in ``Float16Module`` wrapped by megatron's
+``DistributedDataParallel``, ``get_forward_backward_func()`` over the micro-batches of a global
+batch (gradient accumulation; 1F1B across pipeline stages), ``finalize_model_grads`` for the
+data-parallel reduction, the precision option as a ``MegatronOptimizer``
+(:func:`megatron_lowprec.megatron.optimizer.build_optimizer`) and megatron's
+``OptimizerParamScheduler`` (warmup, then cosine decay). Without CUDA the CPU bridge is active and
+the backend is gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy
+import torch
+
+from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.train import checkpoint
+from megatron_lowprec.train.config import TrainConfig, data_parallel_size
+from megatron_lowprec.train.data import TrainingData, batches, build_training_data
+from megatron_lowprec.train.metrics import MetricsLogger
+from megatron_lowprec.train.model import gpt_model, padded_vocab_size
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def distributed_environment(config: TrainConfig) -> Iterator[None]:
+    """Process group (NCCL on GPUs, gloo with the CPU bridge otherwise) and megatron's parallel state.
+
+    A plain ``lowprec-train`` (no torchrun) is a world of one. A process group that already exists
+    (a trainer embedding this loop) is used as it is and left open.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.cpu import cpu_bridge
+
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    with cpu_bridge(), contextlib.ExitStack() as cleanup:
+        if not torch.distributed.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+            cleanup.callback(torch.distributed.destroy_process_group)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.trainer.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.trainer.pipeline_model_parallel_size,
+        )
+        cleanup.callback(parallel_state.destroy_model_parallel)
+        yield
+
+
+def seed_everything(seed: int) -> None:
+    """Megatron's ``_set_random_seed``: one seed per pipeline stage, megatron's RNG tracker streams."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _run_dir(config: TrainConfig) -> Path:
+    """``config.run_dir``, or a fresh ``runs/<time>-<model>-<option>`` chosen by rank 0 for all."""
+    chosen = [config.run_dir]
+    if chosen[0] is None and torch.distributed.get_rank() == 0:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        chosen[0] = f"runs/{stamp}-{config.model.name}-{config.precision.option}"
+    torch.distributed.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0]).absolute()
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with."""
+
+    config: TrainConfig
+    run_dir: Path
+    data: TrainingData
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    num_microbatches: int
+    iteration: int = 0
+
+
+def _build(config: TrainConfig, run_dir: Path) -> Run:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    trainer, optim = config.trainer, config.optimizer
+    strategy = get_strategy(config.precision.option)
+    data = build_training_data(config)
+    vocab_size = padded_vocab_size(
+        config.model.vocab_size or data.tokenizer.vocab_size,
+        config.model.make_vocab_size_divisible_by,
+        trainer.tensor_model_parallel_size,
+    )
+    seed_everything(trainer.seed)
+    module = gpt_model(
+        config,
+        vocab_size,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    grad_reduce_in_fp32 = config.precision.grad_reduce_in_fp32
+    if grad_reduce_in_fp32 is None:
+        grad_reduce_in_fp32 = strategy.master_weights
+    model = DistributedDataParallel(
+        config=module.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32),
+        module=module,
+    )
+    optimizer = build_optimizer(
+        strategy.name,
+        [model],
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        ),
+        seed=trainer.seed,
+        shared_randomness=config.precision.shared_randomness,
+        fused=config.precision.fused,
+        track_update_quality=config.precision.track_update_quality,
+    )
+    module.config.finalize_model_grads_func = finalize_model_grads
+    module.config.grad_scale_func = optimizer.scale_loss
+    max_steps = max(trainer.max_steps, 1)
+    decay_steps = optim.lr_decay_steps or max_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=min(optim.lr_warmup_steps, decay_steps - 1),
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max_steps,
+        wd_incr_style="constant",
+    )
+    dp = data_parallel_size(config, torch.distributed.get_world_size())
+    return Run(config, run_dir, data, model, optimizer, scheduler, trainer.global_batch_size // (trainer.micro_batch_size * dp))
+
+
+def _forward_step(data_iterator, model):
+    """Megatron's GPT forward step: the loss is the mean over the tokens the loss mask keeps."""
+    batch = next(data_iterator)
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output: torch.Tensor):
+        mask = batch["loss_mask"].float()
+        loss = (output.float() * mask).sum() / mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return per_token_loss, loss_func
+
+
+def _mean_loss(losses: list[dict]) -> float:
+    """Mean loss of the micro-batches over the data-parallel ranks, seen by every rank.
+
+    Only the last pipeline stage computes losses; the first tensor-parallel rank of each
+    last-stage replica contributes its sum, the others contribute zero.
+    """
+    from megatron.core import parallel_state
+
+    contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    totals = torch.zeros(2, dtype=torch.float64)
+    if contributes:
+        totals[0] = sum(float(entry["lm loss"]) for entry in losses)
+        totals[1] = len(losses)
+    torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def _forward_backward(run: Run, step_batches, forward_only: bool) -> float:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(step_batches),
+        model=[run.model],
+        num_microbatches=len(step_batches),
+        seq_length=run.config.model.seq_length,
+        micro_batch_size=run.config.trainer.micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _mean_loss(losses)
+
+
+def train_step(run: Run) -> dict:
+    """One optimizer step over a global batch; the loss, LR, grad norm and update quality."""
+    run.model.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    step_batches = batches(run.data.train, run.config, run.iteration * run.config.trainer.global_batch_size, run.num_microbatches)
+    loss = _forward_backward(run, step_batches, forward_only=False)
+    success, grad_norm, _ = run.optimizer.step()
+    record = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "skipped": not success}
+    if success:
+        run.scheduler.step(increment=1)
+        if run.config.precision.track_update_quality:
+            quality = run.optimizer.update_quality()
+            record.update(edq=quality.edq, imprecision_percent=quality.imprecision_percent)
+    run.iteration += 1
+    return record
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss over the first ``eval_iters`` global batches of the validation split."""
+    run.model.eval()
+    try:
+        per_batch = run.config.trainer.global_batch_size
+        losses = [
+            _forward_backward(run, batches(run.data.valid, run.config, index * per_batch, run.num_microbatches), forward_only=True)
+            for index in range(run.config.trainer.eval_iters)
+        ]
+    finally:
+        run.model.train()
+    return sum(losses) / len(losses)
+
+
+def train(config: TrainConfig) -> dict:
+    """Run the training of ``config``; returns the summary (also printed and saved by rank 0)."""
+    with distributed_environment(config):
+        run_dir = _run_dir(config)
+        run = _build(config, run_dir)
+        resumed = checkpoint.resume_if_present(run, config.resume)
+        logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
+        trainer = config.trainer
+        tokens_per_step = trainer.global_batch_size * config.model.seq_length
+        interval: list[dict] = []
+        interval_started = time.perf_counter()
+        train_started, trained_steps, saved_at = interval_started, 0, None
+        while run.iteration < trainer.max_steps:
+            interval.append(train_step(run))
+            trained_steps += 1
+            if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps:
+                elapsed = time.perf_counter() - interval_started
+                logger.train(run.iteration, interval, tokens_per_step * len(interval) / elapsed)
+                interval, interval_started = [], time.perf_counter()
+            if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
+                logger.valid(run.iteration, evaluate(run))
+            if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
+                checkpoint.save(run)
+                saved_at = run.iteration
+        train_seconds = time.perf_counter() - train_started
+        valid_loss = evaluate(run)
+        logger.valid(run.iteration, valid_loss)
+        if trainer.save and saved_at != run.iteration and (trained_steps or resumed is None):
+            checkpoint.save(run)
+        tokens_per_second = tokens_per_step * trained_steps / train_seconds if trained_steps else math.nan
+        return logger.finish(valid_loss, tokens_per_second)

@@ -1,0 +1,185 @@
+"""Rank 0's record of a run: one console line per interval, ``metrics.jsonl``, wandb, the summary.
+
+Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train`` or
+``valid``), ``loss`` and ``option``; train lines add ``lr``, ``grad_norm``, ``tokens_per_second``,
+``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
+(means over the interval); valid lines add ``perplexity``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+from statistics import fmean
+
+import torch
+
+from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.train.config import ConfigError, TrainConfig
+
+SUMMARY_FILE = "summary.json"
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    values = [record[key] for record in records if record.get(key) is not None]
+    return fmean(values) if values else None
+
+
+def _open_wandb(config: TrainConfig, run_dir: Path):
+    """An offline (unless ``WANDB_MODE`` says otherwise) wandb run in ``run_dir``, resumed with the run."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "logging.wandb=true needs wandb: pip install 'megatron-lowprec[train]', or set logging.wandb=false"
+        ) from None
+    id_file = run_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=config.logging.wandb_project,
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=os.environ.get("WANDB_MODE", config.logging.wandb_mode),
+        config=dataclasses.asdict(config),
+    )
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every rank's parameter bytes in rank order: equal digests mean bit-identical
+    models at the same layout (resume checks, reproducibility)."""
+    local = hashlib.sha256()
+    for name, param in model.named_parameters():
+        local.update(name.encode())
+        local.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(digests, local.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+class MetricsLogger:
+    """Writes on global rank 0 only; the other ranks pass through."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, run, resumed_from: int | None) -> None:
+        from megatron_lowprec.train.app import to_yaml
+
+        self.config = config
+        self.run_dir = run_dir
+        self.run = run
+        self.active = torch.distributed.get_rank() == 0
+        self.last_train_loss = math.nan
+        self.wandb = None
+        self.parameters = self.parameter_count()
+        if not self.active:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        self.metrics = (run_dir / config.logging.metrics_file).open("a", encoding="utf-8")
+        if config.logging.wandb:
+            self.wandb = _open_wandb(config, run_dir)
+        strategy = get_strategy(config.precision.option)
+        start = f"resumed from step {resumed_from}" if resumed_from is not None else "from scratch"
+        print(
+            f"lowprec-train: {config.model.name} ({self.parameters / 1e6:.2f}M parameters), "
+            f"option {strategy.name} ({strategy.bytes_per_param():g} bytes/param), "
+            f"world size {torch.distributed.get_world_size()} (TP {config.trainer.tensor_model_parallel_size}, "
+            f"PP {config.trainer.pipeline_model_parallel_size}), {config.trainer.max_steps} steps {start}; "
+            f"run dir {run_dir}",
+            flush=True,
+        )
+
+    def parameter_count(self) -> int:
+        """Parameters of the whole model (summed over pipeline stages, tensor-parallel shards once)."""
+        from megatron.core import parallel_state, tensor_parallel
+
+        count = torch.tensor(
+            [
+                sum(p.numel() for p in self.run.model.parameters() if tensor_parallel.param_is_not_tensor_parallel_duplicate(p))
+                if parallel_state.get_data_parallel_rank() == 0
+                else 0
+            ],
+            dtype=torch.int64,
+        )
+        torch.distributed.all_reduce(count)
+        return int(count)
+
+    def _write(self, row: dict) -> None:
+        row = {"step": row.pop("step"), "split": row.pop("split"), "option": self.config.precision.option, **row}
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            split = row["split"]
+            self.wandb.log({f"{split}/{key}": value for key, value in row.items() if isinstance(value, (int, float))}, step=row["step"])
+
+    def train(self, step: int, records: list[dict], tokens_per_second: float) -> None:
+        """The interval ending at ``step``: console line and metrics row."""
+        self.last_train_loss = records[-1]["loss"]
+        if not self.active:
+            return
+        row = {
+            "step": step,
+            "split": "train",
+            "loss": _mean(records, "loss"),
+            "lr": records[-1]["lr"],
+            "grad_norm": _mean(records, "grad_norm"),
+            "tokens_per_second": tokens_per_second,
+            "skipped_steps": sum(record["skipped"] for record in records),
+        }
+        line = (
+            f"step {step:>6}/{self.config.trainer.max_steps} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
+            f"grad norm {row['grad_norm'] or math.nan:.3f} | {tokens_per_second:,.0f} tokens/s"
+        )
+        if self.config.precision.track_update_quality:
+            row.update(edq=_mean(records, "edq"), imprecision_percent=_mean(records, "imprecision_percent"))
+            line += f" | EDQ {row['edq'] or math.nan:.4f} | imprecision {row['imprecision_percent'] or math.nan:.2f}%"
+        if row["skipped_steps"]:
+            line += f" | {row['skipped_steps']} skipped (non-finite gradients)"
+        print(line, flush=True)
+        self._write(row)
+
+    def valid(self, step: int, loss: float) -> None:
+        """A validation result at ``step``."""
+        if not self.active:
+            return
+        perplexity = math.exp(min(loss, 700.0))
+        print(f"step {step:>6}/{self.config.trainer.max_steps} | validation loss {loss:.4f} | perplexity {perplexity:.2f}", flush=True)
+        self._write({"step": step, "split": "valid", "loss": loss, "perplexity": perplexity})
+
+    def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
+        """Print and save the summary; close the metrics file and wandb. Returns the summary."""
+        strategy = get_strategy(self.config.precision.option)
+        summary = {
+            "option": strategy.name,
+            "bytes_per_param": strategy.bytes_per_param(),
+            "model": self.config.model.name,
+            "parameters": self.parameters,
+            "steps": self.run.iteration,
+            "final_train_loss": self.last_train_loss,
+            "final_valid_loss": valid_loss,
+            "tokens_per_second": tokens_per_second,
+            "skipped_steps": self.run.optimizer.optimizer.skipped_steps,
+            "parameter_digest": parameter_digest(self.run.model),
+            "run_dir": str(self.run_dir),
+        }
+        if not self.active:
+            return summary
+        print(
+            f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
+            f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
+            f"train loss {summary['final_train_loss']:.4f} | validation loss {valid_loss:.4f} | "
+            f"{tokens_per_second:,.0f} tokens/s | {self.run_dir}",
+            flush=True,
+        )
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
+            self.wandb.finish()
+        return summary

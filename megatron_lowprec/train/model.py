@@ -1,0 +1,90 @@
+"""The megatron-core ``GPTModel`` of a :class:`~megatron_lowprec.train.config.ModelConfig`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lowprec.train.config import ConfigError, TrainConfig
+
+
+def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's vocabulary padding: round up to a multiple of ``make_divisible_by x TP``."""
+    multiple = make_divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(config: TrainConfig):
+    """Megatron's ``TransformerConfig`` for the model, the parallel layout and BF16 parameters.
+
+    Megatron's fused kernels (bias+GELU, RoPE, softmax) are only enabled where CUDA runs them.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    model, trainer = config.model, config.trainer
+    fused = torch.cuda.is_available()
+    swiglu = model.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        activation_func=F.silu if swiglu else F.gelu,
+        gated_linear_unit=swiglu,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=trainer.tensor_model_parallel_size,
+        pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=fused and model.add_bias_linear and not swiglu,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
+        apply_rope_fusion=False,
+        persist_layer_norm=fused,
+    )
+
+
+def layer_spec(config: TrainConfig):
+    """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if config.model.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
+                "use model.transformer_impl=local"
+            ) from None
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
+
+
+def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
+    """A BF16 ``GPTModel`` for this rank's pipeline stage (the whole model when ``pre_process`` and
+    ``post_process``), in megatron's ``Float16Module``. ``vocab_size`` is already padded."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    transformer = transformer_config(config)
+    model = GPTModel(
+        config=transformer,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=vocab_size,
+        max_sequence_length=config.model.max_position_embeddings or config.model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not config.model.untie_embeddings_and_output_weights,
+        position_embedding_type=config.model.position_embedding_type,
+        rotary_percent=config.model.rotary_percent,
+        rotary_base=config.model.rotary_base,
+    )
+    return Float16Module(transformer, model)
