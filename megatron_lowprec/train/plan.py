@@ -1,0 +1,49 @@
+"""What a config will do, in words: the text ``trainer.dry_run=true`` prints after the resolved config."""
+
+from __future__ import annotations
+
+from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.train.config import TrainConfig, data_parallel_size
+from megatron_lowprec.train.model import padded_vocab_size
+from megatron_lowprec.train.model_size import parameter_count
+
+
+def _vocab_size(config: TrainConfig) -> int | None:
+    from megatron_lowprec.data.prepare import EMBEDDED_DEFAULT_VOCAB_SIZE
+
+    if config.model.vocab_size is not None:
+        return config.model.vocab_size
+    return EMBEDDED_DEFAULT_VOCAB_SIZE if config.data.kind == "embedded" else None
+
+
+def describe(config: TrainConfig, world_size: int) -> str:
+    """Layout, batch arithmetic, model size and optimizer memory of ``config`` on ``world_size`` ranks."""
+    trainer, model = config.trainer, config.model
+    strategy = get_strategy(config.precision.option)
+    dp = data_parallel_size(config, world_size)
+    microbatches = trainer.global_batch_size // (trainer.micro_batch_size * dp)
+    tokens_per_step = trainer.global_batch_size * model.seq_length
+    lines = [
+        "plan:",
+        f"  ranks: {world_size} = TP {trainer.tensor_model_parallel_size} x PP "
+        f"{trainer.pipeline_model_parallel_size} x DP {dp}",
+        f"  batch: global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x DP {dp} x "
+        f"{microbatches} accumulated micro-batches; {tokens_per_step:,} tokens/step",
+        f"  steps: {trainer.max_steps} ({trainer.max_steps * tokens_per_step:,} tokens), "
+        f"warmup {config.optimizer.lr_warmup_steps}, {config.optimizer.lr_decay_style} decay "
+        f"{config.optimizer.lr:g} -> {config.optimizer.min_lr:g}",
+        f"  precision: option {strategy.name}, {strategy.bytes_per_param():g} bytes/param "
+        f"(parameters, gradients and optimizer state)",
+    ]
+    vocab_size = _vocab_size(config)
+    if vocab_size is None:
+        lines.append("  model: parameter count needs model.vocab_size (the tokenizer's is read at run time)")
+    else:
+        padded = padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, trainer.tensor_model_parallel_size)
+        count = parameter_count(model, padded)
+        per_rank = count / (trainer.tensor_model_parallel_size * trainer.pipeline_model_parallel_size)
+        lines.append(
+            f"  model: {model.name}, {count / 1e6:,.1f}M parameters (vocab {padded}); "
+            f"~{per_rank * strategy.bytes_per_param() / 2**30:,.2f} GiB of model and optimizer state per rank"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""The Hydra config of ``lowprec-train``: composition, one file per option, fail-fast errors, dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lowprec.optim.strategies import available_strategies
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed")
+
+from megatron_lowprec.train.app import compose, config_dir, main  # noqa: E402
+from megatron_lowprec.train.config import ConfigError, TrainConfig, validate  # noqa: E402
+
+OPTIONS = [strategy.name for strategy in available_strategies()]
+
+
+def _fails(capsys, *overrides: str) -> str:
+    """``lowprec-train overrides`` exits with status 2 before any work; its message."""
+    assert main(list(overrides)) == 2
+    assert not torch.distributed.is_initialized()
+    return capsys.readouterr().err
+
+
+def test_default_is_the_tiny_model_on_the_embedded_corpus():
+    config = compose()
+    assert isinstance(config, TrainConfig)
+    assert (config.model.name, config.precision.option, config.data.kind) == ("tiny", "A", "embedded")
+    validate(config, world_size=1)
+
+
+def test_one_precision_file_per_option():
+    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(OPTIONS)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_precision_flag_selects_the_option(option):
+    assert compose([f"precision={option}"]).precision.option == option
+
+
+def test_unknown_option_lists_the_valid_ones(capsys):
+    message = _fails(capsys, "precision=Z")
+    assert "precision/Z" in message and all(option in message for option in OPTIONS)
+    message = _fails(capsys, "precision.option=Q")
+    assert "'Q'" in message and "collage_plus" in message
+
+
+def test_unknown_key_lists_the_valid_keys(capsys):
+    message = _fails(capsys, "model.hidden=3")
+    assert "hidden" in message and "hidden_size" in message and "num_attention_heads" in message
+    message = _fails(capsys, "+trainer.steps=3")
+    assert "trainer.steps" in message and "max_steps" in message
+
+
+def test_wrongly_typed_value_is_named(capsys):
+    assert "trainer.max_steps=many" in _fails(capsys, "trainer.max_steps=many")
+
+
+def test_heads_not_divisible_by_tensor_parallel(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = _fails(capsys, "model.num_attention_heads=3", "model.hidden_size=48", "trainer.tensor_model_parallel_size=2")
+    assert "num_attention_heads=3" in message and "tensor_model_parallel_size=2" in message
+
+
+def test_global_batch_not_divisible_by_micro_batch_times_data_parallel(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = _fails(capsys, "trainer.micro_batch_size=4", "trainer.global_batch_size=12")
+    assert "global_batch_size=12" in message and "4 x 2" in message
+
+
+def test_layout_that_does_not_fit_the_world(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert "world size 3" in _fails(capsys, "trainer.tensor_model_parallel_size=2")
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.normalization=BatchNorm", "RMSNorm"),
+        ("model.activation=relu", "swiglu"),
+        ("data.kind=web", "indexed"),
+        ("optimizer.lr_decay_style=step", "cosine"),
+        ("trainer.micro_batch_size=0", "micro_batch_size=0"),
+    ],
+)
+def test_bad_choice_names_the_valid_ones(capsys, override, named):
+    assert named in _fails(capsys, override)
+
+
+def test_resume_true_needs_a_checkpoint(capsys, tmp_path):
+    assert "run_dir" in _fails(capsys, "resume=true")
+    assert "holds no checkpoint" in _fails(capsys, "resume=true", f"run_dir={tmp_path}")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_dry_run_prints_config_and_plan(capsys, tmp_path):
+    assert main(["trainer.dry_run=true", "precision=C", f"run_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "option: C" in out
+    assert "ranks: 1 = TP 1 x PP 1 x DP 1" in out
+    assert "12 bytes/param" in out
+    assert "0.7M parameters" in out
+    assert not Path(tmp_path / "run").exists()
+
+
+def test_config_dir_variable_must_hold_train_yaml(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWPREC_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="LOWPREC_CONFIG_DIR"):
+        compose()
