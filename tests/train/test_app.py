@@ -142,7 +142,7 @@ def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
 
 def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     """``torchrun -m megatron_lowprec.train`` at DP=2 with wandb offline: metrics, summary, wandb files
-    and a final checkpoint in the run directory."""
+    and a final checkpoint in the run directory; the plotting example draws its metrics."""
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -159,3 +159,8 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     assert [row["step"] for row in rows if row["split"] == "train"] == [1, 2]
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    plot = tmp_path / "loss.png"
+    example = Path(__file__).parents[2] / "examples" / "plot_metrics.py"
+    plotted = subprocess.run([sys.executable, str(example), str(run_dir), "--output", str(plot)], capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
