@@ -9,6 +9,7 @@ exists.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -271,6 +272,11 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
             f"trainer.micro_batch_size x data-parallel size = {trainer.micro_batch_size} x {dp}"
+        )
+    if model.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
+            "use model.transformer_impl=local"
         )
     if config.data.kind == "indexed" and not config.data.data_prefix:
         raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lowprec.train.config import ConfigError, TrainConfig
+from megatron_lowprec.train.config import TrainConfig
 
 
 def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel: int) -> int:
@@ -53,17 +53,11 @@ def transformer_config(config: TrainConfig):
 
 
 def layer_spec(config: TrainConfig):
-    """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for."""
+    """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for (``validate``
+    has checked that it is installed)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if config.model.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
-                "use model.transformer_impl=local"
-            ) from None
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
 

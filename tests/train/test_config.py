@@ -84,6 +84,10 @@ def test_layout_that_does_not_fit_the_world(capsys, monkeypatch):
         ("data.kind=web", "indexed"),
         ("optimizer.lr_decay_style=step", "cosine"),
         ("trainer.micro_batch_size=0", "micro_batch_size=0"),
+        pytest.param(
+            "model.transformer_impl=transformer_engine", "model.transformer_impl=local",
+            marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed"),
+        ),
     ],
 )
 def test_bad_choice_names_the_valid_ones(capsys, override, named):
