@@ -161,6 +161,12 @@ class TrainerConfig:
     """Evaluate on the validation split every this many steps (and at the end)."""
     eval_iters: int = 4
     """Global batches per evaluation."""
+    sharpness_interval: int = 0
+    """Measure the last-token loss sharpness ("To FP8 and Back Again" §3.1) every this many steps (0: never)."""
+    sharpness_eps: float = 5.0e-4
+    """Half-width of the sharpness box, relative to each logit's magnitude plus one."""
+    sharpness_sequences: int = 4
+    """Validation sequences the sharpness is averaged over."""
     save_interval: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     save: bool = True
@@ -241,10 +247,15 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _choice("data.kind", config.data.kind, DATA_KINDS)
     _choice("optimizer.lr_decay_style", config.optimizer.lr_decay_style, LR_DECAY_STYLES)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                 "global_batch_size", "log_interval", "eval_interval", "eval_iters"):
+                 "global_batch_size", "log_interval", "eval_interval", "eval_iters", "sharpness_sequences"):
         _positive(f"trainer.{name}", getattr(trainer, name))
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _positive(f"model.{name}", getattr(model, name))
+    if trainer.sharpness_interval < 0 or trainer.sharpness_eps <= 0:
+        raise ConfigError(
+            f"trainer.sharpness_interval={trainer.sharpness_interval} must be >= 0 and "
+            f"trainer.sharpness_eps={trainer.sharpness_eps} > 0"
+        )
     if trainer.max_steps < 0:
         raise ConfigError(f"trainer.max_steps={trainer.max_steps} must be >= 0")
     tp, pp = trainer.tensor_model_parallel_size, trainer.pipeline_model_parallel_size

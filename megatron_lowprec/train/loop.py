@@ -252,6 +252,64 @@ def evaluate(run: Run) -> float:
     return sum(losses) / len(losses)
 
 
+def _last_token_forward_step(captured: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A forward step that keeps the last position's full-vocabulary logits and its target."""
+    from megatron.core import tensor_parallel
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        logits = model(batch["tokens"], batch["position_ids"], None)
+
+        def keep_last_token(output: torch.Tensor):
+            last = tensor_parallel.gather_from_tensor_model_parallel_region(output[:, -1, :].contiguous())
+            captured.append((last.float(), batch["labels"][:, -1]))
+            return output.new_zeros((), dtype=torch.float32), {}
+
+        return logits, keep_last_token
+
+    return forward_step
+
+
+@torch.no_grad()
+def evaluate_sharpness(run: Run) -> float:
+    """Mean last-token sharpness (``metrics.last_token_sharpness``) over the first
+    ``trainer.sharpness_sequences`` validation sequences of data-parallel rank 0, computed where the
+    logits are (the last pipeline stage; its tensor-parallel shards gathered) and shared with all."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lowprec.metrics import last_token_sharpness
+
+    trainer = run.config.trainer
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    microbatches = -(-trainer.sharpness_sequences // trainer.micro_batch_size)
+    run.model.eval()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=_last_token_forward_step(captured),
+            data_iterator=iter(batches(run.data.valid, run.config, 0, microbatches)),
+            model=[run.model],
+            num_microbatches=microbatches,
+            seq_length=run.config.model.seq_length,
+            micro_batch_size=trainer.micro_batch_size,
+            forward_only=True,
+        )
+    finally:
+        run.model.train()
+    value = torch.zeros(1, dtype=torch.float64)
+    computes = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    if computes:
+        logits = torch.cat([logits for logits, _ in captured])[: trainer.sharpness_sequences]
+        targets = torch.cat([targets for _, targets in captured])[: trainer.sharpness_sequences]
+        value[0] = last_token_sharpness(logits, targets, trainer.sharpness_eps)
+    torch.distributed.all_reduce(value)
+    return float(value[0])
+
+
 def train(config: TrainConfig) -> dict:
     """Run the training of ``config``; returns the summary (also printed and saved by rank 0)."""
     with distributed_environment(config):
@@ -273,6 +331,8 @@ def train(config: TrainConfig) -> dict:
                 interval, interval_started = [], time.perf_counter()
             if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
                 logger.valid(run.iteration, evaluate(run))
+            if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:
+                logger.sharpness(run.iteration, evaluate_sharpness(run))
             if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
                 checkpoint.save(run)
                 saved_at = run.iteration

@@ -1,9 +1,10 @@
 """Rank 0's record of a run: one console line per interval, ``metrics.jsonl``, wandb, the summary.
 
-Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train`` or
-``valid``), ``loss`` and ``option``; train lines add ``lr``, ``grad_norm``, ``tokens_per_second``,
+Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``,
+``valid`` or ``sharpness``) and ``option``; train and valid lines hold ``loss``; train lines add ``lr``, ``grad_norm``, ``tokens_per_second``,
 ``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
-(means over the interval); valid lines add ``perplexity``.
+(means over the interval); valid lines add ``perplexity``. With ``trainer.sharpness_interval``,
+``sharpness`` lines hold ``sharpness`` and its box half-width ``eps`` instead of a loss.
 """
 
 from __future__ import annotations
@@ -151,6 +152,14 @@ class MetricsLogger:
         perplexity = math.exp(min(loss, 700.0))
         print(f"step {step:>6}/{self.config.trainer.max_steps} | validation loss {loss:.4f} | perplexity {perplexity:.2f}", flush=True)
         self._write({"step": step, "split": "valid", "loss": loss, "perplexity": perplexity})
+
+    def sharpness(self, step: int, value: float) -> None:
+        """A last-token sharpness measurement at ``step``."""
+        if not self.active:
+            return
+        eps = self.config.trainer.sharpness_eps
+        print(f"step {step:>6}/{self.config.trainer.max_steps} | last-token sharpness {value:.4f} (eps {eps:g})", flush=True)
+        self._write({"step": step, "split": "sharpness", "sharpness": value, "eps": eps})
 
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Print and save the summary; close the metrics file and wandb. Returns the summary."""

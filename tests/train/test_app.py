@@ -81,7 +81,8 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
 
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
     """From one initial checkpoint (saved at DP=2, resharded by dist_checkpointing), option D trains
-    the same data at TP=1 (DP=2), TP=2 and PP=2; then A, C and sr train at each layout."""
+    the same data at TP=1 (DP=2), TP=2 and PP=2; then A, C and sr train at each layout, logging EDQ
+    and the last-token sharpness (gathered from the last stage's tensor-parallel shards)."""
     init = tmp_path / "init"
     layouts = {
         "dp2": [],
@@ -96,7 +97,7 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
         for option in ("A", "C", "sr"):
             steps.append(
                 {"overrides": _tiny(cache_dir, tmp_path / f"{name}-{option}", f"precision={option}", "trainer.max_steps=2",
-                                    "precision.track_update_quality=true", *layout)}
+                                    "precision.track_update_quality=true", "trainer.sharpness_interval=2", *layout)}
             )
     results = _run(tmp_path, 2, steps)
     reference, tensor_parallel, pipeline_parallel = (_train_losses(result) for result in results[1:4])
@@ -110,6 +111,8 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
         losses = _train_losses(result)
         assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), result["summary"]
         assert all(math.isfinite(row["edq"]) for row in result["rows"] if row["split"] == "train")
+        sharpness = [row["sharpness"] for row in result["rows"] if row["split"] == "sharpness"]
+        assert len(sharpness) == 1 and 0 <= sharpness[0] < 100, sharpness
 
 
 def test_tensor_and_data_parallel_together(tmp_path, cache_dir):
