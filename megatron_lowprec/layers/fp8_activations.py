@@ -1,0 +1,285 @@
+"""Non-linear layers that save their input for backward in FP8 (COAT, Xi et al., 2024, section 5.2).
+
+RMSNorm, LayerNorm, GELU and SwiGLU compute their forward exactly as torch does (same output bits
+as torch.nn.LayerNorm / RMSNorm / F.gelu / F.silu(a) * b) but keep, for backward, only their input
+quantized to E4M3 with one float32 scale per 1 x G group of consecutive elements along the hidden
+(last) dimension, G = 16 (section 6.1). A group never spans two tokens: section 5.2 and Fig. 4(a)
+show that sharing a scale across the token axis costs accuracy; a row whose length is not a
+multiple of G is zero-padded to one. Backward dequantizes the input and recomputes what it needs
+(normalisation statistics, activation derivatives) in FP32. Parameters are saved as they are: they
+are not activation memory.
+
+Storage per saved element: 1 byte of FP8 plus 4/G bytes of scale (1.25 bytes for G = 16), against
+2 bytes for BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
+
+GROUP_SIZE = 16
+"""COAT's 1 x 16 per-group quantization of non-linear layer activations (section 6.1)."""
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def quantize_along_last_dim(x: torch.Tensor, group_size: int = GROUP_SIZE) -> QuantizedTensor:
+    """E4M3 with one scale per 1 x ``group_size`` group along the last dim, groups never spanning rows.
+
+    Returns the quantization of x viewed as rows [tokens, hidden], each row zero-padded to a multiple
+    of ``group_size`` (``QuantizedTensor.shape`` is the padded shape). Non-finite values give NaN
+    on dequantization instead of raising.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    rows = x.detach().reshape(-1, x.shape[-1])
+    rows = F.pad(rows, (0, -rows.shape[-1] % group_size))
+    quantized = QuantizedTensor(
+        payload=torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device),
+        scale=torch.empty(rows.numel() // group_size, dtype=torch.float32, device=x.device),
+        expansion_exponent=None,
+        group_size=group_size,
+        shape=rows.shape,
+        fp8_dtype=torch.float8_e4m3fn,
+    )
+    quantize_fp8_into(rows, quantized.payload, quantized.scale, group_size=group_size, check_finite=False)
+    return quantized
+
+
+def _dequantized_rows(payload: torch.Tensor, scale: torch.Tensor, group_size: int, width: int) -> torch.Tensor:
+    """FP32 rows [tokens, width] from what :func:`quantize_along_last_dim` saved."""
+    quantized = QuantizedTensor(payload, scale, None, group_size, payload.shape, payload.dtype)
+    return dequantize_fp8(quantized)[:, :width]
+
+
+def _save_fp8_input(ctx, x: torch.Tensor, group_size: int, *parameters: torch.Tensor | None) -> None:
+    quantized = quantize_along_last_dim(x, group_size)
+    ctx.save_for_backward(quantized.payload, quantized.scale, *parameters)
+    ctx.group_size = group_size
+    ctx.input_shape = x.shape
+    ctx.input_dtype = x.dtype
+
+
+def _saved_input_rows(ctx) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    payload, scale, *parameters = ctx.saved_tensors
+    return _dequantized_rows(payload, scale, ctx.group_size, ctx.input_shape[-1]), tuple(parameters)
+
+
+def _parameter_grad(ctx, index: int, grad: torch.Tensor, parameter: torch.Tensor | None) -> torch.Tensor | None:
+    return grad.to(parameter.dtype) if parameter is not None and ctx.needs_input_grad[index] else None
+
+
+class FP8LayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dim; saves the FP8 input, recomputes mean and 1/std in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, group_size):
+        _save_fp8_input(ctx, x, group_size, weight, bias)
+        ctx.eps = eps
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, (weight, bias) = _saved_input_rows(ctx)
+        centered = x - x.mean(dim=-1, keepdim=True)
+        inverse_std = torch.rsqrt(centered.square().mean(dim=-1, keepdim=True) + ctx.eps)
+        normalized = centered * inverse_std
+        grad_rows = grad_output.reshape(normalized.shape).float()
+        grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
+        grad_input = inverse_std * (
+            grad_normalized
+            - grad_normalized.mean(dim=-1, keepdim=True)
+            - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True)
+        )
+        return (
+            grad_input.to(ctx.input_dtype).view(ctx.input_shape),
+            _parameter_grad(ctx, 1, (grad_rows * normalized).sum(dim=0), weight),
+            _parameter_grad(ctx, 2, grad_rows.sum(dim=0), bias),
+            None,
+            None,
+        )
+
+
+class FP8RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dim; saves the FP8 input, recomputes 1/rms in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, group_size):
+        _save_fp8_input(ctx, x, group_size, weight)
+        ctx.eps = eps
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, (weight,) = _saved_input_rows(ctx)
+        inverse_rms = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + ctx.eps)
+        normalized = x * inverse_rms
+        grad_rows = grad_output.reshape(normalized.shape).float()
+        grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
+        grad_input = inverse_rms * (
+            grad_normalized - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True)
+        )
+        return (
+            grad_input.to(ctx.input_dtype).view(ctx.input_shape),
+            _parameter_grad(ctx, 1, (grad_rows * normalized).sum(dim=0), weight),
+            None,
+            None,
+        )
+
+
+class FP8GELUFunction(torch.autograd.Function):
+    """GELU (exact or tanh approximation); saves the FP8 input, recomputes GELU' in backward."""
+
+    @staticmethod
+    def forward(ctx, x, approximate, group_size):
+        _save_fp8_input(ctx, x, group_size)
+        ctx.approximate = approximate
+        return F.gelu(x, approximate=approximate)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, _ = _saved_input_rows(ctx)
+        grad_rows = grad_output.reshape(x.shape).float()
+        grad_input = torch.ops.aten.gelu_backward(grad_rows, x, approximate=ctx.approximate)
+        return grad_input.to(ctx.input_dtype).view(ctx.input_shape), None, None
+
+
+class FP8SwiGLUFunction(torch.autograd.Function):
+    """SiLU(a) * b for [a, b] = x split in two halves of the last dim (megatron's gated linear unit,
+    ``torch.chunk(x, 2, dim=-1)``); saves FP8 x, recomputes SiLU(a) and SiLU'(a) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group_size):
+        _save_fp8_input(ctx, x, group_size)
+        gate, value = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * value
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, _ = _saved_input_rows(ctx)
+        gate, value = torch.chunk(x, 2, dim=-1)
+        grad_rows = grad_output.reshape(gate.shape).float()
+        grad_gate = torch.ops.aten.silu_backward(grad_rows * value, gate)
+        grad_input = torch.cat([grad_gate, grad_rows * F.silu(gate)], dim=-1)
+        return grad_input.to(ctx.input_dtype).view(ctx.input_shape), None
+
+
+def _check_hidden(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
+    if len(normalized_shape) != 1 or x.shape[-1:] != tuple(normalized_shape):
+        raise ValueError(
+            f"FP8 norms normalize over the last dim only: normalized_shape {tuple(normalized_shape)} "
+            f"must be (hidden,) with hidden = input.shape[-1] of input shape {tuple(x.shape)}"
+        )
+
+
+def fp8_layer_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    group_size: int = GROUP_SIZE,
+) -> torch.Tensor:
+    """``F.layer_norm`` over the last dim, saving its input as per-group E4M3 (FP8LayerNormFunction)."""
+    _check_hidden(x, normalized_shape)
+    return FP8LayerNormFunction.apply(x, weight, bias, eps, group_size)
+
+
+def fp8_rms_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    group_size: int = GROUP_SIZE,
+) -> torch.Tensor:
+    """``F.rms_norm`` over the last dim, saving its input as per-group E4M3 (FP8RMSNormFunction).
+
+    eps None means what it means to torch: the machine epsilon of the compute dtype (FP32 for
+    BF16, FP16 and FP32 inputs).
+    """
+    _check_hidden(x, normalized_shape)
+    if eps is None:
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+    return FP8RMSNormFunction.apply(x, weight, eps, group_size)
+
+
+def fp8_gelu(x: torch.Tensor, approximate: str = "none", group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``F.gelu`` saving its input as per-group E4M3 (FP8GELUFunction)."""
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"unknown GELU approximation {approximate!r}; valid: {', '.join(GELU_APPROXIMATIONS)}")
+    return FP8GELUFunction.apply(x, approximate, group_size)
+
+
+def fp8_swiglu(x: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """SiLU(x[..., :n]) * x[..., n:] with n = x.shape[-1] / 2, saving x as per-group E4M3."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"SwiGLU splits the last dim in two halves; got odd size {x.shape[-1]}")
+    return FP8SwiGLUFunction.apply(x, group_size)
+
+
+class FP8LayerNorm(torch.nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` (one normalized dim) that saves its input in FP8."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None,
+                 group_size: int = GROUP_SIZE):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"FP8LayerNorm normalizes over one (the last) dim; got {self.normalized_shape}")
+        self.group_size = group_size
+
+    @classmethod
+    def from_module(cls, norm: torch.nn.LayerNorm, group_size: int = GROUP_SIZE) -> FP8LayerNorm:
+        """An FP8LayerNorm holding ``norm``'s own parameters (the same Parameter objects)."""
+        converted = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None,
+                        device="meta", group_size=group_size)
+        converted.weight, converted.bias = norm.weight, norm.bias
+        return converted.train(norm.training)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fp8_layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, self.group_size)
+
+
+class FP8RMSNorm(torch.nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` (one normalized dim) that saves its input in FP8."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None,
+                 group_size: int = GROUP_SIZE):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"FP8RMSNorm normalizes over one (the last) dim; got {self.normalized_shape}")
+        self.group_size = group_size
+
+    @classmethod
+    def from_module(cls, norm: torch.nn.RMSNorm, group_size: int = GROUP_SIZE) -> FP8RMSNorm:
+        """An FP8RMSNorm holding ``norm``'s own weight (the same Parameter object)."""
+        converted = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, device="meta",
+                        group_size=group_size)
+        converted.weight = norm.weight
+        return converted.train(norm.training)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fp8_rms_norm(input, self.normalized_shape, self.weight, self.eps, self.group_size)
+
+
+class FP8GELU(torch.nn.GELU):
+    """Drop-in ``torch.nn.GELU`` that saves its input in FP8."""
+
+    def __init__(self, approximate: str = "none", group_size: int = GROUP_SIZE):
+        super().__init__(approximate)
+        self.group_size = group_size
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fp8_gelu(input, self.approximate, self.group_size)
+
+
+class FP8SwiGLU(torch.nn.Module):
+    """SiLU(a) * b on the two halves [a, b] of the last dim, saving its input in FP8."""
+
+    def __init__(self, group_size: int = GROUP_SIZE):
+        super().__init__()
+        self.group_size = group_size
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fp8_swiglu(input, self.group_size)

@@ -1,0 +1,145 @@
+"""COAT's FP8 linear layer (Xi et al., 2024, section 5.2): E4M3 forward, E5M2 output gradients.
+
+Forward: the input X and the weight W are quantized to E4M3 per tensor with current scaling,
+
+    scale = amax / 448,    payload = RNE_E4M3(x / scale)    (numerics/quant.py's formula, one group),
+
+where amax comes from COAT's Group Scaling: the max over each 1 x G group, then the max of those
+(equal to max|x|; the first stage is what a kernel fuses into the producer of x). The product
+E4M3(X) E4M3(W)^T is accumulated in FP32 and returned in the input's dtype. Backward: the output
+gradient dY is quantized to E5M2 per tensor; dX = E5M2(dY) E4M3(W) and dW = E5M2(dY)^T E4M3(X).
+Only the FP8 input and its scale are saved for backward: W is a parameter (no activation memory)
+and is quantized again in backward, to the same payload.
+
+Matmuls run on ``torch._scaled_mm`` where the device has it (CPU in torch 2.13; CUDA with compute
+capability >= 8.9, every dimension a multiple of 16, not both operands E5M2), else they are emulated:
+dequantize to FP32 (payload * scale), FP32 matmul, cast to the output dtype. torch's CPU kernel
+computes exactly that, so on CPU both backends give the same bits (tests/layers/test_fp8_linear.py).
+Non-finite inputs give NaN outputs or gradients (the optimizer then skips the step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lowprec.numerics.quant import fp8_dtype_of, fp8_max
+
+AMAX_GROUP_SIZE = 128
+"""G of the first max-reduction stage of COAT's Group Scaling (1 x G consecutive elements)."""
+BACKENDS = ("auto", "scaled_mm", "emulated")
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+
+def group_scaling_amax(x: torch.Tensor, group_size: int = AMAX_GROUP_SIZE) -> torch.Tensor:
+    """max|x| in two stages (COAT section 5.2, Group Scaling): per 1 x G group, then over the groups.
+
+    Float32 0-d tensor; 0 for an empty tensor; NaN if x holds NaN.
+    """
+    magnitudes = x.detach().reshape(-1).abs()
+    if magnitudes.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    padding = -magnitudes.numel() % group_size
+    group_maxima = torch.nn.functional.pad(magnitudes, (0, padding)).view(-1, group_size).amax(dim=1)
+    return group_maxima.amax().float()
+
+
+def quantize_per_tensor(x: torch.Tensor, fp8_format: str | torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, scale): x ~ payload * scale, one float32 scale = amax / fp8_max (1 for an all-zero x).
+
+    ``fp8_format`` is "e4m3" or "e5m2" (or the torch dtype); the cast is torch's round-to-nearest-even.
+    """
+    fp8_dtype = fp8_dtype_of(fp8_format)
+    format_max = fp8_max(fp8_dtype)
+    amax = group_scaling_amax(x)
+    scale = torch.where(amax > 0, (amax / format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    payload = (x.detach().float() / scale).clamp(-format_max, format_max).to(fp8_dtype)
+    return payload, scale
+
+
+def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "cpu":
+        return True
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) < (8, 9):
+        return False
+    both_e5m2 = a.dtype == b.dtype == E5M2
+    return not both_e5m2 and all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
+
+
+def fp8_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale) for FP8 ``a`` [M, K] and ``b`` [K, N], FP32 accumulation, in ``out_dtype``.
+
+    ``backend``: "scaled_mm" (torch._scaled_mm), "emulated" (dequantize, FP32 matmul) or "auto"
+    (scaled_mm where the device supports it, see the module docstring).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown FP8 matmul backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "scaled_mm" or (backend == "auto" and _scaled_mm_supported(a, b)):
+        if a.is_cuda:
+            a, b = a.contiguous(), b.t().contiguous().t()
+        return torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    return ((a.float() * a_scale) @ (b.float() * b_scale)).to(out_dtype)
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with E4M3 operands forward and an E5M2 output gradient backward (COAT section 5.2)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, backend):
+        input_rows = input.reshape(-1, input.shape[-1])
+        input_fp8, input_scale = quantize_per_tensor(input_rows, E4M3)
+        weight_fp8, weight_scale = quantize_per_tensor(weight, E4M3)
+        output = fp8_matmul(input_fp8, input_scale, weight_fp8.t(), weight_scale, input.dtype, backend)
+        if bias is not None:
+            output = output + bias
+        ctx.save_for_backward(input_fp8, input_scale, weight)
+        ctx.backend = backend
+        ctx.input_shape = input.shape
+        ctx.input_dtype = input.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output.view(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_fp8, input_scale, weight = ctx.saved_tensors
+        grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_fp8, grad_scale = quantize_per_tensor(grad_rows, E5M2)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight_fp8, weight_scale = quantize_per_tensor(weight, E4M3)
+            grad_input = fp8_matmul(
+                grad_fp8, grad_scale, weight_fp8, weight_scale, ctx.input_dtype, ctx.backend
+            ).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = fp8_matmul(grad_fp8.t(), grad_scale, input_fp8, input_scale, weight.dtype, ctx.backend)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(dim=0).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def fp8_linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``torch.nn.functional.linear`` through COAT's FP8 flow (FP8LinearFunction); any leading dims."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown FP8 matmul backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"input of shape {tuple(input.shape)} does not match weight of shape {tuple(weight.shape)}: "
+            "the weight must be [out_features, in_features] with in_features = input.shape[-1]"
+        )
+    return FP8LinearFunction.apply(input, weight, bias, backend)
+
+
+class FP8Linear(torch.nn.Linear):
+    """Drop-in ``torch.nn.Linear`` whose forward and backward run through :func:`fp8_linear`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(input, self.weight, self.bias)

@@ -1,0 +1,149 @@
+"""COAT FP8 linear: quantization against torch's float8 casts, _scaled_mm against the emulated path,
+what is saved for backward, and gradients against a BF16 linear.
+
+Gradient tolerance: E4M3 rounds to 3 mantissa bits (unit roundoff u4 = 2^-4), E5M2 to 2 (u5 = 2^-3).
+Each product term of the forward carries a relative error below 2 u4 (input and weight), each term
+of the backward below u5 + u4 (output gradient and weight or input). Sums of such terms on random
+data stay below the same bounds in relative L2 norm (measured: forward 0.023, gradients 0.059), and
+the BF16 linear's own error (~2^-8) is negligible next to them.
+"""
+
+import pytest
+import torch
+
+from megatron_lowprec.layers import FP8Linear, fp8_linear
+from megatron_lowprec.layers.fp8_linear import fp8_matmul, group_scaling_amax, quantize_per_tensor
+from megatron_lowprec.numerics.quant import quantize_fp8
+
+U_E4M3 = 2.0**-4
+U_E5M2 = 2.0**-3
+FORWARD_TOLERANCE = 2 * U_E4M3
+BACKWARD_TOLERANCE = U_E5M2 + U_E4M3
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def sample(*shape, seed, scale=1.0, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.double() - reference.double()).norm() / reference.double().norm())
+
+
+def forward_backward(function, input, weight, bias, grad_seed=1):
+    """Output and gradients of input, weight and bias for a fixed random output gradient."""
+    leaves = [tensor.detach().clone().requires_grad_() for tensor in (input, weight, bias)]
+    output = function(*leaves)
+    output.backward(sample(*output.shape, seed=grad_seed, dtype=output.dtype))
+    return [output.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (1000,), (3, 128), (0, 5)])
+def test_group_scaling_amax_is_the_max_magnitude(shape):
+    x = sample(*shape, seed=3, scale=7.0)
+    expected = x.abs().max().float() if x.numel() else torch.tensor(0.0)
+    assert torch.equal(group_scaling_amax(x), expected)
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_per_tensor_is_torchs_cast_at_the_current_scale(fp8_format, dtype):
+    x = sample(37, 53, seed=4, scale=300.0, dtype=dtype)
+    payload, scale = quantize_per_tensor(x, fp8_format)
+    expected_scale = x.abs().max().float() / torch.finfo(FP8_DTYPES[fp8_format]).max
+    assert torch.equal(scale, expected_scale)
+    expected_payload = (x.float() / expected_scale).to(FP8_DTYPES[fp8_format])
+    assert torch.equal(payload.view(torch.uint8), expected_payload.view(torch.uint8))
+    reference = quantize_fp8(x, fp8_format)
+    assert torch.equal(payload.view(torch.uint8).flatten(), reference.payload.view(torch.uint8))
+
+
+def test_all_zero_input_has_unit_scale():
+    payload, scale = quantize_per_tensor(torch.zeros(4, 16), "e4m3")
+    assert float(scale) == 1.0 and not payload.float().any()
+
+
+@pytest.mark.parametrize(("a_format", "b_format"), [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_scaled_mm_equals_the_emulated_matmul_on_cpu(a_format, b_format, out_dtype):
+    a, a_scale = quantize_per_tensor(sample(48, 320, seed=5, scale=20.0), a_format)
+    b, b_scale = quantize_per_tensor(sample(320, 24, seed=6, scale=0.1), b_format)
+    scaled_mm = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="scaled_mm")
+    emulated = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="emulated")
+    assert torch.equal(scaled_mm, emulated)
+    assert torch.equal(fp8_matmul(a, a_scale, b, b_scale, out_dtype), scaled_mm)
+
+
+def test_forward_and_backward_agree_exactly_between_backends():
+    input, weight, bias = sample(4, 9, 96, seed=7, scale=3.0), sample(80, 96, seed=8, scale=0.05), sample(80, seed=9)
+    scaled_mm = forward_backward(lambda *a: fp8_linear(*a, backend="scaled_mm"), input, weight, bias)
+    emulated = forward_backward(lambda *a: fp8_linear(*a, backend="emulated"), input, weight, bias)
+    for from_scaled_mm, from_emulation in zip(scaled_mm, emulated):
+        assert torch.equal(from_scaled_mm, from_emulation)
+
+
+def test_forward_is_the_fp32_product_of_torch_casts():
+    input, weight, bias = sample(5, 64, seed=10, scale=4.0), sample(32, 64, seed=11, scale=0.02), sample(32, seed=12)
+    input_scale = input.abs().max().float() / 448
+    weight_scale = weight.abs().max().float() / 448
+    input_fp8 = (input.float() / input_scale).to(torch.float8_e4m3fn).float() * input_scale
+    weight_fp8 = (weight.float() / weight_scale).to(torch.float8_e4m3fn).float() * weight_scale
+    expected = (input_fp8 @ weight_fp8.t()).to(torch.bfloat16) + bias
+    assert torch.equal(fp8_linear(input, weight, bias), expected)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gradients_agree_with_a_bf16_linear(with_bias):
+    input, weight = sample(4, 32, 256, seed=13, scale=2.0), sample(384, 256, seed=14, scale=0.05)
+    bias = sample(384, seed=15)
+    fp8 = forward_backward(lambda x, w, b: fp8_linear(x, w, b if with_bias else None), input, weight, bias)
+    bf16 = forward_backward(lambda x, w, b: torch.nn.functional.linear(x, w, b if with_bias else None),
+                            input, weight, bias)
+    assert fp8[0].dtype == torch.bfloat16
+    assert relative_error(fp8[0], bf16[0]) < FORWARD_TOLERANCE
+    for fp8_grad, bf16_grad in zip(fp8[1:3], bf16[1:3]):
+        assert fp8_grad.dtype == torch.bfloat16
+        assert relative_error(fp8_grad, bf16_grad) < BACKWARD_TOLERANCE
+    if with_bias:
+        assert relative_error(fp8[3], bf16[3]) < 2.0**-7
+    else:
+        assert fp8[3] is None and bf16[3] is None
+
+
+def test_only_the_fp8_input_and_its_scale_are_saved():
+    linear = FP8Linear(64, 48, dtype=torch.bfloat16)
+    input = sample(2, 8, 64, seed=16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear(input)
+    activations = [tensor for tensor in saved if tensor is not linear.weight]
+    assert len(activations) == 2 and len(saved) == 3
+    payload, scale = activations
+    assert payload.dtype == torch.float8_e4m3fn and payload.shape == (16, 64)
+    assert scale.dtype == torch.float32 and scale.numel() == 1
+
+
+def test_leading_dims_flatten_into_rows():
+    input, weight = sample(2, 3, 5, 40, seed=17), sample(24, 40, seed=18)
+    assert torch.equal(fp8_linear(input, weight).reshape(30, 24), fp8_linear(input.reshape(30, 40), weight))
+
+
+def test_module_matches_the_function():
+    linear = FP8Linear(40, 24, dtype=torch.bfloat16)
+    input = sample(6, 40, seed=19)
+    assert torch.equal(linear(input), fp8_linear(input, linear.weight, linear.bias))
+
+
+def test_non_finite_input_gives_nan_output():
+    input = sample(4, 32, seed=20)
+    input[1, 3] = float("nan")
+    assert torch.isnan(fp8_linear(input, sample(8, 32, seed=21))).any()
+
+
+def test_bad_arguments_are_rejected_naming_the_valid_choices():
+    input, weight = sample(4, 32, seed=22), sample(8, 32, seed=23)
+    with pytest.raises(ValueError, match="auto, scaled_mm, emulated"):
+        fp8_linear(input, weight, backend="cublas")
+    with pytest.raises(ValueError, match=r"\(8, 16\)"):
+        fp8_linear(input, sample(8, 16, seed=24))
