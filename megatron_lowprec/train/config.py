@@ -21,6 +21,8 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
+EMULATION_ROUNDINGS = ("nearest", "stochastic")
+TE_FP8_RECIPES = ("delayed", "current")
 
 
 @dataclass
@@ -87,6 +89,24 @@ class PrecisionConfig:
     """Reduce gradients in FP32 (``None``: FP32 for options with FP32 master weights, else BF16)."""
     track_update_quality: bool = False
     """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
+    fp8_layers: bool = False
+    """COAT's FP8 layer flow (§5.2): E4M3 linears with E5M2 output gradients, norms and activations
+    that save their input in FP8 with 1x16 groups (``precision=coat`` turns it on)."""
+    emulate: Optional[str] = None
+    """Emulate an ExMy format (e.g. ``E8M5``) on the inputs, weights, outputs and gradients of the
+    linear layers' matmuls, accumulating in FP32 ("To FP8 and Back Again" §3.2)."""
+    emulate_rounding: str = "nearest"
+    """Rounding of the emulation: ``nearest`` or ``stochastic``."""
+    emulate_clamp_outer_range: bool = True
+    """Emulation saturates magnitudes above the format's largest value (the paper's outer range)."""
+    emulate_clamp_inner_range: bool = True
+    """Emulation flushes magnitudes below the format's subnormals (the paper's inner range)."""
+    emulate_exclude: list[str] = field(default_factory=lambda: ["output_layer"])
+    """Modules (dotted name parts, e.g. ``output_layer``, ``decoder.layers.0``) that the FP8 flow and
+    the emulation leave in BF16; the LM head by default. ``[]`` converts every linear."""
+    te_fp8_recipe: Optional[str] = None
+    """Transformer Engine's own FP8 as the baseline: ``delayed`` (DelayedScaling) or ``current``
+    (Float8CurrentScaling); needs Transformer Engine."""
 
 
 @dataclass
@@ -233,6 +253,28 @@ def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
+def _validate_layer_precision(precision: PrecisionConfig) -> None:
+    from megatron_lowprec.numerics.formats import float_format
+
+    _choice("precision.emulate_rounding", precision.emulate_rounding, EMULATION_ROUNDINGS)
+    if precision.emulate is not None:
+        try:
+            float_format(precision.emulate)
+        except ValueError as error:
+            raise ConfigError(f"precision.emulate={precision.emulate!r}: {error}") from None
+        if precision.fp8_layers:
+            raise ConfigError("precision.emulate and precision.fp8_layers replace the same matmuls; choose one")
+    if precision.te_fp8_recipe is not None:
+        _choice("precision.te_fp8_recipe", precision.te_fp8_recipe, TE_FP8_RECIPES)
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(
+                "precision=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine, which is not installed; "
+                "precision=coat is this package's FP8 flow without it"
+            )
+        if precision.fp8_layers or precision.emulate is not None:
+            raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
     model, trainer = config.model, config.trainer
@@ -289,6 +331,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
             "use model.transformer_impl=local"
         )
+    _validate_layer_precision(config.precision)
     if config.data.kind == "indexed" and not config.data.data_prefix:
         raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")
     if config.resume and config.run_dir is None:

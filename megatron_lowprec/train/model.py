@@ -23,6 +23,7 @@ def transformer_config(config: TrainConfig):
 
     model, trainer = config.model, config.trainer
     fused = torch.cuda.is_available()
+    te_fp8 = config.precision.te_fp8_recipe
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -49,22 +50,47 @@ def transformer_config(config: TrainConfig):
         masked_softmax_fusion=fused,
         apply_rope_fusion=False,
         persist_layer_norm=fused,
+        fp8="hybrid" if te_fp8 else None,
+        fp8_recipe={"delayed": "delayed", "current": "tensorwise"}.get(te_fp8, "delayed"),
     )
 
 
 def layer_spec(config: TrainConfig):
-    """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for (``validate``
-    has checked that it is installed)."""
+    """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for or when TE's
+    FP8 runs (``validate`` has checked that it is installed)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if config.model.transformer_impl == "transformer_engine":
+    if config.model.transformer_impl == "transformer_engine" or config.precision.te_fp8_recipe:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
 
 
+def apply_layer_precision(config: TrainConfig, module) -> list[str]:
+    """COAT's FP8 layer flow or the ExMy emulation in the built model (model converters); the
+    names of the converted modules."""
+    precision = config.precision
+    if not precision.fp8_layers and precision.emulate is None:
+        return []
+    from megatron_lowprec.layers import EmulationConfig
+    from megatron_lowprec.megatron.layers import apply_layer_precision as convert
+
+    emulation = None
+    if precision.emulate is not None:
+        emulation = EmulationConfig.parse(
+            {
+                "format": precision.emulate,
+                "rounding": precision.emulate_rounding,
+                "clamp_outer_range": precision.emulate_clamp_outer_range,
+                "clamp_inner_range": precision.emulate_clamp_inner_range,
+            }
+        )
+    return convert([module], fp8_layers=precision.fp8_layers, emulation=emulation, exclude=precision.emulate_exclude)
+
+
 def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
     """A BF16 ``GPTModel`` for this rank's pipeline stage (the whole model when ``pre_process`` and
-    ``post_process``), in megatron's ``Float16Module``. ``vocab_size`` is already padded."""
+    ``post_process``), in megatron's ``Float16Module``, with the FP8 layer flow or the ExMy
+    emulation applied when the precision config asks. ``vocab_size`` is already padded."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
@@ -81,4 +107,6 @@ def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, po
         rotary_percent=config.model.rotary_percent,
         rotary_base=config.model.rotary_base,
     )
-    return Float16Module(transformer, model)
+    wrapped = Float16Module(transformer, model)
+    apply_layer_precision(config, wrapped)
+    return wrapped

@@ -33,12 +33,18 @@ def test_default_is_the_tiny_model_on_the_embedded_corpus():
 
 
 def test_one_precision_file_per_option():
-    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(OPTIONS)
+    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D)."""
+    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted([*OPTIONS, "te_fp8"])
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_precision_flag_selects_the_option(option):
     assert compose([f"precision={option}"]).precision.option == option
+
+
+def test_coat_turns_on_the_fp8_layer_flow():
+    precision = compose(["precision=coat"]).precision
+    assert precision.fp8_layers and precision.emulate is None
 
 
 def test_unknown_option_lists_the_valid_ones(capsys):
@@ -76,22 +82,30 @@ def test_layout_that_does_not_fit_the_world(capsys, monkeypatch):
     assert "world size 3" in _fails(capsys, "trainer.tensor_model_parallel_size=2")
 
 
+def _without_te(*values):
+    return pytest.param(
+        *values, marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed")
+    )
+
+
 @pytest.mark.parametrize(
-    "override, named",
+    "overrides, named",
     [
-        ("model.normalization=BatchNorm", "RMSNorm"),
-        ("model.activation=relu", "swiglu"),
-        ("data.kind=web", "indexed"),
-        ("optimizer.lr_decay_style=step", "cosine"),
-        ("trainer.micro_batch_size=0", "micro_batch_size=0"),
-        pytest.param(
-            "model.transformer_impl=transformer_engine", "model.transformer_impl=local",
-            marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed"),
-        ),
+        (["model.normalization=BatchNorm"], "RMSNorm"),
+        (["model.activation=relu"], "swiglu"),
+        (["data.kind=web"], "indexed"),
+        (["optimizer.lr_decay_style=step"], "cosine"),
+        (["trainer.micro_batch_size=0"], "micro_batch_size=0"),
+        (["precision.emulate=E9M9"], "E9M9"),
+        (["precision.emulate_rounding=up"], "stochastic"),
+        (["precision=coat", "precision.emulate=E4M3"], "fp8_layers"),
+        (["trainer.sharpness_eps=0"], "sharpness_eps=0"),
+        _without_te(["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
+        _without_te(["precision=te_fp8"], "precision=coat"),
     ],
 )
-def test_bad_choice_names_the_valid_ones(capsys, override, named):
-    assert named in _fails(capsys, override)
+def test_bad_choice_names_the_valid_ones(capsys, overrides, named):
+    assert named in _fails(capsys, *overrides)
 
 
 def test_resume_true_needs_a_checkpoint(capsys, tmp_path):
