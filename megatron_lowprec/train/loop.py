@@ -34,6 +34,10 @@ from megatron_lowprec.train.metrics import MetricsLogger
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
 
 
+MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
+"""Fields of the app's optimizer config that megatron's ``OptimizerConfig`` has under the same name."""
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -139,15 +143,9 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         [model],
         OptimizerConfig(
             optimizer="adam",
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1,
-            adam_beta2=optim.adam_beta2,
-            adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad,
             bf16=True,
             params_dtype=torch.bfloat16,
+            **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
         ),
         seed=trainer.seed,
         shared_randomness=config.precision.shared_randomness,

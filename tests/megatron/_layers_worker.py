@@ -13,14 +13,12 @@ import datetime
 import json
 import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config
+from _cpu_bridge_worker import _flat, _gather, _run_scenario, _seeded_model, _train_step, _transformer_config
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
 
@@ -241,20 +239,6 @@ SCENARIOS: tuple[Callable[[], dict], ...] = (
     tensor_parallel_fp8,
     pipeline_parallel_fp8,
 )
-
-
-def _run_scenario(scenario: Callable[[], dict]) -> dict:
-    from megatron.core import parallel_state
-
-    started = time.perf_counter()
-    try:
-        result = {"ok": True, **scenario()}
-    except Exception:
-        result = {"ok": False, "error": traceback.format_exc()}
-    finally:
-        parallel_state.destroy_model_parallel()
-    result["seconds"] = round(time.perf_counter() - started, 2)
-    return result
 
 
 def main(result_dir: Path) -> None:

@@ -64,3 +64,12 @@ def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeo
     if not all(result_file.exists() for result_file in result_files):
         pytest.fail(f"a rank wrote no results:\n{_tails(logs)}")
     return [json.loads(result_file.read_text()) for result_file in result_files]
+
+
+def scenario_results(ranks: list[dict], name: str) -> list[dict]:
+    """One scenario's result on every rank, failing with the worker's traceback if it raised."""
+    results = [rank_results.get(name) for rank_results in ranks]
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} did not reach {name} (an earlier scenario failed)"
+        assert result["ok"], f"{name} failed on rank {rank}:\n{result.get('error')}"
+    return results

@@ -18,7 +18,7 @@ import torch
 from megatron_lowprec.megatron import cpu
 
 from ._cpu_bridge_worker import RealCudaCallError, real_cuda_forbidden
-from .launch import run_ranks
+from .launch import run_ranks, scenario_results
 
 WORKER = Path(__file__).with_name("_cpu_bridge_worker.py")
 WORLD_SIZE = 2
@@ -37,15 +37,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(WORKER, tmp_path_factory.mktemp("cpu_bridge"), WORLD_SIZE, timeout_seconds=RUN_TIMEOUT_SECONDS)
 
 
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    """One scenario's result on every rank, failing with the worker's traceback if it raised."""
-    results = [rank_results.get(name) for rank_results in ranks]
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} did not reach {name} (an earlier scenario failed)"
-        assert result["ok"], f"{name} failed on rank {rank}:\n{result.get('error')}"
-    return results
-
-
 @requires_megatron
 @requires_no_cuda
 class TestMegatronOnCpu:
@@ -61,7 +52,7 @@ class TestMegatronOnCpu:
             assert rank_results["deactivation"]["not_restored"] == []
 
     def test_tensor_parallel_gpt_step(self, ranks):
-        results = _scenario(ranks, "tensor_parallel_step")
+        results = scenario_results(ranks, "tensor_parallel_step")
         assert [result["tensor_parallel_size"] for result in results] == [2, 2]
         assert sorted(result["tensor_parallel_rank"] for result in results) == [0, 1]
         losses = results[0]["losses"]
@@ -73,7 +64,7 @@ class TestMegatronOnCpu:
             assert result["recompute_grads_equal"], "activation recompute replayed other dropout masks"
 
     def test_rng_tracker_forks_are_reproducible_and_tensor_parallel_aware(self, ranks):
-        for result in _scenario(ranks, "rng_tracker"):
+        for result in scenario_results(ranks, "rng_tracker"):
             assert result["tracker_class"] == "CpuRNGStatesTracker"
             assert result["reproducible"], "the same seed gave other dropout masks"
             assert result["model_parallel_differs_across_tp"]
@@ -82,7 +73,7 @@ class TestMegatronOnCpu:
             assert result["fork_restores_default_stream"]
 
     def test_ddp_all_reduces_gradients(self, ranks):
-        results = _scenario(ranks, "data_parallel_ddp")
+        results = scenario_results(ranks, "data_parallel_ddp")
         assert results[0]["losses"] != results[1]["losses"], "the ranks did not see different data"
         for result in results:
             assert result["data_parallel_size"] == 2
@@ -96,7 +87,7 @@ class TestMegatronOnCpu:
             assert result["params_equal_after_step"]
 
     def test_distributed_optimizer_step(self, ranks):
-        for result in _scenario(ranks, "distributed_optimizer"):
+        for result in scenario_results(ranks, "distributed_optimizer"):
             assert result["optimizer"] == "DistributedOptimizer"
             assert result["update_successful"] and result["grad_norm_finite"]
             assert result["params_changed"]
@@ -104,7 +95,7 @@ class TestMegatronOnCpu:
 
     def test_pipeline_parallel_gpt_step(self, ranks):
         first_stage, last_stage = sorted(
-            _scenario(ranks, "pipeline_parallel_step"), key=lambda result: result["pipeline_rank"]
+            scenario_results(ranks, "pipeline_parallel_step"), key=lambda result: result["pipeline_rank"]
         )
         assert first_stage["losses"] == []
         assert len(last_stage["losses"]) == 2

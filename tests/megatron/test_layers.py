@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launch import run_ranks
+from .launch import run_ranks, scenario_results
 
 WORKER = Path(__file__).with_name("_layers_worker.py")
 U_E4M3 = 2.0**-4
@@ -42,14 +42,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(WORKER, tmp_path_factory.mktemp("layers"), 2, timeout_seconds=180)
 
 
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    results = [rank_results.get(name) for rank_results in ranks]
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} did not reach {name} (an earlier scenario failed)"
-        assert result["ok"], f"{name} failed on rank {rank}:\n{result.get('error')}"
-    return results
-
-
 def _assert_within_fp8_tolerance(comparison: dict) -> None:
     assert comparison["relative_error"] < GRADIENT_TOLERANCE
     assert comparison["worst_tensor_relative_error"] < TENSOR_GRADIENT_TOLERANCE
@@ -57,7 +49,7 @@ def _assert_within_fp8_tolerance(comparison: dict) -> None:
 
 
 def test_fp8_layers_convert_linears_norms_and_activations_but_not_the_lm_head(ranks):
-    result = _scenario(ranks, "conversion_tp1")[0]
+    result = scenario_results(ranks, "conversion_tp1")[0]
     expected = {"module.decoder.final_layernorm": "FP8LayerNorm"}
     for layer in range(2):
         prefix = f"module.decoder.layers.{layer}."
@@ -78,7 +70,7 @@ def test_fp8_layers_convert_linears_norms_and_activations_but_not_the_lm_head(ra
 
 
 def test_emulation_converts_every_linear_and_only_linears(ranks):
-    result = _scenario(ranks, "conversion_tp1")[0]
+    result = scenario_results(ranks, "conversion_tp1")[0]
     linears = [name for name in result["emulated_types"] if name.rsplit(".", 1)[-1] in (*LINEARS, "output_layer")]
     assert len(linears) == len(result["emulated_types"]) == 9
     assert "module.output_layer" in result["emulated_types"]
@@ -86,7 +78,7 @@ def test_emulation_converts_every_linear_and_only_linears(ranks):
 
 
 def test_bad_requests_raise_naming_the_valid_choices(ranks):
-    result = _scenario(ranks, "conversion_tp1")[0]
+    result = scenario_results(ranks, "conversion_tp1")[0]
     assert "'lm_head' matches no convertible module" in result["unknown_exclude_error"]
     assert "output_layer" in result["unknown_exclude_error"] and "linear_qkv" in result["unknown_exclude_error"]
     assert "not a string" in result["string_exclude_error"]
@@ -97,7 +89,7 @@ def test_bad_requests_raise_naming_the_valid_choices(ranks):
 
 @pytest.mark.parametrize("architecture", ["gpt", "llama"])
 def test_fp8_gradients_match_bf16_within_fp8_tolerance(ranks, architecture):
-    result = _scenario(ranks, "fp8_gradients_tp1")[0][architecture]
+    result = scenario_results(ranks, "fp8_gradients_tp1")[0][architecture]
     _assert_within_fp8_tolerance(result)
     for fp8_loss, bf16_loss in zip(result["fp8_losses"], result["bf16_losses"]):
         assert fp8_loss == pytest.approx(bf16_loss, rel=1e-3)
@@ -105,14 +97,14 @@ def test_fp8_gradients_match_bf16_within_fp8_tolerance(ranks, architecture):
 
 @pytest.mark.parametrize("architecture", ["gpt", "llama"])
 def test_e8m7_emulation_is_bit_identical_to_no_emulation(ranks, architecture):
-    result = _scenario(ranks, "emulation_tp1")[0][architecture]
+    result = scenario_results(ranks, "emulation_tp1")[0][architecture]
     assert result["e8m7_losses"] == result["plain_losses"]
     assert result["grads_identical"]
     assert result["e8m3_losses"] != result["plain_losses"], "a 3-bit mantissa must change the loss"
 
 
 def test_fp8_flow_trains_under_megatron_ddp_like_bf16(ranks):
-    for result in _scenario(ranks, "fp8_training_tp1"):
+    for result in scenario_results(ranks, "fp8_training_tp1"):
         fp8, bf16 = result["fp8_losses"], result["bf16_losses"]
         assert all(math.isfinite(loss) for loss in fp8)
         assert all(later < earlier for earlier, later in zip(fp8[::2], fp8[2::2])), "the loss must decrease"
@@ -121,7 +113,7 @@ def test_fp8_flow_trains_under_megatron_ddp_like_bf16(ranks):
 
 
 def test_tensor_parallel_fp8_matches_tp1_within_fp8_tolerance(ranks):
-    results = _scenario(ranks, "tensor_parallel_fp8")
+    results = scenario_results(ranks, "tensor_parallel_fp8")
     assert results[0]["losses"] == results[1]["losses"], "the tensor-parallel ranks disagree on the loss"
     result = results[0]
     assert result["same_weights"], "TP=1 and TP=2 must start from the same full weights"
@@ -132,7 +124,7 @@ def test_tensor_parallel_fp8_matches_tp1_within_fp8_tolerance(ranks):
 
 
 def test_pipeline_stages_convert_with_the_default_exclude(ranks):
-    first, last = sorted(_scenario(ranks, "pipeline_parallel_fp8"), key=lambda result: result["pipeline_rank"])
+    first, last = sorted(scenario_results(ranks, "pipeline_parallel_fp8"), key=lambda result: result["pipeline_rank"])
     assert "module.decoder.final_layernorm" not in first["names"]
     assert "module.decoder.final_layernorm" in last["names"]
     assert all(name.startswith("module.decoder.layers.0.") for name in first["names"])
