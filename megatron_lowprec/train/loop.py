@@ -318,15 +318,15 @@ def train(config: TrainConfig) -> dict:
         trainer = config.trainer
         tokens_per_step = trainer.global_batch_size * config.model.seq_length
         interval: list[dict] = []
-        interval_started = time.perf_counter()
-        train_started, trained_steps, saved_at = interval_started, 0, None
+        step_seconds: list[float] = []
+        saved_at = None
         while run.iteration < trainer.max_steps:
+            started = time.perf_counter()
             interval.append(train_step(run))
-            trained_steps += 1
+            step_seconds.append(time.perf_counter() - started)
             if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps:
-                elapsed = time.perf_counter() - interval_started
-                logger.train(run.iteration, interval, tokens_per_step * len(interval) / elapsed)
-                interval, interval_started = [], time.perf_counter()
+                logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
+                interval = []
             if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
                 logger.valid(run.iteration, evaluate(run))
             if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:
@@ -334,10 +334,9 @@ def train(config: TrainConfig) -> dict:
             if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
                 checkpoint.save(run)
                 saved_at = run.iteration
-        train_seconds = time.perf_counter() - train_started
         valid_loss = evaluate(run)
         logger.valid(run.iteration, valid_loss)
-        if trainer.save and saved_at != run.iteration and (trained_steps or resumed is None):
+        if trainer.save and saved_at != run.iteration and (step_seconds or resumed is None):
             checkpoint.save(run)
-        tokens_per_second = tokens_per_step * trained_steps / train_seconds if trained_steps else math.nan
+        tokens_per_second = tokens_per_step * len(step_seconds) / sum(step_seconds) if step_seconds else math.nan
         return logger.finish(valid_loss, tokens_per_second)

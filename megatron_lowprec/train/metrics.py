@@ -1,10 +1,11 @@
 """Rank 0's record of a run: one console line per interval, ``metrics.jsonl``, wandb, the summary.
 
-Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``,
-``valid`` or ``sharpness``) and ``option``; train and valid lines hold ``loss``; train lines add ``lr``, ``grad_norm``, ``tokens_per_second``,
+Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``, ``valid``
+or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm``,
+``tokens_per_second`` (over the training steps alone: evaluation and checkpoints are not counted),
 ``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
-(means over the interval); valid lines add ``perplexity``. With ``trainer.sharpness_interval``,
-``sharpness`` lines hold ``sharpness`` and its box half-width ``eps`` instead of a loss.
+(means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
+``sharpness`` and its box half-width ``eps``.
 """
 
 from __future__ import annotations
