@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,6 +23,13 @@ from megatron_lowprec.train.config import ConfigError, TrainConfig, validate
 
 CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
 SCHEMA_NAME = "train_schema"
+MEGATRON_NOTICES = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+)
+"""megatron-core's notices that say nothing about the run: its plain-torch fallbacks without TE/apex
+(optional here), and a deprecation its own default CUDA-graph scope triggers."""
 
 
 def config_dir() -> Path:
@@ -119,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(to_yaml(config))
         print(describe(config, int(os.environ.get("WORLD_SIZE", "1"))))
         return 0
+    for notice in MEGATRON_NOTICES:
+        warnings.filterwarnings("ignore", message=notice, category=UserWarning)
     from megatron_lowprec.train.loop import train
 
     train(config)
