@@ -102,6 +102,7 @@ def to_yaml(config: TrainConfig) -> str:
 
 
 def _check_resumable(config: TrainConfig) -> None:
+    """``resume=true`` needs a checkpoint in ``run_dir``: say so before any work."""
     from megatron_lowprec.train.checkpoint import checkpoints_dir, latest_checkpoint
 
     if config.resume and latest_checkpoint(Path(config.run_dir)) is None:
@@ -114,9 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if arguments and arguments[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = compose(arguments)
-        validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+        validate(config, world_size)
         _check_resumable(config)
     except ConfigError as error:
         print(f"lowprec-train: config error: {error}", file=sys.stderr)
@@ -125,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_lowprec.train.plan import describe
 
         print(to_yaml(config))
-        print(describe(config, int(os.environ.get("WORLD_SIZE", "1"))))
+        print(describe(config, world_size))
         return 0
     for notice in MEGATRON_NOTICES:
         warnings.filterwarnings("ignore", message=notice, category=UserWarning)
