@@ -374,6 +374,17 @@ def _run_scenario(scenario: Callable[[], dict]) -> dict:
     return result
 
 
+def run_scenarios(scenarios: tuple[Callable[[], dict], ...], results: dict[str, dict], result_file: Path) -> None:
+    """Run ``scenarios`` in order into ``results``, rewriting ``result_file`` after each, and stop at
+    the first failure (the other ranks then fail fast); a full pass ends at a barrier."""
+    for scenario in scenarios:
+        results[scenario.__name__] = _run_scenario(scenario)
+        result_file.write_text(json.dumps(results, indent=1, default=str))
+        if not results[scenario.__name__]["ok"]:
+            return
+    torch.distributed.barrier()
+
+
 def _replaceable_attributes() -> dict[str, object]:
     """The attributes the bridge replaces, and the torch function mode stack, as they are now."""
     from megatron.core.tensor_parallel import random as tensor_parallel_random
@@ -413,13 +424,7 @@ def main(result_dir: Path) -> None:
             results["activation"] = {"active": active, "changed": _changed(before)}
             torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
             try:
-                for scenario in SCENARIOS:
-                    results[scenario.__name__] = _run_scenario(scenario)
-                    result_file.write_text(json.dumps(results, indent=1))
-                    if not results[scenario.__name__]["ok"]:
-                        break
-                else:
-                    torch.distributed.barrier()
+                run_scenarios(SCENARIOS, results, result_file)
             finally:
                 torch.distributed.destroy_process_group()
         results["deactivation"] = {"not_restored": _changed(before)}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _cpu_bridge_worker import _flat, _gather, _run_scenario, _seeded_model, _train_step, _transformer_config
+from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config, run_scenarios
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
 
@@ -248,13 +248,7 @@ def main(result_dir: Path) -> None:
     with cpu_bridge.cpu_bridge():
         torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         try:
-            for scenario in SCENARIOS:
-                results[scenario.__name__] = _run_scenario(scenario)
-                result_file.write_text(json.dumps(results, indent=1, default=str))
-                if not results[scenario.__name__]["ok"]:
-                    break
-            else:
-                torch.distributed.barrier()
+            run_scenarios(SCENARIOS, results, result_file)
         finally:
             torch.distributed.destroy_process_group()
     result_file.write_text(json.dumps(results, indent=1, default=str))
