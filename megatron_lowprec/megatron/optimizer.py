@@ -8,10 +8,11 @@ model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` upda
 master, inside the optimizer state). A step whose gradients hold NaN or inf on any rank is skipped
 on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
 
-Stochastic rounding draws from the stateless counter stream of ``AdamW``. Replicas of a parameter
-share its bits: every data-parallel rank builds the same buckets, and so does every tensor-parallel
-rank for parameters that tensor parallelism does not shard. The shards of a tensor-parallel
-parameter get disjoint element indices (``stream_offset``), so their bits are independent.
+Stochastic rounding draws from the stateless counter stream of ``AdamW``, with one stream per
+logical tensor named by its layout-independent name (:func:`canonical_parameter_names`) and each
+tensor-parallel shard at its elements' indices in the whole tensor (:func:`stream_layouts`). So an
+element draws the same bits on every data-parallel replica, on every tensor-parallel rank that
+holds a copy of it, on both pipeline stages that hold a tied embedding, and at every TP/PP layout.
 ``shared_randomness=False`` mixes the global rank into the seed: the SR paper's ablation, in which
 replicas drift apart.
 """
@@ -25,14 +26,12 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.metrics import UpdateQuality
+from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.adamw import non_finite_flag
-
-TENSOR_PARALLEL_STREAM_STRIDE = 1 << 44
-"""Element-index distance between the SR streams of two tensor-parallel shards (room for 16T elements)."""
-
 
 class LowPrecisionOptimizer(FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
@@ -135,13 +134,53 @@ class LowPrecisionOptimizer(FP32Optimizer):
         return sharded
 
 
-def tensor_parallel_stream_offset(param: torch.nn.Parameter) -> int:
-    """SR stream offset of ``param``: 0 for parameters replicated across tensor-parallel ranks, a
-    distinct non-zero offset per tensor-parallel rank for shards (non-zero on rank 0 too, so that
-    shards and replicated parameters never share a bucket and every rank lays out the same buckets)."""
-    if getattr(param, "tensor_model_parallel", False):
-        return (parallel_state.get_tensor_model_parallel_rank() + 1) * TENSOR_PARALLEL_STREAM_STRIDE
-    return 0
+def canonical_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's name in the whole model, the same at every parallel layout: wrapper prefixes
+    (``module.``) dropped, transformer layers numbered globally (megatron's ``layer_number``, which
+    counts the layers of earlier pipeline stages and virtual chunks), and the last stage's copy of a
+    tied embedding (``shared_embedding``) named as the embedding itself."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for chunk in model_chunks:
+        layer_names = {
+            module_name: f"{module_name.rsplit('.', 1)[0]}.{module.layer_number - 1}"
+            for module_name, module in chunk.named_modules()
+            if isinstance(module, TransformerLayer)
+        }
+        for name, param in chunk.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            for layer, canonical_layer in layer_names.items():
+                if module_name == layer or module_name.startswith(layer + "."):
+                    module_name = canonical_layer + module_name[len(layer):]
+                    break
+            canonical = _strip_wrappers(f"{module_name}.{leaf}")
+            if getattr(param, "shared_embedding", False) and canonical == "output_layer.weight":
+                canonical = "embedding.word_embeddings.weight"
+            names[param] = canonical
+    return names
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def stream_layouts(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, StreamLayout]:
+    """The SR stream layout of every parameter: the stream of its canonical name, and for a
+    tensor-parallel shard (``tensor_model_parallel``) its elements' indices in the whole tensor,
+    which megatron cuts along ``partition_dim`` into ``partition_stride`` blocks, each split across
+    the ranks (a gated MLP's fc1 has stride 2: each rank holds [gate part; up part])."""
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    layouts = {}
+    for param, name in canonical_parameter_names(model_chunks).items():
+        if getattr(param, "tensor_model_parallel", False):
+            layouts[param] = StreamLayout.shard(
+                stream_id(name), tuple(param.shape), param.partition_dim, rank, world_size, param.partition_stride
+            )
+        else:
+            layouts[param] = StreamLayout.whole(stream_id(name), param.numel())
+    return layouts
 
 
 def build_optimizer(
@@ -182,6 +221,7 @@ def build_optimizer(
         fused=fused,
         track_update_quality=track_update_quality,
         check_grads_finite=False,
-        stream_offset=tensor_parallel_stream_offset,
+        stream_layout=stream_layouts(model_chunks).__getitem__,
+        bucket_key=tensor_parallel.param_is_not_tensor_parallel_duplicate,
     )
     return LowPrecisionOptimizer(adamw, config, seed_offset)

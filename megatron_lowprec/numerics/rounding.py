@@ -6,13 +6,19 @@ dithering (ibid., section 3): add a uniform random integer to the bits that the 
 then drop them.
 
 Two sources of words: ``generator_random_bits`` draws from a torch.Generator; ``counter_random_bits``
-is stateless, a hash of (seed, step, global element index), so that every replica and every shard of
-an element draws the same word whatever the sharding (the shared randomness of Algorithm 1, lines 9-11).
+is stateless, a hash of (seed, step, stream, global element index), so that every replica and every
+shard of an element draws the same word whatever the sharding (the shared randomness of Algorithm 1,
+lines 9-11). A :class:`StreamLayout` says where a tensor's elements sit in their stream: a whole
+tensor, or a shard of one split along any dimension (tensor parallelism), so that an element's word
+is the same at every parallel layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -58,17 +64,18 @@ def generator_random_bits(
     return torch.randint(-(2**31), 2**31, tuple(shape), generator=generator, dtype=torch.int32, device=device)
 
 
-def counter_random_bits(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
-    """The uniform 32-bit word (int32, two's complement) of each global element ``index`` at ``step`` under ``seed``.
+def counter_random_bits(seed: int, step: int, index: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """The uniform 32-bit word (int32, two's complement) of each global element ``index`` of ``stream``
+    at ``step`` under ``seed``.
 
-    Stateless and counter-based: the word depends on (seed, step, index) only. Three round keys k0, k1,
-    k2 are derived from (seed, step) by SplitMix64 (Steele, Lea & Flood 2014) in Python integers
+    Stateless and counter-based: the word depends on (seed, step, stream, index) only. Three round keys
+    k0, k1, k2 are derived from (seed, stream, step) by SplitMix64 (Steele, Lea & Flood 2014) in Python integers
     (:func:`counter_round_keys`); each element then takes h = f(f(f(hi ^ k0) ^ lo ^ k1) ^ k2)
     (:func:`keyed_random_bits`), where (hi, lo) are the 32-bit halves of the index and f is Wellons'
-    "lowbias32" integer hash (hash-prospector), a bijection of 32-bit words. seed and step are taken
-    mod 2^64, index mod 2^64.
+    "lowbias32" integer hash (hash-prospector), a bijection of 32-bit words. seed, stream, step and
+    index are taken mod 2^64.
     """
-    return keyed_random_bits(counter_round_keys(seed, step), index)
+    return keyed_random_bits(counter_round_keys(seed, step, stream), index)
 
 
 def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | torch.Tensor], index: torch.Tensor) -> torch.Tensor:
@@ -91,11 +98,82 @@ def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | 
 
 
 def counter_random_bits_range(
-    seed: int, step: int, start: int, numel: int, device: torch.device | str | None = None
+    seed: int, step: int, start: int, numel: int, device: torch.device | str | None = None, stream: int = 0
 ) -> torch.Tensor:
     """``counter_random_bits`` of the contiguous global indices start, ..., start + numel - 1."""
     index = torch.arange(start, start + numel, dtype=torch.int64, device=device)
-    return counter_random_bits(seed, step, index)
+    return counter_random_bits(seed, step, index, stream)
+
+
+def grid_index(offset, row_stride, rows: int, row_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The int64 grid offset + r * row_stride + i for r < rows, i < row_length (shape [rows, row_length]).
+    ``offset`` and ``row_stride`` may be 0-d int64 tensors, so that a compiled kernel is not
+    specialised on them; the grid needs no integer division, which vector units lack."""
+    row_starts = torch.arange(rows, dtype=torch.int64, device=device).unsqueeze(1) * row_stride
+    return row_starts + torch.arange(row_length, dtype=torch.int64, device=device).unsqueeze(0) + offset
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Where the elements of a tensor sit in the counter stream: the tensor, flattened and cut into rows
+    of ``row_length`` elements, has element i of row r at global index ``offset + r * row_stride + i``
+    of stream ``stream``. A whole tensor is one row; a shard of a tensor split along a dimension is
+    many (:meth:`shard`), and its elements take the indices they have in the whole tensor."""
+
+    stream: int
+    """Which stream (any integer, taken mod 2^64): one per logical tensor, e.g. :func:`stream_id` of its name."""
+    row_length: int
+    """Contiguous elements that keep consecutive global indices."""
+    row_stride: int
+    """Global index distance between the starts of consecutive rows."""
+    offset: int = 0
+    """Global index of the first element."""
+
+    @classmethod
+    def whole(cls, stream: int, numel: int) -> StreamLayout:
+        """A tensor that is not sharded: its flat index is its global index."""
+        return cls(stream, max(numel, 1), max(numel, 1))
+
+    @classmethod
+    def shard(
+        cls, stream: int, shape: tuple[int, ...], dim: int, rank: int, world_size: int, chunks: int = 1
+    ) -> StreamLayout:
+        """Shard ``rank`` of ``world_size`` (local ``shape``) of a tensor split evenly along ``dim``,
+        with the global index of each element in the whole tensor (row-major). ``chunks`` > 1: the
+        whole tensor is ``chunks`` blocks along ``dim``, each split across the ranks, and a shard holds
+        its part of every block in order (megatron's gated fc1 holds [gate part; up part])."""
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"dim {dim} is not a dimension of shape {tuple(shape)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if chunks < 1 or shape[dim] % chunks:
+            raise ValueError(f"dimension {dim} of shape {tuple(shape)} does not split into {chunks} chunks")
+        row_length = math.prod(shape[dim:]) // chunks
+        return cls(stream, max(row_length, 1), max(row_length, 1) * world_size, rank * row_length)
+
+    def rows(self, numel: int) -> int:
+        """How many rows a tensor of ``numel`` elements has; ``ValueError`` if it is not whole rows."""
+        if numel % self.row_length:
+            raise ValueError(f"a tensor of {numel} elements is not whole rows of {self.row_length} elements")
+        return numel // self.row_length
+
+    def index(self, numel: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global indices of a tensor's ``numel`` elements in flat order (int64)."""
+        return grid_index(self.offset, self.row_stride, self.rows(numel), self.row_length, device).reshape(-1)
+
+
+def stream_id(name: str) -> int:
+    """A stream for the tensor called ``name``: the first 64 bits of its BLAKE2b digest (the same in
+    every process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def layout_random_bits(
+    seed: int, step: int, layout: StreamLayout, shape: torch.Size | tuple[int, ...], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The words of a tensor of ``shape`` laid out in its stream as ``layout`` says, at ``step``."""
+    index = layout.index(math.prod(shape), device)
+    return counter_random_bits(seed, step, index, layout.stream).view(tuple(shape))
 
 
 def _lowbias32(word: torch.Tensor) -> torch.Tensor:
@@ -121,9 +199,10 @@ def _splitmix64(state: int) -> int:
     return z ^ (z >> 31)
 
 
-def counter_round_keys(seed: int, step: int) -> tuple[int, int, int]:
-    """The three 32-bit round keys of the counter stream for (seed, step), each taken mod 2^64."""
+def counter_round_keys(seed: int, step: int, stream: int = 0) -> tuple[int, int, int]:
+    """The three 32-bit round keys of the counter stream for (seed, step, stream), each taken mod 2^64."""
     seed_key = _splitmix64(operator.index(seed) & _UINT64_MASK)
-    step_key = _splitmix64(seed_key ^ (operator.index(step) & _UINT64_MASK))
+    stream_key = _splitmix64(seed_key ^ (operator.index(stream) & _UINT64_MASK))
+    step_key = _splitmix64(stream_key ^ (operator.index(step) & _UINT64_MASK))
     last_key = _splitmix64(step_key)
     return step_key & _WORD_MASK, step_key >> 32, last_key & _WORD_MASK

@@ -6,18 +6,17 @@ eager reference per parameter or the fused (compiled) kernel per bucket (``fused
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality
-from megatron_lowprec.numerics.rounding import counter_round_keys, generator_random_bits
+from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
 from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
 from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
-    CounterStream,
     RandomSource,
     adamw_step_,
     check_param_dtype,
@@ -67,12 +66,16 @@ class AdamW(torch.optim.Optimizer):
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). Stochastic rounding draws its bits from a counter-based stream
-    keyed by (``seed``, step, element index), which needs no state and gives every replica of an
-    element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one, e.g.
-    a fork of a shared RNG tracker) replaces it and implies the eager path. ``stream_offset(param)``
-    shifts a parameter's element indices in that stream (parameters with different offsets go to
-    different buckets): a distributed caller gives the shards of a tensor-parallel parameter
-    distinct offsets, and replicas the same one.
+    keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
+    an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,
+    e.g. a fork of a shared RNG tracker) replaces it and implies the eager path.
+    ``stream_layout(param)`` says where a parameter's elements sit in the stream
+    (:class:`~megatron_lowprec.numerics.rounding.StreamLayout`): a distributed caller names each
+    logical tensor and gives a tensor-parallel shard its elements' indices in the whole tensor, so
+    that every replica and every layout draws the same bits for an element. By default each
+    parameter is a whole stream numbered by its position in the optimizer. Parameters go to one
+    bucket per group, device and dtype, and ``bucket_key(param)`` splits buckets further (e.g.
+    tensor-parallel shards apart from replicated parameters, whose metrics are summed differently).
 
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
     state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step). A
@@ -99,7 +102,8 @@ class AdamW(torch.optim.Optimizer):
         seed: int = 0,
         track_update_quality: bool = False,
         check_grads_finite: bool = True,
-        stream_offset: Callable[[torch.nn.Parameter], int] | None = None,
+        stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
+        bucket_key: Callable[[torch.nn.Parameter], Hashable] | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
         strategy = get_strategy(option)
@@ -117,7 +121,9 @@ class AdamW(torch.optim.Optimizer):
         self.bucket_update_quality: list[UpdateQuality] = []
         self.buckets: list[Bucket] = []
         self.seed = seed
-        self._stream_offset = stream_offset or (lambda param: 0)
+        self._stream_layout = stream_layout
+        self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
+        self._bucket_key = bucket_key or (lambda param: None)
         self._fused_request = fused
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
@@ -136,16 +142,33 @@ class AdamW(torch.optim.Optimizer):
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        by_layout: dict[tuple[torch.device, torch.dtype, int], list[torch.nn.Parameter]] = {}
+        by_layout: dict[tuple[torch.device, torch.dtype, Hashable], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):
-            check_param_dtype(param, self.strategy, f"parameter {index} of group {group_index}")
-            by_layout.setdefault((param.device, param.dtype, self._stream_offset(param)), []).append(param)
-        for (device, _, offset), params in by_layout.items():
-            element_base = offset + sum(bucket.numel for bucket in self.buckets)
-            bucket, states = build_bucket(self.strategy, group_index, params, element_base, self._wants_fused(device))
+            where = f"parameter {index} of group {group_index}"
+            check_param_dtype(param, self.strategy, where)
+            self._stream_layouts[param] = self._checked_stream_layout(param, where)
+            by_layout.setdefault((param.device, param.dtype, self._bucket_key(param)), []).append(param)
+        for (device, _, _), params in by_layout.items():
+            streams = [self._stream_layouts[param] for param in params]
+            bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
             self.buckets.append(bucket)
             for param, state in zip(params, states):
                 self.state[param] = state
+
+    def _checked_stream_layout(self, param: torch.nn.Parameter, where: str) -> StreamLayout:
+        if self._stream_layout is None:
+            return StreamLayout.whole(len(self._stream_layouts), param.numel())
+        layout = self._stream_layout(param)
+        try:
+            layout.rows(param.numel())
+        except ValueError as error:
+            raise ValueError(f"stream_layout of {where} (shape {tuple(param.shape)}): {error}") from None
+        return layout
+
+    def random_bits(self, param: torch.nn.Parameter, step: int) -> torch.Tensor:
+        """The 32-bit words (int32, ``param``'s shape) that stochastic rounding of ``param`` draws at
+        ``step`` from the counter stream."""
+        return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -179,7 +202,7 @@ class AdamW(torch.optim.Optimizer):
         param = bucket.params[index]
         if generator is not None:
             return generator_random_bits(param.shape, generator, param.device)
-        return CounterStream(counter_round_keys(self.seed, step), bucket.element_base + bucket.offsets[index])
+        return self.random_bits(param, step)
 
     def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> UpdateQuality:
         group = self.param_groups[bucket.group_index]

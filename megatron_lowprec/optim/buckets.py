@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_lowprec.numerics.quant import quantize_fp8
+from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 ALIGNMENT = 128
@@ -27,6 +28,8 @@ ALIGNMENT = 128
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FP8_PARTS = ("payload", "scale", "expansion_exponent")
+PER_GROUP_PARTS = ("_scale", "_expansion_exponent")
+"""Suffixes of the FP8 state parts that hold one value per group, not per element."""
 LOW_COMPONENTS = ("param_lo", "exp_avg_sq_lo", "kahan_compensation")
 
 
@@ -63,8 +66,8 @@ class Bucket:
     offsets: list[int]
     numel: int
     """Padded number of elements of every flat buffer (FP8 scales: ``numel / group_size``)."""
-    element_base: int
-    """Global index of the bucket's first element in the counter-based SR stream."""
+    streams: list[StreamLayout]
+    """Where each parameter's elements sit in the counter-based SR stream (aligned with ``params``)."""
     state: dict[str, torch.Tensor]
     param_buffer: torch.Tensor | None = None
     grad_buffer: torch.Tensor | None = field(default=None, repr=False)
@@ -109,16 +112,19 @@ def build_bucket(
     strategy: PrecisionStrategy,
     group_index: int,
     params: list[torch.nn.Parameter],
-    element_base: int,
     own_params: bool,
+    streams: list[StreamLayout] | None = None,
 ) -> tuple[Bucket, list[dict[str, Any]]]:
-    """A bucket for ``params`` (same device and dtype) and each parameter's state of views into it."""
+    """A bucket for ``params`` (same device and dtype) and each parameter's state of views into it.
+    ``streams`` defaults to a whole stream per parameter, numbered by position."""
+    if streams is None:
+        streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
     alignment = bucket_alignment(strategy)
     offsets, numel = [], 0
     for param in params:
         offsets.append(numel)
         numel += -(-param.numel() // alignment) * alignment
-    bucket = Bucket(group_index, list(params), offsets, numel, element_base, _flat_state(strategy, params, offsets, numel))
+    bucket = Bucket(group_index, list(params), offsets, numel, list(streams), _flat_state(strategy, params, offsets, numel))
     if own_params:
         bucket.param_buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         for index, param in enumerate(params):
@@ -130,7 +136,7 @@ def build_bucket(
     for index in range(len(params)):
         entry: dict[str, Any] = {"step": 0}
         for key, buffer in bucket.state.items():
-            per_group = group_size if key.endswith(("_scale", "_expansion_exponent")) else 1
+            per_group = group_size if key.endswith(PER_GROUP_PARTS) else 1
             flat = bucket.view(buffer, index, per_group)
             entry[key] = flat if key.endswith(FP8_PARTS) else flat.view(params[index].shape)
         states.append(entry)

@@ -34,7 +34,7 @@ from megatron_lowprec.numerics import aten_ops
 from megatron_lowprec.numerics.formats import float_format
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import keyed_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import grid_index, keyed_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -43,19 +43,23 @@ SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class CounterStream(NamedTuple):
-    """Where the counter-based SR stream starts for one tensor: round keys of (seed, step) and the
-    global index of the tensor's first element (ints, or 0-d int64 tensors in a compiled step)."""
+    """The counter-based SR words of a tensor viewed as [rows, row_length] (see
+    :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream),
+    the global index of the first element and the index distance between rows (0-d int64 tensors in
+    the compiled step, so that it is not specialised on them)."""
 
     keys: tuple[Any, Any, Any]
-    index_base: Any
+    offset: Any
+    row_stride: Any
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
-        index = torch.arange(like.numel(), dtype=torch.int64, device=like.device) + self.index_base
-        return keyed_random_bits(self.keys, index).view(like.shape)
+        rows, row_length = like.shape
+        return keyed_random_bits(self.keys, grid_index(self.offset, self.row_stride, rows, row_length, like.device))
 
 
 RandomSource = torch.Tensor | CounterStream | None
-"""Precomputed 32-bit words (a generator's draw), a counter stream, or nothing (no SR)."""
+"""Precomputed 32-bit words (a generator's draw, or a stream's words), a counter stream over a
+[rows, row_length] view, or nothing (no SR)."""
 
 
 def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
@@ -81,7 +85,7 @@ def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strateg
 
 def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, Any]:
     """Fresh optimizer state for one ``param``: zero moments and components, an FP32 master if any."""
-    return build_bucket(strategy, 0, [param], 0, own_params=False)[1][0]
+    return build_bucket(strategy, 0, [param], own_params=False)[1][0]
 
 
 def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:

@@ -8,6 +8,7 @@ CPU-bridge checks (``_cpu_bridge_worker``).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -102,6 +103,52 @@ def replicas(option: str, tensor_parallel: int, shared_randomness: bool, steps: 
         moved=not torch.equal(_flat(params), _flat(_seeded_model(config).parameters())),
     )
     return result
+
+
+def _whole_tensor(local: torch.Tensor, param, chunks: int) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard: ``chunks`` blocks along the partition
+    dimension, each the concatenation of the ranks' parts (megatron's gated fc1 has two)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return local
+    dim = param.partition_dim
+    shards = _gather(local, parallel_state.get_tensor_model_parallel_group())
+    return torch.cat([torch.cat([shard.chunk(chunks, dim)[c] for shard in shards], dim) for c in range(chunks)], dim)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def stream_words(tensor_parallel: int, pipeline_parallel: int, steps: int) -> dict:
+    """A gated-MLP GPT with tied embeddings: the SR words of every parameter at step 3, reassembled
+    into whole tensors and keyed by canonical name; after ``steps`` SR steps, each rank's copy of the
+    tied embedding."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer, canonical_parameter_names
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    config = _transformer_config(
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, gated_linear_unit=True,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    model = _ddp(config, grad_reduce_in_fp32=False)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    optimizer = build_optimizer("sr", [model], _optimizer_config(), seed=5)
+    names = canonical_parameter_names([model])
+    words = {
+        name: _digest(_whole_tensor(optimizer.optimizer.random_bits(param, 3), param, 2 if "linear_fc1" in name else 1))
+        for param, name in names.items()
+    }
+    if steps:
+        _train(model, optimizer, steps)
+    embedding = [_digest(param.detach()) for param, name in names.items() if name == "embedding.word_embeddings.weight"]
+    return {"words": words, "embedding": embedding, "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank()}
 
 
 def option_d_against_stock_megatron(steps: int) -> dict:
@@ -265,6 +312,7 @@ SCENARIOS = {
         resume,
         update_quality,
         dist_checkpoint,
+        stream_words,
     )
 }
 

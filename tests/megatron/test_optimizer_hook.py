@@ -55,6 +55,26 @@ def test_stochastic_rounding_replicas_drift_without_shared_randomness(tmp_path):
     assert not any(rank["data_parallel_identical"] for rank in ranks)
 
 
+def test_every_element_draws_the_same_sr_bits_at_every_layout(tmp_path):
+    """The SR words of each parameter (gated MLP, tied embeddings), reassembled into whole tensors,
+    are the same at TP=1, TP=2 and PP=2, and differ between parameters; after 4 SR steps at PP=2 the
+    first stage's embedding and the last stage's tied copy are still bit-identical."""
+    single = _run(tmp_path / "tp1", 1, "stream_words", tensor_parallel=1, pipeline_parallel=1, steps=0)
+    tensor_parallel = _run(tmp_path / "tp2", 2, "stream_words", tensor_parallel=2, pipeline_parallel=1, steps=0)
+    pipeline = _run(tmp_path / "pp2", 2, "stream_words", tensor_parallel=1, pipeline_parallel=2, steps=4)
+    reference = single[0]["words"]
+    assert len(set(reference.values())) == len(reference) > 10
+    assert all(rank["words"] == reference for rank in tensor_parallel)
+    stages: dict[str, str] = {}
+    for rank in pipeline:
+        for name, digest in rank["words"].items():
+            assert stages.setdefault(name, digest) == digest
+    assert stages == reference
+    first, last = sorted(pipeline, key=lambda rank: rank["pipeline_rank"])
+    assert len(first["embedding"]) == len(last["embedding"]) == 1
+    assert first["embedding"] == last["embedding"]
+
+
 def test_option_d_reproduces_stock_megatron_bf16_optimizer(tmp_path):
     """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW does (DP=2):
     the same losses, bit for bit (both clip FP32 gradients with megatron's own norm, and D repeats

@@ -5,6 +5,7 @@ deviation sqrt(N p (1 - p)); every check allows 5 standard deviations (a false a
 normal approximation), and the fixed seeds make each run identical.
 """
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -13,10 +14,13 @@ import torch
 
 from megatron_lowprec.numerics.formats import BF16, E4M3, E5M2, FP16, float_format
 from megatron_lowprec.numerics.rounding import (
+    StreamLayout,
     counter_random_bits,
     counter_random_bits_range,
     generator_random_bits,
+    layout_random_bits,
     stochastic_round,
+    stream_id,
 )
 
 FORMATS = [BF16, FP16, E4M3, E5M2, float_format("E8M5")]
@@ -62,10 +66,11 @@ def py_splitmix64(state):
     return z ^ (z >> 31)
 
 
-def py_counter_word(seed, step, index):
+def py_counter_word(seed, step, index, stream=0):
     """The documented counter hash in Python integers."""
     seed_key = py_splitmix64(seed % 2**64)
-    step_key = py_splitmix64(seed_key ^ (step % 2**64))
+    stream_key = py_splitmix64(seed_key ^ (stream % 2**64))
+    step_key = py_splitmix64(stream_key ^ (step % 2**64))
     last_key = py_splitmix64(step_key) % WORD
     index %= 2**64
     word = py_lowbias32((index >> 32) ^ (step_key % WORD))
@@ -221,14 +226,59 @@ def test_sharded_rounding_with_counter_bits_matches_unsharded():
     assert torch.equal(torch.cat(shards), whole)
 
 
-@pytest.mark.parametrize(("seed", "step"), [(0, 0), (1234, 1), (2**64 - 1, 10**6), (-5, 2**40)])
-def test_counter_stream_matches_python_reference(seed, step):
+@pytest.mark.parametrize(
+    ("seed", "step", "stream"), [(0, 0, 0), (1234, 1, 7), (2**64 - 1, 10**6, 2**64 - 1), (-5, 2**40, stream_id("w"))]
+)
+def test_counter_stream_matches_python_reference(seed, step, stream):
     rng = np.random.default_rng(9)
     indices = [0, 1, 2, 2**31, WORD - 1, WORD, 2**40 + 5, 2**63 - 1, -1]
     indices += [int(i) for i in rng.integers(0, 2**62, size=200)]
-    words = counter_random_bits(seed, step, torch.tensor(indices, dtype=torch.int64))
+    words = counter_random_bits(seed, step, torch.tensor(indices, dtype=torch.int64), stream)
     assert words.dtype == torch.int32
-    assert unsigned_words(words).tolist() == [py_counter_word(seed, step, i) for i in indices]
+    assert unsigned_words(words).tolist() == [py_counter_word(seed, step, i, stream) for i in indices]
+
+
+def _tensor_parallel_shard(tensor, dim, rank, world_size, chunks):
+    """Rank's shard of ``tensor`` split along ``dim``: its part of each of ``chunks`` blocks, in order."""
+    blocks = tensor.chunk(chunks, dim=dim)
+    return torch.cat([block.chunk(world_size, dim=dim)[rank] for block in blocks], dim=dim)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "world_size", "chunks"),
+    [((12, 8), 0, 2, 1), ((12, 8), 1, 2, 1), ((12, 8), 1, 4, 1), ((8, 6), 0, 2, 2), ((3, 8, 4), 1, 4, 2), ((40,), 0, 5, 1)],
+)
+def test_every_shard_draws_the_words_of_its_elements_in_the_whole_tensor(shape, dim, world_size, chunks):
+    """The stream layout of a tensor-parallel shard (column-parallel: dim 0, row-parallel: dim 1, gated
+    fc1: chunks 2) gives each element the word it has when the tensor is whole."""
+    whole = layout_random_bits(11, 3, StreamLayout.whole(5, math.prod(shape)), shape)
+    for rank in range(world_size):
+        local_shape = _tensor_parallel_shard(whole, dim, rank, world_size, chunks).shape
+        layout = StreamLayout.shard(5, tuple(local_shape), dim, rank, world_size, chunks)
+        expected = _tensor_parallel_shard(whole, dim, rank, world_size, chunks)
+        assert torch.equal(layout_random_bits(11, 3, layout, local_shape), expected)
+
+
+def test_stream_layout_indices_and_errors():
+    layout = StreamLayout.shard(0, (2, 3), 1, 1, 2)
+    assert layout.index(6).tolist() == [3, 4, 5, 9, 10, 11]
+    assert StreamLayout.whole(0, 4).index(4).tolist() == [0, 1, 2, 3]
+    assert StreamLayout.whole(0, 0).index(0).tolist() == []
+    with pytest.raises(ValueError, match="not whole rows of 3"):
+        layout.index(7)
+    with pytest.raises(ValueError, match="dim 2 is not a dimension of shape"):
+        StreamLayout.shard(0, (2, 3), 2, 0, 2)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        StreamLayout.shard(0, (2, 3), 1, 2, 2)
+    with pytest.raises(ValueError, match="does not split into 2 chunks"):
+        StreamLayout.shard(0, (2, 3), 1, 0, 2, chunks=2)
+
+
+def test_streams_are_independent_and_named_streams_are_stable():
+    """A name's stream is its BLAKE2b-64 digest read little-endian (b9937e9f8901bfc1 by ``b2sum -l 64``)."""
+    assert stream_id("decoder.layers.0.mlp.linear_fc1.weight") == 0xC1BF01899F7E93B9
+    reference = counter_random_bits_range(42, 7, 0, 100_000, stream=1)
+    assert int((counter_random_bits_range(42, 7, 0, 100_000, stream=2) == reference).sum()) <= 2
 
 
 def test_counter_range_slices_equal_the_whole_range():

@@ -7,6 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from megatron_lowprec.numerics.rounding import StreamLayout, counter_random_bits
 from megatron_lowprec.optim import AdamW, get_strategy, state_keys, strategy_names
 
 from .conftest import OPTIONS
@@ -388,19 +389,68 @@ def test_generator_driven_stochastic_rounding_resumes_bit_identically():
     assert torch.equal(resumed, straight)
 
 
-def test_stream_offset_gives_shards_their_own_bits_and_leaves_replicas_alone():
-    def run(offset_of_first):
-        params = [_param(torch.full((256,), 3.0)), _param(torch.full((256,), 3.0))]
-        first = params[0]
-        optimizer = AdamW(params, lr=1e-3, option="sr", stream_offset=lambda p: offset_of_first if p is first else 0)
-        for param in params:
-            param.grad = torch.full_like(param, -1.0)
+def _train_sr(params, grads, stream_layout, fused, steps=4):
+    optimizer = AdamW(params, lr=1e-2, weight_decay=0.1, option="sr", seed=9, fused=fused, stream_layout=stream_layout)
+    for step in range(steps):
+        for param, grad in zip(params, grads):
+            param.grad = grad[step].to(param.dtype)
         optimizer.step()
-        return [param.detach().clone() for param in params]
+    return [param.detach().clone() for param in params]
 
-    same, shifted = run(0), run(1 << 40)
-    assert torch.equal(same[1], shifted[1])
-    assert not torch.equal(same[0], shifted[0])
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize(
+    "dim, chunks", [(0, 1), (1, 1), (0, 2), (1, 2)], ids=["rows", "columns", "gated rows", "gated columns"]
+)
+def test_shards_with_their_stream_layout_update_exactly_as_the_whole_parameter(fused, dim, chunks):
+    """A [12, 8] parameter trained whole equals, bit for bit, its two tensor-parallel shards trained as
+    separate parameters (split along ``dim``; ``chunks`` = 2: each shard holds its part of both halves,
+    as megatron's gated fc1): every element draws its SR bits from its index in the whole tensor."""
+    generator = torch.Generator().manual_seed(4)
+    whole = torch.randn(12, 8, generator=generator) * 3
+    grads = torch.randn(4, 12, 8, generator=generator)
+    stream = 77
+    (expected,) = _train_sr([_param(whole)], [grads], lambda p: StreamLayout.whole(stream, p.numel()), fused)
+
+    def shard(tensor, rank):
+        """Rank's shard of a [..., 12, 8] tensor (the leading dimension of the gradients is the step)."""
+        axis = dim - 2
+        return torch.cat([block.chunk(2, dim=axis)[rank] for block in tensor.chunk(chunks, dim=axis)], dim=axis)
+
+    shards = [_param(shard(whole, rank)) for rank in range(2)]
+    layouts = {id(p): StreamLayout.shard(stream, tuple(p.shape), dim, rank, 2, chunks) for rank, p in enumerate(shards)}
+    trained = _train_sr(shards, [shard(grads, rank) for rank in range(2)], lambda p: layouts[id(p)], fused)
+    rebuilt = torch.empty_like(expected)
+    index = torch.arange(expected.numel()).view(expected.shape)
+    for rank in range(2):
+        rebuilt.view(-1)[shard(index, rank).reshape(-1)] = trained[rank].reshape(-1)
+    assert torch.equal(rebuilt.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(expected, _param(whole).detach())
+
+
+def test_replicas_of_a_stream_agree_and_other_streams_differ():
+    generator = torch.Generator().manual_seed(5)
+    values, grads = torch.randn(300, generator=generator), torch.randn(4, 300, generator=generator)
+    params = [_param(values) for _ in range(3)]
+    streams = {id(params[0]): 1, id(params[1]): 1, id(params[2]): 2}
+    first, replica, other = _train_sr(
+        params, [grads] * 3, lambda p: StreamLayout.whole(streams[id(p)], p.numel()), True
+    )
+    assert torch.equal(first, replica)
+    assert not torch.equal(first, other)
+
+
+def test_a_stream_layout_that_does_not_fit_the_parameter_is_refused():
+    param = _param(torch.zeros(10))
+    with pytest.raises(ValueError, match=r"stream_layout of parameter 0 of group 0 \(shape \(10,\)\).*rows of 3"):
+        AdamW([param], option="sr", stream_layout=lambda p: StreamLayout(0, row_length=3, row_stride=3))
+
+
+def test_random_bits_are_the_words_of_the_parameter_s_stream():
+    param = _param(torch.zeros(4, 6))
+    optimizer = AdamW([param], option="sr", seed=3, stream_layout=lambda p: StreamLayout.shard(8, (4, 6), 1, 1, 2))
+    expected = counter_random_bits(3, 5, torch.tensor([r * 12 + 6 + i for r in range(4) for i in range(6)]), stream=8)
+    assert torch.equal(optimizer.random_bits(param, 5), expected.view(4, 6))
 
 
 def test_the_finiteness_check_can_be_left_to_the_caller():

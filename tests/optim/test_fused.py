@@ -120,14 +120,25 @@ def test_fused_update_quality_equals_the_reference(option):
     assert got.edq == pytest.approx(expected.edq, rel=1e-12)
 
 
-def test_a_new_strategy_is_data_only():
-    """A strategy that no option names (FP8 E5M2 moments in groups of 64, no range expansion, no
-    master) runs through both paths without a line of new optimizer code, bit-identically."""
-    strategy = PrecisionStrategy(
-        "e5m2-moments", "FP8 E5M2 moments without expansion", moments="fp8", fp8_format="e5m2", fp8_group_size=64,
-        fp8_expand=False,
-    )
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        PrecisionStrategy(
+            "e5m2-moments", "FP8 E5M2 moments without expansion", moments="fp8", fp8_format="e5m2",
+            fp8_group_size=64, fp8_expand=False,
+        ),
+        PrecisionStrategy(
+            "sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8",
+            param_update="stochastic",
+        ),
+    ],
+    ids=lambda strategy: strategy.name,
+)
+def test_a_new_strategy_is_data_only(strategy):
+    """Strategies that no option names (FP8 E5M2 moments in groups of 64 without range expansion;
+    stochastic rounding over FP8 moments) run through both paths without a line of new optimizer
+    code, bit-identically."""
     eager, fused = _twin_optimizers(strategy)
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
-    assert "exp_avg_expansion_exponent" not in eager[1].state[eager[0][0]]
+    assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
