@@ -25,6 +25,9 @@ import torch
 from megatron_lowprec.numerics.formats import FloatFormat, _round_with_increment, float_format
 
 _WORD_MASK = 0xFFFFFFFF
+_INT32_MIN = -(2**31)
+INT32_GRID_MAX_ROW = 2**31 - 1
+"""The longest row whose columns :func:`grid_random_bits` counts in int32."""
 _UINT64_MASK = 2**64 - 1
 _LOWBIAS32_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 _SPLITMIX64_INCREMENT = 0x9E3779B97F4A7C15
@@ -79,22 +82,39 @@ def counter_random_bits(seed: int, step: int, index: torch.Tensor, stream: int =
 
 
 def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """The words of :func:`counter_random_bits` from precomputed round keys (Python ints or 0-d int64
-    tensors, so that a compiled kernel need not be specialised on the step).
-
-    Products keep one factor below 2^32 and the other within ±2^31 (the multiplier taken mod 2^32 in
-    signed form), so int64 never overflows and CPU and CUDA agree.
-    """
+    """The words of :func:`counter_random_bits` from precomputed round keys: Python ints (taken mod
+    2^32), or 0-d int32 tensors holding them in two's complement (:func:`signed_word`), so that a
+    compiled kernel need not be specialised on the step."""
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise TypeError(f"index must be an integer tensor, got {index.dtype}")
-    first_key, second_key, third_key = keys
     index = index.to(torch.int64)
-    high = (index >> 32) & _WORD_MASK
-    low = index & _WORD_MASK
+    return _hash_words(keys, (index >> 32).to(torch.int32), (index & _WORD_MASK).to(torch.int32))
+
+
+def grid_random_bits(keys, offset, row_stride, rows: int, row_length: int, device=None) -> torch.Tensor:
+    """``keyed_random_bits(keys, grid_index(offset, row_stride, rows, row_length))`` (shape [rows,
+    row_length]) with int32 arithmetic per element: the 64-bit index of each row's start is split
+    once per row, and the column is added to its low word with an unsigned carry into the high word.
+    Vector units without 64-bit lanes (AVX2 multiplies and shifts them one by one) run it several
+    times faster than the int64 grid. Rows longer than :data:`INT32_GRID_MAX_ROW` use the int64 grid."""
+    if row_length > INT32_GRID_MAX_ROW:
+        return keyed_random_bits(keys, grid_index(offset, row_stride, rows, row_length, device))
+    row_start = torch.arange(rows, dtype=torch.int64, device=device).unsqueeze(1) * row_stride + offset
+    start_low = (row_start & _WORD_MASK).to(torch.int32)
+    low = start_low + torch.arange(row_length, dtype=torch.int32, device=device).unsqueeze(0)
+    carry = (low ^ _INT32_MIN) < (start_low ^ _INT32_MIN)
+    high = (row_start >> 32).to(torch.int32) + carry.to(torch.int32)
+    return _hash_words(keys, high, low)
+
+
+def _hash_words(keys, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """h = f(f(f(high ^ k0) ^ low ^ k1) ^ k2) on int32 lanes, which every vector unit multiplies
+    natively: products wrap mod 2^32 as lowbias32 wants, and right shifts of the signed words are
+    made logical by masking off the copied sign bits."""
+    first_key, second_key, third_key = (key if torch.is_tensor(key) else signed_word(key) for key in keys)
     word = _lowbias32(high ^ first_key)
     word = _lowbias32(word ^ low ^ second_key)
-    word = _lowbias32(word ^ third_key)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return _lowbias32(word ^ third_key)
 
 
 def counter_random_bits_range(
@@ -177,17 +197,22 @@ def layout_random_bits(
 
 
 def _lowbias32(word: torch.Tensor) -> torch.Tensor:
-    """Wellons' lowbias32 hash of 32-bit words held in int64: xorshifts 16, 15, 16 around two multiplies."""
+    """Wellons' lowbias32 hash of int32 words: xorshifts 16, 15, 16 around two multiplies (mod 2^32)."""
     first_multiplier, second_multiplier = _LOWBIAS32_MULTIPLIERS
-    word = word ^ (word >> 16)
-    word = (word * _signed_word(first_multiplier)) & _WORD_MASK
-    word = word ^ (word >> 15)
-    word = (word * _signed_word(second_multiplier)) & _WORD_MASK
-    return word ^ (word >> 16)
+    word = word ^ _logical_right_shift(word, 16)
+    word = word * signed_word(first_multiplier)
+    word = word ^ _logical_right_shift(word, 15)
+    word = word * signed_word(second_multiplier)
+    return word ^ _logical_right_shift(word, 16)
 
 
-def _signed_word(value: int) -> int:
-    """The representative of ``value`` mod 2^32 in [-2^31, 2^31)."""
+def _logical_right_shift(word: torch.Tensor, shift: int) -> torch.Tensor:
+    return (word >> shift) & ((1 << (32 - shift)) - 1)
+
+
+def signed_word(value: int) -> int:
+    """The representative of ``value`` mod 2^32 in [-2^31, 2^31) (an int32's two's complement)."""
+    value = operator.index(value) & _WORD_MASK
     return value - 2**32 if value >= 2**31 else value
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics.rounding import counter_round_keys
+from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket
 from megatron_lowprec.optim.kernel import (
     CounterStream,
@@ -39,6 +39,11 @@ from megatron_lowprec.optim.kernel import (
     represented_value,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+"""``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
+hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
+on 2 cores)."""
 
 RECOMPILE_LIMIT = 64
 """Dynamo's recompile limit is raised to at least this: each strategy and dtype is one compilation."""
@@ -57,7 +62,7 @@ def fused_available(device: torch.device) -> bool:
 def compiled_kernel() -> Callable:
     """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    return torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
 @torch.no_grad()
@@ -97,7 +102,10 @@ def fused_bucket_step_(
     quality = UpdateQuality() if track_update_quality else None
     for index, layout in enumerate(bucket.streams):
         stream = CounterStream(
-            tuple(_int64(key, device) for key in counter_round_keys(sr_seed, step, layout.stream)),
+            tuple(
+                torch.tensor(signed_word(key), dtype=torch.int32, device=device)
+                for key in counter_round_keys(sr_seed, step, layout.stream)
+            ),
             _int64(layout.offset, device),
             _int64(layout.row_stride, device),
         )

@@ -34,7 +34,7 @@ from megatron_lowprec.numerics import aten_ops
 from megatron_lowprec.numerics.formats import float_format
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import grid_index, keyed_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import grid_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -45,7 +45,7 @@ SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class CounterStream(NamedTuple):
     """The counter-based SR words of a tensor viewed as [rows, row_length] (see
     :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream),
-    the global index of the first element and the index distance between rows (0-d int64 tensors in
+    the global index of the first element and the index distance between rows (0-d int32 keys and int64 indices in
     the compiled step, so that it is not specialised on them)."""
 
     keys: tuple[Any, Any, Any]
@@ -54,7 +54,7 @@ class CounterStream(NamedTuple):
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
         rows, row_length = like.shape
-        return keyed_random_bits(self.keys, grid_index(self.offset, self.row_stride, rows, row_length, like.device))
+        return grid_random_bits(self.keys, self.offset, self.row_stride, rows, row_length, like.device)
 
 
 RandomSource = torch.Tensor | CounterStream | None

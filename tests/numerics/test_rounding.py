@@ -12,12 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_lowprec.numerics import rounding
 from megatron_lowprec.numerics.formats import BF16, E4M3, E5M2, FP16, float_format
 from megatron_lowprec.numerics.rounding import (
     StreamLayout,
     counter_random_bits,
+    counter_round_keys,
     counter_random_bits_range,
     generator_random_bits,
+    grid_index,
+    grid_random_bits,
+    keyed_random_bits,
     layout_random_bits,
     stochastic_round,
     stream_id,
@@ -257,6 +262,20 @@ def test_every_shard_draws_the_words_of_its_elements_in_the_whole_tensor(shape, 
         layout = StreamLayout.shard(5, tuple(local_shape), dim, rank, world_size, chunks)
         expected = _tensor_parallel_shard(whole, dim, rank, world_size, chunks)
         assert torch.equal(layout_random_bits(11, 3, layout, local_shape), expected)
+
+
+@pytest.mark.parametrize(
+    ("offset", "row_stride", "rows", "row_length"),
+    [(0, 0, 1, 1000), (WORD - 300, 0, 1, 1000), (5 * WORD - 7, WORD + 3, 4, 64), (2**62, 2**40, 3, 129), (17, 500, 6, 250)],
+)
+def test_grid_words_carry_into_the_high_word_like_the_int64_index(offset, row_stride, rows, row_length, monkeypatch):
+    """The int32 grid (low word plus column, unsigned carry) equals the hash of the int64 index grid,
+    also where a row crosses a multiple of 2^32; so does the int64 path of over-long rows."""
+    keys = counter_round_keys(3, 9, 4)
+    expected = keyed_random_bits(keys, grid_index(offset, row_stride, rows, row_length))
+    assert torch.equal(grid_random_bits(keys, offset, row_stride, rows, row_length), expected)
+    monkeypatch.setattr(rounding, "INT32_GRID_MAX_ROW", row_length - 1)
+    assert torch.equal(grid_random_bits(keys, offset, row_stride, rows, row_length), expected)
 
 
 def test_stream_layout_indices_and_errors():
