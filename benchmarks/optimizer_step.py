@@ -1,7 +1,9 @@
 """Optimizer step benchmark: every precision option against ``torch.optim.AdamW(fused=True)`` in FP32.
 
 For each parameter count, the baseline and every option run in the same process on the same
-parameter layout; times are medians over ``--repeats`` steps after ``--warmup`` steps. Reported per
+parameter layout. Steps of the baseline and of the option alternate, so that both see the same
+machine load (shared machines drift by 2x within a minute), and each time is the median of
+``--repeats`` steps after ``--warmup`` steps; the ratio compares the two medians. Reported per
 option: bytes/param measured from the optimizer's real tensors (params, BF16 grads, states), median
 step time, Gparam/s, effective GB/s (bytes the option must read and write per parameter / time),
 the time ratio to the baseline (lower is faster), the effective bandwidth as a share of a plain FP32
@@ -9,8 +11,10 @@ copy measured in the same run ("copy %"), and the peak memory a step allocates b
 before it, next to the size of the largest bucket.
 
 Peak memory: on CUDA from the caching allocator's statistics; on CPU from the process's peak
-resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), with glibc told to serve every
-allocation above 64 KiB by mmap so that freed temporaries leave the resident set at once.
+resident set (``VmHWM``, reset through ``/proc/self/clear_refs``), with glibc told (``mallopt``) to
+serve every allocation above 64 KiB by mmap during that one step, so that freed temporaries leave the
+resident set at once (and to return its free heap first, ``malloc_trim``). Timed steps run with a 32 MiB threshold (glibc's own dynamic maximum), so that
+they do not pay a page fault per temporary page.
 
     python benchmarks/optimizer_step.py --sizes 1M 16M 64M
 """
@@ -18,9 +22,9 @@ allocation above 64 KiB by mmap so that freed temporaries leave the resident set
 from __future__ import annotations
 
 import argparse
-import os
+import ctypes
+import ctypes.util
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +32,10 @@ import torch
 
 from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
 
-MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter for the size above which an allocation is its own mmap."""
+PEAK_MMAP_THRESHOLD = 64 * 2**10
+TIMING_MMAP_THRESHOLD = 32 * 2**20
 FP32_ADAMW_TRAFFIC_BYTES = 16 + 12
 """torch fused AdamW in FP32 reads param, grad, m, v (16 B) and writes param, m, v (12 B)."""
 
@@ -46,17 +53,22 @@ def layout(numel: int) -> list[int]:
     return sizes
 
 
-def median_step_seconds(optimizer: torch.optim.Optimizer, warmup: int, repeats: int, sync) -> float:
+def paired_median_seconds(
+    baseline: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, warmup: int, repeats: int, sync
+) -> tuple[float, float]:
+    """Median step times of ``baseline`` and ``optimizer``, their steps alternating."""
     for _ in range(warmup):
+        baseline.step()
         optimizer.step()
     sync()
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        optimizer.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for subject, subject_times in zip((baseline, optimizer), times):
+            start = time.perf_counter()
+            subject.step()
+            sync()
+            subject_times.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _status_kib(field: str) -> int:
@@ -75,10 +87,16 @@ def peak_extra_bytes(step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
-    step()
-    return max(0, _status_kib("VmHWM") - before) * 1024
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallopt(M_MMAP_THRESHOLD, PEAK_MMAP_THRESHOLD)
+    libc.malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
+        step()
+        return max(0, _status_kib("VmHWM") - before) * 1024
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, TIMING_MMAP_THRESHOLD)
 
 
 def copy_bandwidth(numel: int, device: torch.device, repeats: int, sync) -> float:
@@ -123,17 +141,11 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
         bandwidth = copy_bandwidth(numel, device, repeats, sync)
         print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")
         print(header)
-        params = make_params(numel, torch.float32, device, torch.float32)
-        baseline = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-        baseline_time = median_step_seconds(baseline, warmup, repeats, sync)
-        baseline_peak = peak_extra_bytes(baseline.step, device)
-        print(
-            f"{numel:>8.2g} {'torch32':>8} {16:>8.3f} {baseline_time * 1e3:>9.2f} {numel / baseline_time / 1e9:>9.3f} "
-            f"{FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / 1e9:>9.2f} {1.0:>7.2f} "
-            f"{100 * FP32_ADAMW_TRAFFIC_BYTES * numel / baseline_time / bandwidth:>7.1f} {baseline_peak / 2**20:>8.1f} "
-            f"{4 * numel / 2**20:>9.1f}"
+        baseline = torch.optim.AdamW(
+            make_params(numel, torch.float32, device, torch.float32), lr=1e-4, weight_decay=0.1, fused=True
         )
-        del baseline, params
+        baseline.step()
+        baseline_peak = peak_extra_bytes(baseline.step, device)
         for option in options:
             strategy = get_strategy(option)
             params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
@@ -141,15 +153,20 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
             state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
             bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
             traffic = 2 * 2 + 2 + 2 * state_bytes / numel
-            seconds = median_step_seconds(optimizer, warmup, repeats, sync)
+            baseline_time, seconds = paired_median_seconds(baseline, optimizer, warmup, repeats, sync)
             peak = peak_extra_bytes(optimizer.step, device)
             largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
-            print(
-                f"{numel:>8.2g} {strategy.name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} "
-                f"{numel / seconds / 1e9:>9.3f} {traffic * numel / seconds / 1e9:>9.2f} {seconds / baseline_time:>7.2f} "
-                f"{100 * traffic * numel / seconds / bandwidth:>7.1f} {peak / 2**20:>8.1f} {largest_bucket / 2**20:>9.1f}"
-            )
+            print(_row(numel, "torch32", 16, baseline_time, FP32_ADAMW_TRAFFIC_BYTES, 1.0, bandwidth, baseline_peak, 4 * numel))
+            print(_row(numel, strategy.name, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak, largest_bucket))
             del optimizer, params
+
+
+def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak, bucket_bytes) -> str:
+    return (
+        f"{numel:>8.2g} {name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} {numel / seconds / 1e9:>9.3f} "
+        f"{traffic * numel / seconds / 1e9:>9.2f} {ratio:>7.2f} {100 * traffic * numel / seconds / bandwidth:>7.1f} "
+        f"{peak / 2**20:>8.1f} {bucket_bytes / 2**20:>9.1f}"
+    )
 
 
 def main() -> None:
@@ -161,8 +178,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eager", action="store_true", help="time the eager reference instead of the fused step")
     args = parser.parse_args()
-    if args.device == "cpu" and MMAP_THRESHOLD_ENV not in os.environ:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_THRESHOLD_ENV: "65536"})
     sizes = [parse_size(s) for s in args.sizes]
     run(sizes, args.options, args.warmup, args.repeats, torch.device(args.device), fused=not args.eager)
 

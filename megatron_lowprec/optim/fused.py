@@ -3,7 +3,8 @@
 Stochastic rounding runs it once per parameter instead, over the parameter's slice of the flat
 buffers viewed as [rows, row_length] of its stream layout: each element's SR word then comes from its
 global index without an integer division per element (which CPU vector units lack), at the price of
-one call per parameter (about 0.1 ms of Python and guard overhead each on CPU).
+one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies whose
+step calls ATen kernels (D, coat) run it in chunks of the bucket, which bound their temporaries.
 
 The kernel is :func:`megatron_lowprec.optim.kernel.adamw_kernel_` itself, so fused and eager
 steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and Triton kernels on
@@ -30,7 +31,7 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
-from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket
+from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, bucket_alignment
 from megatron_lowprec.optim.kernel import (
     CounterStream,
     StepScalars,
@@ -39,6 +40,9 @@ from megatron_lowprec.optim.kernel import (
     represented_value,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+EXTERN_CHUNK_ELEMENTS = 1 << 19
+"""Elements per compiled call for strategies that run ATen kernels inside the step (D, coat)."""
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 """``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
@@ -60,9 +64,12 @@ def fused_available(device: torch.device) -> bool:
 
 @functools.cache
 def compiled_kernel() -> Callable:
-    """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype)."""
+    """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype).
+    Shapes are dynamic, but Python ints are not (``specialize_int``): the strategy's FP8 group size
+    must be a constant, or every group index becomes a scalar division by a symbol."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+    compiled = torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+    return torch._dynamo.config.patch(specialize_int=True)(compiled)
 
 
 @torch.no_grad()
@@ -80,8 +87,8 @@ def fused_bucket_step_(
     sr_seed: int | None,
     track_update_quality: bool,
 ) -> UpdateQuality | None:
-    """One AdamW step over a whole bucket (its parameters all at ``step`` after this call); with
-    ``sr_seed`` (stochastic rounding), one compiled call per parameter, over its slice of the buffers."""
+    """One AdamW step over a whole bucket (its parameters all at ``step`` after this call), in the
+    compiled calls that :func:`_segments` lays out."""
     param = bucket.param_buffer
     device = param.device
     scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_tensors(device)
@@ -97,22 +104,42 @@ def fused_bucket_step_(
         )
         return None if before is None else measure_update_quality(update, before, represented_value(param, state))
 
-    if sr_seed is None:
-        return run(param, grad, bucket.state, None)
     quality = UpdateQuality() if track_update_quality else None
-    for index, layout in enumerate(bucket.streams):
-        stream = CounterStream(
-            tuple(
-                torch.tensor(signed_word(key), dtype=torch.int32, device=device)
-                for key in counter_round_keys(sr_seed, step, layout.stream)
-            ),
-            _int64(layout.offset, device),
-            _int64(layout.row_stride, device),
-        )
-        piece = run(*_parameter_grids(bucket, grad, index, strategy), stream)
+    for segment in _segments(bucket, grad, strategy, sr_seed, step):
+        piece = run(*segment)
         if piece is not None:
             quality = quality + piece
     return quality
+
+
+def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, sr_seed: int | None, step: int):
+    """The (parameter, gradient, state, random source) slices of the bucket that one compiled call
+    each updates: each parameter on its own under stochastic rounding; chunks of
+    :data:`EXTERN_CHUNK_ELEMENTS` for strategies that call ATen kernels inside the compiled step (their
+    FP32 operands and results are materialized, so chunks bound the step's temporaries); else the
+    whole bucket in one call."""
+    device = bucket.param_buffer.device
+    if sr_seed is not None:
+        for index, layout in enumerate(bucket.streams):
+            keys = counter_round_keys(sr_seed, step, layout.stream)
+            stream = CounterStream(
+                tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
+                torch.tensor(layout.offset, dtype=torch.int64, device=device),
+                torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
+            )
+            yield *_parameter_grids(bucket, grad, index, strategy), stream
+    elif strategy.moment_arithmetic == "torch" or strategy.moments == "fp8":
+        alignment = bucket_alignment(strategy)
+        chunk = max(EXTERN_CHUNK_ELEMENTS // alignment, 1) * alignment
+        for start in range(0, bucket.numel, chunk):
+            end = min(start + chunk, bucket.numel)
+            state = {
+                key: buffer[start // _per_group(key, strategy) : end // _per_group(key, strategy)]
+                for key, buffer in bucket.state.items()
+            }
+            yield bucket.param_buffer[start:end], grad[start:end], state, None
+    else:
+        yield bucket.param_buffer, grad, bucket.state, None
 
 
 def _parameter_grids(
@@ -127,13 +154,12 @@ def _parameter_grids(
         return bucket.view(buffer, index).view(rows, layout.row_length)
 
     state = {
-        key: bucket.view(buffer, index, strategy.fp8_group_size if key.endswith(PER_GROUP_PARTS) else 1)
-        if key.endswith(FP8_PARTS)
-        else grid(buffer)
+        key: bucket.view(buffer, index, _per_group(key, strategy)) if key.endswith(FP8_PARTS) else grid(buffer)
         for key, buffer in bucket.state.items()
     }
     return grid(bucket.param_buffer), grid(grad), state
 
 
-def _int64(value: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.int64, device=device)
+def _per_group(key: str, strategy: PrecisionStrategy) -> int:
+    """Elements per stored value of state ``key``: the FP8 group size for scales, else 1."""
+    return strategy.fp8_group_size if key.endswith(PER_GROUP_PARTS) else 1
