@@ -51,6 +51,11 @@ def state_keys(strategy: PrecisionStrategy) -> list[str]:
     return keys
 
 
+def elements_per_value(key: str, strategy: PrecisionStrategy) -> int:
+    """Elements of the parameter per stored value of state ``key``: the FP8 group size for scales, else 1."""
+    return strategy.fp8_group_size if key.endswith(PER_GROUP_PARTS) else 1
+
+
 def bucket_alignment(strategy: PrecisionStrategy) -> int:
     if strategy.moments == "fp8":
         return math.lcm(ALIGNMENT, strategy.fp8_group_size)
@@ -131,13 +136,11 @@ def build_bucket(
             view = bucket.view(bucket.param_buffer, index).view(param.shape)
             view.copy_(param.detach())
             param.data = view
-    group_size = strategy.fp8_group_size
     states = []
     for index in range(len(params)):
         entry: dict[str, Any] = {"step": 0}
         for key, buffer in bucket.state.items():
-            per_group = group_size if key.endswith(PER_GROUP_PARTS) else 1
-            flat = bucket.view(buffer, index, per_group)
+            flat = bucket.view(buffer, index, elements_per_value(key, strategy))
             entry[key] = flat if key.endswith(FP8_PARTS) else flat.view(params[index].shape)
         states.append(entry)
     return bucket, states

@@ -31,7 +31,7 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
-from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, bucket_alignment
+from megatron_lowprec.optim.buckets import FP8_PARTS, Bucket, bucket_alignment, elements_per_value
 from megatron_lowprec.optim.kernel import (
     CounterStream,
     StepScalars,
@@ -50,7 +50,8 @@ hint; with dynamic shapes Inductor otherwise judges the work too small and runs 
 on 2 cores)."""
 
 RECOMPILE_LIMIT = 64
-"""Dynamo's recompile limit is raised to at least this: each strategy and dtype is one compilation."""
+"""Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
+(flat buckets; [rows, row_length] grids under SR, with one row or more) is one compilation."""
 
 
 def fused_available(device: torch.device) -> bool:
@@ -134,7 +135,7 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
         for start in range(0, bucket.numel, chunk):
             end = min(start + chunk, bucket.numel)
             state = {
-                key: buffer[start // _per_group(key, strategy) : end // _per_group(key, strategy)]
+                key: buffer[start // elements_per_value(key, strategy) : end // elements_per_value(key, strategy)]
                 for key, buffer in bucket.state.items()
             }
             yield bucket.param_buffer[start:end], grad[start:end], state, None
@@ -154,12 +155,7 @@ def _parameter_grids(
         return bucket.view(buffer, index).view(rows, layout.row_length)
 
     state = {
-        key: bucket.view(buffer, index, _per_group(key, strategy)) if key.endswith(FP8_PARTS) else grid(buffer)
+        key: bucket.view(buffer, index, elements_per_value(key, strategy)) if key.endswith(FP8_PARTS) else grid(buffer)
         for key, buffer in bucket.state.items()
     }
     return grid(bucket.param_buffer), grid(grad), state
-
-
-def _per_group(key: str, strategy: PrecisionStrategy) -> int:
-    """Elements per stored value of state ``key``: the FP8 group size for scales, else 1."""
-    return strategy.fp8_group_size if key.endswith(PER_GROUP_PARTS) else 1
