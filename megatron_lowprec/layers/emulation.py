@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lowprec.layers.fp8_linear import check_linear_operands
 from megatron_lowprec.numerics.formats import FloatFormat, float_format, round_to_format
 from megatron_lowprec.numerics.rounding import generator_random_bits, stochastic_round
 
@@ -189,9 +190,5 @@ def emulated_linear(
     """``torch.nn.functional.linear`` with its matmul emulated in ``config``'s formats (any leading dims)."""
     if not isinstance(config, EmulationConfig):
         raise ValueError(f"config must be an EmulationConfig (see EmulationConfig.parse), got {config!r}")
-    if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"input of shape {tuple(input.shape)} does not match weight of shape {tuple(weight.shape)}: "
-            "the weight must be [out_features, in_features] with in_features = input.shape[-1]"
-        )
+    check_linear_operands(input, weight)
     return EmulatedLinearFunction.apply(input, weight, bias, config)

@@ -124,17 +124,22 @@ class FP8LinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+def check_linear_operands(input: torch.Tensor, weight: torch.Tensor) -> None:
+    """``ValueError`` unless ``weight`` is [out_features, in_features] with in_features = input.shape[-1]."""
+    if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"input of shape {tuple(input.shape)} does not match weight of shape {tuple(weight.shape)}: "
+            "the weight must be [out_features, in_features] with in_features = input.shape[-1]"
+        )
+
+
 def fp8_linear(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:
     """``torch.nn.functional.linear`` through COAT's FP8 flow (FP8LinearFunction); any leading dims."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown FP8 matmul backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"input of shape {tuple(input.shape)} does not match weight of shape {tuple(weight.shape)}: "
-            "the weight must be [out_features, in_features] with in_features = input.shape[-1]"
-        )
+    check_linear_operands(input, weight)
     return FP8LinearFunction.apply(input, weight, bias, backend)
 
 
