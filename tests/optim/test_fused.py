@@ -153,3 +153,13 @@ def test_a_new_strategy_is_data_only(strategy):
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
+
+
+def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_key():
+    from torch._inductor.codegen import cpp
+
+    original, tag = cpp.TilingSelect, torch.compiler.config.cache_key_tag
+    with fused_module._low_precision_tiling():
+        assert issubclass(cpp.TilingSelect, original) and cpp.TilingSelect is not original
+        assert torch.compiler.config.cache_key_tag == tag + fused_module.LOW_PRECISION_TILING_TAG
+    assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
