@@ -99,7 +99,12 @@ def _low_precision_tiling():
     from torch._inductor.codegen import cpp
 
     original = getattr(cpp, "TilingSelect", None)
-    needed = (hasattr(original, "select_tiling"), hasattr(cpp, "_get_loop_body"), hasattr(cpp, "get_loop_body_lowp_fp"))
+    needed = (
+        hasattr(original, "select_tiling"),
+        hasattr(cpp, "_get_loop_body"),
+        hasattr(cpp, "get_loop_body_lowp_fp"),
+        hasattr(getattr(torch.compiler, "config", None), "cache_key_tag"),
+    )
     if not all(needed):
         yield
         return
