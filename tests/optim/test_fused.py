@@ -163,3 +163,12 @@ def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_
         assert issubclass(cpp.TilingSelect, original) and cpp.TilingSelect is not original
         assert torch.compiler.config.cache_key_tag == tag + fused_module.LOW_PRECISION_TILING_TAG
     assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
+
+
+def test_without_the_inductor_pieces_it_needs_the_tiling_is_inductor_s_own(monkeypatch):
+    from torch._inductor.codegen import cpp
+
+    monkeypatch.delattr(cpp, "_get_loop_body")
+    original, tag = cpp.TilingSelect, torch.compiler.config.cache_key_tag
+    with fused_module._low_precision_tiling():
+        assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
