@@ -29,11 +29,19 @@ GeneratorSource = torch.Generator | Callable[[], torch.Generator]
 def non_finite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A 1-element FP32 tensor on ``device``: 1 if any of ``grads`` (all on ``device``) holds NaN or inf.
 
-    One fused pass: the kernel torch's GradScaler uses, with an unscale factor of 1.
+    One fused pass per gradient dtype, with no host synchronisation: the max-norm of every tensor
+    (``torch._foreach_norm`` with ``ord=inf``: NaN propagates, and a max of magnitudes cannot
+    overflow as a sum of squares can), then one reduction of those few values. Works for every
+    floating dtype on every device (the GradScaler kernel has no BF16 version on CUDA).
     """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.numel():
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     found = torch.zeros(1, device=device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones_like(found))
+    for same_dtype in by_dtype.values():
+        norms = torch.stack(torch._foreach_norm(same_dtype, float("inf")))
+        found = torch.maximum(found, norms.isfinite().logical_not().any().float())
     return found
 
 

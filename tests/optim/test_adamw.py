@@ -459,3 +459,38 @@ def test_the_finiteness_check_can_be_left_to_the_caller():
     param.grad = torch.full_like(param, float("nan"))
     optimizer.step()
     assert optimizer.skipped_steps == 0 and optimizer.state[param]["step"] == 1
+
+
+NON_FINITE_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", NON_FINITE_DEVICES)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, None])
+def test_non_finite_flag_finds_inf_and_nan_in_the_last_element_of_the_last_tensor(device, grad_dtype, bad):
+    """Every gradient dtype on every device (the GradScaler kernel has no BF16 CUDA version); the
+    largest finite values of the dtype are not flagged (a sum of squares would overflow on them)."""
+    from megatron_lowprec.optim.adamw import non_finite_flag
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [
+        torch.randn(1000, generator=generator).to(grad_dtype),
+        torch.full((4, 5), torch.finfo(grad_dtype).max, dtype=grad_dtype),
+        torch.empty(0, dtype=grad_dtype),
+        torch.randn(3, 4099, generator=generator).to(grad_dtype),
+    ]
+    if bad is not None:
+        grads[-1][-1, -1] = bad
+    flag = non_finite_flag([grad.to(device) for grad in grads], torch.device(device))
+    assert flag.device.type == device and flag.dtype == torch.float32 and flag.shape == (1,)
+    assert flag.item() == (0.0 if bad is None else 1.0)
+
+
+@pytest.mark.parametrize("position", [0, 4097, -1])
+def test_non_finite_flag_across_mixed_gradient_dtypes(position):
+    from megatron_lowprec.optim.adamw import non_finite_flag
+
+    grads = [torch.zeros(10, dtype=torch.float32), torch.zeros(8195, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.float16)]
+    assert non_finite_flag(grads, torch.device("cpu")).item() == 0.0
+    grads[1][position] = math.nan
+    assert non_finite_flag(grads, torch.device("cpu")).item() == 1.0
