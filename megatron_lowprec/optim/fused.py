@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import os
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -94,8 +96,12 @@ def _low_precision_tiling():
     on CPU (a BF16/FP32 AdamW-like loop: 19.9 ms at 8 wide, 8.3 ms at 16 wide, 16M elements). Only
     the vector width changes, not the arithmetic (the fused-vs-eager tests check every option bit for
     bit). The choice is part of the compile caches' key (``cache_key_tag``), so that code compiled
-    without it is not reused. A torch whose Inductor lacks the pieces used here compiles with its
-    own choice."""
+    without it is not reused.
+
+    This reaches into Inductor's internals, which change between torch versions. Inductor's own
+    choice is kept whenever they differ from what is expected here: a missing piece (checked before
+    patching), another signature or return shape of ``select_tiling``, or any exception while the
+    width is chosen (see :func:`_low_precision_tiling_select`; logged once)."""
     from torch._inductor.codegen import cpp
 
     original = getattr(cpp, "TilingSelect", None)
@@ -118,20 +124,44 @@ def _low_precision_tiling():
 
 
 @functools.cache
-def _low_precision_tiling_select(base: type) -> type:
+def _warn_tiling_fallback(reason: str) -> None:
+    """Log once per reason that Inductor's own tiling is used."""
+    logging.getLogger(__name__).warning(
+        "16-bit vector tiling is off, Inductor's own tiling is used (this torch's Inductor differs: %s)", reason
+    )
+
+
+def _widened_tiling(selected: Any, fn_list: Any) -> Any:
+    """``selected`` = (factors, indices, ...) with FP32-wide factors widened to one 16-bit vector when
+    every low-precision node of ``fn_list`` has the same 16-bit dtype; raises on any other shape."""
     from torch._inductor import cpu_vec_isa
-    from torch._inductor.codegen.cpp import _get_loop_body, get_loop_body_lowp_fp
+    from torch._inductor.codegen import cpp
 
+    factors, indices, *rest = selected
+    isa = cpu_vec_isa.pick_vec_isa()
+    low_precision = {cpp.get_loop_body_lowp_fp(body)[0] for body in cpp._get_loop_body(fn_list)} - {None}
+    if len(low_precision) == 1 and factors and set(factors) == {isa.nelements(torch.float)}:
+        factors = [isa.nelements(low_precision.pop())] * len(factors)
+    return (factors, indices, *rest)
+
+
+@functools.cache
+def _low_precision_tiling_select(base: type) -> type:
     class LowPrecisionTilingSelect(base):
-        """Inductor's tiling, widened to one 16-bit vector for loops that touch a 16-bit float."""
+        """Inductor's tiling, widened to one 16-bit vector for loops that touch a 16-bit float; Inductor's
+        own result, unchanged, when it is not the expected (factors, indices, stats) or widening fails."""
 
-        def select_tiling(self, fn_list, var_sizes_list):
-            factors, indices, stats = super().select_tiling(fn_list, var_sizes_list)
-            isa = cpu_vec_isa.pick_vec_isa()
-            low_precision = {get_loop_body_lowp_fp(body)[0] for body in _get_loop_body(fn_list)} - {None}
-            if len(low_precision) == 1 and factors and set(factors) == {isa.nelements(torch.float)}:
-                factors = [isa.nelements(low_precision.pop())] * len(factors)
-            return factors, indices, stats
+        def select_tiling(self, *args, **kwargs):
+            selected = super().select_tiling(*args, **kwargs)
+            fn_list = kwargs.get("fn_list", args[0] if args else None)
+            if not (isinstance(selected, tuple) and len(selected) == 3 and isinstance(selected[0], list)):
+                _warn_tiling_fallback(f"select_tiling returned {type(selected).__name__} of another shape")
+                return selected
+            try:
+                return _widened_tiling(selected, fn_list)
+            except Exception as error:
+                _warn_tiling_fallback(f"{type(error).__name__}: {error}")
+                return selected
 
     return LowPrecisionTilingSelect
 

@@ -172,3 +172,57 @@ def test_without_the_inductor_pieces_it_needs_the_tiling_is_inductor_s_own(monke
     original, tag = cpp.TilingSelect, torch.compiler.config.cache_key_tag
     with fused_module._low_precision_tiling():
         assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
+
+
+class _TwoValueTiling:
+    """An Inductor whose ``select_tiling`` returns (factors, indices), as torch 2.11's does."""
+
+    def select_tiling(self, fn_list, var_sizes_list):
+        return [8], [0]
+
+
+class _OtherSignatureTiling:
+    """An Inductor whose ``select_tiling`` takes other arguments."""
+
+    def select_tiling(self, fn_list, var_sizes_list, loop_kind, *, extra=None):
+        return [8], [0], {"loop_kind": loop_kind, "extra": extra}
+
+
+def test_another_select_tiling_shape_or_signature_keeps_inductor_s_result():
+    two_values = fused_module._low_precision_tiling_select(_TwoValueTiling)()
+    assert two_values.select_tiling([], []) == ([8], [0])
+    other = fused_module._low_precision_tiling_select(_OtherSignatureTiling)()
+    assert other.select_tiling(None, [], "outer", extra=1) == ([8], [0], {"loop_kind": "outer", "extra": 1})
+
+
+def test_a_failure_while_widening_keeps_inductor_s_result_and_is_logged_once(caplog):
+    class ExpectedShapeTiling:
+        def select_tiling(self, fn_list, var_sizes_list):
+            return [8], [0], None
+
+    tiling = fused_module._low_precision_tiling_select(ExpectedShapeTiling)()
+    fused_module._warn_tiling_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger=fused_module.__name__):
+        assert tiling.select_tiling(object(), []) == ([8], [0], None)
+        assert tiling.select_tiling(object(), []) == ([8], [0], None)
+    assert len([r for r in caplog.records if "16-bit vector tiling is off" in r.getMessage()]) == 1
+
+
+def test_the_fused_step_compiles_and_stays_exact_when_the_tiling_patch_breaks(monkeypatch):
+    """A fresh compilation (caches off) in which every widening raises: Inductor's own tiling is used
+    and the step is still bit-identical to the eager reference."""
+
+    def broken(selected, fn_list):
+        raise ValueError("not enough values to unpack (expected 3, got 2)")
+
+    monkeypatch.setattr(fused_module, "_widened_tiling", broken)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    fused_module.compiled_kernel.cache_clear()
+    torch._dynamo.reset()
+    try:
+        eager, fused = _twin_optimizers("D-MW")
+        _step_twins(eager, fused, steps=3, seed=9)
+        _assert_bit_identical(eager, fused)
+    finally:
+        fused_module.compiled_kernel.cache_clear()
+        torch._dynamo.reset()
