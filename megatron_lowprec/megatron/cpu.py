@@ -60,6 +60,24 @@ instances, MoE, offloading and CUDA-graph paths), positional ``Tensor.to(<CUDA d
 static inputs, the hybrid context-parallel data schedule). ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a megatron-core
 version needs more.
 
+Strict mode (``activate_cpu_bridge(strict=True)``, or ``MEGATRON_LOWPREC_STRICT_BRIDGE=1``; on in
+the test suite) fails the way a GPU would where code places a tensor on the CPU explicitly and then
+lets it meet the device. The bridge tags every tensor that is *placed on the host*: made by a factory
+(``torch.tensor``, ``zeros``, ``empty``, ...) without a device or with ``device="cpu"``, by
+``.cpu()`` or ``.to("cpu")``, or computed from host tensors alone (``torch.nn.Parameter`` keeps its
+data's tag, ``p.data = x`` takes ``x``'s); ``.cuda()`` clears the tag. Every other tensor counts as
+being on the device: those made through the redirect above, ``device=x.device``, and tensors torch
+makes without a torch function (autograd's gradients). :class:`HostPlacementError`, naming the
+call and the line that placed the tensor, is raised when
+
+- an operation mixes host tensors with device tensors (a 0-dim host tensor is a scalar, which CUDA
+  kernels accept; ``copy_``, ``to``, indexing and ``type_as`` move data between devices legitimately):
+  a model whose parameters were never moved, or a micro-batch left on the CPU, fails in its forward
+  step like this;
+- a host tensor is handed to a ``torch.distributed`` collective (NCCL has no CPU backend), except on a
+  process group created with ``backend="gloo"`` explicitly (megatron's ``*_gloo`` groups), which
+  takes CPU tensors on GPU clusters too.
+
 BF16 models need megatron's ``Float16Module`` as on GPU. Keep ``TransformerConfig``'s fusions off, as
 they are by default: ``gradient_accumulation_fusion``, ``apply_rope_fusion`` and
 ``persist_layer_norm`` need CUDA extensions, and ``bias_activation_fusion`` / ``bias_dropout_fusion``
@@ -71,6 +89,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -137,6 +158,42 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
 )
 
 
+STRICT_ENV_VARIABLE = "MEGATRON_LOWPREC_STRICT_BRIDGE"
+"""``1`` turns strict mode on wherever the bridge is activated without an explicit ``strict``."""
+
+HOST_SITE_ATTRIBUTE = "_lowprec_host_site"
+"""Attribute of a tensor placed on the host in strict mode: the source line that placed it."""
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
+    "isend", "irecv", "batch_isend_irecv", "_all_gather_base", "_reduce_scatter_base",
+)
+"""``torch.distributed`` collectives whose tensors strict mode checks."""
+
+HOST_FACTORIES = frozenset(
+    {
+        torch.tensor, torch.as_tensor, torch.asarray, torch.empty, torch.zeros, torch.ones, torch.full,
+        torch.arange, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint,
+        torch.randperm, torch.empty_strided, torch.scalar_tensor,
+    }
+)
+"""Factories that place their result on the CPU unless a device is given (or, for ``tensor`` and
+``as_tensor``, unless their data is a tensor, whose device they keep)."""
+
+MOVES_BETWEEN_DEVICES = frozenset(
+    {
+        torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.__getitem__,
+        torch.Tensor.__setitem__, torch.Tensor.set_,
+    }
+)
+"""Operations that take host and device tensors together on a GPU too."""
+
+
+class HostPlacementError(RuntimeError):
+    """Strict mode: a tensor explicitly placed on the CPU met the device (see the module docstring)."""
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, bool):
         return False
@@ -148,17 +205,181 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirects CUDA device requests to the CPU; CPU tensors report ``torch.cuda.*`` type names."""
+    """Redirects CUDA device requests to the CPU; CPU tensors report ``torch.cuda.*`` type names.
+    With ``strict``, tracks host placement and refuses mixes of host and device tensors."""
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.strict = strict
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
+            _set_host_site(args[0], None)
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return _cuda_type_name(args[0])
-        if _is_cuda_device(kwargs.get("device")):
+        device = kwargs.get("device")
+        if _is_cuda_device(device):
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        return func(*args, **kwargs)
+        if not self.strict:
+            return func(*args, **kwargs)
+        return _placed(func, args, kwargs, device, func(*args, **kwargs))
+
+
+def host_site(tensor: Any) -> str | None:
+    """Where ``tensor`` was placed on the host (strict mode), or ``None`` if it counts as on the device."""
+    return getattr(tensor, HOST_SITE_ATTRIBUTE, None) if isinstance(tensor, torch.Tensor) else None
+
+
+def _set_host_site(tensor: Any, site: str | None) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if site is None:
+        if HOST_SITE_ATTRIBUTE in tensor.__dict__:
+            delattr(tensor, HOST_SITE_ATTRIBUTE)
+    else:
+        setattr(tensor, HOST_SITE_ATTRIBUTE, site)
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments, one level into lists and tuples (``cat``, ``stack``, foreach ops)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
+
+
+_TORCH_DIRECTORY = os.path.dirname(torch.__file__)
+
+
+def _call_site() -> str:
+    """``file:line`` of the innermost frame outside torch and this module."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIRECTORY) or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _target_device(func, args: tuple, kwargs: dict) -> Any:
+    """The device that ``Tensor.to`` was asked for, or ``None``."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for value in args[1:]:
+        if isinstance(value, (str, torch.device, int)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _host_copy(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` of moving ``source`` to the CPU, tagged as on the host; a new tensor object (an
+    alias) where torch returned ``source`` itself, which stays on the device as on a GPU."""
+    if result is source:
+        result = source.view_as(source)
+    _set_host_site(result, _call_site())
+    return result
+
+
+def _placed(func, args: tuple, kwargs: dict, device: Any, result: Any) -> Any:
+    """Strict mode's bookkeeping for one call: refuse a host/device mix, tag what lands on the host."""
+    if func is torch.Tensor.cpu:
+        return _host_copy(args[0], result)
+    if func is torch.Tensor.to:
+        target = _target_device(func, args, kwargs)
+        if isinstance(target, torch.Tensor):
+            _set_host_site(result, host_site(target))
+            return result
+        if isinstance(target, str) and target.startswith("cpu"):
+            return _host_copy(args[0], result)
+        if target is not None:
+            _set_host_site(result, None)
+            return result
+    if getattr(func, "__name__", None) == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
+        _set_host_site(args[0], host_site(args[1]))
+        return result
+    tensors = _tensors_in(args, kwargs)
+    if not tensors:
+        if func in HOST_FACTORIES and (device is None or (isinstance(device, str) and device.startswith("cpu"))):
+            _set_host_site(result, _call_site())
+        return result
+    sites = [host_site(tensor) for tensor in tensors]
+    if all(sites):
+        if func in HOST_FACTORIES and device is not None and not (isinstance(device, str) and device.startswith("cpu")):
+            return result
+        for output in result if isinstance(result, (list, tuple)) else (result,):
+            _set_host_site(output, sites[0])
+        return result
+    if func in MOVES_BETWEEN_DEVICES:
+        return result
+    for tensor, site in zip(tensors, sites):
+        if site is not None and tensor.dim() > 0:
+            raise HostPlacementError(
+                f"{_function_name(func)} at {_call_site()} mixes a tensor placed on the CPU at {site} "
+                f"(shape {tuple(tensor.shape)}) with tensors on the GPU; on CUDA this fails. "
+                "Create it on torch.cuda.current_device(), or move it with .cuda()"
+            )
+    return result
+
+
+def _function_name(func) -> str:
+    owner = getattr(getattr(func, "__self__", None), "__name__", None)
+    name = getattr(func, "__name__", repr(func))
+    return f"{owner}.{name}" if owner else name
+
+
+_EXPLICIT_GLOO_GROUPS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _recording_new_group(new_group: Callable) -> Callable:
+    """``torch.distributed.new_group`` that remembers the groups asked for with ``backend="gloo"``."""
+
+    @functools.wraps(new_group)
+    def new_group_recorded(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if group is not None and str(backend).lower() == "gloo":
+            _EXPLICIT_GLOO_GROUPS.add(group)
+        return group
+
+    return new_group_recorded
+
+
+def _checked_collective(name: str, collective: Callable) -> Callable:
+    """``collective`` refusing host tensors, except on explicitly gloo process groups."""
+
+    @functools.wraps(collective)
+    def checked(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is None or group not in _EXPLICIT_GLOO_GROUPS:
+            values = [*args, *kwargs.values()]
+            values += [op.tensor for value in values if isinstance(value, list) for op in value if hasattr(op, "tensor")]
+            for tensor in _tensors_in(tuple(values), {}):
+                site = host_site(tensor)
+                if site is not None:
+                    raise HostPlacementError(
+                        f"torch.distributed.{name} at {_call_site()} got a tensor placed on the CPU at {site} "
+                        f"(shape {tuple(tensor.shape)}); NCCL takes GPU tensors only. "
+                        "Create it on torch.cuda.current_device()"
+                    )
+        return collective(*args, **kwargs)
+
+    return checked
+
+
+def _parameter_keeping_host_site(original_new: Callable) -> Callable:
+    """``torch.nn.Parameter.__new__`` whose parameter keeps its data's host tag."""
+
+    def new(cls, data=None, requires_grad=True):
+        param = original_new(cls, data, requires_grad)
+        _set_host_site(param, host_site(data))
+        return param
+
+    return new
 
 
 def _cuda_type_name(tensor: torch.Tensor) -> str:
@@ -264,7 +485,8 @@ class _BridgeState:
         self.originals: list[tuple[Any, str, Any]] = []
 
     def replace(self, owner: Any, name: str, replacement: Any) -> None:
-        self.originals.append((owner, name, getattr(owner, name)))
+        own = vars(owner) if isinstance(owner, type) else {}
+        self.originals.append((owner, name, own[name] if name in own else getattr(owner, name)))
         setattr(owner, name, replacement)
 
 
@@ -276,9 +498,20 @@ def is_cpu_bridge_active() -> bool:
     return _STATE.mode is not None
 
 
-def activate_cpu_bridge() -> bool:
+def strict_by_default() -> bool:
+    """Whether ``$MEGATRON_LOWPREC_STRICT_BRIDGE`` asks for strict mode."""
+    return os.environ.get(STRICT_ENV_VARIABLE, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_strict() -> bool:
+    """Whether the active bridge runs in strict mode."""
+    return _STATE.mode is not None and _STATE.mode.strict
+
+
+def activate_cpu_bridge(strict: bool | None = None) -> bool:
     """Bridge megatron-core's CUDA calls to the CPU when CUDA is unavailable; idempotent.
 
+    ``strict`` (default: :func:`strict_by_default`) turns strict mode on (see the module docstring).
     Returns whether the bridge is active: False, having changed nothing, when CUDA is available.
     """
     if torch.cuda.is_available():
@@ -293,7 +526,15 @@ def activate_cpu_bridge() -> bool:
             "pip install 'megatron-lowprec[megatron]'"
         ) from error
 
-    mode = CudaToCpuMode()
+    mode = CudaToCpuMode(strict=strict_by_default() if strict is None else strict)
+    if mode.strict:
+        _STATE.replace(torch.distributed, "new_group", _recording_new_group(torch.distributed.new_group))
+        for name in COLLECTIVES:
+            if hasattr(torch.distributed, name):
+                _STATE.replace(torch.distributed, name, _checked_collective(name, getattr(torch.distributed, name)))
+        _STATE.replace(
+            torch.nn.Parameter, "__new__", staticmethod(_parameter_keeping_host_site(torch.nn.Parameter.__new__))
+        )
     _STATE.replace(
         torch.autograd,
         "_engine_run_backward",
@@ -329,10 +570,10 @@ def deactivate_cpu_bridge() -> None:
 
 
 @contextlib.contextmanager
-def cpu_bridge() -> Iterator[bool]:
+def cpu_bridge(strict: bool | None = None) -> Iterator[bool]:
     """:func:`activate_cpu_bridge` for the block; yields whether the bridge is active."""
     was_active = is_cpu_bridge_active()
-    active = activate_cpu_bridge()
+    active = activate_cpu_bridge(strict)
     try:
         yield active
     finally:
