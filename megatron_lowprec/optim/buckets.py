@@ -1,5 +1,8 @@
 """Flat, contiguous buckets of optimizer state: one per (parameter group, device, dtype).
 
+Every buffer is made with ``new_zeros`` of a parameter (or gradient), so it lives where the
+parameters live, whatever device that is.
+
 Every state tensor of a bucket is one flat buffer; each parameter's state entries are views into it
 at the parameter's offset, so the eager reference (per parameter) and the fused step (per bucket)
 read and write the very same memory. Offsets are aligned to :data:`ALIGNMENT` elements (and to the
@@ -85,16 +88,16 @@ class Bucket:
 
 def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
     reference = params[0]
-    dtype, device = reference.dtype, reference.device
+    dtype = reference.dtype
     state: dict[str, torch.Tensor] = {}
     for moment in MOMENTS:
         if strategy.moments == "low":
-            state[moment] = torch.zeros(numel, dtype=dtype, device=device)
+            state[moment] = reference.new_zeros(numel, dtype=dtype)
         elif strategy.moments == "fp32":
-            state[moment] = torch.zeros(numel, dtype=torch.float32, device=device)
+            state[moment] = reference.new_zeros(numel, dtype=torch.float32)
         else:
             zeros = quantize_fp8(
-                torch.zeros(numel, device=device),
+                reference.new_zeros(numel, dtype=torch.float32),
                 strategy.fp8_format,
                 group_size=strategy.fp8_group_size,
                 expand=strategy.fp8_expand,
@@ -103,13 +106,13 @@ def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], o
                 if getattr(zeros, part) is not None:
                     state[f"{moment}_{part}"] = getattr(zeros, part)
     if strategy.master_weights:
-        master = torch.zeros(numel, dtype=torch.float32, device=device)
+        master = reference.new_zeros(numel, dtype=torch.float32)
         for param, offset in zip(params, offsets):
             master[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
         state["master"] = master
     for key in LOW_COMPONENTS:
         if key in state_keys(strategy):
-            state[key] = torch.zeros(numel, dtype=dtype, device=device)
+            state[key] = reference.new_zeros(numel, dtype=dtype)
     return state
 
 
@@ -131,7 +134,7 @@ def build_bucket(
         numel += -(-param.numel() // alignment) * alignment
     bucket = Bucket(group_index, list(params), offsets, numel, list(streams), _flat_state(strategy, params, offsets, numel))
     if own_params:
-        bucket.param_buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        bucket.param_buffer = params[0].new_zeros(numel)
         for index, param in enumerate(params):
             view = bucket.view(bucket.param_buffer, index).view(param.shape)
             view.copy_(param.detach())
@@ -155,7 +158,7 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | None:
         return None
     dtype = grads[0].dtype
     if bucket.grad_buffer is None or bucket.grad_buffer.dtype != dtype:
-        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=dtype, device=grads[0].device)
+        bucket.grad_buffer = grads[0].new_zeros(bucket.numel, dtype=dtype)
     for index, (param, grad) in enumerate(zip(bucket.params, grads)):
         view = bucket.view(bucket.grad_buffer, index).view(param.shape)
         if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():

@@ -109,6 +109,18 @@ def _check_resumable(config: TrainConfig) -> None:
         raise ConfigError(f"resume=true, but {str(checkpoints_dir(Path(config.run_dir)))!r} holds no checkpoint")
 
 
+def _check_run_dir(config: TrainConfig) -> None:
+    """The run directory (or ``runs/``, where a fresh one is made) exists or can be made, and is
+    writable: say so now rather than in a rank's traceback after start-up."""
+    directory = Path(config.run_dir if config.run_dir is not None else "runs")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"run_dir={str(directory)!r} cannot be created: {error.strerror or error}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir={str(directory)!r} is not writable")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lowprec-train``: Hydra overrides in, exit status out."""
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -120,6 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = compose(arguments)
         validate(config, world_size)
         _check_resumable(config)
+        if not config.trainer.dry_run:
+            _check_run_dir(config)
     except ConfigError as error:
         print(f"lowprec-train: config error: {error}", file=sys.stderr)
         return 2

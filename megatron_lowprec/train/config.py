@@ -10,9 +10,12 @@ exists.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
+from megatron_lowprec.data.tokenizer import BYTE_BPE_FILE, TOKENIZER_KINDS
 from megatron_lowprec.optim.strategies import get_strategy
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -73,6 +76,11 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     transformer_impl: str = "local"
     """``local`` (megatron's plain-torch layer spec) or ``transformer_engine`` (needs TE)."""
+    use_cpu_initialization: bool = True
+    """Initialise each weight whole on the CPU and keep this rank's shard (megatron's
+    ``use_cpu_initialization``), so that every TP/PP layout starts from the same weights; the model
+    then moves to the GPU. ``false``: each rank initialises its shards on the GPU from its own
+    tensor-parallel RNG stream (faster start for large models; the weights depend on the layout)."""
 
 
 @dataclass
@@ -275,6 +283,60 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
             raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
 
 
+def _validate_optimizer(optimizer: OptimizerConfig) -> None:
+    checks = [
+        ("lr", optimizer.lr, optimizer.lr >= 0, ">= 0"),
+        ("min_lr", optimizer.min_lr, 0 <= optimizer.min_lr <= max(optimizer.lr, 0), "in [0, optimizer.lr]"),
+        ("lr_warmup_steps", optimizer.lr_warmup_steps, optimizer.lr_warmup_steps >= 0, ">= 0"),
+        ("weight_decay", optimizer.weight_decay, optimizer.weight_decay >= 0, ">= 0"),
+        ("adam_beta1", optimizer.adam_beta1, 0 <= optimizer.adam_beta1 < 1, "in [0, 1)"),
+        ("adam_beta2", optimizer.adam_beta2, 0 <= optimizer.adam_beta2 < 1, "in [0, 1)"),
+        ("adam_eps", optimizer.adam_eps, optimizer.adam_eps > 0, "> 0"),
+        ("clip_grad", optimizer.clip_grad, optimizer.clip_grad >= 0, ">= 0 (0 disables clipping)"),
+    ]
+    for name, value, valid, expected in checks:
+        if not (valid and math.isfinite(value)):
+            raise ConfigError(f"optimizer.{name}={value} is not valid; it must be finite and {expected}")
+    if optimizer.lr_decay_steps is not None and optimizer.lr_decay_steps < 1:
+        raise ConfigError(f"optimizer.lr_decay_steps={optimizer.lr_decay_steps} must be a positive integer or null")
+
+
+TOKENIZER_FILES = {
+    "byte_bpe": ("tokenizer_dir",),
+    "gpt2_bpe": ("vocab_file", "merge_file"),
+    "sentencepiece": ("sentencepiece_model",),
+}
+"""The ``data`` keys each tokenizer type of an ``indexed`` run is loaded from."""
+
+
+def _validate_indexed_data(data: DataConfig) -> None:
+    """``data.kind=indexed``: the prefixes' ``.bin``/``.idx`` files and the tokenizer's files exist."""
+    if not data.data_prefix:
+        raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")
+    for prefix in data.data_prefix:
+        missing = [suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
+        if missing:
+            raise ConfigError(
+                f"data.data_prefix entry {prefix!r} has no {' or '.join(prefix + suffix for suffix in missing)}; "
+                "write them with lowprec-prepare-data"
+            )
+    if data.data_weights is not None and len(data.data_weights) != len(data.data_prefix):
+        raise ConfigError(
+            f"data.data_weights has {len(data.data_weights)} entries for {len(data.data_prefix)} data.data_prefix entries"
+        )
+    _choice("data.tokenizer_type", data.tokenizer_type, TOKENIZER_KINDS)
+    for key in TOKENIZER_FILES[data.tokenizer_type]:
+        value = getattr(data, key)
+        if value is None:
+            raise ConfigError(
+                f"data.tokenizer_type={data.tokenizer_type} needs data.{key} "
+                f"(the tokenizer the data was prepared with); set {', '.join('data.' + k for k in TOKENIZER_FILES[data.tokenizer_type])}"
+            )
+        path = Path(value) / BYTE_BPE_FILE if key == "tokenizer_dir" else Path(value)
+        if not path.is_file():
+            raise ConfigError(f"data.{key}={value!r}: {str(path)!r} does not exist")
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
     model, trainer = config.model, config.trainer
@@ -332,7 +394,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "use model.transformer_impl=local"
         )
     _validate_layer_precision(config.precision)
-    if config.data.kind == "indexed" and not config.data.data_prefix:
-        raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")
+    _validate_optimizer(config.optimizer)
+    if config.data.kind == "indexed":
+        _validate_indexed_data(config.data)
     if config.resume and config.run_dir is None:
         raise ConfigError("resume=true needs run_dir=<the directory of the run to resume>")

@@ -72,7 +72,8 @@ def build_training_data(config: TrainConfig) -> TrainingData:
 
 
 def batches(dataset, config: TrainConfig, first_sample: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of the global batch starting at ``first_sample``."""
+    """This data-parallel rank's micro-batches of the global batch starting at ``first_sample``, on
+    the current CUDA device (as Megatron-LM's ``get_batch`` moves them)."""
     from megatron.core import parallel_state
 
     micro = config.trainer.micro_batch_size
@@ -82,5 +83,10 @@ def batches(dataset, config: TrainConfig, first_sample: int, num_microbatches: i
     for microbatch in range(num_microbatches):
         start = first_sample + microbatch * micro * dp_size + dp_rank * micro
         samples = [dataset[index % len(dataset)] for index in range(start, start + micro)]
-        result.append({key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS})
+        result.append(
+            {
+                key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]).cuda(non_blocking=True)
+                for key in BATCH_KEYS
+            }
+        )
     return result

@@ -195,7 +195,7 @@ def _mean_loss(losses: list[dict]) -> float:
     from megatron.core import parallel_state
 
     contributes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
     if contributes:
         totals[0] = sum(float(entry["lm loss"]) for entry in losses)
         totals[1] = len(losses)
@@ -294,7 +294,7 @@ def evaluate_sharpness(run: Run) -> float:
         )
     finally:
         run.model.train()
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=torch.cuda.current_device())
     computes = (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0

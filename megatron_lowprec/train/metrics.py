@@ -108,6 +108,7 @@ class MetricsLogger:
                 else 0
             ],
             dtype=torch.int64,
+            device=torch.cuda.current_device(),
         )
         torch.distributed.all_reduce(count)
         return int(count)

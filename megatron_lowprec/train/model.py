@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -14,15 +16,56 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel: 
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(config: TrainConfig):
-    """Megatron's ``TransformerConfig`` for the model, the parallel layout and BF16 parameters.
+MASKED_SOFTMAX_EXTENSIONS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
+"""The compiled softmax kernels megatron's ``FusedScaleMaskSoftmax`` imports (built with apex or Megatron-LM)."""
+GRADIENT_ACCUMULATION_EXTENSION = "fused_weight_gradient_mlp_cuda"
+"""apex's weight-gradient GEMM that accumulates into ``main_grad`` (megatron's local linears)."""
+TRANSFORMER_ENGINE = "transformer_engine"
 
-    Megatron's fused kernels (bias+GELU, RoPE, softmax) are only enabled where CUDA runs them.
+
+def importable(module_name: str) -> bool:
+    """Whether ``module_name`` can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def uses_transformer_engine_spec(config: TrainConfig) -> bool:
+    """Transformer Engine's layer spec: asked for, or needed by TE's own FP8."""
+    return config.model.transformer_impl == "transformer_engine" or config.precision.te_fp8_recipe is not None
+
+
+def megatron_fusions(config: TrainConfig, cuda: bool) -> dict[str, bool]:
+    """Megatron's fusion flags, each on only where its kernel exists, so that a missing extension
+    never stops a run (Megatron-LM turns them on by default and fails without apex):
+
+    - ``bias_activation_fusion``, ``bias_dropout_fusion``: TorchScript/``torch.compile`` fusions that
+      run on any CUDA device (bias+GELU only with a bias and no gated unit);
+    - ``masked_softmax_fusion``: megatron's ``FusedScaleMaskSoftmax`` kernels importable;
+    - ``gradient_accumulation_fusion``: Transformer Engine's spec (its linears accumulate into
+      ``main_grad``), or apex's ``fused_weight_gradient_mlp_cuda`` for the local spec;
+    - ``persist_layer_norm``, ``apply_rope_fusion``: Transformer Engine's spec (megatron's local spec
+      builds torch norms, which reject ``persist_layer_norm``; the fused RoPE kernel is TE's).
     """
+    model = config.model
+    te_spec = cuda and uses_transformer_engine_spec(config) and importable(TRANSFORMER_ENGINE)
+    return {
+        "bias_activation_fusion": cuda and model.add_bias_linear and model.activation != "swiglu",
+        "bias_dropout_fusion": cuda,
+        "masked_softmax_fusion": cuda and all(importable(name) for name in MASKED_SOFTMAX_EXTENSIONS),
+        "gradient_accumulation_fusion": te_spec or (cuda and importable(GRADIENT_ACCUMULATION_EXTENSION)),
+        "persist_layer_norm": te_spec,
+        "apply_rope_fusion": te_spec,
+    }
+
+
+def transformer_config(config: TrainConfig):
+    """Megatron's ``TransformerConfig`` for the model, the parallel layout and BF16 parameters, with
+    the fusions of :func:`megatron_fusions`."""
     from megatron.core.transformer import TransformerConfig
 
     model, trainer = config.model, config.trainer
-    fused = torch.cuda.is_available()
     te_fp8 = config.precision.te_fp8_recipe
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
@@ -44,12 +87,8 @@ def transformer_config(config: TrainConfig):
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=fused and model.add_bias_linear and not swiglu,
-        bias_dropout_fusion=fused,
-        masked_softmax_fusion=fused,
-        apply_rope_fusion=False,
-        persist_layer_norm=fused,
+        use_cpu_initialization=model.use_cpu_initialization,
+        **megatron_fusions(config, torch.cuda.is_available()),
         fp8="hybrid" if te_fp8 else None,
         fp8_recipe={"delayed": "delayed", "current": "tensorwise"}.get(te_fp8, "delayed"),
     )
@@ -60,7 +99,7 @@ def layer_spec(config: TrainConfig):
     FP8 runs (``validate`` has checked that it is installed)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if config.model.transformer_impl == "transformer_engine" or config.precision.te_fp8_recipe:
+    if uses_transformer_engine_spec(config):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
 
@@ -90,7 +129,9 @@ def apply_layer_precision(config: TrainConfig, module) -> list[str]:
 def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
     """A BF16 ``GPTModel`` for this rank's pipeline stage (the whole model when ``pre_process`` and
     ``post_process``), in megatron's ``Float16Module``, with the FP8 layer flow or the ExMy
-    emulation applied when the precision config asks. ``vocab_size`` is already padded."""
+    emulation applied when the precision config asks, on the current CUDA device (as Megatron-LM's
+    ``get_model`` places it: modules that megatron does not initialise on the device themselves,
+    such as torch's norms, are built on the CPU). ``vocab_size`` is already padded."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
@@ -107,6 +148,7 @@ def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, po
         rotary_percent=config.model.rotary_percent,
         rotary_base=config.model.rotary_base,
     )
+    model.cuda(torch.cuda.current_device())
     wrapped = Float16Module(transformer, model)
     apply_layer_precision(config, wrapped)
     return wrapped

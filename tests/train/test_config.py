@@ -128,3 +128,48 @@ def test_config_dir_variable_must_hold_train_yaml(monkeypatch, tmp_path):
     monkeypatch.setenv("LOWPREC_CONFIG_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="LOWPREC_CONFIG_DIR"):
         compose()
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["optimizer.lr=-1"], "optimizer.lr=-1.0 is not valid; it must be finite and >= 0"),
+        (["optimizer.adam_beta2=1.0"], "optimizer.adam_beta2=1.0 is not valid; it must be finite and in [0, 1)"),
+        (["optimizer.adam_eps=0"], "optimizer.adam_eps=0.0"),
+        (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 is not valid; it must be finite and in [0, optimizer.lr]"),
+        (["optimizer.clip_grad=-0.5"], "optimizer.clip_grad=-0.5"),
+        (["optimizer.lr_warmup_steps=-2"], "optimizer.lr_warmup_steps=-2"),
+    ],
+)
+def test_bad_optimizer_values_are_config_errors(capsys, overrides, named):
+    message = _fails(capsys, *overrides)
+    assert message.startswith("lowprec-train: config error: ") and named in message
+
+
+def test_indexed_data_needs_existing_files_and_a_tokenizer(capsys, tmp_path):
+    missing = str(tmp_path / "nowhere" / "corpus_text_document")
+    assert f"data.data_prefix entry {missing!r} has no {missing}.bin or {missing}.idx" in _fails(
+        capsys, "data=indexed", f"data.data_prefix=[{missing}]"
+    )
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    assert "data.tokenizer_type=byte_bpe needs data.tokenizer_dir" in _fails(
+        capsys, "data=indexed", f"data.data_prefix=[{prefix}]"
+    )
+    assert "tokenizer.json' does not exist" in _fails(
+        capsys, "data=indexed", f"data.data_prefix=[{prefix}]", f"data.tokenizer_dir={tmp_path}"
+    )
+    assert "needs data.vocab_file" in _fails(
+        capsys, "data=indexed", f"data.data_prefix=[{prefix}]", "data.tokenizer_type=gpt2_bpe"
+    )
+    assert "choose one of: byte_bpe, gpt2_bpe, sentencepiece" in _fails(
+        capsys, "data=indexed", f"data.data_prefix=[{prefix}]", "data.tokenizer_type=wordpiece"
+    )
+
+
+def test_a_run_dir_that_cannot_be_created_is_a_config_error(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    message = _fails(capsys, f"run_dir={blocker / 'run'}")
+    assert message.startswith("lowprec-train: config error: run_dir=") and "cannot be created" in message
