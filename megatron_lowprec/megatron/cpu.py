@@ -91,7 +91,6 @@ import contextlib
 import functools
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -332,7 +331,8 @@ def _function_name(func) -> str:
     return f"{owner}.{name}" if owner else name
 
 
-_EXPLICIT_GLOO_GROUPS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_EXPLICIT_GLOO_GROUPS: dict[int, Any] = {}
+"""Process groups created with ``backend="gloo"`` explicitly, by ``id`` (groups live as long as the process)."""
 
 
 def _recording_new_group(new_group: Callable) -> Callable:
@@ -343,7 +343,7 @@ def _recording_new_group(new_group: Callable) -> Callable:
         group = new_group(*args, **kwargs)
         backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
         if group is not None and str(backend).lower() == "gloo":
-            _EXPLICIT_GLOO_GROUPS.add(group)
+            _EXPLICIT_GLOO_GROUPS[id(group)] = group
         return group
 
     return new_group_recorded
@@ -355,7 +355,7 @@ def _checked_collective(name: str, collective: Callable) -> Callable:
     @functools.wraps(collective)
     def checked(*args, **kwargs):
         group = kwargs.get("group")
-        if group is None or group not in _EXPLICIT_GLOO_GROUPS:
+        if id(group) not in _EXPLICIT_GLOO_GROUPS:
             values = [*args, *kwargs.values()]
             values += [op.tensor for value in values if isinstance(value, list) for op in value if hasattr(op, "tensor")]
             for tensor in _tensors_in(tuple(values), {}):

@@ -88,7 +88,7 @@ def test_collectives_refuse_host_tensors_except_on_explicit_gloo_groups(strict):
     with pytest.raises(cpu.HostPlacementError, match=r"torch.distributed.all_reduce at .* got a tensor placed on the CPU"):
         checked(torch.zeros(2))
     gloo_group = object.__new__(type("GlooGroup", (), {}))
-    cpu._EXPLICIT_GLOO_GROUPS.add(gloo_group)
+    cpu._EXPLICIT_GLOO_GROUPS[id(gloo_group)] = gloo_group
     assert checked(torch.zeros(2), group=gloo_group) == "reduced"
 
 

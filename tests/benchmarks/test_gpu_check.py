@@ -1,0 +1,55 @@
+"""benchmarks/gpu_check.py runs end to end (on CPU here: the tiny model) and reports failures."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed")
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_trains_each_option_and_finds_fused_and_eager_identical(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--options", "A", "sr", "--steps", "3", "--window", "2", "--check-steps", "4",
+         "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["A"], ["sr"])}
+    for option in ("A", "sr"):
+        _, bytes_per_param, tokens_per_second, peak, loss, mismatches, verdict = rows[option]
+        assert (bytes_per_param, mismatches, verdict) == ("8", "0", "ok")
+        assert float(tokens_per_second.replace(",", "")) > 0 and float(peak) > 0 and 0 < float(loss) < 20
+        assert (tmp_path / option / "metrics.jsonl").is_file()
+
+
+def test_mismatches_and_errors_fail_the_check():
+    gpu_check = _gpu_check_module()
+    results = [
+        gpu_check.OptionResult("A", 8, mismatches=0, tokens_per_second=10.0, peak_gib=1.0, final_loss=5.0),
+        gpu_check.OptionResult("B", 10, mismatches=3, tokens_per_second=10.0, peak_gib=1.0, final_loss=5.0),
+        gpu_check.OptionResult("sr", 8, mismatches=0, error="BackendCompilerFailed: Cannot bitcast"),
+    ]
+    assert [result.passed for result in results] == [True, False, False]
+    table = gpu_check.format_table(results, torch.device("cpu")).splitlines()
+    assert table[2].endswith("ok") and table[3].endswith("MISMATCH")
+    assert table[4].endswith("BackendCompilerFailed: Cannot bitcast")
+
+
+def test_tokens_per_second_is_total_tokens_over_total_time_of_the_last_steps():
+    gpu_check = _gpu_check_module()
+    rows = [{"split": "train", "tokens_per_second": rate} for rate in (1.0, 100.0, 50.0)] + [{"split": "valid"}]
+    assert gpu_check.tokens_per_second_over(rows, window=2, tokens_per_step=100) == pytest.approx(200 / 3)
