@@ -494,3 +494,25 @@ def test_non_finite_flag_across_mixed_gradient_dtypes(position):
     assert non_finite_flag(grads, torch.device("cpu")).item() == 0.0
     grads[1][position] = math.nan
     assert non_finite_flag(grads, torch.device("cpu")).item() == 1.0
+
+
+OPS_WITHOUT_BF16_CUDA_KERNELS = (torch._amp_foreach_non_finite_check_and_unscale_,)
+"""Measured on an H100 (torch 2.11): ``_amp_foreach_non_finite_check_and_unscale_cuda`` is not
+implemented for 'BFloat16', so a step through it failed for every option on CUDA."""
+
+
+def test_non_finite_flag_uses_no_op_that_lacks_a_bf16_cuda_kernel():
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_lowprec.optim.adamw import non_finite_flag
+
+    called = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            called.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        non_finite_flag([torch.ones(3, dtype=torch.bfloat16)], torch.device("cpu"))
+    assert called and not set(called) & set(OPS_WITHOUT_BF16_CUDA_KERNELS)

@@ -92,3 +92,20 @@ def test_the_transformer_config_takes_the_flags_of_this_machine():
     built = transformer_config(TrainConfig())
     expected = megatron_fusions(TrainConfig(), torch.cuda.is_available())
     assert {name: getattr(built, name) for name in expected} == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed")
+def test_on_a_cuda_machine_without_apex_or_te_the_local_spec_builds(monkeypatch):
+    """As on the H100 without apex or TE: ``persist_layer_norm`` was on and megatron's torch norm
+    asserted; ``masked_softmax_fusion`` was on and needed apex's softmax kernels."""
+    import torch
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_lowprec.train.model import transformer_config
+
+    _extensions(monkeypatch, ())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = transformer_config(TrainConfig())
+    assert (built.persist_layer_norm, built.masked_softmax_fusion, built.gradient_accumulation_fusion) == (False,) * 3
+    assert built.bias_activation_fusion and built.bias_dropout_fusion
+    assert isinstance(WrappedTorchNorm(built, 8), torch.nn.LayerNorm)
