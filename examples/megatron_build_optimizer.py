@@ -46,6 +46,7 @@ def build_model(tensor_parallel: int):
         max_sequence_length=SEQ_LENGTH,
         position_embedding_type="rope",
     )
+    gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, gpt))
 
@@ -68,7 +69,7 @@ def train(option: str, steps: int, tensor_parallel: int) -> None:
 
     def forward_step(data_iterator, model):
         tokens = next(data_iterator)
-        position_ids = torch.arange(SEQ_LENGTH).expand(MICRO_BATCH_SIZE, -1)
+        position_ids = torch.arange(SEQ_LENGTH, device=torch.cuda.current_device()).expand(MICRO_BATCH_SIZE, -1)
         output = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
         return output, lambda per_token: (per_token.float().mean(), {"loss": per_token.float().mean().detach()})
 

@@ -6,4 +6,4 @@ import os
 
 from megatron_lowprec.megatron.cpu import STRICT_ENV_VARIABLE
 
-os.environ[STRICT_ENV_VARIABLE] = "1"
+os.environ.setdefault(STRICT_ENV_VARIABLE, "1")
