@@ -19,6 +19,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+ATTENTION_BACKENDS = ("auto", "sdpa", "unfused", "te")
 DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
@@ -73,6 +74,10 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     transformer_impl: str = "local"
     """``local`` (megatron's plain-torch layer spec) or ``transformer_engine`` (needs TE)."""
+    attention_backend: str = "auto"
+    """Core attention: ``sdpa`` (PyTorch's scaled_dot_product_attention: flash, memory-efficient or
+    cuDNN kernels on GPUs), ``unfused`` (megatron's DotProductAttention, the seq x seq scores in
+    memory), ``te`` (Transformer Engine's, needs TE); ``auto``: ``te`` in TE's layer spec, else ``sdpa``."""
 
 
 @dataclass
@@ -286,6 +291,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _choice("model.activation", model.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)
     _choice("model.transformer_impl", model.transformer_impl, TRANSFORMER_IMPLS)
+    _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     _choice("data.kind", config.data.kind, DATA_KINDS)
     _choice("optimizer.lr_decay_style", config.optimizer.lr_decay_style, LR_DECAY_STYLES)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
@@ -330,6 +336,11 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
             "use model.transformer_impl=local"
+        )
+    if model.attention_backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            "model.attention_backend=te needs Transformer Engine, which is not installed; "
+            "use model.attention_backend=sdpa (or auto)"
         )
     _validate_layer_precision(config.precision)
     if config.data.kind == "indexed" and not config.data.data_prefix:

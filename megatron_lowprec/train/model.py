@@ -55,14 +55,32 @@ def transformer_config(config: TrainConfig):
     )
 
 
+def _uses_te_spec(config: TrainConfig) -> bool:
+    return config.model.transformer_impl == "transformer_engine" or bool(config.precision.te_fp8_recipe)
+
+
+def attention_backend(config: TrainConfig) -> str:
+    """``model.attention_backend`` with ``auto`` resolved: TE's attention in TE's layer spec, PyTorch's
+    SDPA in the local one."""
+    backend = config.model.attention_backend
+    if backend != "auto":
+        return backend
+    return "te" if _uses_te_spec(config) else "sdpa"
+
+
 def layer_spec(config: TrainConfig):
     """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for or when TE's
-    FP8 runs (``validate`` has checked that it is installed)."""
+    FP8 runs (``validate`` has checked that it is installed), with the core attention of
+    :func:`attention_backend`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if config.model.transformer_impl == "transformer_engine" or config.precision.te_fp8_recipe:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
+    from megatron_lowprec.megatron.attention import with_core_attention
+
+    if _uses_te_spec(config):
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
+    return with_core_attention(spec, attention_backend(config))
 
 
 def apply_layer_precision(config: TrainConfig, module) -> list[str]:

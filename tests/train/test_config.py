@@ -100,12 +100,29 @@ def _without_te(*values):
         (["precision.emulate_rounding=up"], "stochastic"),
         (["precision=coat", "precision.emulate=E4M3"], "fp8_layers"),
         (["trainer.sharpness_eps=0"], "sharpness_eps=0"),
+        (["model.attention_backend=flash"], "auto, sdpa, unfused, te"),
+        _without_te(["model.attention_backend=te"], "model.attention_backend=sdpa"),
         _without_te(["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
         _without_te(["precision=te_fp8"], "precision=coat"),
     ],
 )
 def test_bad_choice_names_the_valid_ones(capsys, overrides, named):
     assert named in _fails(capsys, *overrides)
+
+
+def test_attention_backend_auto_puts_sdpa_in_the_local_spec():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_lowprec.megatron.attention import SDPAttention
+    from megatron_lowprec.train.model import attention_backend, layer_spec
+
+    def core_attention(config):
+        return layer_spec(config).submodules.self_attention.submodules.core_attention
+
+    config = compose()
+    assert config.model.attention_backend == "auto" and attention_backend(config) == "sdpa"
+    assert core_attention(config) is SDPAttention
+    assert core_attention(compose(["model.attention_backend=unfused"])) is DotProductAttention
 
 
 def test_resume_true_needs_a_checkpoint(capsys, tmp_path):
