@@ -3,7 +3,9 @@
 Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``, ``valid``
 or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_second`` (over the training steps alone: evaluation and checkpoints are not counted),
-``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
+``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`), ``mfu`` (on GPUs whose
+BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_reserved_gib`` on
+GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
 (means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
 ``sharpness`` and its box half-width ``eps``.
 """
@@ -22,7 +24,9 @@ from statistics import fmean
 import torch
 
 from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.train import throughput
 from megatron_lowprec.train.config import ConfigError, TrainConfig
+from megatron_lowprec.train.model import padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
 
@@ -66,6 +70,20 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
+def _performance_text(performance: dict) -> str:
+    """``12.3 TFLOP/s/GPU | MFU 1.2% | peak 3.40 GiB allocated, 4.00 GiB reserved`` (or ``peak RSS``)."""
+    parts = [f"{performance['tflops_per_gpu']:.3g} TFLOP/s/GPU"]
+    if "mfu" in performance:
+        parts.append(f"MFU {100 * performance['mfu']:.1f}%")
+    if "peak_rss_gib" in performance:
+        parts.append(f"peak RSS {performance['peak_rss_gib']:.2f} GiB")
+    else:
+        parts.append(
+            f"peak {performance['peak_allocated_gib']:.2f} GiB allocated, {performance['peak_reserved_gib']:.2f} GiB reserved"
+        )
+    return " | ".join(parts)
+
+
 class MetricsLogger:
     """Writes on global rank 0 only; the other ranks pass through."""
 
@@ -79,6 +97,13 @@ class MetricsLogger:
         self.last_train_loss = math.nan
         self.wandb = None
         self.parameters = self.parameter_count()
+        vocab_size = padded_vocab_size(
+            config.model.vocab_size or run.data.tokenizer.vocab_size,
+            config.model.make_vocab_size_divisible_by,
+            config.trainer.tensor_model_parallel_size,
+        )
+        self.flops_per_token = throughput.training_flops_per_token(config.model, vocab_size)
+        self.peak_flops = throughput.peak_bf16_flops()
         if not self.active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,9 +145,18 @@ class MetricsLogger:
             split = row["split"]
             self.wandb.log({f"{split}/{key}": value for key, value in row.items() if isinstance(value, (int, float))}, step=row["step"])
 
+    def _performance(self, tokens_per_second: float) -> dict:
+        """TFLOP/s per GPU, MFU where the peak is known, and peak memory (collective)."""
+        world_size = torch.distributed.get_world_size()
+        return {
+            **throughput.throughput(self.flops_per_token, tokens_per_second, world_size, self.peak_flops),
+            **throughput.peak_memory(),
+        }
+
     def train(self, step: int, records: list[dict], tokens_per_second: float) -> None:
         """The interval ending at ``step``: console line and metrics row."""
         self.last_train_loss = records[-1]["loss"]
+        performance = self._performance(tokens_per_second)
         if not self.active:
             return
         row = {
@@ -132,11 +166,13 @@ class MetricsLogger:
             "lr": records[-1]["lr"],
             "grad_norm": _mean(records, "grad_norm"),
             "tokens_per_second": tokens_per_second,
+            **performance,
             "skipped_steps": sum(record["skipped"] for record in records),
         }
         line = (
             f"step {step:>6}/{self.config.trainer.max_steps} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
-            f"grad norm {row['grad_norm'] or math.nan:.3f} | {tokens_per_second:,.0f} tokens/s"
+            f"grad norm {row['grad_norm'] or math.nan:.3f} | {tokens_per_second:,.0f} tokens/s | "
+            f"{_performance_text(performance)}"
         )
         if self.config.precision.track_update_quality:
             row.update(edq=_mean(records, "edq"), imprecision_percent=_mean(records, "imprecision_percent"))
@@ -165,6 +201,7 @@ class MetricsLogger:
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Print and save the summary; close the metrics file and wandb. Returns the summary."""
         strategy = get_strategy(self.config.precision.option)
+        performance = self._performance(tokens_per_second)
         summary = {
             "option": strategy.name,
             "bytes_per_param": strategy.bytes_per_param(),
@@ -174,6 +211,8 @@ class MetricsLogger:
             "final_train_loss": self.last_train_loss,
             "final_valid_loss": valid_loss,
             "tokens_per_second": tokens_per_second,
+            "flops_per_token": self.flops_per_token,
+            **performance,
             "skipped_steps": self.run.optimizer.optimizer.skipped_steps,
             "parameter_digest": parameter_digest(self.run.model),
             "run_dir": str(self.run_dir),
@@ -184,7 +223,7 @@ class MetricsLogger:
             f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
             f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
             f"train loss {summary['final_train_loss']:.4f} | validation loss {valid_loss:.4f} | "
-            f"{tokens_per_second:,.0f} tokens/s | {self.run_dir}",
+            f"{tokens_per_second:,.0f} tokens/s | {_performance_text(performance)} | {self.run_dir}",
             flush=True,
         )
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))

@@ -160,6 +160,12 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     assert summary["steps"] == 2 and math.isfinite(summary["final_valid_loss"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if row["split"] == "train"] == [1, 2]
+    # Throughput and memory as Megatron-LM reports them; no MFU without a GPU whose peak is known.
+    for record in [summary, *(row for row in rows if row["split"] == "train")]:
+        assert record["tokens_per_second"] > 0 and record["tflops_per_gpu"] > 0 and record["peak_rss_gib"] > 0
+        assert "mfu" not in record
+    assert summary["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_second"] / 2e12)
+    assert "TFLOP/s/GPU" in finished.stdout and "peak RSS" in finished.stdout
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
     plot = tmp_path / "loss.png"
