@@ -112,6 +112,11 @@ class PrecisionConfig:
     te_fp8_recipe: Optional[str] = None
     """Transformer Engine's own FP8 as the baseline: ``delayed`` (DelayedScaling) or ``current``
     (Float8CurrentScaling); needs Transformer Engine."""
+    megatron_optimizer: bool = False
+    """Train with megatron-core's own ``get_megatron_optimizer`` instead of this package's AdamW: BF16
+    parameters, FP32 main gradients and master weights, its Adam (torch's without apex/TE). The stock
+    Megatron-LM path that ``precision=megatron`` selects as the baseline; it has option D's numerics,
+    so ``option`` must be D."""
 
 
 @dataclass
@@ -246,6 +251,28 @@ def _positive(name: str, value: int) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer")
 
 
+STOCK_OPTIMIZER_LABEL = "megatron"
+"""How runs with ``precision.megatron_optimizer`` name their option in logs, summaries and checkpoints."""
+
+
+def option_label(precision: PrecisionConfig) -> str:
+    """The option's canonical name, or ``megatron`` for megatron-core's own optimizer."""
+    return STOCK_OPTIMIZER_LABEL if precision.megatron_optimizer else get_strategy(precision.option).name
+
+
+def _validate_megatron_optimizer(precision: PrecisionConfig) -> None:
+    if get_strategy(precision.option).name != "D":
+        raise ConfigError(
+            f"precision.megatron_optimizer=true runs megatron-core's FP32-master Adam, option D's numerics; "
+            f"precision.option={precision.option!r} cannot go with it (use precision=megatron)"
+        )
+    if precision.track_update_quality or precision.fused:
+        raise ConfigError(
+            "precision.track_update_quality and precision.fused belong to this package's AdamW; "
+            "megatron-core's optimizer (precision.megatron_optimizer=true) has neither"
+        )
+
+
 def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     """Data-parallel ranks left once tensor and pipeline parallelism take theirs."""
     model_parallel = config.trainer.tensor_model_parallel_size * config.trainer.pipeline_model_parallel_size
@@ -343,6 +370,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "use model.attention_backend=sdpa (or auto)"
         )
     _validate_layer_precision(config.precision)
+    if config.precision.megatron_optimizer:
+        _validate_megatron_optimizer(config.precision)
     if config.data.kind == "indexed" and not config.data.data_prefix:
         raise ConfigError("data.kind=indexed needs data.data_prefix (files written by lowprec-prepare-data)")
     if config.resume and config.run_dir is None:

@@ -110,7 +110,7 @@ class Run:
 def _build(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
@@ -138,20 +138,24 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32),
         module=module,
     )
-    optimizer = build_optimizer(
-        strategy.name,
-        [model],
-        OptimizerConfig(
-            optimizer="adam",
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
-        ),
-        seed=trainer.seed,
-        shared_randomness=config.precision.shared_randomness,
-        fused=config.precision.fused,
-        track_update_quality=config.precision.track_update_quality,
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
     )
+    if config.precision.megatron_optimizer:
+        optimizer = get_megatron_optimizer(optimizer_config, [model])
+    else:
+        optimizer = build_optimizer(
+            strategy.name,
+            [model],
+            optimizer_config,
+            seed=trainer.seed,
+            shared_randomness=config.precision.shared_randomness,
+            fused=config.precision.fused,
+            track_update_quality=config.precision.track_update_quality,
+        )
     module.config.finalize_model_grads_func = finalize_model_grads
     module.config.grad_scale_func = optimizer.scale_loss
     max_steps = max(trainer.max_steps, 1)

@@ -25,8 +25,8 @@ import torch
 
 from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train import throughput
-from megatron_lowprec.train.config import ConfigError, TrainConfig
-from megatron_lowprec.train.model import padded_vocab_size
+from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label
+from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
 
@@ -95,6 +95,7 @@ class MetricsLogger:
         self.run = run
         self.active = torch.distributed.get_rank() == 0
         self.last_train_loss = math.nan
+        self.skipped_steps_logged = 0
         self.wandb = None
         self.parameters = self.parameter_count()
         vocab_size = padded_vocab_size(
@@ -112,10 +113,12 @@ class MetricsLogger:
         if config.logging.wandb:
             self.wandb = _open_wandb(config, run_dir)
         strategy = get_strategy(config.precision.option)
+        optimizer = " with megatron-core's optimizer" if config.precision.megatron_optimizer else ""
         start = f"resumed from step {resumed_from}" if resumed_from is not None else "from scratch"
         print(
             f"lowprec-train: {config.model.name} ({self.parameters / 1e6:.2f}M parameters), "
-            f"option {strategy.name} ({strategy.bytes_per_param():g} bytes/param), "
+            f"option {strategy.name}{optimizer} ({strategy.bytes_per_param():g} bytes/param), "
+            f"attention {attention_backend(config)}, "
             f"world size {torch.distributed.get_world_size()} (TP {config.trainer.tensor_model_parallel_size}, "
             f"PP {config.trainer.pipeline_model_parallel_size}), {config.trainer.max_steps} steps {start}; "
             f"run dir {run_dir}",
@@ -138,7 +141,7 @@ class MetricsLogger:
         return int(count)
 
     def _write(self, row: dict) -> None:
-        row = {"step": row.pop("step"), "split": row.pop("split"), "option": self.config.precision.option, **row}
+        row = {"step": row.pop("step"), "split": row.pop("split"), "option": option_label(self.config.precision), **row}
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
@@ -156,6 +159,7 @@ class MetricsLogger:
     def train(self, step: int, records: list[dict], tokens_per_second: float) -> None:
         """The interval ending at ``step``: console line and metrics row."""
         self.last_train_loss = records[-1]["loss"]
+        self.skipped_steps_logged += sum(record["skipped"] for record in records)
         performance = self._performance(tokens_per_second)
         if not self.active:
             return
@@ -198,12 +202,20 @@ class MetricsLogger:
         print(f"step {step:>6}/{self.config.trainer.max_steps} | last-token sharpness {value:.4f} (eps {eps:g})", flush=True)
         self._write({"step": step, "split": "sharpness", "sharpness": value, "eps": eps})
 
+    def _skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients: the precision options count them in their state
+        (so a resumed run counts the earlier ones too); megatron-core's optimizer reports each step's
+        success, counted over the steps logged by this process."""
+        if self.config.precision.megatron_optimizer:
+            return self.skipped_steps_logged
+        return self.run.optimizer.optimizer.skipped_steps
+
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Print and save the summary; close the metrics file and wandb. Returns the summary."""
         strategy = get_strategy(self.config.precision.option)
         performance = self._performance(tokens_per_second)
         summary = {
-            "option": strategy.name,
+            "option": option_label(self.config.precision),
             "bytes_per_param": strategy.bytes_per_param(),
             "model": self.config.model.name,
             "parameters": self.parameters,
@@ -213,7 +225,7 @@ class MetricsLogger:
             "tokens_per_second": tokens_per_second,
             "flops_per_token": self.flops_per_token,
             **performance,
-            "skipped_steps": self.run.optimizer.optimizer.skipped_steps,
+            "skipped_steps": self._skipped_steps(),
             "parameter_digest": parameter_digest(self.run.model),
             "run_dir": str(self.run_dir),
         }

@@ -18,6 +18,8 @@ from tests.megatron.launch import run_ranks
 
 WORKER = Path(__file__).with_name("_app_worker.py")
 OPTIONS = [strategy.name for strategy in available_strategies()]
+OPTIONS_AND_STOCK = [*OPTIONS, "megatron"]
+"""The precision options and megatron-core's own optimizer (``precision=megatron``)."""
 LAYOUT_OPTIONS = ("A", "C", "D", "sr")
 
 pytestmark = [
@@ -69,10 +71,10 @@ def _train_losses(result: dict) -> list[float]:
 def test_every_option_trains_in_one_process(tmp_path, cache_dir):
     steps = [
         {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=3")}
-        for option in OPTIONS
+        for option in OPTIONS_AND_STOCK
     ]
     results = _run(tmp_path, 1, steps)
-    for option, result in zip(OPTIONS, results):
+    for option, result in zip(OPTIONS_AND_STOCK, results):
         losses = _train_losses(result)
         assert result["summary"]["option"] == option
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (option, losses)
@@ -128,16 +130,17 @@ def test_tensor_and_data_parallel_together(tmp_path, cache_dir):
 
 def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
     """DP=2: 4 steps straight (checkpoints at 2 and 4) against resuming a copy of the step-2
-    checkpoint for the last 2 steps: same losses, same parameters bit for bit."""
+    checkpoint for the last 2 steps: same losses, same parameters bit for bit (megatron-core's
+    optimizer too)."""
     steps = []
-    for option in OPTIONS:
+    for option in OPTIONS_AND_STOCK:
         straight, resumed = tmp_path / f"{option}-straight", tmp_path / f"{option}-resumed"
         steps.append({"overrides": _tiny(cache_dir, straight, f"precision={option}", "trainer.max_steps=4",
                                          "trainer.save=true", "trainer.save_interval=2")})
         steps.append({"copy_checkpoint": {"run_dir": str(straight), "iteration": 2, "to": str(resumed)}})
         steps.append({"overrides": _tiny(cache_dir, resumed, f"precision={option}", "trainer.max_steps=4", "resume=true")})
     results = _run(tmp_path, 2, steps)
-    for option, straight, resumed in zip(OPTIONS, results[0::2], results[1::2]):
+    for option, straight, resumed in zip(OPTIONS_AND_STOCK, results[0::2], results[1::2]):
         assert _train_losses(resumed) == _train_losses(straight)[2:], option
         assert resumed["summary"]["parameter_digest"] == straight["summary"]["parameter_digest"], option
         assert resumed["summary"]["final_valid_loss"] == straight["summary"]["final_valid_loss"], option

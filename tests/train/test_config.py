@@ -33,8 +33,19 @@ def test_default_is_the_tiny_model_on_the_embedded_corpus():
 
 
 def test_one_precision_file_per_option():
-    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D)."""
-    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted([*OPTIONS, "te_fp8"])
+    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D) and
+    megatron (megatron-core's own optimizer, option D's numerics)."""
+    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(
+        [*OPTIONS, "te_fp8", "megatron"]
+    )
+
+
+def test_megatron_selects_megatron_cores_optimizer():
+    from megatron_lowprec.train.config import option_label
+
+    precision = compose(["precision=megatron"]).precision
+    assert precision.megatron_optimizer and precision.option == "D"
+    assert option_label(precision) == "megatron" and option_label(compose().precision) == "A"
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -101,6 +112,8 @@ def _without_te(*values):
         (["precision=coat", "precision.emulate=E4M3"], "fp8_layers"),
         (["trainer.sharpness_eps=0"], "sharpness_eps=0"),
         (["model.attention_backend=flash"], "auto, sdpa, unfused, te"),
+        (["precision=megatron", "precision.option=A"], "precision.option='A'"),
+        (["precision=megatron", "precision.track_update_quality=true"], "megatron_optimizer=true"),
         _without_te(["model.attention_backend=te"], "model.attention_backend=sdpa"),
         _without_te(["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
         _without_te(["precision=te_fp8"], "precision=coat"),
