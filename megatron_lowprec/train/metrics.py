@@ -224,6 +224,7 @@ class MetricsLogger:
             "final_valid_loss": valid_loss,
             "tokens_per_second": tokens_per_second,
             "flops_per_token": self.flops_per_token,
+            **({"peak_bf16_tflops": self.peak_flops / 1e12} if self.peak_flops else {}),
             **performance,
             "skipped_steps": self._skipped_steps(),
             "parameter_digest": parameter_digest(self.run.model),

@@ -150,6 +150,7 @@ def test_dry_run_prints_config_and_plan(capsys, tmp_path):
     assert "option: C" in out
     assert "ranks: 1 = TP 1 x PP 1 x DP 1" in out
     assert "12 bytes/param" in out
+    assert "attention: sdpa (model.attention_backend=auto)" in out
     assert "0.7M parameters" in out
     assert not Path(tmp_path / "run").exists()
 
