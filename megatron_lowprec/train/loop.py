@@ -208,17 +208,22 @@ def _mean_loss(losses: list[dict]) -> float:
 
 
 def _forward_backward(run: Run, step_batches, forward_only: bool) -> float:
+    """The micro-batches of one step through megatron's schedule; the FP8 linears quantize each
+    weight once for all of them (``fp8_weight_cache``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(step_batches),
-        model=[run.model],
-        num_microbatches=len(step_batches),
-        seq_length=run.config.model.seq_length,
-        micro_batch_size=run.config.trainer.micro_batch_size,
-        forward_only=forward_only,
-    )
+    from megatron_lowprec.layers import fp8_weight_cache
+
+    with fp8_weight_cache():
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(step_batches),
+            model=[run.model],
+            num_microbatches=len(step_batches),
+            seq_length=run.config.model.seq_length,
+            micro_batch_size=run.config.trainer.micro_batch_size,
+            forward_only=forward_only,
+        )
     return _mean_loss(losses)
 
 
