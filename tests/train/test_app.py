@@ -79,6 +79,10 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
         assert result["summary"]["option"] == option
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (option, losses)
         assert math.isfinite(result["summary"]["final_valid_loss"])
+    # Option D is megatron-core's BF16 optimizer (FP32 masters, torch's Adam) bit for bit on CPU.
+    by_option = dict(zip(OPTIONS_AND_STOCK, results))
+    assert _train_losses(by_option["megatron"]) == _train_losses(by_option["D"])
+    assert by_option["megatron"]["summary"]["parameter_digest"] == by_option["D"]["summary"]["parameter_digest"]
 
 
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
