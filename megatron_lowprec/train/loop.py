@@ -5,7 +5,8 @@ parallel, a BF16 ``GPTModel`` in ``Float16Module`` wrapped by megatron's
 ``DistributedDataParallel``, ``get_forward_backward_func()`` over the micro-batches of a global
 batch (gradient accumulation; 1F1B across pipeline stages), ``finalize_model_grads`` for the
 data-parallel reduction, the precision option as a ``MegatronOptimizer``
-(:func:`megatron_lowprec.megatron.optimizer.build_optimizer`) and megatron's
+(:func:`megatron_lowprec.megatron.optimizer.build_optimizer`; megatron-core's own
+``get_megatron_optimizer`` with ``precision.megatron_optimizer``, the stock baseline) and megatron's
 ``OptimizerParamScheduler`` (warmup, then cosine decay). Without CUDA the CPU bridge is active and
 the backend is gloo.
 """

@@ -5,8 +5,8 @@ or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm
 ``tokens_per_second`` (over the training steps alone: evaluation and checkpoints are not counted),
 ``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`), ``mfu`` (on GPUs whose
 BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_reserved_gib`` on
-GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
-(means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
+GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
+``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
 ``sharpness`` and its box half-width ``eps``.
 """
 
