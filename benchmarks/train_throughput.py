@@ -97,7 +97,9 @@ def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], wo
         timeout=arguments.timeout,
     )
     if finished.returncode != 0:
-        raise RuntimeError(f"run {label!r} failed (exit {finished.returncode}):\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}")
+        raise RuntimeError(
+            f"run {label!r} failed (exit {finished.returncode}):\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}"
+        )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return measure(rows, summary, arguments.warmup, arguments.nproc)

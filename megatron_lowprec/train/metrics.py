@@ -6,8 +6,9 @@ or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm
 ``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`), ``mfu`` (on GPUs whose
 BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_reserved_gib`` on
 GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
-``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
-``sharpness`` and its box half-width ``eps``.
+``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval);
+valid lines hold ``loss`` and ``perplexity``; sharpness lines hold ``sharpness`` and its box
+half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer.
 """
 
 from __future__ import annotations
