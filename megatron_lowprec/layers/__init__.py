@@ -16,7 +16,7 @@ from megatron_lowprec.layers.fp8_activations import (
     fp8_rms_norm,
     fp8_swiglu,
 )
-from megatron_lowprec.layers.fp8_linear import FP8Linear, fp8_linear
+from megatron_lowprec.layers.fp8_linear import FP8Linear, fp8_linear, fp8_weight_cache
 
 __all__ = [
     "EmulationConfig",
@@ -32,4 +32,5 @@ __all__ = [
     "fp8_linear",
     "fp8_rms_norm",
     "fp8_swiglu",
+    "fp8_weight_cache",
 ]

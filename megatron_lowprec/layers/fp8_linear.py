@@ -11,6 +11,12 @@ gradient dY is quantized to E5M2 per tensor; dX = E5M2(dY) E4M3(W) and dW = E5M2
 Only the FP8 input and its scale are saved for backward: W is a parameter (no activation memory)
 and is quantized again in backward, to the same payload.
 
+Inside :func:`fp8_weight_cache` (one optimizer step's forward and backward passes over all its
+micro-batches) each weight is quantized once, on first use, and its E4M3 payload and scale serve
+every forward and backward pass until the block ends, as COAT keeps the FP8 weight of a step. The
+payload is what re-quantizing the unchanged weight would give, so the results are the same bits;
+the cache holds one byte per weight element while the block runs.
+
 Matmuls run on ``torch._scaled_mm`` where the device has it (CPU in torch 2.13; CUDA with compute
 capability >= 8.9, every dimension a multiple of 16, not both operands E5M2), else they are emulated:
 dequantize to FP32 (payload * scale), FP32 matmul, cast to the output dtype. torch's CPU kernel
@@ -19,6 +25,9 @@ Non-finite inputs give NaN outputs or gradients (the optimizer then skips the st
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +38,39 @@ AMAX_GROUP_SIZE = 128
 BACKENDS = ("auto", "scaled_mm", "emulated")
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
+
+_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+"""While :func:`fp8_weight_cache` runs: id(weight) -> (weight, E4M3 payload, scale); holding the
+weight keeps its id from being reused. A module global rather than a context variable, because
+autograd runs CUDA backward passes in its own threads."""
+
+
+@contextlib.contextmanager
+def fp8_weight_cache() -> Iterator[None]:
+    """Quantize each weight to E4M3 once while the block runs and reuse it in every forward and
+    backward pass inside (COAT's FP8 weight of one step, shared by its micro-batches). The weights
+    must not change inside the block: wrap one step's forward and backward passes, not its optimizer
+    update. Nested blocks share the outermost cache."""
+    global _weight_cache
+    outer = _weight_cache
+    if outer is None:
+        _weight_cache = {}
+    try:
+        yield
+    finally:
+        _weight_cache = outer
+
+
+def _cached_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The E4M3 payload and scale of ``weight`` from the active cache (quantized on first use), or
+    None outside :func:`fp8_weight_cache`."""
+    if _weight_cache is None:
+        return None
+    cached = _weight_cache.get(id(weight))
+    if cached is None:
+        cached = (weight, *quantize_per_tensor(weight, E4M3))
+        _weight_cache[id(weight)] = cached
+    return cached[1], cached[2]
 
 
 def group_scaling_amax(x: torch.Tensor, group_size: int = AMAX_GROUP_SIZE) -> torch.Tensor:
@@ -95,11 +137,14 @@ class FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, backend):
         input_rows = input.reshape(-1, input.shape[-1])
         input_fp8, input_scale = quantize_per_tensor(input_rows, E4M3)
-        weight_fp8, weight_scale = quantize_per_tensor(weight, E4M3)
+        cached = _cached_weight(weight)
+        weight_fp8, weight_scale = cached if cached is not None else quantize_per_tensor(weight, E4M3)
         output = fp8_matmul(input_fp8, input_scale, weight_fp8.t(), weight_scale, input.dtype, backend)
         if bias is not None:
             output = output + bias
-        ctx.save_for_backward(input_fp8, input_scale, weight)
+        ctx.weight_cached = cached is not None
+        ctx.save_for_backward(input_fp8, input_scale, *(cached if cached is not None else (weight,)))
+        ctx.weight_dtype = weight.dtype
         ctx.backend = backend
         ctx.input_shape = input.shape
         ctx.input_dtype = input.dtype
@@ -108,17 +153,17 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_fp8, input_scale, weight = ctx.saved_tensors
+        input_fp8, input_scale, *weight_saved = ctx.saved_tensors
         grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
         grad_fp8, grad_scale = quantize_per_tensor(grad_rows, E5M2)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight_fp8, weight_scale = quantize_per_tensor(weight, E4M3)
+            weight_fp8, weight_scale = weight_saved if ctx.weight_cached else quantize_per_tensor(weight_saved[0], E4M3)
             grad_input = fp8_matmul(
                 grad_fp8, grad_scale, weight_fp8, weight_scale, ctx.input_dtype, ctx.backend
             ).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = fp8_matmul(grad_fp8.t(), grad_scale, input_fp8, input_scale, weight.dtype, ctx.backend)
+            grad_weight = fp8_matmul(grad_fp8.t(), grad_scale, input_fp8, input_scale, ctx.weight_dtype, ctx.backend)
         if ctx.needs_input_grad[2]:
             grad_bias = grad_rows.sum(dim=0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy
 import torch
 
+from megatron_lowprec.train.config import option_label
+
 LATEST_FILE = "latest"
 
 
@@ -74,7 +76,7 @@ def _set_rng_states(states: dict) -> None:
 
 
 def _keeps_optimizer_per_rank(run) -> bool:
-    return run.optimizer.optimizer.strategy.moments == "fp8"
+    return not run.config.precision.megatron_optimizer and run.optimizer.optimizer.strategy.moments == "fp8"
 
 
 def _sharded_state(run, is_loading: bool) -> dict:
@@ -83,7 +85,7 @@ def _sharded_state(run, is_loading: bool) -> dict:
         "model": model_state,
         "iteration": run.iteration,
         "scheduler": run.scheduler.state_dict(),
-        "option": run.optimizer.optimizer.strategy.name,
+        "option": option_label(run.config.precision),
         "layout": _layout(),
     }
     if not _keeps_optimizer_per_rank(run):
@@ -124,7 +126,7 @@ def load(run, path: Path) -> None:
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(_sharded_state(run, is_loading=True), str(path))
-    option = run.optimizer.optimizer.strategy.name
+    option = option_label(run.config.precision)
     if loaded["option"] != option:
         raise ValueError(f"checkpoint {str(path)!r} was trained with option {loaded['option']!r}, not {option!r}")
     same_layout = loaded["layout"] == _layout()

@@ -22,6 +22,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+ATTENTION_BACKENDS = ("auto", "sdpa", "unfused", "te")
 DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
@@ -81,6 +82,10 @@ class ModelConfig:
     ``use_cpu_initialization``), so that every TP/PP layout starts from the same weights; the model
     then moves to the GPU. ``false``: each rank initialises its shards on the GPU from its own
     tensor-parallel RNG stream (faster start for large models; the weights depend on the layout)."""
+    attention_backend: str = "auto"
+    """Core attention: ``sdpa`` (PyTorch's scaled_dot_product_attention: flash, memory-efficient or
+    cuDNN kernels on GPUs), ``unfused`` (megatron's DotProductAttention, the seq x seq scores in
+    memory), ``te`` (Transformer Engine's, needs TE); ``auto``: ``te`` in TE's layer spec, else ``sdpa``."""
 
 
 @dataclass
@@ -115,6 +120,11 @@ class PrecisionConfig:
     te_fp8_recipe: Optional[str] = None
     """Transformer Engine's own FP8 as the baseline: ``delayed`` (DelayedScaling) or ``current``
     (Float8CurrentScaling); needs Transformer Engine."""
+    megatron_optimizer: bool = False
+    """Train with megatron-core's own ``get_megatron_optimizer`` instead of this package's AdamW: BF16
+    parameters, FP32 main gradients and master weights, its Adam (torch's without apex/TE). The stock
+    Megatron-LM path that ``precision=megatron`` selects as the baseline; it has option D's numerics,
+    so ``option`` must be D."""
 
 
 @dataclass
@@ -249,6 +259,28 @@ def _positive(name: str, value: int) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer")
 
 
+STOCK_OPTIMIZER_LABEL = "megatron"
+"""How runs with ``precision.megatron_optimizer`` name their option in logs, summaries and checkpoints."""
+
+
+def option_label(precision: PrecisionConfig) -> str:
+    """The option's canonical name, or ``megatron`` for megatron-core's own optimizer."""
+    return STOCK_OPTIMIZER_LABEL if precision.megatron_optimizer else get_strategy(precision.option).name
+
+
+def _validate_megatron_optimizer(precision: PrecisionConfig) -> None:
+    if get_strategy(precision.option).name != "D":
+        raise ConfigError(
+            f"precision.megatron_optimizer=true runs megatron-core's FP32-master Adam, option D's numerics; "
+            f"precision.option={precision.option!r} cannot go with it (use precision=megatron)"
+        )
+    if precision.track_update_quality or precision.fused:
+        raise ConfigError(
+            "precision.track_update_quality and precision.fused belong to this package's AdamW; "
+            "megatron-core's optimizer (precision.megatron_optimizer=true) has neither"
+        )
+
+
 def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     """Data-parallel ranks left once tensor and pipeline parallelism take theirs."""
     model_parallel = config.trainer.tensor_model_parallel_size * config.trainer.pipeline_model_parallel_size
@@ -348,6 +380,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _choice("model.activation", model.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)
     _choice("model.transformer_impl", model.transformer_impl, TRANSFORMER_IMPLS)
+    _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     _choice("data.kind", config.data.kind, DATA_KINDS)
     _choice("optimizer.lr_decay_style", config.optimizer.lr_decay_style, LR_DECAY_STYLES)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
@@ -393,9 +426,16 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "model.transformer_impl=transformer_engine needs Transformer Engine, which is not installed; "
             "use model.transformer_impl=local"
         )
+    if model.attention_backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            "model.attention_backend=te needs Transformer Engine, which is not installed; "
+            "use model.attention_backend=sdpa (or auto)"
+        )
     _validate_layer_precision(config.precision)
     _validate_optimizer(config.optimizer)
     if config.data.kind == "indexed":
         _validate_indexed_data(config.data)
+    if config.precision.megatron_optimizer:
+        _validate_megatron_optimizer(config.precision)
     if config.resume and config.run_dir is None:
         raise ConfigError("resume=true needs run_dir=<the directory of the run to resume>")

@@ -5,7 +5,8 @@ parallel, a BF16 ``GPTModel`` in ``Float16Module`` wrapped by megatron's
 ``DistributedDataParallel``, ``get_forward_backward_func()`` over the micro-batches of a global
 batch (gradient accumulation; 1F1B across pipeline stages), ``finalize_model_grads`` for the
 data-parallel reduction, the precision option as a ``MegatronOptimizer``
-(:func:`megatron_lowprec.megatron.optimizer.build_optimizer`) and megatron's
+(:func:`megatron_lowprec.megatron.optimizer.build_optimizer`; megatron-core's own
+``get_megatron_optimizer`` with ``precision.megatron_optimizer``, the stock baseline) and megatron's
 ``OptimizerParamScheduler`` (warmup, then cosine decay). Without CUDA the CPU bridge is active and
 the backend is gloo.
 """
@@ -110,7 +111,7 @@ class Run:
 def _build(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
@@ -138,20 +139,24 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32),
         module=module,
     )
-    optimizer = build_optimizer(
-        strategy.name,
-        [model],
-        OptimizerConfig(
-            optimizer="adam",
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
-        ),
-        seed=trainer.seed,
-        shared_randomness=config.precision.shared_randomness,
-        fused=config.precision.fused,
-        track_update_quality=config.precision.track_update_quality,
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
     )
+    if config.precision.megatron_optimizer:
+        optimizer = get_megatron_optimizer(optimizer_config, [model])
+    else:
+        optimizer = build_optimizer(
+            strategy.name,
+            [model],
+            optimizer_config,
+            seed=trainer.seed,
+            shared_randomness=config.precision.shared_randomness,
+            fused=config.precision.fused,
+            track_update_quality=config.precision.track_update_quality,
+        )
     module.config.finalize_model_grads_func = finalize_model_grads
     module.config.grad_scale_func = optimizer.scale_loss
     max_steps = max(trainer.max_steps, 1)
@@ -204,17 +209,22 @@ def _mean_loss(losses: list[dict]) -> float:
 
 
 def _forward_backward(run: Run, step_batches, forward_only: bool) -> float:
+    """The micro-batches of one step through megatron's schedule; the FP8 linears quantize each
+    weight once for all of them (``fp8_weight_cache``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(step_batches),
-        model=[run.model],
-        num_microbatches=len(step_batches),
-        seq_length=run.config.model.seq_length,
-        micro_batch_size=run.config.trainer.micro_batch_size,
-        forward_only=forward_only,
-    )
+    from megatron_lowprec.layers import fp8_weight_cache
+
+    with fp8_weight_cache():
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(step_batches),
+            model=[run.model],
+            num_microbatches=len(step_batches),
+            seq_length=run.config.model.seq_length,
+            micro_batch_size=run.config.trainer.micro_batch_size,
+            forward_only=forward_only,
+        )
     return _mean_loss(losses)
 
 

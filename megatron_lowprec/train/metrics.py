@@ -3,9 +3,12 @@
 Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``, ``valid``
 or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_second`` (over the training steps alone: evaluation and checkpoints are not counted),
-``skipped_steps`` and, with ``precision.track_update_quality``, ``edq`` and ``imprecision_percent``
-(means over the interval); valid lines hold ``loss`` and ``perplexity``; sharpness lines hold
-``sharpness`` and its box half-width ``eps``.
+``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`), ``mfu`` (on GPUs whose
+BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_reserved_gib`` on
+GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
+``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval);
+valid lines hold ``loss`` and ``perplexity``; sharpness lines hold ``sharpness`` and its box
+half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from statistics import fmean
 import torch
 
 from megatron_lowprec.optim.strategies import get_strategy
-from megatron_lowprec.train.config import ConfigError, TrainConfig
+from megatron_lowprec.train import throughput
+from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label
+from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
 
@@ -66,6 +71,20 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
+def _performance_text(performance: dict) -> str:
+    """``12.3 TFLOP/s/GPU | MFU 1.2% | peak 3.40 GiB allocated, 4.00 GiB reserved`` (or ``peak RSS``)."""
+    parts = [f"{performance['tflops_per_gpu']:.3g} TFLOP/s/GPU"]
+    if "mfu" in performance:
+        parts.append(f"MFU {100 * performance['mfu']:.1f}%")
+    if "peak_rss_gib" in performance:
+        parts.append(f"peak RSS {performance['peak_rss_gib']:.2f} GiB")
+    else:
+        parts.append(
+            f"peak {performance['peak_allocated_gib']:.2f} GiB allocated, {performance['peak_reserved_gib']:.2f} GiB reserved"
+        )
+    return " | ".join(parts)
+
+
 class MetricsLogger:
     """Writes on global rank 0 only; the other ranks pass through."""
 
@@ -77,8 +96,16 @@ class MetricsLogger:
         self.run = run
         self.active = torch.distributed.get_rank() == 0
         self.last_train_loss = math.nan
+        self.skipped_steps_logged = 0
         self.wandb = None
         self.parameters = self.parameter_count()
+        vocab_size = padded_vocab_size(
+            config.model.vocab_size or run.data.tokenizer.vocab_size,
+            config.model.make_vocab_size_divisible_by,
+            config.trainer.tensor_model_parallel_size,
+        )
+        self.flops_per_token = throughput.training_flops_per_token(config.model, vocab_size)
+        self.peak_flops = throughput.peak_bf16_flops()
         if not self.active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,10 +114,12 @@ class MetricsLogger:
         if config.logging.wandb:
             self.wandb = _open_wandb(config, run_dir)
         strategy = get_strategy(config.precision.option)
+        optimizer = " with megatron-core's optimizer" if config.precision.megatron_optimizer else ""
         start = f"resumed from step {resumed_from}" if resumed_from is not None else "from scratch"
         print(
             f"lowprec-train: {config.model.name} ({self.parameters / 1e6:.2f}M parameters), "
-            f"option {strategy.name} ({strategy.bytes_per_param():g} bytes/param), "
+            f"option {strategy.name}{optimizer} ({strategy.bytes_per_param():g} bytes/param), "
+            f"attention {attention_backend(config)}, "
             f"world size {torch.distributed.get_world_size()} (TP {config.trainer.tensor_model_parallel_size}, "
             f"PP {config.trainer.pipeline_model_parallel_size}), {config.trainer.max_steps} steps {start}; "
             f"run dir {run_dir}",
@@ -114,16 +143,26 @@ class MetricsLogger:
         return int(count)
 
     def _write(self, row: dict) -> None:
-        row = {"step": row.pop("step"), "split": row.pop("split"), "option": self.config.precision.option, **row}
+        row = {"step": row.pop("step"), "split": row.pop("split"), "option": option_label(self.config.precision), **row}
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
             split = row["split"]
             self.wandb.log({f"{split}/{key}": value for key, value in row.items() if isinstance(value, (int, float))}, step=row["step"])
 
+    def _performance(self, tokens_per_second: float) -> dict:
+        """TFLOP/s per GPU, MFU where the peak is known, and peak memory (collective)."""
+        world_size = torch.distributed.get_world_size()
+        return {
+            **throughput.throughput(self.flops_per_token, tokens_per_second, world_size, self.peak_flops),
+            **throughput.peak_memory(),
+        }
+
     def train(self, step: int, records: list[dict], tokens_per_second: float) -> None:
         """The interval ending at ``step``: console line and metrics row."""
         self.last_train_loss = records[-1]["loss"]
+        self.skipped_steps_logged += sum(record["skipped"] for record in records)
+        performance = self._performance(tokens_per_second)
         if not self.active:
             return
         row = {
@@ -133,11 +172,13 @@ class MetricsLogger:
             "lr": records[-1]["lr"],
             "grad_norm": _mean(records, "grad_norm"),
             "tokens_per_second": tokens_per_second,
+            **performance,
             "skipped_steps": sum(record["skipped"] for record in records),
         }
         line = (
             f"step {step:>6}/{self.config.trainer.max_steps} | loss {row['loss']:.4f} | lr {row['lr']:.3e} | "
-            f"grad norm {row['grad_norm'] or math.nan:.3f} | {tokens_per_second:,.0f} tokens/s"
+            f"grad norm {row['grad_norm'] or math.nan:.3f} | {tokens_per_second:,.0f} tokens/s | "
+            f"{_performance_text(performance)}"
         )
         if self.config.precision.track_update_quality:
             row.update(edq=_mean(records, "edq"), imprecision_percent=_mean(records, "imprecision_percent"))
@@ -163,11 +204,20 @@ class MetricsLogger:
         print(f"step {step:>6}/{self.config.trainer.max_steps} | last-token sharpness {value:.4f} (eps {eps:g})", flush=True)
         self._write({"step": step, "split": "sharpness", "sharpness": value, "eps": eps})
 
+    def _skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients: the precision options count them in their state
+        (so a resumed run counts the earlier ones too); megatron-core's optimizer reports each step's
+        success, counted over the steps logged by this process."""
+        if self.config.precision.megatron_optimizer:
+            return self.skipped_steps_logged
+        return self.run.optimizer.optimizer.skipped_steps
+
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Print and save the summary; close the metrics file and wandb. Returns the summary."""
         strategy = get_strategy(self.config.precision.option)
+        performance = self._performance(tokens_per_second)
         summary = {
-            "option": strategy.name,
+            "option": option_label(self.config.precision),
             "bytes_per_param": strategy.bytes_per_param(),
             "model": self.config.model.name,
             "parameters": self.parameters,
@@ -175,7 +225,10 @@ class MetricsLogger:
             "final_train_loss": self.last_train_loss,
             "final_valid_loss": valid_loss,
             "tokens_per_second": tokens_per_second,
-            "skipped_steps": self.run.optimizer.optimizer.skipped_steps,
+            "flops_per_token": self.flops_per_token,
+            **({"peak_bf16_tflops": self.peak_flops / 1e12} if self.peak_flops else {}),
+            **performance,
+            "skipped_steps": self._skipped_steps(),
             "parameter_digest": parameter_digest(self.run.model),
             "run_dir": str(self.run_dir),
         }
@@ -185,7 +238,7 @@ class MetricsLogger:
             f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
             f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
             f"train loss {summary['final_train_loss']:.4f} | validation loss {valid_loss:.4f} | "
-            f"{tokens_per_second:,.0f} tokens/s | {self.run_dir}",
+            f"{tokens_per_second:,.0f} tokens/s | {_performance_text(performance)} | {self.run_dir}",
             flush=True,
         )
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))

@@ -94,14 +94,28 @@ def transformer_config(config: TrainConfig):
     )
 
 
+def attention_backend(config: TrainConfig) -> str:
+    """``model.attention_backend`` with ``auto`` resolved: TE's attention in TE's layer spec, PyTorch's
+    SDPA in the local one."""
+    backend = config.model.attention_backend
+    if backend != "auto":
+        return backend
+    return "te" if uses_transformer_engine_spec(config) else "sdpa"
+
+
 def layer_spec(config: TrainConfig):
     """Megatron's local (plain torch) layer spec, or Transformer Engine's when asked for or when TE's
-    FP8 runs (``validate`` has checked that it is installed)."""
+    FP8 runs (``validate`` has checked that it is installed), with the core attention of
+    :func:`attention_backend`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron_lowprec.megatron.attention import with_core_attention
+
     if uses_transformer_engine_spec(config):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.model.normalization)
+    return with_core_attention(spec, attention_backend(config))
 
 
 def apply_layer_precision(config: TrainConfig, module) -> list[str]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from megatron_lowprec.optim.strategies import get_strategy
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size
-from megatron_lowprec.train.model import padded_vocab_size
+from megatron_lowprec.train.config import TrainConfig, data_parallel_size, option_label
+from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 from megatron_lowprec.train.model_size import parameter_count
 
 
@@ -32,8 +32,9 @@ def describe(config: TrainConfig, world_size: int) -> str:
         f"  steps: {trainer.max_steps} ({trainer.max_steps * tokens_per_step:,} tokens), "
         f"warmup {config.optimizer.lr_warmup_steps}, {config.optimizer.lr_decay_style} decay "
         f"{config.optimizer.lr:g} -> {config.optimizer.min_lr:g}",
-        f"  precision: option {strategy.name}, {strategy.bytes_per_param():g} bytes/param "
+        f"  precision: option {option_label(config.precision)}, {strategy.bytes_per_param():g} bytes/param "
         f"(parameters, gradients and optimizer state)",
+        f"  attention: {attention_backend(config)} (model.attention_backend={model.attention_backend})",
     ]
     vocab_size = _vocab_size(config)
     if vocab_size is None:

@@ -8,10 +8,14 @@ data stay below the same bounds in relative L2 norm (measured: forward 0.023, gr
 the BF16 linear's own error (~2^-8) is negligible next to them.
 """
 
+import contextlib
+import importlib
+
 import pytest
 import torch
 
 from megatron_lowprec.layers import FP8Linear, fp8_linear
+from megatron_lowprec.layers import fp8_weight_cache
 from megatron_lowprec.layers.fp8_linear import fp8_matmul, group_scaling_amax, quantize_per_tensor
 from megatron_lowprec.numerics.quant import quantize_fp8
 
@@ -20,6 +24,8 @@ U_E5M2 = 2.0**-3
 FORWARD_TOLERANCE = 2 * U_E4M3
 BACKWARD_TOLERANCE = U_E5M2 + U_E4M3
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+fp8_linear_module = importlib.import_module("megatron_lowprec.layers.fp8_linear")
+"""The module itself (the package exports its function ``fp8_linear`` under the module's name)."""
 
 
 def sample(*shape, seed, scale=1.0, dtype=torch.bfloat16):
@@ -122,6 +128,46 @@ def test_only_the_fp8_input_and_its_scale_are_saved():
     payload, scale = activations
     assert payload.dtype == torch.float8_e4m3fn and payload.shape == (16, 64)
     assert scale.dtype == torch.float32 and scale.numel() == 1
+
+
+def _two_micro_batches(linear: FP8Linear, cached: bool) -> list[torch.Tensor]:
+    """Outputs and input gradients of two micro-batches, and the weight and bias gradients they accumulate."""
+    linear.zero_grad(set_to_none=True)
+    results = []
+    with fp8_weight_cache() if cached else contextlib.nullcontext():
+        for seed in (20, 21):
+            input = sample(3, 8, 64, seed=seed, scale=2.0).requires_grad_()
+            output = linear(input)
+            output.backward(sample(*output.shape, seed=seed + 10))
+            results += [output.detach(), input.grad]
+    return [*results, linear.weight.grad.clone(), linear.bias.grad.clone()]
+
+
+def test_weight_cache_quantizes_each_weight_once_per_step_with_the_same_bits(monkeypatch):
+    """Without the cache every forward and every backward quantizes the weight (4 quantizations per
+    micro-batch: input, weight, output gradient, weight); with it, once for the whole step."""
+    linear = FP8Linear(64, 48, dtype=torch.bfloat16)
+    calls = []
+    quantize = fp8_linear_module.quantize_per_tensor
+    monkeypatch.setattr(fp8_linear_module, "quantize_per_tensor", lambda x, f: calls.append(x) or quantize(x, f))
+    uncached = _two_micro_batches(linear, cached=False)
+    weight_quantizations = sum(tensor.shape == linear.weight.shape for tensor in calls)
+    calls.clear()
+    cached = _two_micro_batches(linear, cached=True)
+    assert (weight_quantizations, sum(tensor.shape == linear.weight.shape for tensor in calls)) == (4, 1)
+    assert len(calls) == 5
+    for from_cache, reference in zip(cached, uncached):
+        assert torch.equal(from_cache, reference)
+    assert fp8_linear_module._weight_cache is None
+
+
+def test_weight_cache_sees_a_weight_changed_between_steps():
+    linear = FP8Linear(64, 48, dtype=torch.bfloat16)
+    first = _two_micro_batches(linear, cached=True)
+    with torch.no_grad():
+        linear.weight.mul_(0.5)
+    assert not torch.equal(_two_micro_batches(linear, cached=True)[0], first[0])
+    assert torch.equal(_two_micro_batches(linear, cached=True)[0], _two_micro_batches(linear, cached=False)[0])
 
 
 def test_leading_dims_flatten_into_rows():

@@ -18,6 +18,8 @@ from tests.megatron.launch import run_ranks
 
 WORKER = Path(__file__).with_name("_app_worker.py")
 OPTIONS = [strategy.name for strategy in available_strategies()]
+OPTIONS_AND_STOCK = [*OPTIONS, "megatron"]
+"""The precision options and megatron-core's own optimizer (``precision=megatron``)."""
 LAYOUT_OPTIONS = ("A", "C", "D", "sr")
 
 pytestmark = [
@@ -69,14 +71,18 @@ def _train_losses(result: dict) -> list[float]:
 def test_every_option_trains_in_one_process(tmp_path, cache_dir):
     steps = [
         {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=3")}
-        for option in OPTIONS
+        for option in OPTIONS_AND_STOCK
     ]
     results = _run(tmp_path, 1, steps)
-    for option, result in zip(OPTIONS, results):
+    for option, result in zip(OPTIONS_AND_STOCK, results):
         losses = _train_losses(result)
         assert result["summary"]["option"] == option
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (option, losses)
         assert math.isfinite(result["summary"]["final_valid_loss"])
+    # Option D is megatron-core's BF16 optimizer (FP32 masters, torch's Adam) bit for bit on CPU.
+    by_option = dict(zip(OPTIONS_AND_STOCK, results))
+    assert _train_losses(by_option["megatron"]) == _train_losses(by_option["D"])
+    assert by_option["megatron"]["summary"]["parameter_digest"] == by_option["D"]["summary"]["parameter_digest"]
 
 
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
@@ -128,16 +134,17 @@ def test_tensor_and_data_parallel_together(tmp_path, cache_dir):
 
 def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
     """DP=2: 4 steps straight (checkpoints at 2 and 4) against resuming a copy of the step-2
-    checkpoint for the last 2 steps: same losses, same parameters bit for bit."""
+    checkpoint for the last 2 steps: same losses, same parameters bit for bit (megatron-core's
+    optimizer too)."""
     steps = []
-    for option in OPTIONS:
+    for option in OPTIONS_AND_STOCK:
         straight, resumed = tmp_path / f"{option}-straight", tmp_path / f"{option}-resumed"
         steps.append({"overrides": _tiny(cache_dir, straight, f"precision={option}", "trainer.max_steps=4",
                                          "trainer.save=true", "trainer.save_interval=2")})
         steps.append({"copy_checkpoint": {"run_dir": str(straight), "iteration": 2, "to": str(resumed)}})
         steps.append({"overrides": _tiny(cache_dir, resumed, f"precision={option}", "trainer.max_steps=4", "resume=true")})
     results = _run(tmp_path, 2, steps)
-    for option, straight, resumed in zip(OPTIONS, results[0::2], results[1::2]):
+    for option, straight, resumed in zip(OPTIONS_AND_STOCK, results[0::2], results[1::2]):
         assert _train_losses(resumed) == _train_losses(straight)[2:], option
         assert resumed["summary"]["parameter_digest"] == straight["summary"]["parameter_digest"], option
         assert resumed["summary"]["final_valid_loss"] == straight["summary"]["final_valid_loss"], option
@@ -160,6 +167,12 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     assert summary["steps"] == 2 and math.isfinite(summary["final_valid_loss"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if row["split"] == "train"] == [1, 2]
+    # Throughput and memory as Megatron-LM reports them; no MFU without a GPU whose peak is known.
+    for record in [summary, *(row for row in rows if row["split"] == "train")]:
+        assert record["tokens_per_second"] > 0 and record["tflops_per_gpu"] > 0 and record["peak_rss_gib"] > 0
+        assert "mfu" not in record
+    assert summary["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_second"] / 2e12)
+    assert "TFLOP/s/GPU" in finished.stdout and "peak RSS" in finished.stdout
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
     plot = tmp_path / "loss.png"

@@ -33,8 +33,19 @@ def test_default_is_the_tiny_model_on_the_embedded_corpus():
 
 
 def test_one_precision_file_per_option():
-    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D)."""
-    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted([*OPTIONS, "te_fp8"])
+    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D) and
+    megatron (megatron-core's own optimizer, option D's numerics)."""
+    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(
+        [*OPTIONS, "te_fp8", "megatron"]
+    )
+
+
+def test_megatron_selects_megatron_cores_optimizer():
+    from megatron_lowprec.train.config import option_label
+
+    precision = compose(["precision=megatron"]).precision
+    assert precision.megatron_optimizer and precision.option == "D"
+    assert option_label(precision) == "megatron" and option_label(compose().precision) == "A"
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -100,12 +111,31 @@ def _without_te(*values):
         (["precision.emulate_rounding=up"], "stochastic"),
         (["precision=coat", "precision.emulate=E4M3"], "fp8_layers"),
         (["trainer.sharpness_eps=0"], "sharpness_eps=0"),
+        (["model.attention_backend=flash"], "auto, sdpa, unfused, te"),
+        (["precision=megatron", "precision.option=A"], "precision.option='A'"),
+        (["precision=megatron", "precision.track_update_quality=true"], "megatron_optimizer=true"),
+        _without_te(["model.attention_backend=te"], "model.attention_backend=sdpa"),
         _without_te(["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
         _without_te(["precision=te_fp8"], "precision=coat"),
     ],
 )
 def test_bad_choice_names_the_valid_ones(capsys, overrides, named):
     assert named in _fails(capsys, *overrides)
+
+
+def test_attention_backend_auto_puts_sdpa_in_the_local_spec():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_lowprec.megatron.attention import SDPAttention
+    from megatron_lowprec.train.model import attention_backend, layer_spec
+
+    def core_attention(config):
+        return layer_spec(config).submodules.self_attention.submodules.core_attention
+
+    config = compose()
+    assert config.model.attention_backend == "auto" and attention_backend(config) == "sdpa"
+    assert core_attention(config) is SDPAttention
+    assert core_attention(compose(["model.attention_backend=unfused"])) is DotProductAttention
 
 
 def test_resume_true_needs_a_checkpoint(capsys, tmp_path):
@@ -120,6 +150,7 @@ def test_dry_run_prints_config_and_plan(capsys, tmp_path):
     assert "option: C" in out
     assert "ranks: 1 = TP 1 x PP 1 x DP 1" in out
     assert "12 bytes/param" in out
+    assert "attention: sdpa (model.attention_backend=auto)" in out
     assert "0.7M parameters" in out
     assert not Path(tmp_path / "run").exists()
 

@@ -1,0 +1,166 @@
+"""Training throughput of precision options against stock megatron-core, on the same model in one invocation.
+
+Each run is a ``lowprec-train`` process (``torchrun`` with ``--nproc`` > 1) on the same model, data,
+batch and layout, differing only in the precision config; stock megatron-core (``precision=megatron``:
+its own ``get_megatron_optimizer``, BF16 parameters, FP32 master weights) is always among them and is
+the baseline of the ratios. Runs go one after another, ``--rounds`` times in turn (so that a machine
+whose speed drifts slows every run alike), and each figure is the median over the rounds.
+
+Per run, from the run's ``metrics.jsonl`` (one row per step): tokens/s over the steps after
+``--warmup`` (total tokens / total step time; evaluation and checkpoints are not timed), model
+TFLOP/s per GPU and MFU as the app computes them (:mod:`megatron_lowprec.train.throughput`; MFU only
+on GPUs whose dense BF16 peak is known), and the peak memory of the whole run on the largest rank:
+``torch.cuda.max_memory_allocated`` on GPUs, the resident set size on CPUs (which also holds
+the Python process, its libraries and the data). Ratios: tokens/s and peak memory over stock's.
+
+A run is ``NAME`` or ``NAME:OVERRIDE,OVERRIDE``, with NAME a member of ``configs/precision`` and
+Hydra overrides for that run alone, e.g. ``A:model.attention_backend=unfused``. ``--set`` gives
+overrides for every run.
+
+    # CPU (CI machine): the tiny model
+    python benchmarks/train_throughput.py --runs A B C D sr coat --steps 20
+    # one GPU: GPT-125M (micro-batch 8) and GPT-1.3B (micro-batch 2), sequence length 2048
+    python benchmarks/train_throughput.py --model gpt_125m --micro-batch 8 --global-batch 8 \\
+        --runs A B C D sr coat --steps 30 --warmup 5
+    python benchmarks/train_throughput.py --model gpt_1.3b --micro-batch 2 --global-batch 2 \\
+        --runs A B C D sr coat --steps 30 --warmup 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STOCK = "megatron"
+DEFAULT_RUNS = ("A", "B", "C", "D", "D-MW", "kahan", "sr", "coat")
+
+
+def parse_run(text: str) -> tuple[str, list[str]]:
+    """``NAME[:OVERRIDE,...]`` → the label and the run's Hydra overrides."""
+    name, _, extra = text.partition(":")
+    return text, [f"precision={name}", *(override for override in extra.split(",") if override)]
+
+
+def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: Path) -> list[str]:
+    """The ``lowprec-train`` command line of one run."""
+    launcher = [sys.executable]
+    if arguments.nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={arguments.nproc}"]
+    settings = [
+        f"model={arguments.model}",
+        f"trainer.micro_batch_size={arguments.micro_batch}",
+        f"trainer.global_batch_size={arguments.global_batch}",
+        f"trainer.max_steps={arguments.warmup + arguments.steps}",
+        "trainer.log_interval=1",
+        f"trainer.eval_interval={10**9}",
+        "trainer.eval_iters=1",
+        "trainer.save=false",
+        "logging.wandb=false",
+        f"run_dir={run_dir}",
+    ]
+    return [*launcher, "-m", "megatron_lowprec.train", *settings, *arguments.set, *overrides]
+
+
+def measure(rows: list[dict], summary: dict, warmup: int, world_size: int) -> dict:
+    """Throughput after the warmup steps and the run's peak memory, from its metrics rows and summary."""
+    timed = [row for row in rows if row["split"] == "train" and row["step"] > warmup]
+    if not timed:
+        raise ValueError("no timed steps: --steps must be at least 1")
+    tokens_per_second = len(timed) / sum(1.0 / row["tokens_per_second"] for row in timed)
+    per_gpu = summary["flops_per_token"] * tokens_per_second / world_size
+    last = timed[-1]
+    result = {
+        "tokens_per_second": tokens_per_second,
+        "tflops_per_gpu": per_gpu / 1e12,
+        "peak_gib": last.get("peak_allocated_gib", last.get("peak_rss_gib")),
+        "final_train_loss": summary["final_train_loss"],
+    }
+    if "peak_bf16_tflops" in summary:
+        result["mfu"] = per_gpu / (summary["peak_bf16_tflops"] * 1e12)
+    if "peak_reserved_gib" in last:
+        result["peak_reserved_gib"] = last["peak_reserved_gib"]
+    return result
+
+
+def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], work_dir: Path) -> dict:
+    run_dir = work_dir / label.replace("/", "_").replace(":", "_").replace(",", "_").replace("=", "-")
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    finished = subprocess.run(
+        train_command(arguments, overrides, run_dir), capture_output=True, text=True, env=environment,
+        timeout=arguments.timeout,
+    )
+    if finished.returncode != 0:
+        raise RuntimeError(
+            f"run {label!r} failed (exit {finished.returncode}):\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}"
+        )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return measure(rows, summary, arguments.warmup, arguments.nproc)
+
+
+def median_results(rounds: list[dict]) -> dict:
+    return {key: statistics.median(result[key] for result in rounds) for key in rounds[0]}
+
+
+def table(results: dict[str, dict]) -> str:
+    """A Markdown table, one row per run, stock first."""
+    stock = results[STOCK]
+    mfu = any("mfu" in result for result in results.values())
+    header = ["run", "tokens/s", "TFLOP/s/GPU", *(["MFU"] if mfu else []), "peak GiB", "tokens/s vs stock", "peak vs stock"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, result in results.items():
+        cells = [
+            label,
+            f"{result['tokens_per_second']:,.0f}",
+            f"{result['tflops_per_gpu']:.3g}",
+            *([f"{100 * result['mfu']:.1f}%" if "mfu" in result else "-"] if mfu else []),
+            f"{result['peak_gib']:.2f}",
+            f"{result['tokens_per_second'] / stock['tokens_per_second']:.2f}",
+            f"{result['peak_gib'] / stock['peak_gib']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="NAME or NAME:OVERRIDE,... (stock is added)")
+    parser.add_argument("--model", default="tiny", help="a member of configs/model")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the runs; figures are medians")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, through torchrun")
+    parser.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    arguments = parser.parse_args()
+    runs = dict(parse_run(text) for text in [STOCK, *(run for run in arguments.runs if run != STOCK)])
+    measured: dict[str, list[dict]] = {label: [] for label in runs}
+    with tempfile.TemporaryDirectory(prefix="train_throughput_") as work:
+        for round_index in range(arguments.rounds):
+            for label, overrides in runs.items():
+                measured[label].append(run_once(arguments, label, overrides, Path(work) / f"round{round_index}"))
+    results = {label: median_results(rounds) for label, rounds in measured.items()}
+    print(
+        f"model {arguments.model}, micro-batch {arguments.micro_batch}, global batch {arguments.global_batch}, "
+        f"{arguments.nproc} process(es), {arguments.steps} timed steps after {arguments.warmup}, "
+        f"median of {arguments.rounds} round(s); overrides {' '.join(arguments.set) or 'none'}"
+    )
+    print(table(results))
+    if arguments.json is not None:
+        arguments.json.write_text(json.dumps(results, indent=1))
+    if not all(math.isfinite(result["final_train_loss"]) for result in results.values()):
+        raise SystemExit("a run ended with a non-finite loss")
+
+
+if __name__ == "__main__":
+    main()
