@@ -15,7 +15,8 @@ For each option it
    ``metrics.jsonl``.
 
 It prints one table: option, bytes/param, tokens/s over the last ``--window`` steps, peak memory in
-GiB (CUDA: ``torch.cuda.max_memory_allocated`` of that run; CPU: the process's peak resident set),
+GiB from the run's summary (CUDA: ``torch.cuda.max_memory_allocated`` of that run; CPU: the
+process's peak resident set),
 final training loss, and the fused-vs-eager mismatches. An option that raises is listed with its
 error, and the exit status is 1 if any option failed or mismatched.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import tempfile
 import traceback
@@ -38,7 +38,6 @@ from megatron_lowprec.optim.fused import fused_available
 
 CHECK_SHAPES = [(1000,), (129,), (4097,), (7, 13), (4096, 65)]
 """Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
-GIB = 2**30
 
 
 @dataclass
@@ -111,12 +110,6 @@ def tokens_per_second_over(rows: list[dict], window: int, tokens_per_step: int) 
     return tokens_per_step * len(last) / sum(tokens_per_step / row["tokens_per_second"] for row in last)
 
 
-def peak_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
-
-
 def check_option(args: argparse.Namespace, option: str, device: torch.device, work_dir: Path) -> OptionResult:
     from megatron_lowprec.train.app import compose
     from megatron_lowprec.train.loop import train
@@ -131,7 +124,7 @@ def check_option(args: argparse.Namespace, option: str, device: torch.device, wo
         summary = train(compose(train_overrides(args, strategy.name, run_dir)))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         result.tokens_per_second = tokens_per_second_over(rows, args.window, args.micro_batch * args.seq_length)
-        result.peak_gib = peak_gib(device)
+        result.peak_gib = summary["peak_allocated_gib" if device.type == "cuda" else "peak_rss_gib"]
         result.final_loss = summary["final_train_loss"]
     except Exception as error:
         result.error = f"{type(error).__name__}: {error}".splitlines()[0]
