@@ -64,7 +64,7 @@ Strict mode (``activate_cpu_bridge(strict=True)``, or ``MEGATRON_LOWPREC_STRICT_
 the test suite) fails the way a GPU would where code places a tensor on the CPU explicitly and then
 lets it meet the device. The bridge tags every tensor that is *placed on the host*: made by a factory
 (``torch.tensor``, ``zeros``, ``empty``, ...) without a device or with ``device="cpu"``, by
-``.cpu()`` or ``.to("cpu")``, or computed from host tensors alone (``torch.nn.Parameter`` keeps its
+``.cpu()`` or ``.to("cpu")`` where they copy, or computed from host tensors alone (``torch.nn.Parameter`` keeps its
 data's tag, ``p.data = x`` takes ``x``'s); ``.cuda()`` clears the tag. Every other tensor counts as
 being on the device: those made through the redirect above, ``device=x.device``, and tensors torch
 makes without a torch function (autograd's gradients). :class:`HostPlacementError`, naming the
@@ -223,7 +223,7 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if _is_cuda_device(device):
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        if not self.strict:
+        if not self.strict or sys._getframe(1).f_code.co_filename.startswith(_TORCH_DISTRIBUTED_DIRECTORY):
             return func(*args, **kwargs)
         return _placed(func, args, kwargs, device, func(*args, **kwargs))
 
@@ -255,6 +255,9 @@ def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__)
+_TORCH_DISTRIBUTED_DIRECTORY = os.path.join(_TORCH_DIRECTORY, "distributed") + os.sep
+"""``torch.distributed`` places the tensors of its object collectives by backend (the CPU for gloo):
+strict mode leaves the calls made there alone."""
 
 
 def _call_site() -> str:
@@ -278,11 +281,11 @@ def _target_device(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _host_copy(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``result`` of moving ``source`` to the CPU, tagged as on the host; a new tensor object (an
-    alias) where torch returned ``source`` itself, which stays on the device as on a GPU."""
-    if result is source:
-        result = source.view_as(source)
-    _set_host_site(result, _call_site())
+    """``result`` of moving ``source`` to the CPU, tagged as on the host where it is a new tensor.
+    Where torch returned ``source`` itself (it is already on the CPU), it keeps its own placement:
+    strict mode never changes what a call returns, so it cannot change a run's numbers."""
+    if result is not source:
+        _set_host_site(result, _call_site())
     return result
 
 

@@ -44,7 +44,8 @@ def test_factories_without_a_device_place_on_the_host_and_cuda_clears_it(strict)
     assert cpu.host_site(explicit) is not None
     assert cpu.host_site(on_device) is None
     assert cpu.host_site(on_host + 1) == cpu.host_site(on_host), "a result of host tensors alone is on the host"
-    assert cpu.host_site(on_device.cpu()) is not None
+    assert cpu.host_site(on_device.to(torch.float64).cpu()) is None, ".cpu() returns the tensor itself here"
+    assert cpu.host_site(on_device.to("cpu", torch.float64)) is not None, "a copy to the CPU is on the host"
     assert cpu.host_site(on_host.cuda()) is None
     assert cpu.host_site(torch.zeros_like(on_device)) is None
 

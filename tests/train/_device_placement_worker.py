@@ -20,6 +20,7 @@ import torch
 from megatron_lowprec.megatron.cpu import HostPlacementError, cpu_bridge
 from megatron_lowprec.train import loop, metrics
 from megatron_lowprec.train.app import compose
+from megatron_lowprec.train.data import BATCH_KEYS
 
 
 class _TorchWithoutDevices:
@@ -39,10 +40,16 @@ class _TorchWithoutDevices:
 
 
 def _batches_left_on_the_cpu():
-    original = loop.batches
+    """``train/data.py batches`` as it was: the stacked micro-batches stay where the samples are."""
 
-    def batches(*args, **kwargs):
-        return [{key: value.cpu() for key, value in batch.items()} for batch in original(*args, **kwargs)]
+    def batches(dataset, config, first_sample, num_microbatches):
+        micro = config.trainer.micro_batch_size
+        result = []
+        for microbatch in range(num_microbatches):
+            start = first_sample + microbatch * micro
+            samples = [dataset[index % len(dataset)] for index in range(start, start + micro)]
+            result.append({key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in BATCH_KEYS})
+        return result
 
     return mock.patch.object(loop, "batches", batches)
 
