@@ -1,9 +1,30 @@
-"""Suite-wide settings: the CPU bridge runs in strict mode in every test and every worker process it
-launches (``megatron_lowprec.megatron.cpu``), so that code placing a tensor on the CPU where a GPU run
-needs it on the device fails here as it would on a GPU."""
+"""Suite-wide settings and fixtures.
+
+The CPU bridge runs in strict mode in every test and every worker process it launches
+(``megatron_lowprec.megatron.cpu``), so that code placing a tensor on the CPU where a GPU run needs it
+on the device fails here as it would on a GPU.
+
+``device``: the devices a device-agnostic test runs on, one test per device. The CPU always, CUDA
+where ``torch.cuda.is_available()``: on a GPU machine ``python3 -m pytest`` runs such a test on both
+(ids ``test_x[cpu-...]`` and ``test_x[cuda-...]``), CPU CI runs the CPU half. A test that takes it
+creates its tensors on that device (random data from a CPU ``torch.Generator`` moved with
+``.to(device)``, so that both devices see the same values) and compares against references computed on
+the CPU (fp64, numpy, ml_dtypes) after ``.cpu()``.
+"""
 
 import os
+
+import pytest
+import torch
 
 from megatron_lowprec.megatron.cpu import STRICT_ENV_VARIABLE
 
 os.environ.setdefault(STRICT_ENV_VARIABLE, "1")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """The device under test: ``torch.device("cpu")``, then ``torch.device("cuda")`` where there is one."""
+    return torch.device(request.param)

@@ -30,13 +30,14 @@ U_E4M3 = 2.0**-4
 HIDDEN = 96
 
 
-def sample(*shape, seed, scale=1.0, dtype=torch.float32):
+def sample(*shape, seed, scale=1.0, dtype=torch.float32, device=None):
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+    return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
 
 
 def relative_error(value, reference) -> float:
-    return float((value.double() - reference.double()).norm() / reference.double().norm())
+    value, reference = value.cpu().double(), reference.cpu().double()
+    return float((value - reference).norm() / reference.norm())
 
 
 class MegatronSwiGLU(torch.nn.Module):
@@ -80,34 +81,34 @@ PAIRS = {
 def outputs_and_grads(module, x, grad_output):
     x = x.detach().clone().requires_grad_()
     output = module(x)
-    output.backward(grad_output.to(output.dtype))
+    output.backward(grad_output.to(output.device, output.dtype))
     return [output.detach(), x.grad] + [parameter.grad for parameter in module.parameters()]
 
 
-def test_groups_are_1x16_along_the_hidden_dim_and_never_span_tokens():
+def test_groups_are_1x16_along_the_hidden_dim_and_never_span_tokens(device):
     rows = torch.stack([sample(24, seed=3, scale=1e4), sample(24, seed=4, scale=1e-3)])
-    quantized = quantize_along_last_dim(rows)
+    quantized = quantize_along_last_dim(rows.to(device))
     assert quantized.payload.shape == (2, 32)
     padded = F.pad(rows, (0, 8)).reshape(-1, 16)
     expected_scale = padded.abs().amax(dim=1) / 448
-    assert torch.equal(quantized.scale, expected_scale)
+    assert torch.equal(quantized.scale.cpu(), expected_scale)
     expected_payload = (padded / expected_scale[:, None]).to(torch.float8_e4m3fn).reshape(2, 32)
-    assert torch.equal(quantized.payload.view(torch.uint8), expected_payload.view(torch.uint8))
+    assert torch.equal(quantized.payload.cpu().view(torch.uint8), expected_payload.view(torch.uint8))
     dequantized = quantized.payload.float().reshape(-1, 16) * quantized.scale[:, None]
     small_row = dequantized.reshape(2, 32)[1, :24]
     assert relative_error(small_row, rows[1]) < U_E4M3, "the small token kept its own scales"
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_forward_bits_equal_the_torch_module(name):
+def test_forward_bits_equal_the_torch_module(name, device):
     make_reference, make_fp8, _ = PAIRS[name]
-    x = sample(4, 16, HIDDEN, seed=5, scale=3.0, dtype=torch.bfloat16)
-    reference, fp8 = make_reference().to(torch.bfloat16), make_fp8().to(torch.bfloat16)
+    x = sample(4, 16, HIDDEN, seed=5, scale=3.0, dtype=torch.bfloat16, device=device)
+    reference, fp8 = make_reference().to(device, torch.bfloat16), make_fp8().to(device, torch.bfloat16)
     assert torch.equal(fp8(x), reference(x))
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_backward_is_exact_when_the_input_is_exactly_representable(name):
+def test_backward_is_exact_when_the_input_is_exactly_representable(name, device):
     """With an input that E4M3 per-group quantization keeps exactly (group max 448, E4M3 values), the
     FP8 layer's FP32 backward must equal float64 autograd of the torch module up to FP32 rounding."""
     make_reference, make_fp8, output_width = PAIRS[name]
@@ -115,20 +116,20 @@ def test_backward_is_exact_when_the_input_is_exactly_representable(name):
     e4m3_values.view(-1, 16)[:, 0] = 448.0
     x = e4m3_values / 64
     grad_output = sample(8, output_width, seed=7)
-    fp8 = outputs_and_grads(make_fp8(), x, grad_output)
+    fp8 = outputs_and_grads(make_fp8().to(device), x.to(device), grad_output)
     exact = outputs_and_grads(make_reference().double(), x.double(), grad_output.double())
     for fp8_grad, exact_grad in zip(fp8[1:], exact[1:]):
         assert relative_error(fp8_grad, exact_grad) < 1e-6
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_gradients_agree_with_bf16_modules(name):
+def test_gradients_agree_with_bf16_modules(name, device):
     make_reference, make_fp8, output_width = PAIRS[name]
     x = sample(4, 16, HIDDEN, seed=8, scale=3.0)
     grad_output = sample(4, 16, output_width, seed=9)
     exact = outputs_and_grads(make_reference().double(), x.double(), grad_output.double())
-    bf16 = outputs_and_grads(make_reference().to(torch.bfloat16), x.bfloat16(), grad_output)
-    fp8 = outputs_and_grads(make_fp8().to(torch.bfloat16), x.bfloat16(), grad_output)
+    bf16 = outputs_and_grads(make_reference().to(device, torch.bfloat16), x.to(device, torch.bfloat16), grad_output)
+    fp8 = outputs_and_grads(make_fp8().to(device, torch.bfloat16), x.to(device, torch.bfloat16), grad_output)
     for fp8_grad, bf16_grad, exact_grad in zip(fp8[1:], bf16[1:], exact[1:]):
         assert fp8_grad.dtype == bf16_grad.dtype == torch.bfloat16
         assert relative_error(bf16_grad, exact_grad) < U_E4M3 / 4
@@ -136,10 +137,10 @@ def test_gradients_agree_with_bf16_modules(name):
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_only_fp8_payload_scales_and_parameters_are_saved(name):
+def test_only_fp8_payload_scales_and_parameters_are_saved(name, device):
     _, make_fp8, _ = PAIRS[name]
-    module = make_fp8().to(torch.bfloat16)
-    x = sample(3, 5, HIDDEN, seed=10, dtype=torch.bfloat16).requires_grad_()
+    module = make_fp8().to(device, torch.bfloat16)
+    x = sample(3, 5, HIDDEN, seed=10, dtype=torch.bfloat16, device=device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         module(x)
@@ -159,11 +160,11 @@ def test_converted_norms_hold_the_same_parameters_and_state_dict():
         assert converted.eps == norm.eps
 
 
-def test_functional_forms_match_the_modules():
-    x = sample(2, 7, HIDDEN, seed=11, dtype=torch.bfloat16)
-    norm = layer_norm().to(torch.bfloat16)
+def test_functional_forms_match_the_modules(device):
+    x = sample(2, 7, HIDDEN, seed=11, dtype=torch.bfloat16, device=device)
+    norm = layer_norm().to(device, torch.bfloat16)
     assert torch.equal(fp8_layer_norm(x, (HIDDEN,), norm.weight, norm.bias), norm(x))
-    assert torch.equal(fp8_rms_norm(x, (HIDDEN,)), torch.nn.RMSNorm(HIDDEN).to(torch.bfloat16)(x))
+    assert torch.equal(fp8_rms_norm(x, (HIDDEN,)), torch.nn.RMSNorm(HIDDEN).to(device, torch.bfloat16)(x))
     assert torch.equal(fp8_gelu(x, "tanh"), F.gelu(x, approximate="tanh"))
     assert torch.equal(fp8_swiglu(x), MegatronSwiGLU()(x))
 

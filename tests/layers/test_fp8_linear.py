@@ -28,35 +28,37 @@ fp8_linear_module = importlib.import_module("megatron_lowprec.layers.fp8_linear"
 """The module itself (the package exports its function ``fp8_linear`` under the module's name)."""
 
 
-def sample(*shape, seed, scale=1.0, dtype=torch.bfloat16):
+def sample(*shape, seed, scale=1.0, dtype=torch.bfloat16, device=None):
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+    return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value.double() - reference.double()).norm() / reference.double().norm())
+    value, reference = value.cpu().double(), reference.cpu().double()
+    return float((value - reference).norm() / reference.norm())
 
 
 def forward_backward(function, input, weight, bias, grad_seed=1):
     """Output and gradients of input, weight and bias for a fixed random output gradient."""
     leaves = [tensor.detach().clone().requires_grad_() for tensor in (input, weight, bias)]
     output = function(*leaves)
-    output.backward(sample(*output.shape, seed=grad_seed, dtype=output.dtype))
+    output.backward(sample(*output.shape, seed=grad_seed, dtype=output.dtype, device=output.device))
     return [output.detach()] + [leaf.grad for leaf in leaves]
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (1000,), (3, 128), (0, 5)])
-def test_group_scaling_amax_is_the_max_magnitude(shape):
+def test_group_scaling_amax_is_the_max_magnitude(shape, device):
     x = sample(*shape, seed=3, scale=7.0)
     expected = x.abs().max().float() if x.numel() else torch.tensor(0.0)
-    assert torch.equal(group_scaling_amax(x), expected)
+    assert torch.equal(group_scaling_amax(x.to(device)).cpu(), expected)
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_per_tensor_is_torchs_cast_at_the_current_scale(fp8_format, dtype):
+def test_quantize_per_tensor_is_torchs_cast_at_the_current_scale(fp8_format, dtype, device):
     x = sample(37, 53, seed=4, scale=300.0, dtype=dtype)
-    payload, scale = quantize_per_tensor(x, fp8_format)
+    payload, scale = quantize_per_tensor(x.to(device), fp8_format)
+    payload, scale = payload.cpu(), scale.cpu()
     expected_scale = x.abs().max().float() / torch.finfo(FP8_DTYPES[fp8_format]).max
     assert torch.equal(scale, expected_scale)
     expected_payload = (x.float() / expected_scale).to(FP8_DTYPES[fp8_format])
@@ -65,14 +67,15 @@ def test_quantize_per_tensor_is_torchs_cast_at_the_current_scale(fp8_format, dty
     assert torch.equal(payload.view(torch.uint8).flatten(), reference.payload.view(torch.uint8))
 
 
-def test_all_zero_input_has_unit_scale():
-    payload, scale = quantize_per_tensor(torch.zeros(4, 16), "e4m3")
+def test_all_zero_input_has_unit_scale(device):
+    payload, scale = quantize_per_tensor(torch.zeros(4, 16, device=device), "e4m3")
     assert float(scale) == 1.0 and not payload.float().any()
 
 
 @pytest.mark.parametrize(("a_format", "b_format"), [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_scaled_mm_equals_the_emulated_matmul_on_cpu(a_format, b_format, out_dtype):
+    """CPU only: on a GPU, _scaled_mm accumulates on the FP8 tensor cores in an order of its own."""
     a, a_scale = quantize_per_tensor(sample(48, 320, seed=5, scale=20.0), a_format)
     b, b_scale = quantize_per_tensor(sample(320, 24, seed=6, scale=0.1), b_format)
     scaled_mm = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="scaled_mm")
@@ -82,6 +85,7 @@ def test_scaled_mm_equals_the_emulated_matmul_on_cpu(a_format, b_format, out_dty
 
 
 def test_forward_and_backward_agree_exactly_between_backends():
+    """CPU only, as the test above."""
     input, weight, bias = sample(4, 9, 96, seed=7, scale=3.0), sample(80, 96, seed=8, scale=0.05), sample(80, seed=9)
     scaled_mm = forward_backward(lambda *a: fp8_linear(*a, backend="scaled_mm"), input, weight, bias)
     emulated = forward_backward(lambda *a: fp8_linear(*a, backend="emulated"), input, weight, bias)
@@ -90,6 +94,8 @@ def test_forward_and_backward_agree_exactly_between_backends():
 
 
 def test_forward_is_the_fp32_product_of_torch_casts():
+    """CPU only: on a GPU the product runs on the FP8 tensor cores (or a cuBLAS FP32 kernel of another
+    operand layout), which need not round like this FP32 matmul."""
     input, weight, bias = sample(5, 64, seed=10, scale=4.0), sample(32, 64, seed=11, scale=0.02), sample(32, seed=12)
     input_scale = input.abs().max().float() / 448
     weight_scale = weight.abs().max().float() / 448
@@ -100,9 +106,10 @@ def test_forward_is_the_fp32_product_of_torch_casts():
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gradients_agree_with_a_bf16_linear(with_bias):
-    input, weight = sample(4, 32, 256, seed=13, scale=2.0), sample(384, 256, seed=14, scale=0.05)
-    bias = sample(384, seed=15)
+def test_gradients_agree_with_a_bf16_linear(with_bias, device):
+    input = sample(4, 32, 256, seed=13, scale=2.0, device=device)
+    weight = sample(384, 256, seed=14, scale=0.05, device=device)
+    bias = sample(384, seed=15, device=device)
     fp8 = forward_backward(lambda x, w, b: fp8_linear(x, w, b if with_bias else None), input, weight, bias)
     bf16 = forward_backward(lambda x, w, b: torch.nn.functional.linear(x, w, b if with_bias else None),
                             input, weight, bias)
@@ -117,9 +124,9 @@ def test_gradients_agree_with_a_bf16_linear(with_bias):
         assert fp8[3] is None and bf16[3] is None
 
 
-def test_only_the_fp8_input_and_its_scale_are_saved():
-    linear = FP8Linear(64, 48, dtype=torch.bfloat16)
-    input = sample(2, 8, 64, seed=16).requires_grad_()
+def test_only_the_fp8_input_and_its_scale_are_saved(device):
+    linear = FP8Linear(64, 48, dtype=torch.bfloat16, device=device)
+    input = sample(2, 8, 64, seed=16, device=device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         linear(input)
@@ -170,21 +177,21 @@ def test_weight_cache_sees_a_weight_changed_between_steps():
     assert torch.equal(_two_micro_batches(linear, cached=True)[0], _two_micro_batches(linear, cached=False)[0])
 
 
-def test_leading_dims_flatten_into_rows():
-    input, weight = sample(2, 3, 5, 40, seed=17), sample(24, 40, seed=18)
+def test_leading_dims_flatten_into_rows(device):
+    input, weight = sample(2, 3, 5, 40, seed=17, device=device), sample(24, 40, seed=18, device=device)
     assert torch.equal(fp8_linear(input, weight).reshape(30, 24), fp8_linear(input.reshape(30, 40), weight))
 
 
-def test_module_matches_the_function():
-    linear = FP8Linear(40, 24, dtype=torch.bfloat16)
-    input = sample(6, 40, seed=19)
+def test_module_matches_the_function(device):
+    linear = FP8Linear(40, 24, dtype=torch.bfloat16, device=device)
+    input = sample(6, 40, seed=19, device=device)
     assert torch.equal(linear(input), fp8_linear(input, linear.weight, linear.bias))
 
 
-def test_non_finite_input_gives_nan_output():
-    input = sample(4, 32, seed=20)
+def test_non_finite_input_gives_nan_output(device):
+    input = sample(4, 32, seed=20, device=device)
     input[1, 3] = float("nan")
-    assert torch.isnan(fp8_linear(input, sample(8, 32, seed=21))).any()
+    assert torch.isnan(fp8_linear(input, sample(8, 32, seed=21, device=device))).any()
 
 
 def test_bad_arguments_are_rejected_naming_the_valid_choices():

@@ -1,15 +1,16 @@
 """One rank of the CPU-bridge checks: megatron-core scenarios on gloo with the CUDA→CPU bridge active.
 
-Launched by ``test_cpu_bridge.py`` as ``python _cpu_bridge_worker.py RESULT_DIR`` once per rank, with
-``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` set. Every scenario runs while real CUDA
-is forbidden (see :func:`real_cuda_forbidden`); the rank writes ``RESULT_DIR/rank<N>.json`` with one
-entry per scenario plus what the CUDA tripwire saw.
+Launched by ``test_cpu_bridge.py`` through ``launch.run_ranks`` as ``python _cpu_bridge_worker.py
+RESULT_DIR`` once per rank. Without CUDA every scenario runs while real CUDA is forbidden (see
+:func:`real_cuda_forbidden`); with CUDA the same scenarios run on NCCL, one GPU per rank, and the
+bridge stays inactive. Tensors are placed as Megatron-LM places them, on ``torch.cuda.current_device()``.
+The rank writes ``RESULT_DIR/rank<N>.json`` with one entry per scenario plus, without CUDA, what the
+CUDA tripwire saw.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
 
 VOCAB_SIZE = 64
 SEQ_LENGTH = 16
@@ -137,6 +139,7 @@ def _gpt_model(config):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=True,
     )
+    model.cuda(torch.cuda.current_device())
     return Float16Module(config, model)
 
 
@@ -150,7 +153,8 @@ def _batches(data_seed: int) -> list[dict[str, torch.Tensor]]:
         tokens = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH_SIZE, SEQ_LENGTH + 1), generator=generator)
         batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
         batch = tensor_parallel.broadcast_data(list(batch), batch, torch.int64)
-        batch["position_ids"] = torch.arange(SEQ_LENGTH).expand(MICRO_BATCH_SIZE, -1)
+        positions = torch.arange(SEQ_LENGTH, device=torch.cuda.current_device())
+        batch["position_ids"] = positions.expand(MICRO_BATCH_SIZE, -1)
         batches.append(batch)
     return batches
 
@@ -238,7 +242,7 @@ def rng_tracker() -> dict:
 
     def dropout_mask(stream: str | None) -> torch.Tensor:
         with tracker.fork(stream) if stream else contextlib.nullcontext():
-            return torch.nn.functional.dropout(torch.ones(256), p=0.5) > 0
+            return torch.nn.functional.dropout(torch.ones(256, device=torch.cuda.current_device()), p=0.5) > 0
 
     def masks() -> dict[str, torch.Tensor]:
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -418,17 +422,19 @@ def main(result_dir: Path) -> None:
     """
     result_file = result_dir / f"rank{os.environ['RANK']}.json"
     results: dict[str, dict] = {}
-    with real_cuda_forbidden() as cuda_report:
+    with contextlib.ExitStack() as tripwire:
+        cuda_report = None if torch.cuda.is_available() else tripwire.enter_context(real_cuda_forbidden())
         before = _replaceable_attributes()
         with cpu_bridge.cpu_bridge() as active:
             results["activation"] = {"active": active, "changed": _changed(before)}
-            torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+            init_process_group(timeout_seconds=60)
             try:
                 run_scenarios(SCENARIOS, results, result_file)
             finally:
                 torch.distributed.destroy_process_group()
         results["deactivation"] = {"not_restored": _changed(before)}
-    results["cuda_tripwire"] = {**cuda_report, "cuda_initialized": torch.cuda.is_initialized()}
+    if cuda_report is not None:
+        results["cuda_tripwire"] = {**cuda_report, "cuda_initialized": torch.cuda.is_initialized()}
     result_file.write_text(json.dumps(results, indent=1))
 
 

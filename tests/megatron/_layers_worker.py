@@ -1,4 +1,5 @@
-"""One rank of the layer-precision checks: ``apply_layer_precision`` on tiny megatron GPTs on gloo.
+"""One rank of the layer-precision checks: ``apply_layer_precision`` on tiny megatron GPTs (gloo, or NCCL
+where CUDA is present: see ``launch.init_process_group``).
 
 Launched by ``test_layers.py`` as ``python _layers_worker.py RESULT_DIR`` on two ranks, with
 ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` set. Runs every scenario in order and
@@ -9,7 +10,6 @@ the CPU-bridge checks (``_cpu_bridge_worker``), without dropout.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config, run_scenarios
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
 
 TRAINING_STEPS = 8
 
@@ -246,7 +247,7 @@ def main(result_dir: Path) -> None:
     result_file = result_dir / f"rank{os.environ['RANK']}.json"
     results: dict[str, dict] = {}
     with cpu_bridge.cpu_bridge():
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        init_process_group(timeout_seconds=60)
         try:
             run_scenarios(SCENARIOS, results, result_file)
         finally:

@@ -1,4 +1,5 @@
-"""One rank of the optimizer-hook checks: a tiny megatron GPT trained with ``build_optimizer`` on gloo.
+"""One rank of the optimizer-hook checks: a tiny megatron GPT trained with ``build_optimizer`` (gloo, or
+NCCL where CUDA is present: see ``launch.init_process_group``).
 
 Launched by ``test_optimizer_hook.py`` as ``python _optimizer_hook_worker.py RESULT_DIR SCENARIO JSON``
 once per rank; writes ``RESULT_DIR/rank<N>.json``. The model, data and schedule are those of the
@@ -7,7 +8,6 @@ CPU-bridge checks (``_cpu_bridge_worker``).
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import math
@@ -19,6 +19,7 @@ import torch
 from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
 
 
 def _ddp(config, grad_reduce_in_fp32: bool):
@@ -118,7 +119,7 @@ def _whole_tensor(local: torch.Tensor, param, chunks: int) -> torch.Tensor:
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def stream_words(tensor_parallel: int, pipeline_parallel: int, steps: int) -> dict:
@@ -200,6 +201,7 @@ def resume(options: list[str], steps: int) -> dict:
     import copy
 
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
@@ -217,9 +219,10 @@ def resume(options: list[str], steps: int) -> dict:
         model, optimizer, scheduler = fresh()
         first = _train(model, optimizer, half, scheduler)["losses"]
         tracker = tensor_parallel.get_cuda_rng_tracker()
-        saved = copy.deepcopy(
-            (model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), tracker.get_states())
-        )
+        saved = copy.deepcopy((
+            model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(),
+            tracker.get_states(), tensor_parallel_random._get_cuda_rng_state(),
+        ))
         straight = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
         straight_params = _flat(model.parameters())
 
@@ -231,6 +234,7 @@ def resume(options: list[str], steps: int) -> dict:
         scheduler.load_state_dict(saved[2])
         torch.set_rng_state(saved[3])
         tracker.set_states(saved[4])
+        tensor_parallel_random._set_cuda_rng_state(saved[5])
         resumed = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
         result[option] = {
             "finite": all(math.isfinite(loss) for loss in first + straight),
@@ -268,7 +272,7 @@ def _state_norms(model, optimizer) -> dict[str, float]:
     from megatron.core import parallel_state, tensor_parallel
 
     keys = [key for key, value in optimizer.optimizer.state[next(iter(model.parameters()))].items() if torch.is_tensor(value)]
-    sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=torch.cuda.current_device())
     for param in model.parameters():
         if tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
             state = optimizer.optimizer.state[param]
@@ -321,7 +325,7 @@ def main(result_dir: Path, scenario: str, arguments: dict) -> None:
     from megatron.core import parallel_state
 
     with cpu_bridge.cpu_bridge():
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        init_process_group(timeout_seconds=120)
         try:
             result = SCENARIOS[scenario](**arguments)
         finally:

@@ -1,12 +1,16 @@
-"""Launch a worker script once per rank (gloo on localhost), bounded in time, and collect its results.
+"""Launch a worker script once per rank on localhost, bounded in time, and collect its results.
 
-Each worker gets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``, is called as
-``python WORKER RESULT_DIR *ARGS`` and writes ``RESULT_DIR/rank<N>.json``.
+Each worker gets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (the
+repository root on ``PYTHONPATH``), is called as ``python WORKER RESULT_DIR *ARGS``, creates its process
+group with :func:`init_process_group` and writes ``RESULT_DIR/rank<N>.json``. Without CUDA the ranks
+talk over gloo (the workers run megatron through the CUDA→CPU bridge); with CUDA over NCCL, one GPU
+per rank, and a run needing more GPUs than the machine has is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import socket
@@ -16,6 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -24,14 +31,27 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def init_process_group(timeout_seconds: float) -> None:
+    """A worker's process group, as Megatron-LM creates it: NCCL on GPU ``LOCAL_RANK`` where CUDA is
+    present, gloo otherwise."""
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "nccl"
+    torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
 def _tails(logs: list[Path]) -> str:
     return "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
 
 
 def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeout_seconds: float = 240) -> list[dict]:
     """Launch one ``worker`` per rank, wait (bounded) and return each rank's results."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     environment = {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH")))),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world_size),
@@ -43,7 +63,7 @@ def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeo
         workers = [
             subprocess.Popen(
                 [sys.executable, str(worker), str(result_dir), *args],
-                env={**environment, "RANK": str(rank)},
+                env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=open_logs.enter_context(log.open("w")),
                 stderr=subprocess.STDOUT,
             )

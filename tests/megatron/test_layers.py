@@ -1,4 +1,5 @@
-"""``apply_layer_precision`` on tiny megatron GPTs on CPU (two gloo ranks, the CPU bridge).
+"""``apply_layer_precision`` on tiny megatron GPTs: two gloo ranks through the CPU bridge, or two NCCL
+ranks on two GPUs where CUDA is present.
 
 The scenarios run once per module in two worker processes (:mod:`tests.megatron._layers_worker`);
 each test checks one scenario.
@@ -20,7 +21,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from .launch import run_ranks, scenario_results
 
@@ -33,7 +33,6 @@ LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
 ]
 
 

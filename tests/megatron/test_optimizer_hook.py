@@ -1,4 +1,5 @@
-"""Precision options as Megatron optimizers (``build_optimizer``), trained on CPU with gloo."""
+"""Precision options as Megatron optimizers (``build_optimizer``), trained on CPU with gloo, or with NCCL
+on one GPU per rank where CUDA is present."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from .launch import run_ranks
 
@@ -16,7 +16,6 @@ WORKER = Path(__file__).with_name("_optimizer_hook_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
 ]
 
 

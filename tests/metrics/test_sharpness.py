@@ -29,7 +29,7 @@ def test_quadratic_loss_reaches_the_farthest_corner(eps):
 
 
 @pytest.mark.parametrize("vocabulary", [64, 4096])
-def test_cross_entropy_maximum_is_the_corner_given_by_the_gradient_signs(vocabulary):
+def test_cross_entropy_maximum_is_the_corner_given_by_the_gradient_signs(vocabulary, device):
     """d CE / d z_j = p_j > 0 for j != target and p_target - 1 < 0 everywhere, so the maximum over the
     box raises every other logit and lowers the target's by its full bound eps (|x_i| + 1)."""
     eps = 5e-4
@@ -46,7 +46,8 @@ def test_cross_entropy_maximum_is_the_corner_given_by_the_gradient_signs(vocabul
             return float(torch.logsumexp(y, 0) - y[target])
 
         values.append(phi(cross_entropy(row + corner), cross_entropy(row)))
-    assert last_token_sharpness(logits.float(), targets, eps) == pytest.approx(float(np.mean(values)), rel=1e-6)
+    sharpness_value = last_token_sharpness(logits.to(device, torch.float32), targets.to(device), eps)
+    assert sharpness_value == pytest.approx(float(np.mean(values)), rel=1e-6)
 
 
 class TinyLanguageModel(torch.nn.Module):
@@ -60,10 +61,10 @@ class TinyLanguageModel(torch.nn.Module):
         return self.head(self.dropout(torch.tanh(self.embedding(tokens).cumsum(dim=1))))
 
 
-def test_tiny_model_takes_well_under_a_few_seconds_and_restores_train_mode():
+def test_tiny_model_takes_well_under_a_few_seconds_and_restores_train_mode(device):
     torch.manual_seed(2)
-    model = TinyLanguageModel().train()
-    tokens = torch.randint(0, 64, (8, 17))
+    model = TinyLanguageModel().train().to(device)
+    tokens = torch.randint(0, 64, (8, 17)).to(device)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     started = time.perf_counter()
     value = sharpness(model, batch, eps=1e-3)

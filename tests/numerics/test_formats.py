@@ -90,8 +90,8 @@ def probes():
 
 
 def assert_same_floats(actual, expected, inputs):
-    """Bit-for-bit equality (signed zeros included), any NaN matching any NaN."""
-    actual = actual.numpy()
+    """Bit-for-bit equality (signed zeros included), any NaN matching any NaN; ``actual`` on any device."""
+    actual = actual.cpu().numpy()
     assert actual.dtype == np.float32
     actual_nan, expected_nan = np.isnan(actual), np.isnan(expected)
     mismatch = (actual_nan != expected_nan) | (
@@ -121,73 +121,73 @@ def reference_ieee_round(values, exponent_bits, mantissa_bits, saturate=False):
 
 
 @pytest.mark.parametrize("spec", ["bf16", "fp16", "e5m2", "E8M7", "E5M10", "E5M2"])
-def test_round_matches_torch_cast(probes, spec):
+def test_round_matches_torch_cast(probes, spec, device):
     fmt = float_format(spec)
     reference_dtype = TORCH_REFERENCES.get(spec, fmt.torch_dtype)
     x = torch.from_numpy(probes)
     expected = x.to(reference_dtype).float().numpy()
-    assert_same_floats(round_to_format(x, spec), expected, probes)
+    assert_same_floats(round_to_format(x.to(device), spec), expected, probes)
 
 
-def test_e4m3_matches_torch_cast_where_torch_agrees_across_versions(probes):
+def test_e4m3_matches_torch_cast_where_torch_agrees_across_versions(probes, device):
     """torch >= 2.13 saturates E4M3 overflow, older torch gave NaN: compare where no overflow occurs."""
     in_range = np.isnan(probes) | (np.abs(probes) <= 464)
     x = torch.from_numpy(probes[in_range])
     expected = x.to(torch.float8_e4m3fn).float().numpy()
-    assert_same_floats(round_to_format(x, E4M3), expected, probes[in_range])
+    assert_same_floats(round_to_format(x.to(device), E4M3), expected, probes[in_range])
 
 
 @pytest.mark.parametrize(("fmt", "ml_dtype"), ML_DTYPES_REFERENCES, ids=lambda value: getattr(value, "name", None))
-def test_round_matches_ml_dtypes(probes, fmt, ml_dtype):
+def test_round_matches_ml_dtypes(probes, fmt, ml_dtype, device):
     """ml_dtypes maps NaN to a zero in formats without NaN; round_to_format keeps NaN (checked separately)."""
     keep = ~np.isnan(probes) if fmt.specials == "finite" else np.ones(probes.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         expected = probes[keep].astype(ml_dtype).astype(np.float32)
-    assert_same_floats(round_to_format(torch.from_numpy(probes[keep]), fmt), expected, probes[keep])
+    assert_same_floats(round_to_format(torch.from_numpy(probes[keep]).to(device), fmt), expected, probes[keep])
 
 
 @pytest.mark.parametrize("spec", GENERIC_SPECS)
-def test_generic_format_matches_fp64_reference(probes, spec):
+def test_generic_format_matches_fp64_reference(probes, spec, device):
     fmt = float_format(spec)
     expected = reference_ieee_round(probes, fmt.exponent_bits, fmt.mantissa_bits)
-    assert_same_floats(round_to_format(torch.from_numpy(probes), fmt), expected, probes)
+    assert_same_floats(round_to_format(torch.from_numpy(probes).to(device), fmt), expected, probes)
 
 
 @pytest.mark.parametrize("spec", ["E8M5", "E3M4", "E5M2", "E8M7"])
-def test_saturate_matches_fp64_reference(probes, spec):
+def test_saturate_matches_fp64_reference(probes, spec, device):
     fmt = float_format(spec)
     expected = reference_ieee_round(probes, fmt.exponent_bits, fmt.mantissa_bits, saturate=True)
-    assert_same_floats(round_to_format(torch.from_numpy(probes), fmt, saturate=True), expected, probes)
+    assert_same_floats(round_to_format(torch.from_numpy(probes).to(device), fmt, saturate=True), expected, probes)
 
 
 @pytest.mark.parametrize(("fmt", "ml_dtype"), ML_DTYPES_REFERENCES[:4], ids=lambda value: getattr(value, "name", None))
-def test_saturate_equals_rounding_the_clamped_input(probes, fmt, ml_dtype):
+def test_saturate_equals_rounding_the_clamped_input(probes, fmt, ml_dtype, device):
     """saturate=True: every magnitude above max_finite, inf included, becomes max_finite; NaN stays NaN."""
     clamped = np.clip(probes, -fmt.max_finite, fmt.max_finite)
     keep = ~np.isnan(probes)
     expected = clamped[keep].astype(ml_dtype).astype(np.float32)
-    result = round_to_format(torch.from_numpy(probes), fmt, saturate=True)
+    result = round_to_format(torch.from_numpy(probes).to(device), fmt, saturate=True).cpu()
     assert_same_floats(result[torch.from_numpy(keep)], expected, probes[keep])
     assert torch.isnan(result[torch.from_numpy(~keep)]).all()
 
 
-def test_e4m3_saturate_matches_torch_cast_of_clamped_input(probes):
+def test_e4m3_saturate_matches_torch_cast_of_clamped_input(probes, device):
     x = torch.from_numpy(probes)
     expected = x.clamp(-448, 448).to(torch.float8_e4m3fn).float().numpy()
-    assert_same_floats(round_to_format(x, E4M3, saturate=True), expected, probes)
+    assert_same_floats(round_to_format(x.to(device), E4M3, saturate=True), expected, probes)
 
 
 @pytest.mark.parametrize("fmt", [BF16, E4M3, E5M2, FLOAT6_E3M2FN, FLOAT4_E2M1FN], ids=lambda f: f.name)
-def test_specials(fmt):
+def test_specials(fmt, device):
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4e38, -3.4e38])
-    result = round_to_format(x, fmt)
+    result = round_to_format(x.to(device), fmt).cpu()
     overflow = {"ieee": float("inf"), "fn": float("nan"), "finite": fmt.max_finite}[fmt.specials]
     expected = torch.tensor([float("nan"), overflow, -overflow, 0.0, -0.0, overflow, -overflow])
     assert torch.equal(torch.isnan(result), torch.isnan(expected))
     finite = ~torch.isnan(expected)
     assert torch.equal(result[finite], expected[finite])
     assert torch.equal(torch.signbit(result[finite]), torch.signbit(expected[finite]))
-    saturated = round_to_format(x, fmt, saturate=True)
+    saturated = round_to_format(x.to(device), fmt, saturate=True).cpu()
     assert torch.equal(saturated[1:3], torch.tensor([fmt.max_finite, -fmt.max_finite]))
     assert torch.equal(saturated[5:], torch.tensor([fmt.max_finite, -fmt.max_finite]))
     assert torch.isnan(saturated[0])
@@ -195,11 +195,11 @@ def test_specials(fmt):
 
 @pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", ["e4m3", "e5m2", "fp16", "bf16"])
-def test_half_precision_inputs(probes, source_dtype, spec):
+def test_half_precision_inputs(probes, source_dtype, spec, device):
     x = torch.from_numpy(probes).to(source_dtype)
     fmt = float_format(spec)
     reference = x.float().clamp(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype).float().numpy()
-    assert_same_floats(round_to_format(x, fmt, saturate=True), reference, x.float().numpy())
+    assert_same_floats(round_to_format(x.to(device), fmt, saturate=True), reference, x.float().numpy())
 
 
 def test_rejects_other_input_dtypes():
@@ -208,17 +208,17 @@ def test_rejects_other_input_dtypes():
 
 
 @pytest.mark.parametrize("spec", ["bf16", "fp16", "e4m3", "e5m2", "fp32"])
-def test_cast_to_native_dtype(probes, spec):
+def test_cast_to_native_dtype(probes, spec, device):
     fmt = float_format(spec)
     x = torch.from_numpy(probes)
-    stored = cast(x, fmt, saturate=True)
+    stored = cast(x.to(device), fmt, saturate=True)
     assert stored.dtype == fmt.torch_dtype
     expected = x.clamp(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype)
-    assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(stored.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
-def test_cast_to_emulated_format_stores_float32(probes):
-    stored = cast(torch.from_numpy(probes), "E8M5")
+def test_cast_to_emulated_format_stores_float32(probes, device):
+    stored = cast(torch.from_numpy(probes).to(device), "E8M5")
     assert stored.dtype == torch.float32
     assert_same_floats(stored, reference_ieee_round(probes, 8, 5), probes)
 
@@ -253,15 +253,16 @@ def test_descriptors_match_finfo(fmt, finfo):
 
 
 @pytest.mark.parametrize("fmt", [BF16, FP16, E4M3, E5M2, FLOAT6_E2M3FN, float_format("E8M5"), float_format("E3M0")])
-def test_ulp_is_the_gap_to_the_next_value(fmt):
+def test_ulp_is_the_gap_to_the_next_value(fmt, device):
     values = format_values(fmt.exponent_bits, fmt.mantissa_bits, fmt.specials)
     gaps = np.diff(values)
     _, top_exponent = np.frexp(values[-1])
     gaps = np.append(gaps, np.exp2(top_exponent - 1 - fmt.mantissa_bits))
     midpoints = np.append((values[:-1] + values[1:]) / 2, values[-1])
     for points in (values, -values, midpoints):
-        assert np.array_equal(fmt.ulp(torch.from_numpy(points.astype(np.float32))).numpy(), gaps.astype(np.float32))
-    assert fmt.ulp(torch.tensor([float("inf"), float("nan")])).isnan().all()
+        ulps = fmt.ulp(torch.from_numpy(points.astype(np.float32)).to(device)).cpu().numpy()
+        assert np.array_equal(ulps, gaps.astype(np.float32))
+    assert fmt.ulp(torch.tensor([float("inf"), float("nan")], device=device)).isnan().all()
 
 
 @pytest.mark.parametrize(

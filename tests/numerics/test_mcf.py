@@ -45,7 +45,6 @@ FP16 = Format(torch.float16, 11, -14, 15)
 FP32 = Format(torch.float32, 24, -126, 127)
 FORMATS = [BF16, FP16, FP32]
 FORMAT_IDS = ["bf16", "fp16", "fp32"]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SAMPLES = 1500
 MAX_GAP = 40
 
@@ -120,7 +119,6 @@ def check_error_free_sum(a, b, total, error, fmt: Format) -> None:
     assert torch.equal(total.cpu(), sum_rounded_by_torch.cpu())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_two_sum_is_error_free_in_either_order(fmt, device):
     a, b = sum_operands(np.random.default_rng(1), fmt)
@@ -129,7 +127,6 @@ def test_two_sum_is_error_free_in_either_order(fmt, device):
     check_error_free_sum(b, a, *two_sum(b, a), fmt)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_fast2sum_is_error_free_when_first_operand_is_larger(fmt, device):
     a, b = sum_operands(np.random.default_rng(2), fmt)
@@ -137,14 +134,13 @@ def test_fast2sum_is_error_free_when_first_operand_is_larger(fmt, device):
     check_error_free_sum(a, b, *fast2sum(a, b), fmt)
 
 
-def test_sums_round_ties_to_even():
-    one, half_ulp = torch.tensor([1.0, 1.0078125], dtype=torch.bfloat16), 2.0**-8
+def test_sums_round_ties_to_even(device):
+    one, half_ulp = torch.tensor([1.0, 1.0078125], dtype=torch.bfloat16, device=device), 2.0**-8
     total, error = two_sum(one, half_ulp)
     assert total.tolist() == [1.0, 1.015625]
     assert error.tolist() == [half_ulp, -half_ulp]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_two_prod_fma_is_error_free_away_from_underflow(fmt, device):
     rng = np.random.default_rng(3)
@@ -179,7 +175,6 @@ def grow_operands(rng: np.random.Generator, fmt: Format):
     return x, y, torch.where(a.abs() > x.abs(), -x, a)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_grow_error_bound_and_non_overlap(fmt, device):
     """Grow's only inexact step is t = fl(y + v1), with (u1, v1) = Fast2Sum(x, a) exact.
@@ -209,22 +204,22 @@ def test_grow_error_bound_and_non_overlap(fmt, device):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_grow_is_exact_for_a_zero_tail(fmt):
+def test_grow_is_exact_for_a_zero_tail(fmt, device):
     x, _, a = grow_operands(np.random.default_rng(5), fmt)
-    u, v = grow(x, 0.0, a)
+    u, v = grow(x.to(device), 0.0, a.to(device))
     for x_i, a_i, u_i, v_i in zip(*(fractions_of(t) for t in (x, a, u, v))):
         assert u_i + v_i == x_i + a_i
 
 
-def test_grow_recovers_lost_bf16_additions():
+def test_grow_recovers_lost_bf16_additions(device):
     """Collage Sec. 3.1: 200 + 0.1 is a lost addition in bf16 (ulp(200) = 1); Grow keeps the increments.
 
     0.1 in bf16 is 205 * 2**-11, so 200 + k * 0.1 needs up to 19 significant bits and two 8-bit components
     cannot always hold it: each step rounds t = fl(y + v1), |t| <= 1, by at most 2**-9 (the Grow bound),
     so 100 steps stay within 100 * 2**-9 of the exact sum. With 0.125, whose partial sums fit, Grow is exact.
     """
-    increment = torch.tensor(0.1, dtype=torch.float64).to(torch.bfloat16)
-    plain = torch.tensor(200.0, dtype=torch.bfloat16)
+    increment = torch.tensor(0.1, dtype=torch.float64).to(device, torch.bfloat16)
+    plain = torch.tensor(200.0, dtype=torch.bfloat16, device=device)
     hi, lo = plain, torch.zeros_like(plain)
     for _ in range(100):
         plain = (plain.float() + increment.float()).to(torch.bfloat16)
@@ -234,7 +229,8 @@ def test_grow_recovers_lost_bf16_additions():
     assert abs(Fraction(hi.item()) + Fraction(lo.item()) - exact) <= 100 * Fraction(1, 2**9)
     assert abs(expansion_value(hi, lo).item() - float(exact)) < abs(plain.item() - float(exact)) / 50
 
-    hi, lo = torch.tensor(200.0, dtype=torch.bfloat16), torch.tensor(0.0, dtype=torch.bfloat16)
+    hi = torch.tensor(200.0, dtype=torch.bfloat16, device=device)
+    lo = torch.zeros_like(hi)
     for _ in range(100):
         hi, lo = grow(hi, lo, 0.125)
     assert Fraction(hi.item()) + Fraction(lo.item()) == Fraction(425, 2)
@@ -298,7 +294,6 @@ def test_error_bounds_are_of_order_two_to_the_minus_2p(fmt):
     assert mul_bound(fmt) < Fraction(2) ** (-2 * fmt.precision) * Fraction(81, 10)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_scaling_relative_error_and_non_overlap(fmt, device):
     rng = np.random.default_rng(6)
@@ -315,7 +310,6 @@ def test_scaling_relative_error_and_non_overlap(fmt, device):
         assert abs(e_i) <= ulp(x_i, fmt) / 2
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_mul_relative_error_and_non_overlap(fmt, device):
     rng = np.random.default_rng(7)
@@ -336,10 +330,10 @@ def test_mul_relative_error_and_non_overlap(fmt, device):
     assert worst > fmt.unit_roundoff**2 / 4
 
 
-def test_mul_by_beta2_expansion_decays_where_bf16_does_not():
+def test_mul_by_beta2_expansion_decays_where_bf16_does_not(device):
     """Collage Sec. 4.2: 0.999 rounds to 1.0 in bf16, so v * beta2 never decays; Mul by (1, -0.001) does."""
     beta2_hi, beta2_lo = expand_scalar(0.999, torch.bfloat16)
-    plain = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    plain = torch.tensor([1.0, 3.0], dtype=torch.bfloat16, device=device)
     v, dv = plain.clone(), torch.zeros_like(plain)
     exact = [Fraction(value) for value in plain.tolist()]
     beta2 = Fraction(beta2_hi) + Fraction(beta2_lo)
@@ -352,9 +346,9 @@ def test_mul_by_beta2_expansion_decays_where_bf16_does_not():
         assert abs(v_i + dv_i - exact_i) <= 50 * mul_bound(BF16) * exact_i
 
 
-def test_scalar_operands_match_tensor_operands():
+def test_scalar_operands_match_tensor_operands(device):
     rng = np.random.default_rng(8)
-    v = to_format(random_floats(rng, BF16, rng.integers(-10, 10, size=64)), BF16)
+    v = to_format(random_floats(rng, BF16, rng.integers(-10, 10, size=64)), BF16).to(device)
     dv = torch.zeros_like(v)
     hi, lo = expand_scalar(0.95, torch.bfloat16)
     as_tensors = mul(torch.full_like(v, hi), torch.full_like(v, lo), v, dv)

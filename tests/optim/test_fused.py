@@ -1,4 +1,6 @@
-"""The fused (compiled, per-bucket) step against the eager reference (per parameter): bit for bit."""
+"""The fused (compiled, per-bucket) step against the eager reference (per parameter): bit for bit, on
+every device (Inductor compiles C++ on the CPU, Triton on CUDA). The tiling tests at the end reach into
+Inductor's C++ code generator and are CPU-only."""
 
 import pytest
 import torch
@@ -11,13 +13,21 @@ from .conftest import OPTIONS
 
 pytestmark = pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
 
+@pytest.fixture
+def device(device):
+    """The suite's device, skipped where torch.compile cannot build the fused step (no Triton on CUDA)."""
+    if not fused_available(device):
+        pytest.skip(f"torch.compile cannot build the fused step on {device.type}: no Triton")
+    return device
+
+
 SHAPES = [(1000,), (3,), (129,), (4097,), (7, 13), (300,)]
 """Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
 
 
-def _twin_optimizers(option, grad_dtype=torch.bfloat16, param_dtype=torch.bfloat16, **kwargs):
+def _twin_optimizers(option, grad_dtype=torch.bfloat16, param_dtype=torch.bfloat16, device=None, **kwargs):
     generator = torch.Generator().manual_seed(0)
-    start = [torch.randn(shape, generator=generator).to(param_dtype) for shape in SHAPES]
+    start = [torch.randn(shape, generator=generator).to(device, param_dtype) for shape in SHAPES]
     eager_params = [torch.nn.Parameter(t.clone()) for t in start]
     fused_params = [torch.nn.Parameter(t.clone()) for t in start]
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option, seed=3, **kwargs)
@@ -31,7 +41,7 @@ def _step_twins(eager, fused, steps, seed, grad_dtype=torch.bfloat16, scale=lamb
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         for p, q in zip(eager[0], fused[0]):
-            grad = (torch.randn(p.shape, generator=generator) * scale(step)).to(grad_dtype)
+            grad = (torch.randn(p.shape, generator=generator) * scale(step)).to(p.device, grad_dtype)
             p.grad, q.grad = grad.clone(), grad.clone()
         eager[1].step()
         fused[1].step()
@@ -50,50 +60,52 @@ def _assert_bit_identical(eager, fused):
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype):
-    eager, fused = _twin_optimizers(option, grad_dtype)
+def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype, device):
+    eager, fused = _twin_optimizers(option, grad_dtype, device=device)
     _step_twins(eager, fused, steps=50, seed=1, grad_dtype=grad_dtype, scale=lambda step: 10.0 ** (step % 7 - 3))
     _assert_bit_identical(eager, fused)
 
 
 @pytest.mark.parametrize("option", ["D", "coat"])
-def test_chunked_steps_are_bit_identical_too(option, monkeypatch):
+def test_chunked_steps_are_bit_identical_too(option, monkeypatch, device):
     """D and coat run their compiled step in chunks of the bucket: here of 256 elements, so that chunk
     edges cut through parameters (and fall on FP8 group edges)."""
     monkeypatch.setattr(fused_module, "EXTERN_CHUNK_ELEMENTS", 256)
-    eager, fused = _twin_optimizers(option)
+    eager, fused = _twin_optimizers(option, device=device)
     _step_twins(eager, fused, steps=10, seed=8)
     _assert_bit_identical(eager, fused)
 
 
 @pytest.mark.parametrize("option", ["A", "C", "kahan", "sr"])
-def test_float16_parameters_are_bit_identical_too(option):
-    eager, fused = _twin_optimizers(option, grad_dtype=torch.float16, param_dtype=torch.float16)
+def test_float16_parameters_are_bit_identical_too(option, device):
+    eager, fused = _twin_optimizers(
+        option, grad_dtype=torch.float16, param_dtype=torch.float16, device=device
+    )
     _step_twins(eager, fused, steps=20, seed=5, grad_dtype=torch.float16)
     _assert_bit_identical(eager, fused)
 
 
 @pytest.mark.parametrize("option", ["C", "sr"])
-def test_parameters_without_gradient_fall_back_to_the_reference_and_stay_identical(option):
-    eager, fused = _twin_optimizers(option)
+def test_parameters_without_gradient_fall_back_to_the_reference_and_stay_identical(option, device):
+    eager, fused = _twin_optimizers(option, device=device)
     generator = torch.Generator().manual_seed(2)
     for step in range(6):
         for index, (p, q) in enumerate(zip(eager[0], fused[0])):
-            grad = torch.randn(p.shape, generator=generator).bfloat16() if (index + step) % 3 else None
+            grad = torch.randn(p.shape, generator=generator).to(device, torch.bfloat16) if (index + step) % 3 else None
             p.grad, q.grad = grad, None if grad is None else grad.clone()
         eager[1].step()
         fused[1].step()
     _assert_bit_identical(eager, fused)
 
 
-def test_fused_is_the_default_and_owns_flat_parameter_and_gradient_buffers():
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 1)).bfloat16()
+def test_fused_is_the_default_and_owns_flat_parameter_and_gradient_buffers(device):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 1)).to(device, torch.bfloat16)
     optimizer = AdamW(model.parameters(), option="A")
     bucket = optimizer.buckets[0]
     assert bucket.param_buffer is not None
     for param, offset in zip(bucket.params, bucket.offsets):
         assert param.data_ptr() == bucket.param_buffer[offset:].data_ptr()
-    inputs = torch.randn(4, 5).bfloat16()
+    inputs = torch.randn(4, 5).to(device, torch.bfloat16)
     model(inputs).sum().backward()
     optimizer.step()
     assert all(p.grad.data_ptr() == bucket.grad_buffer[o:].data_ptr() for p, o in zip(bucket.params, bucket.offsets))
@@ -101,30 +113,30 @@ def test_fused_is_the_default_and_owns_flat_parameter_and_gradient_buffers():
     assert torch.count_nonzero(bucket.grad_buffer) == 0
     model(inputs).sum().backward()
     assert torch.count_nonzero(bucket.grad_buffer) > 0
-    padding = torch.ones(bucket.numel, dtype=torch.bool)
+    padding = torch.ones(bucket.numel, dtype=torch.bool, device=device)
     for param, offset in zip(bucket.params, bucket.offsets):
         padding[offset : offset + param.numel()] = False
     optimizer.step()
     assert torch.count_nonzero(bucket.param_buffer[padding]) == 0
 
 
-def test_eager_path_is_selectable_and_leaves_parameters_in_place():
-    param = torch.nn.Parameter(torch.randn(10).bfloat16())
+def test_eager_path_is_selectable_and_leaves_parameters_in_place(device):
+    param = torch.nn.Parameter(torch.randn(10).to(device, torch.bfloat16))
     pointer = param.data_ptr()
     optimizer = AdamW([param], option="C", fused=False)
     assert optimizer.buckets[0].param_buffer is None and param.data_ptr() == pointer
 
 
-def test_a_generator_for_stochastic_rounding_needs_the_eager_path():
-    param = torch.nn.Parameter(torch.randn(10).bfloat16())
+def test_a_generator_for_stochastic_rounding_needs_the_eager_path(device):
+    param = torch.nn.Parameter(torch.randn(10).to(device, torch.bfloat16))
     with pytest.raises(ValueError, match="fused=False"):
-        AdamW([param], option="sr", fused=True, generator=torch.Generator())
-    assert AdamW([param], option="sr", generator=torch.Generator()).buckets[0].param_buffer is None
+        AdamW([param], option="sr", fused=True, generator=torch.Generator(device))
+    assert AdamW([param], option="sr", generator=torch.Generator(device)).buckets[0].param_buffer is None
 
 
 @pytest.mark.parametrize("option", OPTIONS)
-def test_fused_update_quality_equals_the_reference(option):
-    eager, fused = _twin_optimizers(option, track_update_quality=True)
+def test_fused_update_quality_equals_the_reference(option, device):
+    eager, fused = _twin_optimizers(option, device=device, track_update_quality=True)
     _step_twins(eager, fused, steps=1, seed=4)
     expected, got = eager[1].update_quality[0], fused[1].update_quality[0]
     assert (got.intended_nonzero, got.lost) == (expected.intended_nonzero, expected.lost)
@@ -145,11 +157,11 @@ def test_fused_update_quality_equals_the_reference(option):
     ],
     ids=lambda strategy: strategy.name,
 )
-def test_a_new_strategy_is_data_only(strategy):
+def test_a_new_strategy_is_data_only(strategy, device):
     """Strategies that no option names (FP8 E5M2 moments in groups of 64 without range expansion;
     stochastic rounding over FP8 moments) run through both paths without a line of new optimizer
     code, bit-identically."""
-    eager, fused = _twin_optimizers(strategy)
+    eager, fused = _twin_optimizers(strategy, device=device)
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand

@@ -1,4 +1,5 @@
-"""One rank of the training-app checks: ``lowprec-train`` runs inside one gloo process group.
+"""One rank of the training-app checks: ``lowprec-train`` runs inside one process group (gloo, or NCCL
+where CUDA is present: see ``tests.megatron.launch.init_process_group``).
 
 Launched by ``test_app.py`` through ``tests/megatron/launch.run_ranks`` as
 ``python _app_worker.py RESULT_DIR JSON``, where JSON is a list of steps, each either
@@ -10,7 +11,6 @@ summary and (rank 0) the metrics rows.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -23,6 +23,7 @@ from megatron_lowprec.megatron.cpu import cpu_bridge
 from megatron_lowprec.train.app import compose
 from megatron_lowprec.train.checkpoint import LATEST_FILE, checkpoints_dir
 from megatron_lowprec.train.loop import train
+from tests.megatron.launch import init_process_group
 
 
 def _copy_checkpoint(run_dir: str, iteration: int, to: str) -> None:
@@ -45,7 +46,7 @@ def _metrics_rows(summary: dict) -> list[dict]:
 def main(result_dir: Path, steps: list[dict]) -> None:
     results = []
     with cpu_bridge():
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        init_process_group(timeout_seconds=300)
         try:
             for step in steps:
                 if "copy_checkpoint" in step:
