@@ -4,7 +4,9 @@ Stochastic rounding runs it once per parameter instead, over the parameter's sli
 buffers viewed as [rows, row_length] of its stream layout: each element's SR word then comes from its
 global index without an integer division per element (which CPU vector units lack), at the price of
 one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies whose
-step calls ATen kernels (D, coat) run it in chunks of the bucket, which bound their temporaries.
+step calls ATen kernels (coat) run it in chunks of the bucket, which bound their temporaries.
+Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
+(``torch_fused.py``), in the fused and the eager step alike.
 
 The kernel is :func:`megatron_lowprec.optim.kernel.adamw_kernel_` itself, so fused and eager
 steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and Triton kernels on
@@ -12,9 +14,9 @@ GPU. What keeps the compiled step bit-identical to the eager one:
 
 * ``emulate_precision_casts``: every explicit cast to a 16-bit dtype is a real rounding. Without it
   Inductor keeps 16-bit intermediates in FP32, which silently drops the MCF error terms.
-* Inductor compiles C++ with ``-ffp-contract=off`` (its default), so no multiply and add are fused
-  unless the specification asks for it; the operations that do (``torch_lerp`` and
-  ``torch_addcmul`` of option D) run as ATen kernels inside the compiled graph.
+* Inductor compiles C++ with ``-ffp-contract=off`` (its default), so no multiply and add are fused;
+  the operations whose rounding belongs to ATen (COAT's ``pow`` and ``log``) run as ATen kernels
+  inside the compiled graph.
 * Step-dependent scalars and the SR round keys are 0-d tensors, and shapes are dynamic, so one
   compilation per strategy and dtype serves every step and bucket.
 """
@@ -41,9 +43,10 @@ from megatron_lowprec.optim.kernel import (
     represented_value,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 EXTERN_CHUNK_ELEMENTS = 1 << 19
-"""Elements per compiled call for strategies that run ATen kernels inside the step (D, coat)."""
+"""Elements per compiled call for strategies that run ATen kernels inside the step (coat)."""
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 """``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
@@ -154,6 +157,13 @@ def fused_bucket_step_(
     """One AdamW step over a whole bucket (its parameters all at ``step`` after this call), in the
     compiled calls that :func:`_segments` lays out."""
     param = bucket.param_buffer
+    if strategy.adam_kernel == "torch_fused":
+        spans = [(offset, bucket_param.numel()) for offset, bucket_param in zip(bucket.offsets, bucket.params)]
+        state = bucket.state
+        return torch_fused_adamw_step_(
+            param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
+        )
     device = param.device
     scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_tensors(device)
     beta2_expansion = tuple(
@@ -192,7 +202,7 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
                 torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
             )
             yield *_parameter_grids(bucket, grad, index, strategy), stream
-    elif strategy.moment_arithmetic == "torch" or strategy.moments == "fp8":
+    elif strategy.moments == "fp8":
         alignment = bucket_alignment(strategy)
         chunk = max(EXTERN_CHUNK_ELEMENTS // alignment, 1) * alignment
         for start in range(0, bucket.numel, chunk):

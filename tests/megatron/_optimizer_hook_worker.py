@@ -151,9 +151,23 @@ def stream_words(tensor_parallel: int, pipeline_parallel: int, steps: int) -> di
     return {"words": words, "embedding": embedding, "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank()}
 
 
+def _torch_fused_adamw(optimizer):
+    """Megatron's optimizer with its torch AdamW running torch's fused kernel, as option D does.
+
+    Without Transformer Engine and apex megatron wraps ``torch.optim.AdamW`` with torch's default
+    kernel choice (on CPU the per-tensor loop); ``fused`` is a per-group option that AdamW reads at
+    every step."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner in chained:
+        assert isinstance(inner.optimizer, torch.optim.AdamW), type(inner.optimizer)
+        for group in inner.optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+    return optimizer
+
+
 def option_d_against_stock_megatron(steps: int) -> dict:
     """Option D and megatron's own bf16 optimizer (Float16OptimizerWithFloat16Params around torch's
-    AdamW) from the same weights on the same data: their losses."""
+    AdamW, set to torch's fused kernel) from the same weights on the same data: their losses."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -165,7 +179,7 @@ def option_d_against_stock_megatron(steps: int) -> dict:
     stock = _ddp(config, grad_reduce_in_fp32=True)
     return {
         "ours": _train(ours, build_optimizer("D", [ours], _optimizer_config(), fused=False), steps)["losses"],
-        "stock": _train(stock, get_megatron_optimizer(_optimizer_config(), [stock]), steps)["losses"],
+        "stock": _train(stock, _torch_fused_adamw(get_megatron_optimizer(_optimizer_config(), [stock])), steps)["losses"],
     }
 
 
