@@ -153,13 +153,13 @@ def quantize_fp8_into(
     if expansion_exponent is None:
         scaled = groups / group_scale
     else:
-        normalized = groups / torch.where(nonzero_group, group_max, 1.0)
-        normalized_magnitude = normalized.abs()
-        smallest_nonzero = torch.where(normalized_magnitude > 0, normalized_magnitude, math.inf).amin(
-            dim=1, keepdim=True
-        )
-        # k comes from the same float32 ratios that f raises to the power k, so the smallest non-zero
-        # element lands on the smallest subnormal even when R_X is within rounding of 1.
+        group_norm = torch.where(nonzero_group, group_max, 1.0)
+        normalized = groups / group_norm
+        # k comes from the same float32 ratio that f raises to the power k (rounding is monotonic, so
+        # min|x| / M is the smallest normalized magnitude), so the smallest non-zero element lands on
+        # the smallest subnormal even when R_X is within rounding of 1. Both group statistics are
+        # taken in one pass over x; a ratio that underflows to 0 (R_X > 2^149) gives k = 1.
+        smallest_nonzero = torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1, keepdim=True) / group_norm
         log_group_range = -torch.log(smallest_nonzero)
         group_exponent = torch.where(
             (log_group_range > 0) & torch.isfinite(log_group_range),
