@@ -333,6 +333,20 @@ def test_update_quality_shows_lost_arithmetic_under_a_and_none_under_c():
     assert lossy.edq < exact.edq
 
 
+def test_option_d_without_torch_s_fused_kernel_is_refused_by_name(monkeypatch):
+    from megatron_lowprec.optim import torch_fused
+
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    torch_fused._kernel_available.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"option 'D' .*torch._fused_adamw_ does not exist"):
+            AdamW([_param(torch.randn(8))], option="D")
+    finally:
+        monkeypatch.undo()
+        torch_fused._kernel_available.cache_clear()
+    AdamW([_param(torch.randn(8))], option="D")
+
+
 def test_update_quality_of_option_d_sees_the_fp32_master_lose_what_it_cannot_hold():
     """D's intended update is torch's fused AdamW update in float64; the FP32 master holds a step of
     1e-3 at 1 (ulp 2^-23) but loses it at 2^24 (ulp 2)."""
