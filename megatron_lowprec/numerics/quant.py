@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lowprec.numerics import aten_ops
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -56,12 +55,12 @@ def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
 
 def expand_dynamic_range(x: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
     """COAT expand function f(x) = sign(x) |x|^k (section 4.2)."""
-    return torch.copysign(aten_ops.pow(x.abs(), expansion_exponent), x)
+    return torch.copysign(torch.pow(x.abs(), expansion_exponent), x)
 
 
 def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
     """Inverse of the expand function, f^{-1}(y) = sign(y) |y|^{1/k} (section 4.2)."""
-    return torch.copysign(aten_ops.pow(y.abs(), expansion_exponent.reciprocal()), y)
+    return torch.copysign(torch.pow(y.abs(), expansion_exponent.reciprocal()), y)
 
 
 @dataclass
@@ -101,11 +100,21 @@ def _resolved_group_size(numel: int, group_size: "int | None") -> int:
     return group_size
 
 
-def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
-    """View ``flat`` as (groups, group_size), zero-padding the last group (zeros change neither
-    the group's max|x| nor its smallest non-zero |x|)."""
-    padding = -flat.numel() % group_size
-    return torch.nn.functional.pad(flat, (0, padding)).view(-1, group_size)
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` as (groups, group_size): a view of contiguous ``x`` holding whole groups, else a
+    zero-padded copy of its flattening (zeros change neither the group's max|x| nor its smallest
+    non-zero |x|)."""
+    padding = -x.numel() % group_size
+    if padding == 0:
+        return x.reshape(-1, group_size)
+    return torch.nn.functional.pad(x.reshape(-1), (0, padding)).view(-1, group_size)
+
+
+def _ungrouped(groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_grouped`: the first ``like.numel()`` values in ``like``'s shape."""
+    if groups.numel() == like.numel():
+        return groups.view(like.shape)
+    return groups.view(-1)[: like.numel()].view(like.shape)
 
 
 def quantize_fp8_into(
@@ -132,7 +141,7 @@ def quantize_fp8_into(
             raise ValueError(f"{name} must be float32 with {groups_count} elements, got {buffer.dtype} "
                              f"with {buffer.numel()}")
     format_max = fp8_max(fp8_dtype)
-    groups = _grouped(x.detach().reshape(-1).float(), _resolved_group_size(x.numel(), group_size))
+    groups = _grouped(x.detach().float(), _resolved_group_size(x.numel(), group_size))
     magnitude = groups.abs()
     group_max = magnitude.amax(dim=1, keepdim=True)
     if check_finite and not bool(torch.isfinite(group_max).all()):
@@ -144,14 +153,14 @@ def quantize_fp8_into(
     if expansion_exponent is None:
         scaled = groups / group_scale
     else:
-        normalized = groups / torch.where(nonzero_group, group_max, 1.0)
-        normalized_magnitude = normalized.abs()
-        smallest_nonzero = torch.where(normalized_magnitude > 0, normalized_magnitude, math.inf).amin(
-            dim=1, keepdim=True
-        )
-        # k comes from the same float32 ratios that f raises to the power k, so the smallest non-zero
-        # element lands on the smallest subnormal even when R_X is within rounding of 1.
-        log_group_range = -aten_ops.log(smallest_nonzero)
+        group_norm = torch.where(nonzero_group, group_max, 1.0)
+        normalized = groups / group_norm
+        # k comes from the same float32 ratio that f raises to the power k (rounding is monotonic, so
+        # min|x| / M is the smallest normalized magnitude), so the smallest non-zero element lands on
+        # the smallest subnormal even when R_X is within rounding of 1. Both group statistics are
+        # taken in one pass over x; a ratio that underflows to 0 (R_X > 2^149) gives k = 1.
+        smallest_nonzero = torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1, keepdim=True) / group_norm
+        log_group_range = -torch.log(smallest_nonzero)
         group_exponent = torch.where(
             (log_group_range > 0) & torch.isfinite(log_group_range),
             math.log(fp8_dynamic_range(fp8_dtype)) / log_group_range,
@@ -160,7 +169,7 @@ def quantize_fp8_into(
         scaled = format_max * expand_dynamic_range(normalized, group_exponent)
         expansion_exponent.view(-1).copy_(group_exponent.view(-1))
     quantized = scaled.clamp(-format_max, format_max).to(fp8_dtype)
-    payload.view(-1).copy_(quantized.view(-1)[: x.numel()])
+    payload.copy_(_ungrouped(quantized, payload))
     scale.view(-1).copy_(group_scale.view(-1))
 
 
@@ -201,4 +210,4 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
         values = (group_scale * format_max) * contract_dynamic_range(
             groups / format_max, q.expansion_exponent.view(-1, 1)
         )
-    return values.view(-1)[:numel].view(q.shape)
+    return _ungrouped(values, q.payload).view(q.shape)

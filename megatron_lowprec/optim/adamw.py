@@ -22,6 +22,7 @@ from megatron_lowprec.optim.kernel import (
     check_param_dtype,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
 
@@ -157,6 +158,8 @@ class AdamW(torch.optim.Optimizer):
             self._stream_layouts[param] = self._checked_stream_layout(param, where)
             by_layout.setdefault((param.device, param.dtype, self._bucket_key(param)), []).append(param)
         for (device, _, _), params in by_layout.items():
+            if self.strategy.adam_kernel == "torch_fused":
+                require_torch_fused_adamw(device, self.strategy.name)
             streams = [self._stream_layouts[param] for param in params]
             bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
             self.buckets.append(bucket)

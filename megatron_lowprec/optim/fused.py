@@ -3,8 +3,12 @@
 Stochastic rounding runs it once per parameter instead, over the parameter's slice of the flat
 buffers viewed as [rows, row_length] of its stream layout: each element's SR word then comes from its
 global index without an integer division per element (which CPU vector units lack), at the price of
-one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies whose
-step calls ATen kernels (D, coat) run it in chunks of the bucket, which bound their temporaries.
+one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies with FP8
+moments (coat) run it over the bucket viewed as [groups, group_size], so that each group is decoded,
+updated and re-quantized with its new statistics inside one compiled kernel
+(:data:`GROUP_STATISTICS_OPTIONS`), without bucket-sized FP32 temporaries.
+Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
+(``torch_fused.py``), in the fused and the eager step alike.
 
 The kernel is :func:`megatron_lowprec.optim.kernel.adamw_kernel_` itself, so fused and eager
 steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and Triton kernels on
@@ -12,9 +16,13 @@ GPU. What keeps the compiled step bit-identical to the eager one:
 
 * ``emulate_precision_casts``: every explicit cast to a 16-bit dtype is a real rounding. Without it
   Inductor keeps 16-bit intermediates in FP32, which silently drops the MCF error terms.
-* Inductor compiles C++ with ``-ffp-contract=off`` (its default), so no multiply and add are fused
-  unless the specification asks for it; the operations that do (``torch_lerp`` and
-  ``torch_addcmul`` of option D) run as ATen kernels inside the compiled graph.
+* Inductor compiles C++ with ``-ffp-contract=off`` (its default), so no multiply and add are fused.
+* COAT's dynamic range expansion calls ``pow`` and ``log``, which Inductor evaluates with its own
+  vectorized functions. Where ATen's eager kernels use other implementations (on CPU: the C
+  library's ``pow`` for the elements after the last whole vector, and another vectorized ``log``,
+  which differs from Inductor's on about 1% of random inputs), an element's FP8 code may differ by
+  one step between the eager and the fused step; the tests bound this. Strategies without
+  expansion are bit-identical.
 * Step-dependent scalars and the SR round keys are 0-d tensors, and shapes are dynamic, so one
   compilation per strategy and dtype serves every step and bucket.
 """
@@ -34,7 +42,7 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
-from megatron_lowprec.optim.buckets import FP8_PARTS, Bucket, bucket_alignment, elements_per_value
+from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, elements_per_value
 from megatron_lowprec.optim.kernel import (
     CounterStream,
     StepScalars,
@@ -43,14 +51,24 @@ from megatron_lowprec.optim.kernel import (
     represented_value,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
-
-EXTERN_CHUNK_ELEMENTS = 1 << 19
-"""Elements per compiled call for strategies that run ATen kernels inside the step (D, coat)."""
+from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 """``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
 hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
 on 2 cores)."""
+
+GROUP_STATISTICS_OPTIONS = {
+    "realize_reads_threshold": 8,
+    "realize_acc_reads_threshold": 16,
+    "realize_cpu_acc_reads_threshold": 16,
+}
+"""Inductor options for strategies with FP8 moments (COAT): each group's updated moments feed the
+master update, two group reductions (max|x|, smallest non-zero) and the re-quantization, and under
+Inductor's defaults (4 reads; 8 or 12 accumulated) they are stored in bucket-sized FP32 buffers
+between those loops. With these thresholds they are recomputed from the FP8 payloads instead, so
+the step reads the state a few times but allocates only per-group buffers. Options this torch's
+Inductor lacks are left out (it then stores them)."""
 
 LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
 """Added to torch.compile's cache key while :func:`_low_precision_tiling` is in force."""
@@ -70,12 +88,18 @@ def fused_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def compiled_kernel() -> Callable:
-    """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype).
+def compiled_kernel(group_statistics: bool = False) -> Callable:
+    """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype),
+    with :data:`GROUP_STATISTICS_OPTIONS` for strategies with FP8 moments (``group_statistics``).
     Shapes are dynamic, but Python ints are not (``specialize_int``): the strategy's FP8 group size
     must be a constant, or every group index becomes a scalar division by a symbol."""
+    from torch._inductor import config as inductor_config
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    compiled = torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+    options = dict(INDUCTOR_OPTIONS)
+    if group_statistics:
+        options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
+    compiled = torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True)(compiled)
 
     def call(*args):
@@ -184,6 +208,13 @@ def fused_bucket_step_(
     """One AdamW step over a whole bucket (its parameters all at ``step`` after this call), in the
     compiled calls that :func:`_segments` lays out."""
     param = bucket.param_buffer
+    if strategy.adam_kernel == "torch_fused":
+        spans = [(offset, bucket_param.numel()) for offset, bucket_param in zip(bucket.offsets, bucket.params)]
+        state = bucket.state
+        return torch_fused_adamw_step_(
+            param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
+        )
     device = param.device
     scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_tensors(device)
     beta2_expansion = tuple(
@@ -193,7 +224,7 @@ def fused_bucket_step_(
 
     def run(param, grad, state, random_source) -> UpdateQuality | None:
         before = represented_value(param, state) if track_update_quality else None
-        update = compiled_kernel()(
+        update = compiled_kernel(strategy.moments == "fp8")(
             param, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality
         )
         return None if before is None else measure_update_quality(update, before, represented_value(param, state))
@@ -208,10 +239,8 @@ def fused_bucket_step_(
 
 def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, sr_seed: int | None, step: int):
     """The (parameter, gradient, state, random source) slices of the bucket that one compiled call
-    each updates: each parameter on its own under stochastic rounding; chunks of
-    :data:`EXTERN_CHUNK_ELEMENTS` for strategies that call ATen kernels inside the compiled step (their
-    FP32 operands and results are materialized, so chunks bound the step's temporaries); else the
-    whole bucket in one call."""
+    each updates: each parameter on its own under stochastic rounding; else the whole bucket in one
+    call (as [groups, group_size] under FP8 moments)."""
     device = bucket.param_buffer.device
     if sr_seed is not None:
         for index, layout in enumerate(bucket.streams):
@@ -222,18 +251,25 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
                 torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
             )
             yield *_parameter_grids(bucket, grad, index, strategy), stream
-    elif strategy.moment_arithmetic == "torch" or strategy.moments == "fp8":
-        alignment = bucket_alignment(strategy)
-        chunk = max(EXTERN_CHUNK_ELEMENTS // alignment, 1) * alignment
-        for start in range(0, bucket.numel, chunk):
-            end = min(start + chunk, bucket.numel)
-            state = {
-                key: buffer[start // elements_per_value(key, strategy) : end // elements_per_value(key, strategy)]
-                for key, buffer in bucket.state.items()
-            }
-            yield bucket.param_buffer[start:end], grad[start:end], state, None
+    elif strategy.moments == "fp8":
+        yield _group_grids(bucket, grad, strategy)
     else:
         yield bucket.param_buffer, grad, bucket.state, None
+
+
+def _group_grids(
+    bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], None]:
+    """The whole bucket viewed as [groups, group_size] of its FP8 quantization (per-group scales and
+    exponents flat, one per row), so that the compiled step loops over groups: each group's moments
+    are decoded, updated and re-quantized in one pass over it (the bucket holds whole groups)."""
+    group_size = strategy.fp8_group_size
+
+    def grid(buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.view(-1, group_size)
+
+    state = {key: buffer if key.endswith(PER_GROUP_PARTS) else grid(buffer) for key, buffer in bucket.state.items()}
+    return grid(bucket.param_buffer), grid(grad), state, None
 
 
 def _parameter_grids(

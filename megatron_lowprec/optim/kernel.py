@@ -16,10 +16,8 @@ Rounding points of the reference, for every strategy:
   λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2) and a correctly
   rounded square root, then applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or
   stochastic rounding.
-* ``moment_arithmetic="torch"`` (option D) instead repeats ``torch.optim.AdamW`` operation for
-  operation on the FP32 master, ATen's fused multiply-adds and square root included:
-  m ← lerp(m, g, 1-β1), v ← addcmul(β2·v, g, g, 1-β2),
-  θ ← θ(1 - lr·λ) + (-lr/(1-β1^t))·m / (√v / √(1-β2^t) + ε).
+* ``adam_kernel="torch_fused"`` (option D) does not run this specification: torch's own fused AdamW
+  kernel updates the FP32 master (``torch_fused.py``), in the eager and in the fused step alike.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, qua
 from megatron_lowprec.numerics.rounding import grid_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -125,10 +124,6 @@ class StepScalars:
     one_minus_beta1: float
     beta2: float
     one_minus_beta2: float
-    eps: float
-    bias_correction2_sqrt: float
-    neg_step_size: float
-    """-lr / (1 - beta1^t)."""
     neg_scaled_step_size: float
     """-lr √(1 - beta2^t) / (1 - beta1^t): the step size with both bias corrections (Adam §2)."""
     scaled_eps: float
@@ -147,9 +142,6 @@ class StepScalars:
             one_minus_beta1=1 - beta1,
             beta2=beta2,
             one_minus_beta2=1 - beta2,
-            eps=eps,
-            bias_correction2_sqrt=bias_correction2_sqrt,
-            neg_step_size=-lr / bias_correction1,
             neg_scaled_step_size=-lr * bias_correction2_sqrt / bias_correction1,
             scaled_eps=eps * bias_correction2_sqrt,
             neg_lr_weight_decay=-lr * weight_decay,
@@ -233,12 +225,9 @@ _PARAM_UPDATES = {
 }
 
 
-def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars, torch_arithmetic: bool) -> torch.Tensor:
-    """-lr m̂ / (√v̂ + ε): as torch.optim.AdamW (two divisions, ATen's sqrt), or with the bias
-    corrections folded into the scalars (one division, correctly rounded sqrt; Adam §2)."""
-    if torch_arithmetic:
-        denom = aten_ops.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
-        return scalars.neg_step_size * exp_avg / denom
+def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars) -> torch.Tensor:
+    """-lr m̂ / (√v̂ + ε) with the bias corrections folded into the scalars (one division, correctly
+    rounded sqrt; Adam §2)."""
     return scalars.neg_scaled_step_size * exp_avg / (aten_ops.sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
 
 
@@ -252,29 +241,21 @@ def adamw_kernel_(
     random_source: RandomSource,
     want_update: bool,
 ) -> torch.Tensor | None:
-    """The elementwise body of one step, in place. Apart from ``moment_arithmetic="torch"`` every
-    operation is one correctly rounded FP32 operation (no lerp, addcmul or addcdiv, whose CPU
-    kernels fuse multiply-adds; a correctly rounded sqrt), so an eager run and a compiled run round
-    alike. ``moment_arithmetic="torch"`` runs ATen's own lerp, addcmul and sqrt (``aten_ops``).
+    """The elementwise body of one step, in place. Every operation is one correctly rounded FP32
+    operation (no lerp, addcmul or addcdiv, whose CPU kernels fuse multiply-adds; a correctly rounded
+    sqrt), so an eager run and a compiled run round alike.
 
     Returns the intended FP32 update Δθ when ``want_update`` (for the update-quality metrics).
     """
     grad = grad.float()
-    torch_arithmetic = strategy.moment_arithmetic == "torch"
     exp_avg = _decode_moment(state, "exp_avg", param, strategy)
-    if torch_arithmetic:
-        aten_ops.lerp_(exp_avg, grad, scalars.one_minus_beta1)
-    else:
-        exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
+    exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
     if strategy.second_moment_mcf:
         exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
-    elif torch_arithmetic:
-        exp_avg_sq = _decode_moment(state, "exp_avg_sq", param, strategy)
-        aten_ops.scale_addcmul_(exp_avg_sq, grad, grad, scalars.beta2, scalars.one_minus_beta2)
     else:
         decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
-    adam_term = _adam_term(exp_avg, exp_avg_sq, scalars, torch_arithmetic)
+    adam_term = _adam_term(exp_avg, exp_avg_sq, scalars)
     update = None
     if strategy.weight_decay == "multiplicative":
         master = state["master"]
@@ -319,6 +300,12 @@ def adamw_step_(
     update-quality pieces when ``track_update_quality`` is set, else ``None``.
     """
     state["step"] += 1
+    if strategy.adam_kernel == "torch_fused":
+        return torch_fused_adamw_step_(
+            param.view(-1), grad.reshape(-1), state["master"].view(-1), state["exp_avg"].view(-1),
+            state["exp_avg_sq"].view(-1), [(0, param.numel())], step=state["step"], lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
+        )
     scalars = StepScalars.for_step(state["step"], lr, beta1, beta2, eps, weight_decay)
     before = represented_value(param, state) if track_update_quality else None
     update = adamw_kernel_(

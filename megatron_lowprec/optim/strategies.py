@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 MOMENT_STORAGES = ("low", "fp32", "fp8")
 PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
-MOMENT_ARITHMETICS = ("separate", "torch")
+ADAM_KERNELS = ("reference", "torch_fused")
 
 LOW_PRECISION_BYTES = 2
 FP32_BYTES = 4
@@ -65,11 +65,13 @@ class PrecisionStrategy:
     since θ(1 - lr·λ) is a lost operation in BF16). ``"multiplicative"``: θ ← θ(1 - lr·λ) then the
     Adam step, operation for operation as ``torch.optim.AdamW`` (exact enough in an FP32 master)."""
 
-    moment_arithmetic: str = "separate"
-    """``"separate"``: m = β1·m + (1-β1)·g and v = β2·v + g·g·(1-β2) with every operation rounded
-    to FP32 on its own (what a compiled kernel computes). ``"torch"``: the operations of
-    ``torch.optim.AdamW`` (``lerp`` and ``addcmul``, which torch's CPU kernels evaluate as fused
-    multiply-adds), so that an FP32 master is updated bit-identically to torch (option D)."""
+    adam_kernel: str = "reference"
+    """Which kernel computes the Adam update. ``"reference"``: this package's specification
+    (``kernel.adamw_kernel_``: every operation one correctly rounded FP32 operation; compiled once per
+    bucket on the fused path). ``"torch_fused"``: torch's own fused AdamW kernel
+    (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)`` runs) updates the FP32 master and
+    moments, bit-identically to torch on the same device (option D); it needs ``master_weights``,
+    ``moments="fp32"`` and ``weight_decay="multiplicative"``."""
 
     fp8_format: str = "e4m3"
     """FP8 format of both moments when ``moments == "fp8"``."""
@@ -84,7 +86,7 @@ class PrecisionStrategy:
         _check_choice("moments", self.moments, MOMENT_STORAGES)
         _check_choice("param_update", self.param_update, PARAM_UPDATES)
         _check_choice("weight_decay", self.weight_decay, WEIGHT_DECAY_PLACEMENTS)
-        _check_choice("moment_arithmetic", self.moment_arithmetic, MOMENT_ARITHMETICS)
+        _check_choice("adam_kernel", self.adam_kernel, ADAM_KERNELS)
         if self.master_weights and self.param_update != "nearest":
             raise ValueError(
                 f"strategy {self.name!r}: master weights are rounded to the parameter by nearest; "
@@ -97,6 +99,14 @@ class PrecisionStrategy:
                 f"strategy {self.name!r}: multiplicative weight decay is a lost operation on 16-bit "
                 "parameters (Collage App. D); use weight_decay='in_update'"
             )
+        torch_layout = (self.master_weights, self.moments, self.weight_decay)
+        if self.adam_kernel == "torch_fused" and torch_layout != (True, "fp32", "multiplicative"):
+            raise ValueError(
+                f"strategy {self.name!r}: adam_kernel='torch_fused' updates an FP32 master and FP32 moments "
+                "with multiplicative weight decay (master_weights=True, moments='fp32', "
+                f"weight_decay='multiplicative'); got master_weights={self.master_weights}, "
+                f"moments={self.moments!r}, weight_decay={self.weight_decay!r}"
+            )
         if self.fp8_group_size < 1:
             raise ValueError(f"fp8_group_size must be >= 1, got {self.fp8_group_size}")
 
@@ -106,10 +116,14 @@ class PrecisionStrategy:
         return self.param_update == "mcf"
 
     def without_master_weights(self) -> PrecisionStrategy:
-        """The same strategy with the 16-bit parameter as the only copy (e.g. COAT with a BF16 master)."""
+        """The same strategy with the 16-bit parameter as the only copy (e.g. COAT with a BF16 master);
+        the Adam update is then the reference kernel's, as torch's fused kernel needs an FP32 master."""
         if not self.master_weights:
             return self
-        return replace(self, name=f"{self.name}-no-master", aliases=(), master_weights=False, weight_decay="in_update")
+        return replace(
+            self, name=f"{self.name}-no-master", aliases=(), master_weights=False, weight_decay="in_update",
+            adam_kernel="reference",
+        )
 
     def moment_bytes(self, numel: int) -> float:
         """Bytes of one moment (m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
@@ -197,7 +211,7 @@ register_strategy(
         moments="fp32",
         master_weights=True,
         weight_decay="multiplicative",
-        moment_arithmetic="torch",
+        adam_kernel="torch_fused",
     )
 )
 register_strategy(PrecisionStrategy("D-MW", "BF16 parameters + FP32 states", aliases=("fp32_states",), moments="fp32"))

@@ -152,9 +152,35 @@ def stream_words(tensor_parallel: int, pipeline_parallel: int, steps: int) -> di
     return {"words": words, "embedding": embedding, "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank()}
 
 
+def _torch_fused_adamw(optimizer):
+    """Megatron's optimizer with its torch AdamW running torch's fused kernel, as option D does.
+
+    Without Transformer Engine and apex megatron wraps ``torch.optim.AdamW`` with torch's default
+    kernel choice (on CPU the per-tensor loop); ``fused`` is a per-group option that AdamW reads at
+    every step."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner in chained:
+        assert isinstance(inner.optimizer, torch.optim.AdamW), type(inner.optimizer)
+        for group in inner.optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+    return optimizer
+
+
+def _stock_masters(optimizer, model) -> dict[str, torch.Tensor]:
+    """The FP32 main parameters of megatron's mixed-precision optimizer, by parameter name."""
+    names = {param: name for name, param in model.named_parameters()}
+    masters = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                masters[names[model_param]] = main_param.detach()
+    return masters
+
+
 def option_d_against_stock_megatron(steps: int) -> dict:
     """Option D and megatron's own bf16 optimizer (Float16OptimizerWithFloat16Params around torch's
-    AdamW) from the same weights on the same data: their losses."""
+    AdamW, set to torch's fused kernel) from the same weights on the same data: their losses, and
+    whether every FP32 master is bit-identical to megatron's main parameter."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -164,10 +190,15 @@ def option_d_against_stock_megatron(steps: int) -> dict:
     config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
     ours = _ddp(config, grad_reduce_in_fp32=True)
     stock = _ddp(config, grad_reduce_in_fp32=True)
-    return {
-        "ours": _train(ours, build_optimizer("D", [ours], _optimizer_config(), fused=False), steps)["losses"],
-        "stock": _train(stock, get_megatron_optimizer(_optimizer_config(), [stock]), steps)["losses"],
-    }
+    our_optimizer = build_optimizer("D", [ours], _optimizer_config(), fused=False)
+    stock_optimizer = _torch_fused_adamw(get_megatron_optimizer(_optimizer_config(), [stock]))
+    result = {"ours": _train(ours, our_optimizer, steps)["losses"], "stock": _train(stock, stock_optimizer, steps)["losses"]}
+    stock_masters = _stock_masters(stock_optimizer, stock)
+    our_masters = {name: our_optimizer.optimizer.state[param]["master"] for name, param in ours.named_parameters()}
+    result["masters_identical"] = sorted(our_masters) == sorted(stock_masters) and all(
+        torch.equal(our_masters[name].view(torch.int32), stock_masters[name].view(torch.int32)) for name in our_masters
+    )
+    return result
 
 
 def non_finite_gradient_skips_everywhere() -> dict:

@@ -75,12 +75,13 @@ def test_every_element_draws_the_same_sr_bits_at_every_layout(tmp_path):
 
 
 def test_option_d_reproduces_stock_megatron_bf16_optimizer(tmp_path):
-    """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW does (DP=2):
-    the same losses, bit for bit (both clip FP32 gradients with megatron's own norm, and D repeats
-    torch AdamW's operations)."""
+    """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW(fused) does
+    (DP=2): the same losses and FP32 masters, bit for bit (both clip FP32 gradients with megatron's
+    own norm, and D runs torch's fused AdamW kernel)."""
     ranks = _run(tmp_path, 2, "option_d_against_stock_megatron", steps=20)
     for rank in ranks:
         assert rank["ours"] == rank["stock"]
+        assert rank["masters_identical"]
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):

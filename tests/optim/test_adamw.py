@@ -187,27 +187,33 @@ def test_every_option_trains_a_small_model(option, device):
     assert sum(losses[-10:]) / 10 < 0.25 * losses[0]
 
 
-def test_option_d_matches_torch_adamw_on_the_fp32_master(device):
-    """Option D repeats torch.optim.AdamW on the FP32 master: within 1 FP32 ulp after 100 steps."""
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_option_d_is_torch_fused_adamw_on_the_fp32_master(fused, grad_dtype, device):
+    """Option D updates the FP32 master with torch's fused AdamW kernel: after 100 steps the master
+    is bit-identical to torch.optim.AdamW(fused=True) on FP32 copies of the parameters, and the BF16
+    parameter is its nearest rounding. Sizes leave vector tails (561, 129, 5) and need several
+    windows of FP32 gradient (20000)."""
     generator = torch.Generator().manual_seed(1)
-    shapes = [(33, 17), (129,), (5,)]
+    shapes = [(33, 17), (129,), (5,), (20000,)]
     start = [torch.randn(shape, generator=generator).to(device, torch.bfloat16) for shape in shapes]
     ours = [torch.nn.Parameter(t.clone()) for t in start]
+    for p in ours:
+        p.grad_dtype = grad_dtype
     reference = [torch.nn.Parameter(t.float()) for t in start]
     hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    optimizer = AdamW(ours, option="D", **hyper)
-    reference_optimizer = torch.optim.AdamW(reference, **hyper, foreach=False)
+    optimizer = AdamW(ours, option="D", fused=fused, **hyper)
+    reference_optimizer = torch.optim.AdamW(reference, **hyper, fused=True)
     for _ in range(100):
         for p, q in zip(ours, reference):
-            grad = torch.randn(p.shape, generator=generator).to(device, torch.bfloat16)
+            grad = (torch.randn(p.shape, generator=generator) * 1e-2).to(device, grad_dtype)
             p.grad, q.grad = grad, grad.float()
         optimizer.step()
         reference_optimizer.step()
     for p, q in zip(ours, reference):
         master = optimizer.state[p]["master"]
-        magnitude = q.detach().abs()
-        ulp = torch.nextafter(magnitude, torch.tensor(float("inf"), device=device)) - magnitude
-        assert torch.all((master - q.detach()).abs() <= ulp)
+        assert torch.equal(master.view(torch.int32), q.detach().view(torch.int32))
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], reference_optimizer.state[q]["exp_avg_sq"])
         assert torch.equal(p.detach(), master.bfloat16())
 
 
@@ -325,6 +331,33 @@ def test_update_quality_shows_lost_arithmetic_under_a_and_none_under_c(device):
     intended_norm = math.sqrt(128) * float(torch.tensor(0.1, dtype=torch.float32))
     assert exact.edq == pytest.approx(intended_norm, rel=2**-8)
     assert lossy.edq < exact.edq
+
+
+def test_option_d_without_torch_s_fused_kernel_is_refused_by_name(monkeypatch):
+    from megatron_lowprec.optim import torch_fused
+
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    torch_fused._kernel_available.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"option 'D' .*torch._fused_adamw_ does not exist"):
+            AdamW([_param(torch.randn(8))], option="D")
+    finally:
+        monkeypatch.undo()
+        torch_fused._kernel_available.cache_clear()
+    AdamW([_param(torch.randn(8))], option="D")
+
+
+def test_update_quality_of_option_d_sees_the_fp32_master_lose_what_it_cannot_hold():
+    """D's intended update is torch's fused AdamW update in float64; the FP32 master holds a step of
+    1e-3 at 1 (ulp 2^-23) but loses it at 2^24 (ulp 2)."""
+    param = _param([1.0] * 64 + [2.0**24] * 64)
+    optimizer = AdamW([param], lr=1e-3, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option="D",
+                      track_update_quality=True)
+    param.grad = torch.full_like(param, -1.0)
+    optimizer.step()
+    quality = optimizer.update_quality[0]
+    assert quality.intended_nonzero == 128 and quality.lost == 64
+    assert quality.edq == pytest.approx(64 * 1e-3 / math.sqrt(128), rel=1e-4)
 
 
 def test_update_quality_is_off_by_default(device):

@@ -2,10 +2,12 @@
 every device (Inductor compiles C++ on the CPU, Triton on CUDA). The tiling tests at the end reach into
 Inductor's C++ code generator and are CPU-only."""
 
+import math
+
 import pytest
 import torch
 
-from megatron_lowprec.optim import AdamW, PrecisionStrategy
+from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim.fused import fused_available
 
@@ -59,6 +61,12 @@ def _assert_bit_identical(eager, fused):
                 assert value == other
 
 
+EXACT_OPTIONS = [s.name for s in available_strategies() if not (s.moments == "fp8" and s.fp8_expand)]
+"""Options whose fused step is bit-identical to the eager one on CPU: all but those with COAT's
+dynamic range expansion, whose pow and log Inductor and ATen evaluate differently (bounded below)."""
+
+
+@pytest.mark.parametrize("option", EXACT_OPTIONS)
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype, device):
     eager, fused = _twin_optimizers(option, grad_dtype, device=device)
@@ -66,14 +74,45 @@ def test_fused_step_is_bit_identical_to_the_eager_reference(option, grad_dtype, 
     _assert_bit_identical(eager, fused)
 
 
-@pytest.mark.parametrize("option", ["D", "coat"])
-def test_chunked_steps_are_bit_identical_too(option, monkeypatch, device):
-    """D and coat run their compiled step in chunks of the bucket: here of 256 elements, so that chunk
-    edges cut through parameters (and fall on FP8 group edges)."""
-    monkeypatch.setattr(fused_module, "EXTERN_CHUNK_ELEMENTS", 256)
-    eager, fused = _twin_optimizers(option, device=device)
-    _step_twins(eager, fused, steps=10, seed=8)
-    _assert_bit_identical(eager, fused)
+def _fp8_steps_apart(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """How many FP8 values lie between two payloads of one sign (codes are monotonic in |x|); a
+    sign change counts as infinitely far unless both are zero."""
+    codes = [payload.view(torch.uint8).int() for payload in (first, second)]
+    magnitude = [code & 0x7F for code in codes]
+    apart = (magnitude[0] - magnitude[1]).abs().float()
+    opposite = ((codes[0] ^ codes[1]) & 0x80).bool() & ((magnitude[0] | magnitude[1]) != 0)
+    return torch.where(opposite, math.inf, apart)
+
+
+def test_coat_fused_step_is_within_one_fp8_step_of_the_eager_step():
+    """coat's fused step (Inductor's pow and log) against the eager step (ATen's) from the same
+    state, 30 times over: every FP8 payload element within one FP8 step, everything else close; the
+    parameters and masters stay bit-identical or within FP32 rounding of the decoded moments."""
+    eager, fused = _twin_optimizers("coat")
+    generator = torch.Generator().manual_seed(8)
+    differing = 0
+    for step in range(30):
+        for p, q in zip(eager[0], fused[0]):
+            q.data.copy_(p.data)
+            for key, value in eager[1].state[p].items():
+                if torch.is_tensor(value):
+                    fused[1].state[q][key].copy_(value)
+            grad = (torch.randn(p.shape, generator=generator) * 10.0 ** (step % 7 - 3)).bfloat16()
+            p.grad, q.grad = grad.clone(), grad.clone()
+        eager[1].step()
+        fused[1].step()
+        for p, q in zip(eager[0], fused[0]):
+            for moment in ("exp_avg", "exp_avg_sq"):
+                key = f"{moment}_payload"
+                apart = _fp8_steps_apart(eager[1].state[p][key], fused[1].state[q][key])
+                assert apart.max() <= 1, f"{key} at step {step}"
+                differing += int((apart > 0).sum())
+                for part in ("scale", "expansion_exponent"):
+                    torch.testing.assert_close(
+                        fused[1].state[q][f"{moment}_{part}"], eager[1].state[p][f"{moment}_{part}"], rtol=1e-5, atol=0
+                    )
+            torch.testing.assert_close(fused[1].state[q]["master"], eager[1].state[p]["master"], rtol=1e-6, atol=0)
+    assert differing < 0.01 * 30 * 2 * sum(p.numel() for p in eager[0])
 
 
 @pytest.mark.parametrize("option", ["A", "C", "kahan", "sr"])

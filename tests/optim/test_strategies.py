@@ -51,11 +51,19 @@ def test_every_registered_strategy_is_reachable_by_name():
         (dict(master_weights=True, param_update="mcf"), "master weights"),
         (dict(second_moment_mcf=True, moments="fp32"), "second_moment_mcf"),
         (dict(weight_decay="multiplicative"), "lost operation"),
+        (dict(adam_kernel="apex"), "adam_kernel='apex'"),
+        (dict(adam_kernel="torch_fused", moments="fp32"), "adam_kernel='torch_fused' updates an FP32 master"),
     ],
 )
 def test_inconsistent_strategies_are_rejected(fields, fragment):
     with pytest.raises(ValueError, match=fragment):
         PrecisionStrategy("X", "bad", **fields)
+
+
+def test_a_strategy_without_master_runs_the_reference_kernel():
+    """torch's fused AdamW kernel needs the FP32 master that master_weights=False drops."""
+    assert get_strategy("D").adam_kernel == "torch_fused"
+    assert get_strategy("D").without_master_weights().adam_kernel == "reference"
 
 
 def _readme_option_rows():
