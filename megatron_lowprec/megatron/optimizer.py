@@ -28,6 +28,11 @@ from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_lowprec.megatron.distributed import (
+    DistributedLowPrecisionOptimizer,
+    build_distributed_optimizer,
+    sum_of_squares,
+)
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
@@ -89,13 +94,12 @@ class LowPrecisionOptimizer(FP32Optimizer):
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clipping by the global L2 norm over the model-parallel group: megatron's own for FP32
-        gradients, the same computation with squares accumulated in FP32 for 16-bit gradients
-        (megatron's asserts FP32)."""
+        gradients; for 16-bit gradients (megatron's asserts FP32) squares in FP32 summed in FP64
+        (:func:`~megatron_lowprec.megatron.distributed.sum_of_squares`), which the distributed
+        optimizer sums the same way over its shards."""
         if all(p.grad.dtype == torch.float32 for p in self.get_parameters() if p.grad is not None):
             return super().clip_grad_norm(clip_grad)
-        squares = torch.zeros(1, device=self.get_loss_scale().device)
-        for grad in self.get_main_grads_for_grad_norm():
-            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.get_loss_scale().device)
         torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
         grad_norm = squares.item() ** 0.5
         coefficient = clip_grad / (grad_norm + 1.0e-6)
@@ -192,8 +196,12 @@ def build_optimizer(
     shared_randomness: bool = True,
     fused: bool | None = None,
     track_update_quality: bool = False,
-) -> LowPrecisionOptimizer:
+) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
     """The Megatron optimizer of precision ``option`` for ``model_chunks`` (after megatron DDP wrapping).
+
+    ``config.use_distributed_optimizer`` shards every state across the data-parallel ranks (ZeRO-1,
+    :mod:`megatron_lowprec.megatron.distributed`); the chunks must then be DDP built with
+    ``use_distributed_optimizer=True`` as well.
 
     Parameter groups are megatron's own (no weight decay on biases and 1-D parameters, ``wd_mult``
     and ``lr_mult`` for ``OptimizerParamScheduler``); ``config`` supplies lr, weight decay, Adam's
@@ -201,14 +209,22 @@ def build_optimizer(
     option raises ``ValueError`` listing the valid names before anything is built.
     """
     strategy = get_strategy(option)
-    if config.use_distributed_optimizer:
-        raise ValueError("use_distributed_optimizer=True is not supported by the precision options; set it to False")
+    if config.use_distributed_optimizer and not shared_randomness:
+        raise ValueError(
+            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
+            "with the distributed optimizer each element is updated on one rank only"
+        )
     groups: list[dict[str, Any]] = []
     for group in megatron_param_groups(model_chunks, config, None):
         if group["params"]:
             groups.append(
                 {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
             )
+    if config.use_distributed_optimizer:
+        return build_distributed_optimizer(
+            strategy, model_chunks, config, groups, seed=seed, fused=fused,
+            track_update_quality=track_update_quality, stream_layouts=stream_layouts(model_chunks),
+        )
     seed_offset = 0 if shared_randomness else torch.distributed.get_rank() * 1_000_003
     adamw = AdamW(
         groups,

@@ -1,0 +1,94 @@
+"""One rank of the distributed-optimizer checks: the tiny megatron GPT of the optimizer-hook checks,
+trained with and without ``use_distributed_optimizer`` on gloo.
+
+Launched by ``test_distributed_optimizer.py`` as ``python _distributed_optimizer_worker.py RESULT_DIR
+SCENARIO JSON`` once per rank; writes ``RESULT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _cpu_bridge_worker import _flat, _seeded_model, _transformer_config
+from _optimizer_hook_worker import _optimizer_config, _train
+
+from megatron_lowprec.megatron import cpu as cpu_bridge
+
+
+def _ddp(config, distributed: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, use_distributed_optimizer=distributed)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
+
+
+def _optimizer(option: str, model, distributed: bool, **options):
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    config = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=distributed)
+    return build_optimizer(option, [model], config, seed=11, fused=False, **options)
+
+
+def _unsharded_state_bytes(optimizer) -> int:
+    return sum(buffer.numel() * buffer.element_size() for bucket in optimizer.optimizer.buckets for buffer in bucket.state.values())
+
+
+def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: int) -> dict:
+    """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
+    on the same data; whether losses and parameters are bit-identical, and the optimizer state bytes
+    each rank holds (with the bucket count and the data-parallel size)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    result = {}
+    for option in options:
+        runs = {}
+        for distributed in (False, True):
+            model = _ddp(config, distributed)
+            optimizer = _optimizer(option, model, distributed, track_update_quality=True)
+            losses = _train(model, optimizer, steps)
+            quality = optimizer.update_quality()
+            state_bytes = optimizer.optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)
+            runs[distributed] = (losses, _flat(model.parameters()), state_bytes, quality, optimizer)
+        sharded = runs[True][4].optimizer
+        result[option] = {
+            "successes": all(runs[True][0]["successes"]) and all(runs[False][0]["successes"]),
+            "losses_identical": runs[True][0]["losses"] == runs[False][0]["losses"],
+            "params_identical": torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32)),
+            "sharded_bytes": runs[True][2],
+            "unsharded_bytes": runs[False][2],
+            "buckets": len(sharded.shards),
+            "bytes_per_element": runs[True][2] / sum(shard.end - shard.start for shard in sharded.shards),
+            "edq": [runs[True][3].edq, runs[False][3].edq],
+            "imprecision": [runs[True][3].imprecision_percent, runs[False][3].imprecision_percent],
+            "halo": len(runs[True][4]._halo),
+        }
+    result["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded,)}
+
+
+def main(result_dir: Path, scenario: str, arguments: dict) -> None:
+    from megatron.core import parallel_state
+
+    with cpu_bridge.cpu_bridge():
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            result = SCENARIOS[scenario](**arguments)
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
