@@ -21,10 +21,13 @@ from _optimizer_hook_worker import _optimizer_config, _train
 from megatron_lowprec.megatron import cpu as cpu_bridge
 
 
-def _ddp(config, distributed: bool):
+def _ddp(config, distributed: bool, bucket_size: int | None = None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, use_distributed_optimizer=distributed)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, use_distributed_optimizer=distributed, bucket_size=bucket_size,
+        overlap_grad_reduce=bucket_size is not None,
+    )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
 
 
@@ -39,10 +42,10 @@ def _unsharded_state_bytes(optimizer) -> int:
     return sum(buffer.numel() * buffer.element_size() for bucket in optimizer.optimizer.buckets for buffer in bucket.state.values())
 
 
-def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: int) -> dict:
+def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None) -> dict:
     """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
-    on the same data; whether losses and parameters are bit-identical, and the optimizer state bytes
-    each rank holds (with the bucket count and the data-parallel size)."""
+    on the same data (DDP buckets of ``bucket_size`` elements); whether losses and parameters are
+    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
@@ -51,7 +54,7 @@ def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: in
     for option in options:
         runs = {}
         for distributed in (False, True):
-            model = _ddp(config, distributed)
+            model = _ddp(config, distributed, bucket_size)
             optimizer = _optimizer(option, model, distributed, track_update_quality=True)
             losses = _train(model, optimizer, steps)
             quality = optimizer.update_quality()

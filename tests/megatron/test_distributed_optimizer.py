@@ -1,0 +1,58 @@
+"""The distributed optimizer (ZeRO-1) of every precision option against the unsharded hook, on CPU with gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lowprec.optim.buckets import ALIGNMENT
+
+from .launch import run_ranks
+
+WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
+OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
+]
+
+
+def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600)
+
+
+@pytest.mark.parametrize(
+    "world_size, tensor_parallel, bucket_size, steps",
+    [(2, 1, 3000, 10), (4, 2, None, 6)],
+    ids=["dp2-small-buckets", "tp2xdp2"],
+)
+def test_sharded_states_train_bit_identically_and_hold_their_share(tmp_path, world_size, tensor_parallel, bucket_size, steps):
+    """Every option, with and without the distributed optimizer, from the same weights on the same
+    data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
+    boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket). Each
+    rank holds at most its share of the unsharded state plus one alignment unit per bucket (the
+    share is smaller by the unsharded buckets' wider padding), the ranks hold equal shares within
+    one unit per bucket, and the update-quality pieces summed over the ranks match."""
+    ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=OPTIONS,
+                 tensor_parallel=tensor_parallel, steps=steps, bucket_size=bucket_size)
+    data_parallel = ranks[0]["data_parallel_size"]
+    assert data_parallel == 2
+    if bucket_size is not None:
+        assert ranks[0]["coat"]["buckets"] > 1 and ranks[0]["coat"]["halo"] > 0
+    for option in OPTIONS:
+        results = [rank[option] for rank in ranks]
+        for result in results:
+            assert result["successes"] and result["losses_identical"] and result["params_identical"], option
+            unit = ALIGNMENT * result["bytes_per_element"] * result["buckets"]
+            assert result["sharded_bytes"] <= result["unsharded_bytes"] / data_parallel + unit, option
+            assert result["sharded_bytes"] >= 0.9 * result["unsharded_bytes"] / data_parallel, option
+            assert result["edq"][0] == pytest.approx(result["edq"][1], rel=1e-9)
+            assert result["imprecision"][0] == result["imprecision"][1]
+        shares = [result["sharded_bytes"] for result in results]
+        assert max(shares) - min(shares) <= unit, option
