@@ -15,6 +15,7 @@ checkpoint in charge.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -49,13 +50,16 @@ def _layout() -> dict[str, int]:
 
 
 def _rng_states() -> dict:
+    """Every RNG state as tensors and plain containers only (NumPy's key as an int64 tensor), so
+    that the per-rank file loads with ``torch.load(weights_only=True)``."""
     from megatron.core import tensor_parallel
 
+    name, key, position, has_gauss, cached_gaussian = numpy.random.get_state()
     states = {
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
         "python": random.getstate(),
-        "numpy": numpy.random.get_state(),
+        "numpy": (name, torch.from_numpy(key.astype(numpy.int64)), position, has_gauss, cached_gaussian),
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
@@ -68,9 +72,25 @@ def _set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
     random.setstate(states["python"])
-    numpy.random.set_state(states["numpy"])
+    name, key, position, has_gauss, cached_gaussian = states["numpy"]
+    numpy.random.set_state((name, key.numpy().astype(numpy.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def load_rank_file(path: Path) -> dict:
+    """A per-rank file (``rank<R>.pt``), unpickled with ``weights_only=True``: tensors and plain
+    containers only. A file that holds anything else (a tampered checkpoint that would run code
+    when unpickled) is refused with ``ValueError``."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        reason = lines[0].strip() if lines else type(error).__name__
+        raise ValueError(
+            f"refusing to load {str(path)!r}: it holds objects other than tensors and plain containers "
+            f"(a checkpoint of this project never does; it may have been tampered with): {reason}"
+        ) from None
 
 
 def _keeps_optimizer_per_rank(run) -> bool:
@@ -134,7 +154,7 @@ def load(run, path: Path) -> None:
         )
     run.model.module.load_state_dict(loaded["model"])
     per_rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
-    per_rank = torch.load(per_rank_file, weights_only=False) if same_layout else None
+    per_rank = load_rank_file(per_rank_file) if same_layout else None
     run.optimizer.load_state_dict(per_rank["optimizer"] if _keeps_optimizer_per_rank(run) else loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
