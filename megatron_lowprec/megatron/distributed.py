@@ -28,6 +28,7 @@ all-gather (another).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.metrics import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.quant import quantize_fp8
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, signed_word
@@ -549,10 +551,116 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """A per-rank :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict`."""
+        if "shards" in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            self._load_sharded(state_dict)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
-        raise NotImplementedError
+        """The optimizer state in model space for ``dist_checkpointing``: every state of a
+        parameter as one tensor of the parameter's shape (FP8 states per element,
+        :func:`checkpoint_state`), under the keys the unsharded hook saves, so that either
+        optimizer loads the other's checkpoints at any data-parallel size and TP/PP layout.
+
+        Saving gathers each bucket's state over the data-parallel ranks one bucket and one state at
+        a time (megatron-core 0.16 no longer saves flattened ranges) and keeps each parameter's
+        state on the rank that owns its first element, which writes it: a rank holds about its
+        share plus one bucket's worth. Loading reads, on each rank, the whole state of every
+        parameter it owns a piece of; ``load_state_dict`` takes the loaded result."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+        model_tensors = {
+            id(tensor.data): tensor for tensor in nested_values(extract_sharded_tensors_and_factories(model_sharded_state_dict)[0])
+        }
+        param_ids = {param: index for index, param in enumerate(self.get_parameters())}
+        state: dict[Any, Any] = {}
+        for shard in self.optimizer.shards:
+            tensors = self._loading_tensors(shard) if is_loading else self._gathered_tensors(shard)
+            first_owned = {piece.param for piece in shard.pieces if piece.param_start == 0}
+            for param, entry in tensors.items():
+                replica = 0 if param in first_owned else shard.rank
+                model_tensor = model_tensors.get(id(param))
+                if model_tensor is None:
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+                state[param_ids[param]] = {
+                    key: dataclasses.replace(
+                        model_tensor, key=f"optimizer.state.{key}.{model_tensor.key}", data=value, dtype=value.dtype,
+                        replica_id=(*model_tensor.replica_id[:2], replica),
+                    )
+                    for key, value in entry.items()
+                }
+        state["common_step"] = self.optimizer.step_count
+        groups = []
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = LocalNonpersistentObject([param_ids[param] for param in group["params"]])
+            groups.append(saved)
+        return {
+            "state": state,
+            "param_groups": groups,
+            "lowprec": {"option": self.optimizer.strategy.name, "skipped_steps": self.optimizer.skipped_steps,
+                        "seed": self.optimizer.seed, "generator_state": None},
+        }
+
+    def _loading_tensors(self, shard: Shard) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Empty parameter-shaped checkpoint-form tensors for every parameter with a piece here."""
+        tensors = {}
+        for piece in shard.pieces:
+            param = piece.param
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), 1, self.optimizer.strategy, is_loading=True)
+            tensors[param] = {
+                key: torch.empty(param.shape, dtype=value.dtype, device=value.device) for key, value in form.items()
+            }
+        return tensors
+
+    def _gathered_tensors(self, shard: Shard) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """The whole checkpoint-form state of each parameter whose first element this rank owns."""
+        strategy = self.optimizer.strategy
+        owned_numel = shard.end - shard.start
+        local = {
+            key: torch.zeros(owned_numel, dtype=torch.uint8 if buffer.dtype.itemsize == 1 else buffer.dtype, device=self.device)
+            for key, buffer in shard.state.items()
+        }
+        for piece in shard.pieces:
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy)
+            for key, value in form.items():
+                local[key][piece.state_start : piece.state_start + piece.numel] = value
+        written = [piece for piece in shard.pieces if piece.param_start == 0]
+        tensors: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {piece.param: {} for piece in written}
+        world_size = len(shard.bounds) - 1
+        longest = max(shard.bounds[r + 1] - shard.bounds[r] for r in range(world_size))
+        for key in sorted(local):
+            sending = torch.zeros(longest, dtype=local[key].dtype, device=self.device)
+            sending[:owned_numel] = local[key]
+            received = torch.empty(world_size * longest, dtype=sending.dtype, device=self.device)
+            torch.distributed.all_gather_into_tensor(received, sending, group=shard.group)
+            rows = received.view(world_size, longest)
+            bucket = torch.cat([rows[r, : shard.bounds[r + 1] - shard.bounds[r]] for r in range(world_size)])
+            for piece in written:
+                numel = piece.param.numel()
+                tensors[piece.param][key] = bucket[piece.bucket_start : piece.bucket_start + numel].clone().view(piece.param.shape)
+        return tensors
+
+    def _load_sharded(self, loaded: dict[str, Any]) -> None:
+        """Copy what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` into the shards."""
+        extra = loaded["lowprec"]
+        if extra["option"] != self.optimizer.strategy.name:
+            raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
+        param_ids = {param: index for index, param in enumerate(self.get_parameters())}
+        for shard in self.optimizer.shards:
+            for piece in shard.pieces:
+                whole = loaded["state"][param_ids[piece.param]]
+                run = {key: value.reshape(-1)[piece.param_start : piece.param_start + piece.numel] for key, value in whole.items()}
+                restore_checkpoint_state(self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy)
+        for saved, group in zip(loaded["param_groups"], self.param_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        self.optimizer.step_count = loaded["state"]["common_step"]
+        self.optimizer.skipped_steps = extra["skipped_steps"]
+        self.optimizer.seed = extra["seed"]
 
 
 def build_distributed_optimizer(

@@ -25,9 +25,14 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
     build_distributed_optimizer,
@@ -37,6 +42,7 @@ from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.adamw import non_finite_flag
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 
 class LowPrecisionOptimizer(FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
@@ -52,10 +58,6 @@ class LowPrecisionOptimizer(FP32Optimizer):
         state_dict = super().state_dict()
         state_dict["lowprec"]["seed"] -= self.seed_offset
         return state_dict
-
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self.optimizer.seed += self.seed_offset
 
     @torch.no_grad()
     def step(self):
@@ -124,18 +126,39 @@ class LowPrecisionOptimizer(FP32Optimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
-        parameter's shape), which ``dist_checkpointing`` reshards across layouts. The shared step is
-        kept also when it is 0 (megatron drops a falsy step, and the state could not load)."""
-        if self.optimizer.strategy.moments == "fp8":
-            raise ValueError(
-                "option 'coat' keeps per-group FP8 scales that do not follow the parameter's shape; "
-                "save it with state_dict() instead of dist_checkpointing"
-            )
-        step = self._extract_common_per_param_step(self.state_dict())
-        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        parameter's shape; FP8 states per element, :func:`checkpoint_state`), which
+        ``dist_checkpointing`` reshards across layouts; the distributed optimizer saves and loads
+        the same keys. The shared step is kept also when it is 0 (megatron drops a falsy step, and
+        the state could not load)."""
+        state_dict = self.state_dict()
+        step = self._extract_common_per_param_step(state_dict)
+        params = self.get_parameters()
+        for index, entry in state_dict["state"].items():
+            param = params[index]
+            tensors = {key: value for key, value in entry.items() if torch.is_tensor(value)}
+            for key, value in checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading).items():
+                entry[key] = value.view(param.shape)
+        optim_state_to_sharding_state(
+            state_dict, get_param_id_to_sharded_param_map(model_sharded_state_dict, params), exclude_keys="step"
+        )
         if step is not None:
-            sharded["state"]["common_step"] = step
-        return sharded
+            state_dict["state"]["common_step"] = step
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        """A :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups)."""
+        params = self.get_parameters()
+        for index, entry in state_dict["state"].items():
+            if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
+                continue
+            param = params[index]
+            if entry["exp_avg_scale"].numel() == param.numel() and entry["exp_avg_payload"].dtype == torch.uint8:
+                restored = {key: value.clone() for key, value in self.optimizer.state[param].items() if torch.is_tensor(value)}
+                restore_checkpoint_state(restored, entry, param.numel(), self.optimizer.strategy)
+                entry.update(restored)
+        super().load_state_dict(state_dict)
+        self.optimizer.seed += self.seed_offset
 
 
 def canonical_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:

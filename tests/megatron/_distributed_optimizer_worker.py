@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _flat, _seeded_model, _transformer_config
-from _optimizer_hook_worker import _optimizer_config, _train
+from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
 
@@ -77,7 +77,82 @@ def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: in
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded,)}
+def _sharded_checkpoint(model, optimizer, scheduler, is_loading: bool) -> dict:
+    model_state = model.module.sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": scheduler.state_dict(),
+    }
+
+
+def _load_checkpoint(option: str, config, distributed: bool, checkpoint_dir: str, steps: int):
+    """A fresh model and optimizer (which first take a step of their own, so that loading must
+    overwrite it) loaded from ``checkpoint_dir``."""
+    from megatron.core import dist_checkpointing
+
+    model = _ddp(config, distributed)
+    optimizer = _optimizer(option, model, distributed)
+    scheduler = _scheduler(optimizer, steps)
+    _train(model, optimizer, 1, scheduler)
+    loaded = dist_checkpointing.load(_sharded_checkpoint(model, optimizer, scheduler, is_loading=True), checkpoint_dir)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler = _scheduler(optimizer, steps)
+    scheduler.load_state_dict(loaded["scheduler"])
+    return model, optimizer, scheduler
+
+
+def save_and_resume(options: list[str], checkpoint_dir: str, steps: int) -> dict:
+    """DP=2 with the distributed optimizer: ``steps`` straight against ``steps / 2``, a
+    dist_checkpointing save (kept under ``checkpoint_dir/<option>`` for other layouts to load) and a
+    fresh model and optimizer that load it and run the rest; per option, whether the losses and
+    parameters are bit-identical."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    half = steps // 2
+    result = {}
+    for option in options:
+        directory = Path(checkpoint_dir) / option
+        if torch.distributed.get_rank() == 0:
+            directory.mkdir(parents=True)
+        torch.distributed.barrier()
+        model = _ddp(config, True)
+        optimizer = _optimizer(option, model, True)
+        scheduler = _scheduler(optimizer, steps)
+        _train(model, optimizer, half, scheduler)
+        dist_checkpointing.save(_sharded_checkpoint(model, optimizer, scheduler, is_loading=False), str(directory))
+        straight = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        straight_params = _flat(model.parameters())
+        model, optimizer, scheduler = _load_checkpoint(option, config, True, str(directory), steps)
+        resumed = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        result[option] = {
+            "losses_identical": resumed == straight,
+            "params_identical": torch.equal(straight_params.view(torch.int32), _flat(model.parameters()).view(torch.int32)),
+        }
+    return result
+
+
+def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
+    """Another layout loads each option's checkpoint with and without the distributed optimizer and
+    runs ``steps`` steps; per option, both runs' losses."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    result = {}
+    for option in options:
+        losses = {}
+        for distributed in (True, False):
+            model, optimizer, scheduler = _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
+            losses[distributed] = _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
+        result[option] = {"sharded": losses[True], "unsharded": losses[False]}
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere)}
 
 
 def main(result_dir: Path, scenario: str, arguments: dict) -> None:
