@@ -45,6 +45,7 @@ def checkpoint_state(
 
 def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
     """``values`` as [groups, group_size], the last group padded with its own last value."""
+    values = values.reshape(-1)
     groups = math.ceil(values.numel() / group_size)
     padding = groups * group_size - values.numel()
     return torch.cat([values, values[-1:].expand(padding)]).view(groups, group_size)

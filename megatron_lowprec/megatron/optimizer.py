@@ -133,6 +133,7 @@ class LowPrecisionOptimizer(FP32Optimizer):
         state_dict = self.state_dict()
         step = self._extract_common_per_param_step(state_dict)
         params = self.get_parameters()
+        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
         for index, entry in state_dict["state"].items():
             param = params[index]
             tensors = {key: value for key, value in entry.items() if torch.is_tensor(value)}

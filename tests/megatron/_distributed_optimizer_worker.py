@@ -135,20 +135,46 @@ def save_and_resume(options: list[str], checkpoint_dir: str, steps: int) -> dict
     return result
 
 
+def _same_state(sharded, sharded_model, unsharded, unsharded_model) -> bool:
+    """Whether every piece of the sharded optimizer's state equals, bit for bit, the same elements
+    of the unsharded optimizer's state (the models are built alike, so their parameters pair up)."""
+    from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
+
+    pairs = dict(zip(sharded_model.parameters(), unsharded_model.parameters()))
+    strategy = sharded.optimizer.strategy
+    group = strategy.fp8_group_size if strategy.moments == "fp8" else 1
+    for shard in sharded.optimizer.shards:
+        for piece in shard.pieces:
+            whole = unsharded.optimizer.state[pairs[piece.param]]
+            for key, value in sharded.optimizer.piece_state(shard, piece).items():
+                if key.endswith(PER_GROUP_PARTS):
+                    expected = whole[key][piece.param_start // group : piece.param_start // group + value.numel()]
+                else:
+                    expected = whole[key].reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+                if not torch.equal(value.view(torch.uint8), expected.contiguous().view(torch.uint8)):
+                    return False
+    return True
+
+
 def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
-    """Another layout loads each option's checkpoint with and without the distributed optimizer and
-    runs ``steps`` steps; per option, both runs' losses."""
+    """Another layout loads each option's checkpoint with and without the distributed optimizer:
+    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     result = {}
     for option in options:
-        losses = {}
-        for distributed in (True, False):
-            model, optimizer, scheduler = _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
-            losses[distributed] = _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
-        result[option] = {"sharded": losses[True], "unsharded": losses[False]}
+        runs = {
+            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
+            for distributed in (True, False)
+        }
+        same_state = _same_state(runs[True][1], runs[True][0], runs[False][1], runs[False][0])
+        losses = {
+            distributed: _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
+            for distributed, (model, optimizer, scheduler) in runs.items()
+        }
+        result[option] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
     return result
 
 
