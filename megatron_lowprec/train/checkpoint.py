@@ -5,9 +5,11 @@ sharded like its parameter, so ``dist_checkpointing`` reshards it for another TP
 its common part the iteration (which is also the data position, see
 :mod:`megatron_lowprec.train.data`), the LR scheduler, the option and the parallel layout.
 ``rank<R>.pt`` beside them keeps each rank's RNG states (torch, megatron's tracker streams, Python,
-NumPy), restored when the layout is unchanged. Option ``coat`` keeps per-group FP8 scales that do not
-follow parameter shapes: its optimizer state goes into ``rank<R>.pt`` too and resumes at the same
-layout only. A checkpoint is written under ``iter_<N>.partial`` and renamed when every rank is done;
+NumPy), restored when the layout is unchanged; it holds tensors and plain containers only and is
+read with ``weights_only=True``. Every option, ``coat`` included (its FP8 states are saved per
+element, :mod:`megatron_lowprec.megatron.checkpoint_state`), and the distributed optimizer save the
+same model-space optimizer state, so a checkpoint resumes at another TP/PP layout, data-parallel
+size or ``optimizer.distributed`` setting. A checkpoint is written under ``iter_<N>.partial`` and renamed when every rank is done;
 ``checkpoints/latest`` names the newest complete one, so an interrupted save leaves the previous
 checkpoint in charge.
 """
@@ -93,10 +95,6 @@ def load_rank_file(path: Path) -> dict:
         ) from None
 
 
-def _keeps_optimizer_per_rank(run) -> bool:
-    return run.optimizer.optimizer.strategy.moments == "fp8"
-
-
 def _sharded_state(run, is_loading: bool) -> dict:
     model_state = run.model.module.sharded_state_dict()
     state = {
@@ -105,9 +103,8 @@ def _sharded_state(run, is_loading: bool) -> dict:
         "scheduler": run.scheduler.state_dict(),
         "option": run.optimizer.optimizer.strategy.name,
         "layout": _layout(),
+        "optimizer": run.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
     }
-    if not _keeps_optimizer_per_rank(run):
-        state["optimizer"] = run.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     return state
 
 
@@ -125,8 +122,6 @@ def save(run) -> Path:
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(run, is_loading=False), str(partial))
     per_rank = {"rng": _rng_states(), "layout": _layout()}
-    if _keeps_optimizer_per_rank(run):
-        per_rank["optimizer"] = run.optimizer.state_dict()
     torch.save(per_rank, partial / f"rank{rank}.pt")
     torch.distributed.barrier()
     if rank == 0:
@@ -148,14 +143,9 @@ def load(run, path: Path) -> None:
     if loaded["option"] != option:
         raise ValueError(f"checkpoint {str(path)!r} was trained with option {loaded['option']!r}, not {option!r}")
     same_layout = loaded["layout"] == _layout()
-    if _keeps_optimizer_per_rank(run) and not same_layout:
-        raise ValueError(
-            f"option {option!r} resumes at the layout it was saved with, {loaded['layout']}, not {_layout()}"
-        )
     run.model.module.load_state_dict(loaded["model"])
-    per_rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
-    per_rank = load_rank_file(per_rank_file) if same_layout else None
-    run.optimizer.load_state_dict(per_rank["optimizer"] if _keeps_optimizer_per_rank(run) else loaded["optimizer"])
+    per_rank = load_rank_file(path / f"rank{torch.distributed.get_rank()}.pt") if same_layout else None
+    run.optimizer.load_state_dict(loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:
