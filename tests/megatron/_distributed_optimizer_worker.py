@@ -31,21 +31,24 @@ def _ddp(config, distributed: bool, bucket_size: int | None = None):
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
 
 
-def _optimizer(option: str, model, distributed: bool, **options):
+def _optimizer(option: str, model, distributed: bool, fused: bool = False, **options):
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
     config = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=distributed)
-    return build_optimizer(option, [model], config, seed=11, fused=False, **options)
+    return build_optimizer(option, [model], config, seed=11, fused=fused, **options)
 
 
 def _unsharded_state_bytes(optimizer) -> int:
     return sum(buffer.numel() * buffer.element_size() for bucket in optimizer.optimizer.buckets for buffer in bucket.state.values())
 
 
-def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None) -> dict:
+def sharded_equals_unsharded(
+    options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False
+) -> dict:
     """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
-    on the same data (DDP buckets of ``bucket_size`` elements); whether losses and parameters are
-    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
+    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``);
+    whether losses and parameters are bit-identical, the optimizer state bytes each rank holds, and
+    the layout's figures."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
@@ -55,7 +58,7 @@ def sharded_equals_unsharded(options: list[str], tensor_parallel: int, steps: in
         runs = {}
         for distributed in (False, True):
             model = _ddp(config, distributed, bucket_size)
-            optimizer = _optimizer(option, model, distributed, track_update_quality=True)
+            optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
             losses = _train(model, optimizer, steps)
             quality = optimizer.update_quality()
             state_bytes = optimizer.optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)

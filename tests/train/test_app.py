@@ -193,9 +193,11 @@ def test_fp8_layer_flow_and_exmy_emulation(tmp_path, cache_dir):
 def test_distributed_optimizer_trains_resumes_and_reshards_coat(tmp_path, cache_dir):
     """``optimizer.distributed=true`` at DP=2 with coat: the same losses and parameters as the
     unsharded run, resuming a copy of its step-2 checkpoint gives the straight run bit for bit, and
-    the same checkpoint resumes at TP=2 (DP=1, unsharded), which coat could not before."""
+    the same checkpoint resumes at TP=2 (DP=1, unsharded), which coat could not before. Gradients
+    are reduced in BF16: with FP32 gradients the unsharded optimizer clips by megatron's FP32 norm,
+    which depends on how the elements are split into tensors, and the two runs drift by rounding."""
     straight, resumed, unsharded, resharded = (tmp_path / name for name in ("straight", "resumed", "unsharded", "tp2"))
-    common = ("precision=coat", "trainer.max_steps=4")
+    common = ("precision=coat", "trainer.max_steps=4", "precision.grad_reduce_in_fp32=false")
     steps = [
         {"overrides": _tiny(cache_dir, straight, *common, "optimizer.distributed=true", "trainer.save=true",
                             "trainer.save_interval=2")},
