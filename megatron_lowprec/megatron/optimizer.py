@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
