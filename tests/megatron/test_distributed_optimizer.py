@@ -28,24 +28,27 @@ def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[
 
 
 @pytest.mark.parametrize(
-    "world_size, tensor_parallel, bucket_size, steps",
-    [(2, 1, 3000, 10), (4, 2, None, 6)],
-    ids=["dp2-small-buckets", "tp2xdp2"],
+    "options, world_size, tensor_parallel, bucket_size, steps, fused",
+    [(OPTIONS, 2, 1, 3000, 10, False), (OPTIONS, 4, 2, None, 6, False), (["sr", "coat"], 2, 1, 3000, 3, True)],
+    ids=["dp2-small-buckets", "tp2xdp2", "dp2-fused"],
 )
-def test_sharded_states_train_bit_identically_and_hold_their_share(tmp_path, world_size, tensor_parallel, bucket_size, steps):
-    """Every option, with and without the distributed optimizer, from the same weights on the same
+def test_sharded_states_train_bit_identically_and_hold_their_share(
+    tmp_path, options, world_size, tensor_parallel, bucket_size, steps, fused
+):
+    """Each option, with and without the distributed optimizer, from the same weights on the same
     data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
-    boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket). Each
+    boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; the
+    compiled kernel on stochastic rounding's row grids and coat's group-aligned chunks). Each
     rank holds at most its share of the unsharded state plus one alignment unit per bucket (the
     share is smaller by the unsharded buckets' wider padding), the ranks hold equal shares within
     one unit per bucket, and the update-quality pieces summed over the ranks match."""
-    ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=OPTIONS,
-                 tensor_parallel=tensor_parallel, steps=steps, bucket_size=bucket_size)
+    ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=options,
+                 tensor_parallel=tensor_parallel, steps=steps, bucket_size=bucket_size, fused=fused)
     data_parallel = ranks[0]["data_parallel_size"]
     assert data_parallel == 2
     if bucket_size is not None:
         assert ranks[0]["coat"]["buckets"] > 1 and ranks[0]["coat"]["halo"] > 0
-    for option in OPTIONS:
+    for option in options:
         results = [rank[option] for rank in ranks]
         for result in results:
             assert result["successes"] and result["losses_identical"] and result["params_identical"], option
@@ -82,3 +85,26 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
                     assert result["sharded"] == result["unsharded"], option
                 else:
                     assert result["sharded"] == pytest.approx(result["unsharded"], rel=1e-4), option
+
+
+def test_shard_boundaries_move_to_the_end_of_a_cut_fp8_group():
+    from megatron_lowprec.megatron.distributed import owned_bounds
+
+    params = [(0, 300), (320, 1024)]
+    assert owned_bounds(1024, 2, params, 1) == [0, 512, 1024]
+    assert owned_bounds(1024, 2, params, 128) == [0, 576, 1024]
+    assert owned_bounds(1024, 2, [(0, 1024)], 128) == [0, 512, 1024]
+    with pytest.raises(ValueError, match="fewer than one FP8 group"):
+        owned_bounds(128, 4, [(0, 128)], 128)
+
+
+@pytest.mark.parametrize("start, numel", [(0, 96), (5, 40), (20, 37), (12, 12), (7, 1)])
+def test_row_grids_give_each_element_its_global_index(start, numel):
+    """A run of a tensor-parallel shard's elements, cut into whole rows, draws from the indices
+    that ``StreamLayout.index`` gives those elements in the whole tensor."""
+    from megatron_lowprec.megatron.distributed import _row_grids
+    from megatron_lowprec.numerics.rounding import StreamLayout, grid_index
+
+    layout = StreamLayout.shard(7, (8, 12), 1, rank=1, world_size=3)
+    pieces = [grid_index(offset, layout.row_stride, rows, length).reshape(-1) for _, rows, length, offset in _row_grids(layout, start, numel)]
+    assert torch.equal(torch.cat(pieces), layout.index(96)[start : start + numel])
