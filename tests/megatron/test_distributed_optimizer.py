@@ -108,3 +108,29 @@ def test_row_grids_give_each_element_its_global_index(start, numel):
     layout = StreamLayout.shard(7, (8, 12), 1, rank=1, world_size=3)
     pieces = [grid_index(offset, layout.row_stride, rows, length).reshape(-1) for _, rows, length, offset in _row_grids(layout, start, numel)]
     assert torch.equal(torch.cat(pieces), layout.index(96)[start : start + numel])
+
+
+def test_a_megatron_core_without_the_sharding_machinery_is_refused(monkeypatch):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_lowprec.megatron.distributed import megatron_sharding_api
+
+    monkeypatch.delattr(DistributedOptimizer, "_build_model_gbuf_param_range_map")
+    with pytest.raises(ValueError, match=r"megatron-core >= 0\.16; megatron-core \S+ lacks DistributedOptimizer\._build_model_gbuf_param_range_map"):
+        megatron_sharding_api()
+
+
+def test_model_chunks_without_the_distributed_optimizer_are_refused():
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_lowprec.megatron.distributed import build_distributed_optimizer
+    from megatron_lowprec.optim import get_strategy
+
+    chunk = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
+    with pytest.raises(ValueError, match=r"DistributedDataParallelConfig\(use_distributed_optimizer=True\)"):
+        build_distributed_optimizer(
+            get_strategy("C"), [chunk], OptimizerConfig(use_distributed_optimizer=True), [],
+            seed=0, fused=False, track_update_quality=False, stream_layouts={},
+        )
