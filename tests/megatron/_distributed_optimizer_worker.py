@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _cpu_bridge_worker import _flat, _seeded_model, _transformer_config
+from _cpu_bridge_worker import _flat, _seeded_model, _train_step, _transformer_config
 from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
@@ -42,24 +42,48 @@ def _unsharded_state_bytes(optimizer) -> int:
     return sum(buffer.numel() * buffer.element_size() for bucket in optimizer.optimizer.buckets for buffer in bucket.state.values())
 
 
+def _train_with_finalize(model, optimizer, steps: int) -> dict:
+    """``steps`` steps in which megatron's schedule syncs the gradients once, through
+    ``finalize_model_grads`` (DDP reduction, then the tied embedding's all-reduce across stages):
+    a second ``finish_grad_sync`` would reduce-scatter already reduced shards again."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    scheduler = _scheduler(optimizer, steps)
+    losses, successes = [], []
+    for step in range(steps):
+        scheduler.step(1)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.extend(_train_step(model, data_seed=1000 * step + parallel_state.get_data_parallel_rank()))
+        successes.append(optimizer.step()[0])
+    return {"losses": losses, "successes": successes}
+
+
 def sharded_equals_unsharded(
-    options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False
+    options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False,
+    pipeline_parallel: int = 1,
 ) -> dict:
     """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
-    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``);
-    whether losses and parameters are bit-identical, the optimizer state bytes each rank holds, and
-    the layout's figures."""
+    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``; tied
+    embeddings across ``pipeline_parallel`` stages); whether losses and parameters are
+    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    config = _transformer_config(
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, hidden_dropout=0.0, attention_dropout=0.0
+    )
     result = {}
     for option in options:
         runs = {}
         for distributed in (False, True):
             model = _ddp(config, distributed, bucket_size)
             optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
-            losses = _train(model, optimizer, steps)
+            losses = _train_with_finalize(model, optimizer, steps)
             quality = optimizer.update_quality()
             state_bytes = optimizer.optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)
             runs[distributed] = (losses, _flat(model.parameters()), state_bytes, quality, optimizer)
