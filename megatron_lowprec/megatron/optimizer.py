@@ -23,15 +23,26 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.distributed import (
+    DistributedLowPrecisionOptimizer,
+    build_distributed_optimizer,
+    sum_of_squares,
+)
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.adamw import non_finite_flag
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 
 class LowPrecisionOptimizer(FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
@@ -47,10 +58,6 @@ class LowPrecisionOptimizer(FP32Optimizer):
         state_dict = super().state_dict()
         state_dict["lowprec"]["seed"] -= self.seed_offset
         return state_dict
-
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self.optimizer.seed += self.seed_offset
 
     @torch.no_grad()
     def step(self):
@@ -89,13 +96,12 @@ class LowPrecisionOptimizer(FP32Optimizer):
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clipping by the global L2 norm over the model-parallel group: megatron's own for FP32
-        gradients, the same computation with squares accumulated in FP32 for 16-bit gradients
-        (megatron's asserts FP32)."""
+        gradients; for 16-bit gradients (megatron's asserts FP32) squares in FP32 summed in FP64
+        (:func:`~megatron_lowprec.megatron.distributed.sum_of_squares`), which the distributed
+        optimizer sums the same way over its shards."""
         if all(p.grad.dtype == torch.float32 for p in self.get_parameters() if p.grad is not None):
             return super().clip_grad_norm(clip_grad)
-        squares = torch.zeros(1, device=self.get_loss_scale().device)
-        for grad in self.get_main_grads_for_grad_norm():
-            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.get_loss_scale().device)
         torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
         grad_norm = squares.item() ** 0.5
         coefficient = clip_grad / (grad_norm + 1.0e-6)
@@ -120,18 +126,40 @@ class LowPrecisionOptimizer(FP32Optimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
-        parameter's shape), which ``dist_checkpointing`` reshards across layouts. The shared step is
-        kept also when it is 0 (megatron drops a falsy step, and the state could not load)."""
-        if self.optimizer.strategy.moments == "fp8":
-            raise ValueError(
-                "option 'coat' keeps per-group FP8 scales that do not follow the parameter's shape; "
-                "save it with state_dict() instead of dist_checkpointing"
-            )
-        step = self._extract_common_per_param_step(self.state_dict())
-        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        parameter's shape; FP8 states per element, :func:`checkpoint_state`), which
+        ``dist_checkpointing`` reshards across layouts; the distributed optimizer saves and loads
+        the same keys. The shared step is kept also when it is 0 (megatron drops a falsy step, and
+        the state could not load)."""
+        state_dict = self.state_dict()
+        step = self._extract_common_per_param_step(state_dict)
+        params = self.get_parameters()
+        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
+        for index, entry in state_dict["state"].items():
+            param = params[index]
+            tensors = {key: value for key, value in entry.items() if torch.is_tensor(value)}
+            for key, value in checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading).items():
+                entry[key] = value.view(param.shape)
+        optim_state_to_sharding_state(
+            state_dict, get_param_id_to_sharded_param_map(model_sharded_state_dict, params), exclude_keys="step"
+        )
         if step is not None:
-            sharded["state"]["common_step"] = step
-        return sharded
+            state_dict["state"]["common_step"] = step
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        """A :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups)."""
+        params = self.get_parameters()
+        for index, entry in state_dict["state"].items():
+            if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
+                continue
+            param = params[index]
+            if entry["exp_avg_scale"].numel() == param.numel() and entry["exp_avg_payload"].dtype == torch.uint8:
+                restored = {key: value.clone() for key, value in self.optimizer.state[param].items() if torch.is_tensor(value)}
+                restore_checkpoint_state(restored, entry, param.numel(), self.optimizer.strategy)
+                entry.update(restored)
+        super().load_state_dict(state_dict)
+        self.optimizer.seed += self.seed_offset
 
 
 def canonical_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
@@ -192,8 +220,12 @@ def build_optimizer(
     shared_randomness: bool = True,
     fused: bool | None = None,
     track_update_quality: bool = False,
-) -> LowPrecisionOptimizer:
+) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
     """The Megatron optimizer of precision ``option`` for ``model_chunks`` (after megatron DDP wrapping).
+
+    ``config.use_distributed_optimizer`` shards every state across the data-parallel ranks (ZeRO-1,
+    :mod:`megatron_lowprec.megatron.distributed`); the chunks must then be DDP built with
+    ``use_distributed_optimizer=True`` as well.
 
     Parameter groups are megatron's own (no weight decay on biases and 1-D parameters, ``wd_mult``
     and ``lr_mult`` for ``OptimizerParamScheduler``); ``config`` supplies lr, weight decay, Adam's
@@ -201,14 +233,22 @@ def build_optimizer(
     option raises ``ValueError`` listing the valid names before anything is built.
     """
     strategy = get_strategy(option)
-    if config.use_distributed_optimizer:
-        raise ValueError("use_distributed_optimizer=True is not supported by the precision options; set it to False")
+    if config.use_distributed_optimizer and not shared_randomness:
+        raise ValueError(
+            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
+            "with the distributed optimizer each element is updated on one rank only"
+        )
     groups: list[dict[str, Any]] = []
     for group in megatron_param_groups(model_chunks, config, None):
         if group["params"]:
             groups.append(
                 {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
             )
+    if config.use_distributed_optimizer:
+        return build_distributed_optimizer(
+            strategy, model_chunks, config, groups, seed=seed, fused=fused,
+            track_update_quality=track_update_quality, stream_layouts=stream_layouts(model_chunks),
+        )
     seed_offset = 0 if shared_randomness else torch.distributed.get_rank() * 1_000_003
     adamw = AdamW(
         groups,

@@ -5,9 +5,11 @@ sharded like its parameter, so ``dist_checkpointing`` reshards it for another TP
 its common part the iteration (which is also the data position, see
 :mod:`megatron_lowprec.train.data`), the LR scheduler, the option and the parallel layout.
 ``rank<R>.pt`` beside them keeps each rank's RNG states (torch, megatron's tracker streams, Python,
-NumPy), restored when the layout is unchanged. Option ``coat`` keeps per-group FP8 scales that do not
-follow parameter shapes: its optimizer state goes into ``rank<R>.pt`` too and resumes at the same
-layout only. A checkpoint is written under ``iter_<N>.partial`` and renamed when every rank is done;
+NumPy), restored when the layout is unchanged; it holds tensors and plain containers only and is
+read with ``weights_only=True``. Every option, ``coat`` included (its FP8 states are saved per
+element, :mod:`megatron_lowprec.megatron.checkpoint_state`), and the distributed optimizer save the
+same model-space optimizer state, so a checkpoint resumes at another TP/PP layout, data-parallel
+size or ``optimizer.distributed`` setting. A checkpoint is written under ``iter_<N>.partial`` and renamed when every rank is done;
 ``checkpoints/latest`` names the newest complete one, so an interrupted save leaves the previous
 checkpoint in charge.
 """
@@ -15,6 +17,7 @@ checkpoint in charge.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -51,13 +54,16 @@ def _layout() -> dict[str, int]:
 
 
 def _rng_states() -> dict:
+    """Every RNG state as tensors and plain containers only (NumPy's key as an int64 tensor), so
+    that the per-rank file loads with ``torch.load(weights_only=True)``."""
     from megatron.core import tensor_parallel
 
+    name, key, position, has_gauss, cached_gaussian = numpy.random.get_state()
     states = {
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
         "python": random.getstate(),
-        "numpy": numpy.random.get_state(),
+        "numpy": (name, torch.from_numpy(key.astype(numpy.int64)), position, has_gauss, cached_gaussian),
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
@@ -70,13 +76,25 @@ def _set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
     random.setstate(states["python"])
-    numpy.random.set_state(states["numpy"])
+    name, key, position, has_gauss, cached_gaussian = states["numpy"]
+    numpy.random.set_state((name, key.numpy().astype(numpy.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _keeps_optimizer_per_rank(run) -> bool:
-    return not run.config.precision.megatron_optimizer and run.optimizer.optimizer.strategy.moments == "fp8"
+def load_rank_file(path: Path) -> dict:
+    """A per-rank file (``rank<R>.pt``), unpickled with ``weights_only=True``: tensors and plain
+    containers only. A file that holds anything else (a tampered checkpoint that would run code
+    when unpickled) is refused with ``ValueError``."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        reason = lines[0].strip() if lines else type(error).__name__
+        raise ValueError(
+            f"refusing to load {str(path)!r}: it holds objects other than tensors and plain containers "
+            f"(a checkpoint of this project never does; it may have been tampered with): {reason}"
+        ) from None
 
 
 def _sharded_state(run, is_loading: bool) -> dict:
@@ -87,9 +105,8 @@ def _sharded_state(run, is_loading: bool) -> dict:
         "scheduler": run.scheduler.state_dict(),
         "option": option_label(run.config.precision),
         "layout": _layout(),
+        "optimizer": run.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
     }
-    if not _keeps_optimizer_per_rank(run):
-        state["optimizer"] = run.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     return state
 
 
@@ -107,8 +124,6 @@ def save(run) -> Path:
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(run, is_loading=False), str(partial))
     per_rank = {"rng": _rng_states(), "layout": _layout()}
-    if _keeps_optimizer_per_rank(run):
-        per_rank["optimizer"] = run.optimizer.state_dict()
     torch.save(per_rank, partial / f"rank{rank}.pt")
     torch.distributed.barrier()
     if rank == 0:
@@ -130,14 +145,9 @@ def load(run, path: Path) -> None:
     if loaded["option"] != option:
         raise ValueError(f"checkpoint {str(path)!r} was trained with option {loaded['option']!r}, not {option!r}")
     same_layout = loaded["layout"] == _layout()
-    if _keeps_optimizer_per_rank(run) and not same_layout:
-        raise ValueError(
-            f"option {option!r} resumes at the layout it was saved with, {loaded['layout']}, not {_layout()}"
-        )
     run.model.module.load_state_dict(loaded["model"])
-    per_rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
-    per_rank = torch.load(per_rank_file, weights_only=False) if same_layout else None
-    run.optimizer.load_state_dict(per_rank["optimizer"] if _keeps_optimizer_per_rank(run) else loaded["optimizer"])
+    per_rank = load_rank_file(path / f"rank{torch.distributed.get_rank()}.pt") if same_layout else None
+    run.optimizer.load_state_dict(loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:

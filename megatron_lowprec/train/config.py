@@ -151,6 +151,10 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (0 disables)."""
+    distributed: bool = False
+    """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps and updates only its
+    shard of every optimizer state (gradients reduce-scattered, parameters all-gathered); needs a
+    data-parallel size above 1. Training is bit-identical either way."""
 
 
 @dataclass
@@ -431,6 +435,18 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "model.attention_backend=te needs Transformer Engine, which is not installed; "
             "use model.attention_backend=sdpa (or auto)"
         )
+    if config.optimizer.distributed:
+        if dp == 1:
+            raise ConfigError(
+                f"optimizer.distributed=true shards the optimizer state over the data-parallel ranks, but "
+                f"{world_size} rank(s) at TP {tp} x PP {pp} leave a data-parallel size of 1; "
+                "set optimizer.distributed=false or launch more ranks"
+            )
+        if not config.precision.shared_randomness:
+            raise ConfigError(
+                "optimizer.distributed=true updates each element on one rank only, so replicas cannot drift; "
+                "precision.shared_randomness=false needs optimizer.distributed=false"
+            )
     _validate_layer_precision(config.precision)
     _validate_optimizer(config.optimizer)
     if config.data.kind == "indexed":

@@ -136,13 +136,16 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         grad_reduce_in_fp32 = strategy.master_weights
     model = DistributedDataParallel(
         config=module.config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=optim.distributed
+        ),
         module=module,
     )
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         bf16=True,
         params_dtype=torch.bfloat16,
+        use_distributed_optimizer=optim.distributed,
         **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
     )
     if config.precision.megatron_optimizer:

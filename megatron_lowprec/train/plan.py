@@ -47,4 +47,10 @@ def describe(config: TrainConfig, world_size: int) -> str:
             f"  model: {model.name}, {count / 1e6:,.1f}M parameters (vocab {padded}); "
             f"~{per_rank * strategy.bytes_per_param() / 2**30:,.2f} GiB of model and optimizer state per rank"
         )
+        state = per_rank * strategy.state_bytes(strategy.fp8_group_size) / strategy.fp8_group_size / 2**30
+        chosen = "sharded" if config.optimizer.distributed else "unsharded"
+        lines.append(
+            f"  optimizer state per rank: {state:,.3f} GiB unsharded, {state / dp:,.3f} GiB sharded over DP {dp} "
+            f"(optimizer.distributed={str(config.optimizer.distributed).lower()}: {chosen})"
+        )
     return "\n".join(lines)

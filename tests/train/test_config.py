@@ -204,3 +204,21 @@ def test_a_run_dir_that_cannot_be_created_is_a_config_error(capsys, tmp_path):
     blocker.write_text("not a directory")
     message = _fails(capsys, f"run_dir={blocker / 'run'}")
     assert message.startswith("lowprec-train: config error: run_dir=") and "cannot be created" in message
+
+
+def test_distributed_optimizer_needs_data_parallel_ranks(capsys, monkeypatch):
+    assert "data-parallel size of 1" in _fails(capsys, "optimizer.distributed=true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "shared_randomness=false needs optimizer.distributed=false" in _fails(
+        capsys, "optimizer.distributed=true", "precision=sr", "precision.shared_randomness=false"
+    )
+
+
+def test_dry_run_plan_shows_the_state_per_rank_with_and_without_sharding(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["trainer.dry_run=true", "precision=C", "model=gpt_125m", "optimizer.distributed=true"]) == 0
+    plan = capsys.readouterr().out.split("plan:")[1]
+    line = next(line for line in plan.splitlines() if "optimizer state per rank:" in line)
+    unsharded, sharded = (float(part.split(" GiB")[0].split()[-1]) for part in line.split(",")[:2])
+    assert sharded == pytest.approx(unsharded / 2, abs=1e-3) and unsharded > 0
+    assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in line

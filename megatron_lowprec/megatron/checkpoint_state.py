@@ -1,0 +1,85 @@
+"""Optimizer state in checkpoint form: one value per parameter element for every state.
+
+``dist_checkpointing`` reshards tensors that follow their parameter's shape. Most states do; COAT's
+FP8 moments keep a float8 payload per element but a scale (and an expansion exponent k) per group
+of the parameter's flattened elements, and how a tensor-parallel or data-parallel shard cuts those
+groups depends on the layout. In checkpoint form each element carries its payload (as uint8, which
+every checkpoint backend stores) and its group's scale and k. Restored at a layout whose groups
+hold elements of one saved group each, the payload, scale and k come back exactly, so the moments'
+values are unchanged; a group that gathers elements of several saved groups (another TP layout
+with rows that are not whole groups) is quantized afresh from the saved values (COAT §3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
+from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS
+from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+
+def checkpoint_state(
+    state: dict[str, torch.Tensor], numel: int, strategy: PrecisionStrategy, is_loading: bool = False
+) -> dict[str, torch.Tensor]:
+    """Each state of a run of ``numel`` flattened parameter elements (``state``: per-element
+    tensors of ``numel`` values, per-group FP8 parts of one value per group) as a flat tensor of
+    ``numel`` values: per-element states as they are (views), FP8 payloads as uint8, per-group
+    parts repeated over their group's elements. ``is_loading``: empty tensors to load into."""
+    result = {}
+    for key, value in state.items():
+        if key.endswith(PER_GROUP_PARTS):
+            result[key] = (
+                torch.empty(numel, dtype=value.dtype, device=value.device)
+                if is_loading
+                else value.repeat_interleave(strategy.fp8_group_size)[:numel]
+            )
+        elif value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+            result[key] = value.reshape(-1).view(torch.uint8)
+        else:
+            result[key] = value.reshape(-1)
+    return result
+
+
+def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``values`` as [groups, group_size], the last group padded with its own last value."""
+    values = values.reshape(-1)
+    groups = math.ceil(values.numel() / group_size)
+    padding = groups * group_size - values.numel()
+    return torch.cat([values, values[-1:].expand(padding)]).view(groups, group_size)
+
+
+def restore_checkpoint_state(
+    state: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], numel: int, strategy: PrecisionStrategy
+) -> None:
+    """Write ``loaded`` (:func:`checkpoint_state` form) into ``state`` in place (see the module docstring)."""
+    for key, value in state.items():
+        if not key.endswith(PER_GROUP_PARTS) and not (value.dtype.itemsize == 1 and value.dtype.is_floating_point):
+            value.copy_(loaded[key].reshape(value.shape))
+    if strategy.moments != "fp8":
+        return
+    group_size = strategy.fp8_group_size
+    for moment in MOMENTS:
+        payload = state[f"{moment}_payload"]
+        saved_payload = loaded[f"{moment}_payload"].reshape(-1).view(payload.dtype)
+        parts = [f"{moment}_scale"] + ([f"{moment}_expansion_exponent"] if strategy.fp8_expand else [])
+        grouped = {part: _groups(loaded[part].reshape(-1), group_size) for part in parts}
+        whole = torch.stack([(values == values[:, :1]).all(dim=1) for values in grouped.values()]).all(dim=0)
+        if not bool(whole.all()):
+            values = dequantize_fp8(
+                QuantizedTensor(
+                    saved_payload, loaded[parts[0]].reshape(-1),
+                    loaded[parts[1]].reshape(-1) if strategy.fp8_expand else None,
+                    1, torch.Size([numel]), payload.dtype,
+                )
+            )
+            quantize_fp8_into(
+                values, payload, state[parts[0]], state[parts[1]] if strategy.fp8_expand else None, group_size
+            )
+        payload_groups = _groups(payload.view(torch.uint8), group_size)
+        payload_groups[whole] = _groups(saved_payload.view(torch.uint8), group_size)[whole]
+        payload.view(torch.uint8).copy_(payload_groups.reshape(-1)[:numel])
+        for part, values in grouped.items():
+            state[part][whole] = values[whole, 0]

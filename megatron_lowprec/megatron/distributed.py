@@ -1,0 +1,698 @@
+"""ZeRO-1 for every precision option: megatron's distributed optimizer with a precision-aware AdamW.
+
+megatron-core's ``DistributedDataParallel`` with ``use_distributed_optimizer=True`` keeps the
+16-bit parameters and their gradients in contiguous buffers cut into buckets, each padded so that
+it splits evenly across the data-parallel ranks; it reduce-scatters each bucket's gradients (rank
+r receives the reduced shard ``[r·S, (r+1)·S)``) and all-gathers the parameters from the same
+shards (``start_param_sync``). :class:`DistributedLowPrecisionOptimizer` updates this rank's shard
+with its shard of every state of the precision option (m, v, δθ, δv, Kahan compensation, FP32
+master, FP8 payloads with their group scales and expansion exponents), as megatron's
+``DistributedOptimizer`` does for its FP32 main parameters.
+
+Reused from megatron-core: the DDP buffers, their bucketing, padding, reduce-scatter and
+all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_map`` (which
+parameter elements a bucket range holds); the ``MegatronOptimizer`` interface (scheduler, training
+loop, ``dist_checkpointing``). Not reused: megatron's main-parameter groups and its wrapped torch
+optimizer (the precision options keep no hidden FP32 copy except the masters of D and coat, which
+are optimizer state here), and its gradient-norm code (see :meth:`~DistributedLowPrecisionOptimizer.clip_grad_norm`).
+
+Bit-identical to the unsharded optimizer: every element goes through the same kernel
+(:func:`megatron_lowprec.optim.kernel.adamw_kernel_`); stochastic rounding draws each element's
+word from its global index in its logical tensor (:class:`StreamLayout`), whichever rank and
+slice holds it; and FP8 groups (coat's 1x128) follow each parameter's flattened elements, so a
+shard boundary that falls inside a group moves to the group's end: the rank before it owns the
+whole group, receives the reduced gradients of the group's tail from its neighbour (one small
+all-gather per step over all buckets) and hands the updated tail back before megatron's
+all-gather (another).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.transformer.module import param_is_not_shared
+
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.metrics import UpdateQuality, measure_update_quality
+from megatron_lowprec.numerics.quant import quantize_fp8
+from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, signed_word
+from megatron_lowprec.optim.adamw import non_finite_flag
+from megatron_lowprec.optim.buckets import LOW_COMPONENTS, MOMENTS, PER_GROUP_PARTS, state_keys
+from megatron_lowprec.optim.fused import EXTERN_CHUNK_ELEMENTS, compiled_kernel, fused_available
+from megatron_lowprec.optim.kernel import (
+    CounterStream,
+    StepScalars,
+    adamw_kernel_,
+    beta2_expansion_for,
+    check_param_dtype,
+    represented_value,
+)
+from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+NORM_CHUNK_ELEMENTS = 1 << 24
+"""Elements squared per pass of :func:`sum_of_squares` (bounds its FP32 temporaries)."""
+
+
+def megatron_sharding_api() -> tuple[type, type]:
+    """megatron-core's ``Range`` and ``DistributedOptimizer``, checked for what this module uses;
+    ``ValueError`` naming the installed version and the missing pieces otherwise."""
+    import megatron.core
+    from megatron.core import distributed
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+    except ImportError as error:
+        raise ValueError(
+            f"use_distributed_optimizer=True needs megatron-core's distributed optimizer (>= 0.16); "
+            f"megatron-core {version} has none ({error})"
+        ) from None
+    missing = [
+        name
+        for name, present in (
+            ("DistributedOptimizer._build_model_gbuf_param_range_map", hasattr(DistributedOptimizer, "_build_model_gbuf_param_range_map")),
+            ("DistributedDataParallel.start_param_sync", hasattr(distributed.DistributedDataParallel, "start_param_sync")),
+            ("DistributedDataParallelConfig.use_distributed_optimizer",
+             "use_distributed_optimizer" in getattr(distributed.DistributedDataParallelConfig, "__dataclass_fields__", {})),
+            ("parallel_state.get_intra_distributed_optimizer_instance_group",
+             hasattr(parallel_state, "get_intra_distributed_optimizer_instance_group")),
+        )
+        if not present
+    ]
+    if missing:
+        raise ValueError(
+            f"use_distributed_optimizer=True needs megatron-core >= 0.16; megatron-core {version} lacks {', '.join(missing)}"
+        )
+    return Range, DistributedOptimizer
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ x² over ``tensors`` as a 1-element FP64 tensor: each square in FP32 (exact for 16-bit
+    values), summed in FP64, so that the total hardly depends on how the elements are split into
+    tensors (a sharded and an unsharded optimizer find the same norm)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), NORM_CHUNK_ELEMENTS):
+            total += flat[start : start + NORM_CHUNK_ELEMENTS].float().square().sum(dtype=torch.float64)
+    return total
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that this rank updates: a contiguous run of its flattened elements."""
+
+    param: torch.nn.Parameter
+    group_index: int
+    param_start: int
+    """First element of the run in the parameter's flattened (local) tensor."""
+    bucket_start: int
+    """Position of that element in the megatron bucket's parameter and gradient buffers."""
+    numel: int
+    state_start: int
+    """Offset of the run in the shard's per-element state buffers."""
+    group_start: int
+    """Offset of its first FP8 group in the shard's per-group state buffers."""
+
+
+@dataclass
+class Shard:
+    """This rank's part of one megatron bucket: the owned range, its pieces and its flat state."""
+
+    bucket: Any
+    """megatron's ``_ParamAndGradBucket`` (``param_data`` and ``grad_data`` are bucket views)."""
+    group: torch.distributed.ProcessGroup
+    rank: int
+    bounds: list[int]
+    """Owned range of every data-parallel rank r: ``[bounds[r], bounds[r + 1])`` of the bucket."""
+    pieces: list[ShardPiece]
+    state: dict[str, torch.Tensor]
+
+    @property
+    def megatron_shard_numel(self) -> int:
+        return self.bucket.grad_data.numel() // len(self.bounds[1:])
+
+    @property
+    def start(self) -> int:
+        return self.bounds[self.rank]
+
+    @property
+    def end(self) -> int:
+        return self.bounds[self.rank + 1]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [self.bucket.grad_data[p.bucket_start : p.bucket_start + p.numel] for p in self.pieces]
+
+
+def owned_bounds(bucket_numel: int, world_size: int, params: list[tuple[int, int]], group_size: int) -> list[int]:
+    """Each rank's owned range of a bucket: megatron's equal shards, each boundary that falls
+    inside a group of ``group_size`` elements of a parameter (``params``: bucket ranges) moved to
+    the group's end. ``ValueError`` if a boundary would move past the next shard."""
+    shard = bucket_numel // world_size
+    bounds = [0]
+    for rank in range(1, world_size):
+        boundary = rank * shard
+        for start, end in params:
+            if start < boundary < end:
+                boundary = min(end, start + math.ceil((boundary - start) / group_size) * group_size)
+        if boundary > (rank + 1) * shard:
+            raise ValueError(
+                f"a bucket of {bucket_numel} elements split {world_size} ways has shards of {shard} elements, "
+                f"fewer than one FP8 group ({group_size}); use fewer data-parallel ranks or larger buckets"
+            )
+        bounds.append(boundary)
+    bounds.append(bucket_numel)
+    return bounds
+
+
+def _row_grids(layout: StreamLayout, start: int, numel: int) -> list[tuple[int, int, int, int]]:
+    """Elements ``[start, start + numel)`` of a tensor laid out as ``layout`` as grids of whole
+    stream rows: (first element, rows, row length, global index of the first element)."""
+    length = layout.row_length
+    grids, position, end = [], start, start + numel
+    while position < end:
+        row, column = divmod(position, length)
+        if column or end - position < length:
+            width = min(length - column, end - position)
+            grids.append((position, 1, width, layout.offset + row * layout.row_stride + column))
+            position += width
+        else:
+            rows = (end - position) // length
+            grids.append((position, rows, length, layout.offset + row * layout.row_stride))
+            position += rows * length
+    return grids
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """The precision-aware AdamW over this rank's shards of megatron's DDP buffers.
+
+    ``param_groups`` are the model's (megatron's groups, as the scheduler expects); the state lives
+    in :attr:`shards`, one per bucket, each a set of flat buffers over the rank's owned range:
+    per-element states at the bucket's positions (megatron's padding included, which stays zero),
+    per-group FP8 parts group by group of each piece."""
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        buffers: list[Any],
+        strategy: PrecisionStrategy,
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        seed: int,
+        fused: bool | None,
+        track_update_quality: bool,
+        stream_layouts: dict[torch.nn.Parameter, StreamLayout],
+    ) -> None:
+        super().__init__(groups, {"betas": tuple(betas), "eps": eps})
+        self.strategy = strategy
+        self.seed = seed
+        self.step_count = 0
+        self.skipped_steps = 0
+        self.track_update_quality = track_update_quality
+        self.streams = stream_layouts
+        self.piece_update_quality: list[tuple[ShardPiece, UpdateQuality]] = []
+        if strategy.moments == "fp8" and strategy.param_update == "stochastic":
+            raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
+        group_of = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
+        for param, index in group_of.items():
+            check_param_dtype(param, strategy, f"parameter of shape {tuple(param.shape)} in group {index}")
+        self.shards = [
+            self._build_shard(buffer, bucket, group_of) for buffer in buffers for bucket in buffer.buckets
+        ]
+        device = self.shards[0].bucket.param_data.device if self.shards else torch.device("cpu")
+        self.fused = fused_available(device) if fused is None else fused
+
+    @property
+    def group_size(self) -> int:
+        return self.strategy.fp8_group_size if self.strategy.moments == "fp8" else 1
+
+    def _build_shard(self, buffer, bucket, group_of: dict[torch.nn.Parameter, int]) -> Shard:
+        range_type, distributed_optimizer = megatron_sharding_api()
+        group = buffer.data_parallel_group
+        world_size, rank = group.size(), group.rank()
+        in_bucket = {
+            param: (start - bucket.offset, end - bucket.offset)
+            for param, (start, end, bucket_id) in buffer.param_index_map.items()
+            if bucket_id == bucket.bucket_id
+        }
+        bounds = owned_bounds(bucket.grad_data.numel(), world_size, sorted(in_bucket.values()), self.group_size)
+        ranges = distributed_optimizer._build_model_gbuf_param_range_map(
+            {param: (*in_bucket[param], bucket.bucket_id) for param in in_bucket},
+            range_type(bounds[rank], bounds[rank + 1]),
+            0,
+        )
+        pieces, groups = [], 0
+        for param, param_ranges in sorted(ranges.items(), key=lambda item: item[1]["gbuf_local"].start):
+            if param not in group_of:
+                continue
+            numel = param_ranges["param"].size
+            pieces.append(
+                ShardPiece(
+                    param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
+                    numel, param_ranges["gbuf_local"].start, groups,
+                )
+            )
+            groups += math.ceil(numel / self.group_size)
+        shard = Shard(bucket, group, rank, bounds, pieces, {})
+        shard.state = self._flat_state(shard, groups)
+        return shard
+
+    def _flat_state(self, shard: Shard, groups: int) -> dict[str, torch.Tensor]:
+        strategy = self.strategy
+        param_data = shard.bucket.param_data
+        numel, dtype, device = shard.end - shard.start, param_data.dtype, param_data.device
+        state: dict[str, torch.Tensor] = {}
+        for moment in MOMENTS:
+            if strategy.moments == "fp8":
+                template = quantize_fp8(
+                    torch.zeros(strategy.fp8_group_size, device=device), strategy.fp8_format,
+                    group_size=strategy.fp8_group_size, expand=strategy.fp8_expand,
+                )
+                state[f"{moment}_payload"] = torch.zeros(numel, dtype=template.payload.dtype, device=device)
+                for part in ("scale", "expansion_exponent"):
+                    value = getattr(template, part)
+                    if value is not None:
+                        state[f"{moment}_{part}"] = value[:1].repeat(groups)
+            else:
+                state[moment] = torch.zeros(numel, dtype=dtype if strategy.moments == "low" else torch.float32, device=device)
+        if strategy.master_weights:
+            state["master"] = param_data[shard.start : shard.end].float()
+        for key in LOW_COMPONENTS:
+            if key in state_keys(strategy):
+                state[key] = torch.zeros(numel, dtype=dtype, device=device)
+        return state
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(buffer.numel() * buffer.element_size() for shard in self.shards for buffer in shard.state.values())
+
+    def piece_state(self, shard: Shard, piece: ShardPiece) -> dict[str, torch.Tensor]:
+        """The piece's slices of the shard's state buffers (flat)."""
+        groups = math.ceil(piece.numel / self.group_size)
+        return {
+            key: buffer[piece.group_start : piece.group_start + groups]
+            if key.endswith(PER_GROUP_PARTS)
+            else buffer[piece.state_start : piece.state_start + piece.numel]
+            for key, buffer in shard.state.items()
+        }
+
+    def _calls(self, shard: Shard, piece: ShardPiece, step: int):
+        """(parameter, gradient, state, random source) of each kernel call that updates ``piece``:
+        whole stream rows under stochastic rounding, bounded chunks (of whole FP8 groups) for
+        strategies that run ATen kernels, else the whole piece."""
+        param = shard.bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel]
+        grad = shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel]
+        state = self.piece_state(shard, piece)
+        device = param.device
+        if self.strategy.param_update == "stochastic":
+            layout = self.streams[piece.param]
+            keys = counter_round_keys(self.seed, step, layout.stream)
+            for start, rows, length, offset in _row_grids(layout, piece.param_start, piece.numel):
+                local = slice(start - piece.param_start, start - piece.param_start + rows * length)
+                if self.fused:
+                    stream = CounterStream(
+                        tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
+                        torch.tensor(offset, dtype=torch.int64, device=device),
+                        torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
+                    )
+                else:
+                    stream = CounterStream(keys, offset, layout.row_stride)
+                yield (
+                    param[local].view(rows, length), grad[local].view(rows, length),
+                    {key: value[local].view(rows, length) for key, value in state.items()}, stream,
+                )
+        elif self.strategy.moment_arithmetic == "torch" or self.strategy.moments == "fp8":
+            chunk = max(EXTERN_CHUNK_ELEMENTS // self.group_size, 1) * self.group_size
+            for start in range(0, piece.numel, chunk):
+                end = min(start + chunk, piece.numel)
+                yield param[start:end], grad[start:end], {
+                    key: value[start // self.group_size : math.ceil(end / self.group_size)]
+                    if key.endswith(PER_GROUP_PARTS) else value[start:end]
+                    for key, value in state.items()
+                }, None
+        else:
+            yield param, grad, state, None
+
+    def _step_scalars(self, group: dict[str, Any], like: torch.Tensor) -> tuple[StepScalars, tuple[Any, Any]]:
+        """A group's step scalars and beta2 expansion: Python floats for the eager kernel, 0-d
+        tensors on ``like``'s device for the compiled one (not specialised on them)."""
+        beta1, beta2 = group["betas"]
+        scalars = StepScalars.for_step(self.step_count, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+        expansion = beta2_expansion_for(self.strategy, beta2, like.dtype)
+        if not self.fused:
+            return scalars, expansion
+        return scalars.as_tensors(like.device), tuple(
+            None if part is None else torch.tensor(part, dtype=like.dtype, device=like.device) for part in expansion
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step on every piece of every shard (the gradients must be reduced and finite)."""
+        self.step_count += 1
+        kernel = compiled_kernel() if self.fused else adamw_kernel_
+        self.piece_update_quality = []
+        for shard in self.shards:
+            hyper = [self._step_scalars(group, shard.bucket.param_data) for group in self.param_groups]
+            for piece in shard.pieces:
+                scalars, expansion = hyper[piece.group_index]
+                quality = UpdateQuality()
+                for param, grad, state, random_source in self._calls(shard, piece, self.step_count):
+                    before = represented_value(param, state) if self.track_update_quality else None
+                    update = kernel(param, grad, state, self.strategy, scalars, expansion, random_source, self.track_update_quality)
+                    if before is not None:
+                        quality = quality + measure_update_quality(update, before, represented_value(param, state))
+                if self.track_update_quality:
+                    self.piece_update_quality.append((piece, quality))
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard state (one entry per bucket shard), the step, and the SR seed."""
+        state_dict = super().state_dict()
+        state_dict["shards"] = [dict(shard.state) for shard in self.shards]
+        state_dict["lowprec"] = {
+            "option": self.strategy.name, "step": self.step_count, "skipped_steps": self.skipped_steps,
+            "seed": self.seed, "bounds": [shard.bounds for shard in self.shards],
+        }
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same option, layout and data-parallel rank; a
+        mismatch raises ``ValueError`` before anything changes."""
+        extra = state_dict.get("lowprec", {})
+        if extra.get("option") != self.strategy.name:
+            raise ValueError(f"state dict was saved for option {extra.get('option')!r}, this optimizer runs {self.strategy.name!r}")
+        if extra.get("bounds") != [shard.bounds for shard in self.shards]:
+            raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
+                             "reshard it through sharded_state_dict (dist_checkpointing)")
+        for saved, shard in zip(state_dict["shards"], self.shards):
+            for key, buffer in shard.state.items():
+                if key not in saved or saved[key].shape != buffer.shape or saved[key].dtype != buffer.dtype:
+                    raise ValueError(f"state {key!r} of a shard does not match: expected {buffer.dtype}{tuple(buffer.shape)}")
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        for saved, shard in zip(state_dict["shards"], self.shards):
+            for key, buffer in shard.state.items():
+                buffer.copy_(saved[key])
+        self.step_count = extra["step"]
+        self.skipped_steps = extra["skipped_steps"]
+        self.seed = extra["seed"]
+
+
+class DistributedLowPrecisionOptimizer(MegatronOptimizer):
+    """megatron-core's ``MegatronOptimizer`` interface around :class:`ShardedAdamW` for DDP
+    chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
+
+    A step: (the training loop's ``finish_grad_sync`` has reduce-scattered the gradients) FP8 group
+    tails exchanged, a non-finite gradient on any rank skips the step everywhere, gradients clipped
+    by their global norm, every owned piece updated, FP8 group tails handed back, and the
+    parameters all-gathered (at once, or overlapped with the next forward pass when DDP's
+    ``overlap_param_gather`` is set, as megatron does)."""
+
+    def __init__(self, optimizer: ShardedAdamW, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> None:
+        super().__init__(optimizer, config)
+        self.is_stub_optimizer = False
+        self.model_chunks = model_chunks
+        self.ddp_config = model_chunks[0].ddp_config
+        self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        self._halo = [shard for shard in optimizer.shards if any(b % shard.megatron_shard_numel for b in shard.bounds[:-1])]
+
+    @property
+    def device(self) -> torch.device:
+        return self.optimizer.shards[0].bucket.grad_data.device
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(1, device=self.device)
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """The FP32 masters (D, coat) restart from the model's parameters."""
+        for shard in self.optimizer.shards:
+            if "master" in shard.state:
+                shard.state["master"].copy_(shard.bucket.param_data[shard.start : shard.end])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients live in DDP's buffer (``zero_grad_buffer``); model ``.grad`` are released."""
+        for param in self.get_parameters():
+            param.grad = None
+
+    def _owned_grads(self, for_norm: bool) -> list[torch.Tensor]:
+        grads = []
+        for shard in self.optimizer.shards:
+            for piece, grad in zip(shard.pieces, shard.grads()):
+                param = piece.param
+                if not for_norm or (param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)):
+                    grads.append(grad)
+        return grads
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        return self._owned_grads(for_norm=True)
+
+    def _exchange_group_tails(self, grads: bool) -> None:
+        """FP8 groups cut by a megatron shard boundary: before the step, every rank sends the
+        reduced gradients of its shard's head (which the previous rank owns) to it; after the step,
+        every rank sends the updated parameters past its shard's end (which it owns) to the next.
+        One all-gather of ``group_size`` elements per bucket each way (FP32, exact for 16-bit)."""
+        if not self._halo:
+            return
+        size = self.optimizer.group_size
+        sending = torch.zeros(len(self._halo) * size, dtype=torch.float32, device=self.device)
+        for index, shard in enumerate(self._halo):
+            edge, buffer = shard.megatron_shard_numel * shard.rank, shard.bucket.grad_data
+            if grads:
+                head = buffer[edge : shard.start]
+            else:
+                buffer = shard.bucket.param_data
+                head = buffer[edge + shard.megatron_shard_numel : shard.end]
+            sending[index * size : index * size + head.numel()] = head
+        group = self._halo[0].group
+        received = torch.empty(group.size() * sending.numel(), dtype=torch.float32, device=self.device)
+        torch.distributed.all_gather_into_tensor(received, sending, group=group)
+        received = received.view(group.size(), -1)
+        for index, shard in enumerate(self._halo):
+            rank, numel = shard.rank, shard.megatron_shard_numel
+            if grads and rank + 1 < group.size():
+                tail = shard.bucket.grad_data[numel * (rank + 1) : shard.end]
+                tail.copy_(received[rank + 1, index * size : index * size + tail.numel()])
+            elif not grads and rank > 0:
+                head = shard.bucket.param_data[numel * rank : shard.start]
+                head.copy_(received[rank - 1, index * size : index * size + head.numel()])
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Group tails exchanged; returns whether any rank found inf/NaN in its owned gradients."""
+        self._exchange_group_tails(grads=True)
+        found_inf = non_finite_flag(self._owned_grads(for_norm=False), self.device)
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
+        if found_inf.item():
+            self.optimizer.skipped_steps += 1
+            return True
+        return False
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip by the global L2 norm: squares in FP32, summed in FP64 over the owned gradients and
+        all ranks (:func:`sum_of_squares`), the same total the unsharded hook finds for 16-bit
+        gradients, so that clipped steps stay bit-identical."""
+        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.device)
+        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
+        grad_norm = squares.item() ** 0.5
+        coefficient = clip_grad / (grad_norm + 1.0e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_(self._owned_grads(for_norm=False), coefficient)
+        return grad_norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        zeros = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for grad in self.get_main_grads_for_grad_norm():
+            zeros += grad.numel() - torch.count_nonzero(grad)
+        torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
+        return zeros.item()
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        self._exchange_group_tails(grads=False)
+        if not self.ddp_config.overlap_param_gather:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's step: prepare (skip on inf/NaN), clip, count zeros, update, all-gather."""
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else None
+        zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, zeros
+
+    def update_quality(self) -> UpdateQuality:
+        """EDQ and imprecision pieces of the last step for the whole model: summed over the owned
+        pieces, the data-parallel ranks and the model-parallel ranks (a tensor-parallel-replicated
+        parameter counted once)."""
+        local = UpdateQuality()
+        for piece, quality in self.optimizer.piece_update_quality:
+            if tensor_parallel.param_is_not_tensor_parallel_duplicate(piece.param):
+                local = local + quality
+        pieces = local.to_tensor(self.device)
+        torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
+        torch.distributed.all_reduce(pieces, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return UpdateQuality.from_tensor(pieces)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A per-rank :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict`."""
+        if "shards" in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            self._load_sharded(state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+        """The optimizer state in model space for ``dist_checkpointing``: every state of a
+        parameter as one tensor of the parameter's shape (FP8 states per element,
+        :func:`checkpoint_state`), under the keys the unsharded hook saves, so that either
+        optimizer loads the other's checkpoints at any data-parallel size and TP/PP layout.
+
+        Saving gathers each bucket's state over the data-parallel ranks one bucket and one state at
+        a time (megatron-core 0.16 no longer saves flattened ranges) and keeps each parameter's
+        state on the rank that owns its first element, which writes it: a rank holds about its
+        share plus one bucket's worth. Loading reads, on each rank, the whole state of every
+        parameter it owns a piece of; ``load_state_dict`` takes the loaded result."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+        model_tensors = {
+            id(tensor.data): tensor for tensor in nested_values(extract_sharded_tensors_and_factories(model_sharded_state_dict)[0])
+        }
+        param_ids = {param: index for index, param in enumerate(self.get_parameters())}
+        state: dict[Any, Any] = {}
+        for shard in self.optimizer.shards:
+            tensors = self._loading_tensors(shard) if is_loading else self._gathered_tensors(shard)
+            first_owned = {piece.param for piece in shard.pieces if piece.param_start == 0}
+            for param, entry in tensors.items():
+                replica = 0 if param in first_owned else shard.rank
+                model_tensor = model_tensors.get(id(param))
+                if model_tensor is None:
+                    raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+                state[param_ids[param]] = {
+                    key: dataclasses.replace(
+                        model_tensor, key=f"optimizer.state.{key}.{model_tensor.key}", data=value, dtype=value.dtype,
+                        replica_id=(*model_tensor.replica_id[:2], replica),
+                    )
+                    for key, value in entry.items()
+                }
+        state["common_step"] = self.optimizer.step_count
+        groups = []
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = LocalNonpersistentObject([param_ids[param] for param in group["params"]])
+            groups.append(saved)
+        return {
+            "state": state,
+            "param_groups": groups,
+            "lowprec": {"option": self.optimizer.strategy.name, "skipped_steps": self.optimizer.skipped_steps,
+                        "seed": self.optimizer.seed, "generator_state": None},
+        }
+
+    def _loading_tensors(self, shard: Shard) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Empty parameter-shaped checkpoint-form tensors for every parameter with a piece here."""
+        tensors = {}
+        for piece in shard.pieces:
+            param = piece.param
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), 1, self.optimizer.strategy, is_loading=True)
+            tensors[param] = {
+                key: torch.empty(param.shape, dtype=value.dtype, device=value.device) for key, value in form.items()
+            }
+        return tensors
+
+    def _gathered_tensors(self, shard: Shard) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """The whole checkpoint-form state of each parameter whose first element this rank owns."""
+        strategy = self.optimizer.strategy
+        owned_numel = shard.end - shard.start
+        local = {
+            key: torch.zeros(owned_numel, dtype=torch.uint8 if buffer.dtype.itemsize == 1 else buffer.dtype, device=self.device)
+            for key, buffer in shard.state.items()
+        }
+        for piece in shard.pieces:
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy)
+            for key, value in form.items():
+                local[key][piece.state_start : piece.state_start + piece.numel] = value
+        written = [piece for piece in shard.pieces if piece.param_start == 0]
+        tensors: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {piece.param: {} for piece in written}
+        world_size = len(shard.bounds) - 1
+        longest = max(shard.bounds[r + 1] - shard.bounds[r] for r in range(world_size))
+        for key in sorted(local):
+            sending = torch.zeros(longest, dtype=local[key].dtype, device=self.device)
+            sending[:owned_numel] = local[key]
+            received = torch.empty(world_size * longest, dtype=sending.dtype, device=self.device)
+            torch.distributed.all_gather_into_tensor(received, sending, group=shard.group)
+            rows = received.view(world_size, longest)
+            bucket = torch.cat([rows[r, : shard.bounds[r + 1] - shard.bounds[r]] for r in range(world_size)])
+            for piece in written:
+                numel = piece.param.numel()
+                tensors[piece.param][key] = bucket[piece.bucket_start : piece.bucket_start + numel].clone().view(piece.param.shape)
+        return tensors
+
+    def _load_sharded(self, loaded: dict[str, Any]) -> None:
+        """Copy what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` into the shards."""
+        extra = loaded["lowprec"]
+        if extra["option"] != self.optimizer.strategy.name:
+            raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
+        param_ids = {param: index for index, param in enumerate(self.get_parameters())}
+        for shard in self.optimizer.shards:
+            for piece in shard.pieces:
+                whole = loaded["state"][param_ids[piece.param]]
+                run = {key: value.reshape(-1)[piece.param_start : piece.param_start + piece.numel] for key, value in whole.items()}
+                restore_checkpoint_state(self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy)
+        for saved, group in zip(loaded["param_groups"], self.param_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        self.optimizer.step_count = loaded["state"]["common_step"]
+        self.optimizer.skipped_steps = extra["skipped_steps"]
+        self.optimizer.seed = extra["seed"]
+
+
+def build_distributed_optimizer(
+    strategy: PrecisionStrategy,
+    model_chunks: list[torch.nn.Module],
+    config: OptimizerConfig,
+    groups: list[dict[str, Any]],
+    *,
+    seed: int,
+    fused: bool | None,
+    track_update_quality: bool,
+    stream_layouts: dict[torch.nn.Parameter, StreamLayout],
+) -> DistributedLowPrecisionOptimizer:
+    """Checks that the chunks are megatron DDP with the distributed optimizer, then builds it."""
+    megatron_sharding_api()
+    for index, chunk in enumerate(model_chunks):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            raise ValueError(
+                f"use_distributed_optimizer=True: model chunk {index} must be megatron's DistributedDataParallel "
+                "built with DistributedDataParallelConfig(use_distributed_optimizer=True)"
+            )
+        if ddp_config.num_distributed_optimizer_instances != 1 or getattr(ddp_config, "use_megatron_fsdp", False):
+            raise ValueError(
+                "use_distributed_optimizer=True with the precision options needs num_distributed_optimizer_instances=1 "
+                "and use_megatron_fsdp=False"
+            )
+        if chunk.expert_parallel_buffers:
+            raise ValueError("use_distributed_optimizer=True with the precision options does not shard expert-parallel parameters")
+    buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
+    adamw = ShardedAdamW(
+        groups, buffers, strategy, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, seed=seed, fused=fused,
+        track_update_quality=track_update_quality, stream_layouts=stream_layouts,
+    )
+    return DistributedLowPrecisionOptimizer(adamw, config, model_chunks)

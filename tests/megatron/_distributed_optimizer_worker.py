@@ -1,0 +1,225 @@
+"""One rank of the distributed-optimizer checks: the tiny megatron GPT of the optimizer-hook checks,
+trained with and without ``use_distributed_optimizer`` on gloo.
+
+Launched by ``test_distributed_optimizer.py`` as ``python _distributed_optimizer_worker.py RESULT_DIR
+SCENARIO JSON`` once per rank; writes ``RESULT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _cpu_bridge_worker import _flat, _seeded_model, _train_step, _transformer_config
+from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
+
+from megatron_lowprec.megatron import cpu as cpu_bridge
+
+
+def _ddp(config, distributed: bool, bucket_size: int | None = None):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, use_distributed_optimizer=distributed, bucket_size=bucket_size,
+        overlap_grad_reduce=bucket_size is not None,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
+
+
+def _optimizer(option: str, model, distributed: bool, fused: bool = False, **options):
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    config = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=distributed)
+    return build_optimizer(option, [model], config, seed=11, fused=fused, **options)
+
+
+def _unsharded_state_bytes(optimizer) -> int:
+    return sum(buffer.numel() * buffer.element_size() for bucket in optimizer.optimizer.buckets for buffer in bucket.state.values())
+
+
+def _train_with_finalize(model, optimizer, steps: int) -> dict:
+    """``steps`` steps in which megatron's schedule syncs the gradients once, through
+    ``finalize_model_grads`` (DDP reduction, then the tied embedding's all-reduce across stages):
+    a second ``finish_grad_sync`` would reduce-scatter already reduced shards again."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    scheduler = _scheduler(optimizer, steps)
+    losses, successes = [], []
+    for step in range(steps):
+        scheduler.step(1)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.extend(_train_step(model, data_seed=1000 * step + parallel_state.get_data_parallel_rank()))
+        successes.append(optimizer.step()[0])
+    return {"losses": losses, "successes": successes}
+
+
+def sharded_equals_unsharded(
+    options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False,
+    pipeline_parallel: int = 1,
+) -> dict:
+    """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
+    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``; tied
+    embeddings across ``pipeline_parallel`` stages); whether losses and parameters are
+    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    config = _transformer_config(
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, hidden_dropout=0.0, attention_dropout=0.0
+    )
+    result = {}
+    for option in options:
+        runs = {}
+        for distributed in (False, True):
+            model = _ddp(config, distributed, bucket_size)
+            optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
+            losses = _train_with_finalize(model, optimizer, steps)
+            quality = optimizer.update_quality()
+            state_bytes = optimizer.optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)
+            runs[distributed] = (losses, _flat(model.parameters()), state_bytes, quality, optimizer)
+        sharded = runs[True][4].optimizer
+        result[option] = {
+            "successes": all(runs[True][0]["successes"]) and all(runs[False][0]["successes"]),
+            "losses_identical": runs[True][0]["losses"] == runs[False][0]["losses"],
+            "params_identical": torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32)),
+            "sharded_bytes": runs[True][2],
+            "unsharded_bytes": runs[False][2],
+            "buckets": len(sharded.shards),
+            "bytes_per_element": runs[True][2] / sum(shard.end - shard.start for shard in sharded.shards),
+            "edq": [runs[True][3].edq, runs[False][3].edq],
+            "imprecision": [runs[True][3].imprecision_percent, runs[False][3].imprecision_percent],
+            "halo": len(runs[True][4]._halo),
+        }
+    result["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
+    return result
+
+
+def _sharded_checkpoint(model, optimizer, scheduler, is_loading: bool) -> dict:
+    model_state = model.module.sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": scheduler.state_dict(),
+    }
+
+
+def _load_checkpoint(option: str, config, distributed: bool, checkpoint_dir: str, steps: int):
+    """A fresh model and optimizer (which first take a step of their own, so that loading must
+    overwrite it) loaded from ``checkpoint_dir``."""
+    from megatron.core import dist_checkpointing
+
+    model = _ddp(config, distributed)
+    optimizer = _optimizer(option, model, distributed)
+    scheduler = _scheduler(optimizer, steps)
+    _train(model, optimizer, 1, scheduler)
+    loaded = dist_checkpointing.load(_sharded_checkpoint(model, optimizer, scheduler, is_loading=True), checkpoint_dir)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler = _scheduler(optimizer, steps)
+    scheduler.load_state_dict(loaded["scheduler"])
+    return model, optimizer, scheduler
+
+
+def save_and_resume(options: list[str], checkpoint_dir: str, steps: int) -> dict:
+    """DP=2 with the distributed optimizer: ``steps`` straight against ``steps / 2``, a
+    dist_checkpointing save (kept under ``checkpoint_dir/<option>`` for other layouts to load) and a
+    fresh model and optimizer that load it and run the rest; per option, whether the losses and
+    parameters are bit-identical."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    half = steps // 2
+    result = {}
+    for option in options:
+        directory = Path(checkpoint_dir) / option
+        if torch.distributed.get_rank() == 0:
+            directory.mkdir(parents=True)
+        torch.distributed.barrier()
+        model = _ddp(config, True)
+        optimizer = _optimizer(option, model, True)
+        scheduler = _scheduler(optimizer, steps)
+        _train(model, optimizer, half, scheduler)
+        dist_checkpointing.save(_sharded_checkpoint(model, optimizer, scheduler, is_loading=False), str(directory))
+        straight = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        straight_params = _flat(model.parameters())
+        model, optimizer, scheduler = _load_checkpoint(option, config, True, str(directory), steps)
+        resumed = _train(model, optimizer, steps - half, scheduler, first_step=half)["losses"]
+        result[option] = {
+            "losses_identical": resumed == straight,
+            "params_identical": torch.equal(straight_params.view(torch.int32), _flat(model.parameters()).view(torch.int32)),
+        }
+    return result
+
+
+def _same_state(sharded, sharded_model, unsharded, unsharded_model) -> bool:
+    """Whether every piece of the sharded optimizer's state equals, bit for bit, the same elements
+    of the unsharded optimizer's state (the models are built alike, so their parameters pair up)."""
+    from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
+
+    pairs = dict(zip(sharded_model.parameters(), unsharded_model.parameters()))
+    strategy = sharded.optimizer.strategy
+    group = strategy.fp8_group_size if strategy.moments == "fp8" else 1
+    for shard in sharded.optimizer.shards:
+        for piece in shard.pieces:
+            whole = unsharded.optimizer.state[pairs[piece.param]]
+            for key, value in sharded.optimizer.piece_state(shard, piece).items():
+                if key.endswith(PER_GROUP_PARTS):
+                    expected = whole[key][piece.param_start // group : piece.param_start // group + value.numel()]
+                else:
+                    expected = whole[key].reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+                if not torch.equal(value.view(torch.uint8), expected.contiguous().view(torch.uint8)):
+                    return False
+    return True
+
+
+def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
+    """Another layout loads each option's checkpoint with and without the distributed optimizer:
+    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    result = {}
+    for option in options:
+        runs = {
+            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
+            for distributed in (True, False)
+        }
+        same_state = _same_state(runs[True][1], runs[True][0], runs[False][1], runs[False][0])
+        losses = {
+            distributed: _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
+            for distributed, (model, optimizer, scheduler) in runs.items()
+        }
+        result[option] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere)}
+
+
+def main(result_dir: Path, scenario: str, arguments: dict) -> None:
+    from megatron.core import parallel_state
+
+    with cpu_bridge.cpu_bridge():
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            result = SCENARIOS[scenario](**arguments)
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,143 @@
+"""The distributed optimizer (ZeRO-1) of every precision option against the unsharded hook, on CPU with gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lowprec.optim.buckets import ALIGNMENT
+
+from .launch import run_ranks
+
+WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
+OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
+]
+
+
+def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600)
+
+
+@pytest.mark.parametrize(
+    "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused",
+    [
+        (OPTIONS, 2, 1, 1, 3000, 10, False),
+        (OPTIONS, 4, 2, 1, None, 6, False),
+        (["A", "C", "sr", "coat"], 4, 1, 2, None, 4, False),
+        (["sr", "coat"], 2, 1, 1, 3000, 3, True),
+    ],
+    ids=["dp2-small-buckets", "tp2xdp2", "pp2xdp2", "dp2-fused"],
+)
+def test_sharded_states_train_bit_identically_and_hold_their_share(
+    tmp_path, options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused
+):
+    """Each option, with and without the distributed optimizer, from the same weights on the same
+    data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
+    boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
+    DP=2 with the embedding tied across stages; the compiled kernel on stochastic rounding's row
+    grids and coat's group-aligned chunks). Each
+    rank holds at most its share of the unsharded state plus one alignment unit per bucket (the
+    share is smaller by the unsharded buckets' wider padding), the ranks hold equal shares within
+    one unit per bucket, and the update-quality pieces summed over the ranks match."""
+    ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=options,
+                 tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, steps=steps,
+                 bucket_size=bucket_size, fused=fused)
+    data_parallel = ranks[0]["data_parallel_size"]
+    assert data_parallel == 2
+    if bucket_size is not None:
+        assert ranks[0]["coat"]["buckets"] > 1 and ranks[0]["coat"]["halo"] > 0
+    for option in options:
+        results = [rank[option] for rank in ranks]
+        for result in results:
+            assert result["successes"] and result["losses_identical"] and result["params_identical"], option
+            unit = ALIGNMENT * result["bytes_per_element"] * result["buckets"]
+            assert result["sharded_bytes"] <= result["unsharded_bytes"] / data_parallel + unit, option
+            assert result["sharded_bytes"] >= 0.9 * result["unsharded_bytes"] / data_parallel, option
+            assert result["edq"][0] == pytest.approx(result["edq"][1], rel=1e-9)
+            assert result["imprecision"][0] == result["imprecision"][1]
+        shares = [result["sharded_bytes"] for result in results]
+        assert max(shares) - min(shares) <= unit, option
+
+
+def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
+    """Every option: a dist checkpoint saved at DP=2 with the distributed optimizer resumes at DP=2
+    bit-identically to a straight run; at DP=4 and at TP=2 x DP=2, the distributed and the
+    unsharded optimizer load the same state bit for bit from it and take the same first step. At
+    TP=2 x DP=2 their later losses are identical too; at DP=4 they agree to 1e-4 (gloo's
+    reduce-scatter and all-reduce add four ranks' BF16 gradients in different orders, which the
+    unsharded run at DP=4 also shows without any checkpoint)."""
+    checkpoint = tmp_path / "checkpoint"
+    saved = _run(tmp_path / "save", 2, "save_and_resume", options=OPTIONS, checkpoint_dir=str(checkpoint), steps=6)
+    for rank in saved:
+        for option in OPTIONS:
+            assert rank[option] == {"losses_identical": True, "params_identical": True}, option
+    for tensor_parallel in (1, 2):
+        ranks = _run(tmp_path / f"load_tp{tensor_parallel}", 4, "load_elsewhere", options=OPTIONS,
+                     checkpoint_dir=str(checkpoint), tensor_parallel=tensor_parallel, steps=2)
+        for rank in ranks:
+            for option in OPTIONS:
+                result = rank[option]
+                assert result["same_state"], (tensor_parallel, option)
+                assert result["sharded"][:2] == result["unsharded"][:2], (tensor_parallel, option)
+                if tensor_parallel == 2:
+                    assert result["sharded"] == result["unsharded"], option
+                else:
+                    assert result["sharded"] == pytest.approx(result["unsharded"], rel=1e-4), option
+
+
+def test_shard_boundaries_move_to_the_end_of_a_cut_fp8_group():
+    from megatron_lowprec.megatron.distributed import owned_bounds
+
+    params = [(0, 300), (320, 1024)]
+    assert owned_bounds(1024, 2, params, 1) == [0, 512, 1024]
+    assert owned_bounds(1024, 2, params, 128) == [0, 576, 1024]
+    assert owned_bounds(1024, 2, [(0, 1024)], 128) == [0, 512, 1024]
+    with pytest.raises(ValueError, match="fewer than one FP8 group"):
+        owned_bounds(128, 4, [(0, 128)], 128)
+
+
+@pytest.mark.parametrize("start, numel", [(0, 96), (5, 40), (20, 37), (12, 12), (7, 1)])
+def test_row_grids_give_each_element_its_global_index(start, numel):
+    """A run of a tensor-parallel shard's elements, cut into whole rows, draws from the indices
+    that ``StreamLayout.index`` gives those elements in the whole tensor."""
+    from megatron_lowprec.megatron.distributed import _row_grids
+    from megatron_lowprec.numerics.rounding import StreamLayout, grid_index
+
+    layout = StreamLayout.shard(7, (8, 12), 1, rank=1, world_size=3)
+    pieces = [grid_index(offset, layout.row_stride, rows, length).reshape(-1) for _, rows, length, offset in _row_grids(layout, start, numel)]
+    assert torch.equal(torch.cat(pieces), layout.index(96)[start : start + numel])
+
+
+def test_a_megatron_core_without_the_sharding_machinery_is_refused(monkeypatch):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_lowprec.megatron.distributed import megatron_sharding_api
+
+    monkeypatch.delattr(DistributedOptimizer, "_build_model_gbuf_param_range_map")
+    with pytest.raises(ValueError, match=r"megatron-core >= 0\.16; megatron-core \S+ lacks DistributedOptimizer\._build_model_gbuf_param_range_map"):
+        megatron_sharding_api()
+
+
+def test_model_chunks_without_the_distributed_optimizer_are_refused():
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_lowprec.megatron.distributed import build_distributed_optimizer
+    from megatron_lowprec.optim import get_strategy
+
+    chunk = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
+    with pytest.raises(ValueError, match=r"DistributedDataParallelConfig\(use_distributed_optimizer=True\)"):
+        build_distributed_optimizer(
+            get_strategy("C"), [chunk], OptimizerConfig(use_distributed_optimizer=True), [],
+            seed=0, fused=False, track_update_quality=False, stream_layouts={},
+        )
