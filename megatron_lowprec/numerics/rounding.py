@@ -11,6 +11,11 @@ shard of an element draws the same word whatever the sharding (the shared random
 lines 9-11). A :class:`StreamLayout` says where a tensor's elements sit in their stream: a whole
 tensor, or a shard of one split along any dimension (tensor parallelism), so that an element's word
 is the same at every parallel layout.
+
+Every rounding here is integer arithmetic on the float32 bit pattern (``formats._round_with_increment``)
+and every word is integer arithmetic, with no float round trip through a 16-bit dtype: no compiler
+pass can remove or reorder any of it, so compiled code (Inductor's C++ or Triton) draws and rounds
+exactly as eager code does.
 """
 
 from __future__ import annotations

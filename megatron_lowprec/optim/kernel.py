@@ -12,6 +12,12 @@ Rounding points of the reference, for every strategy:
   operation rounded to FP32 on its own, none fused) and rounded once when stored (nearest for
   16-bit, per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and
   Grow, every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
+* Where a value is rounded to the 16-bit parameter dtype and then computed with again (the inputs
+  of Grow, Fast2Sum and Mul, and every operation inside them), the rounding is
+  :func:`~megatron_lowprec.numerics.formats.round_to_16bit`, integer operations on the FP32 bits,
+  never the cast round trip ``x.to(bf16).to(fp32)``, which Inductor's Triton code removes
+  (gpu/FINDINGS.md): so the compiled step rounds exactly where this specification does, on every
+  backend. Casts to 16 bits that remain either store a result or convert an exact value.
 * The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) as
   λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2) and a correctly
   rounded square root, then applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or
@@ -31,7 +37,7 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics import aten_ops
-from megatron_lowprec.numerics.formats import float_format
+from megatron_lowprec.numerics.formats import float_format, round_to_16bit
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
 from megatron_lowprec.numerics.rounding import grid_random_bits, stochastic_round
@@ -163,6 +169,12 @@ class StepScalars:
         )
 
 
+def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` by integer operations, as a
+    ``dtype`` tensor (an exact conversion, which no compiler pass can make inexact)."""
+    return round_to_16bit(values, dtype).to(dtype)
+
+
 def _collage_second_moment_(
     state: dict[str, Any], grad: torch.Tensor, scalars: StepScalars, beta2_expansion: tuple[Any, Any], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -170,7 +182,7 @@ def _collage_second_moment_(
 
     Returns the represented v = v + δv in FP32.
     """
-    fresh = (grad * grad * scalars.one_minus_beta2).to(dtype)
+    fresh = _rounded_to(grad * grad * scalars.one_minus_beta2, dtype)
     scaled_hi, scaled_lo = mul(*beta2_expansion, state["exp_avg_sq"], state["exp_avg_sq_lo"])
     v_hi, v_lo = grow(scaled_hi, scaled_lo, fresh)
     state["exp_avg_sq"].copy_(v_hi)
@@ -205,14 +217,14 @@ def _apply_nearest(param, state, update, random_source):
 
 def _apply_mcf(param, state, update, random_source):
     """(θ, δθ) ← Grow((θ, δθ), Δθ) (Collage Alg. 2, line 13)."""
-    hi, lo = grow(param, state["param_lo"], update.to(param.dtype))
+    hi, lo = grow(param, state["param_lo"], _rounded_to(update, param.dtype))
     param.copy_(hi)
     state["param_lo"].copy_(lo)
 
 
 def _apply_kahan(param, state, update, random_source):
     """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
-    compensated = (update + state["kahan_compensation"].float()).to(param.dtype)
+    compensated = _rounded_to(update + state["kahan_compensation"].float(), param.dtype)
     new_param, compensation = fast2sum(param, compensated)
     param.copy_(new_param)
     state["kahan_compensation"].copy_(compensation)
