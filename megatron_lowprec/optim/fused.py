@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
+from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
 from megatron_lowprec.optim.buckets import FP8_PARTS, Bucket, bucket_alignment, elements_per_value
 from megatron_lowprec.optim.kernel import (
     CounterStream,
@@ -188,8 +188,7 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
             keys = counter_round_keys(sr_seed, step, layout.stream)
             stream = CounterStream(
                 tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
-                torch.tensor(layout.offset, dtype=torch.int64, device=device),
-                torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
+                *_row_starts(bucket, index),
             )
             yield *_parameter_grids(bucket, grad, index, strategy), stream
     elif strategy.moment_arithmetic == "torch" or strategy.moments == "fp8":
@@ -204,6 +203,21 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
             yield bucket.param_buffer[start:end], grad[start:end], state, None
     else:
         yield bucket.param_buffer, grad, bucket.state, None
+
+
+def _row_starts(bucket: Bucket, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parameter ``index``'s row starts in its stream as int32 words (:func:`row_start_words`),
+    computed at its first step and kept with the bucket (a layout never changes)."""
+    if index not in bucket.row_start_words:
+        layout = bucket.streams[index]
+        if layout.row_length > INT32_GRID_MAX_ROW:
+            raise ValueError(
+                f"parameter {index} of the bucket has SR stream rows of {layout.row_length} elements; "
+                f"the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
+            )
+        rows = layout.rows(bucket.params[index].numel())
+        bucket.row_start_words[index] = row_start_words(layout.offset, layout.row_stride, rows, bucket.param_buffer.device)
+    return bucket.row_start_words[index]
 
 
 def _parameter_grids(

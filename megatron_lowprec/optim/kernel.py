@@ -40,7 +40,7 @@ from megatron_lowprec.numerics import aten_ops
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import grid_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import row_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -50,17 +50,18 @@ SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class CounterStream(NamedTuple):
     """The counter-based SR words of a tensor viewed as [rows, row_length] (see
-    :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream),
-    the global index of the first element and the index distance between rows (0-d int32 keys and int64 indices in
-    the compiled step, so that it is not specialised on them)."""
+    :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream)
+    (0-d int32 tensors in the compiled step, so that it is not specialised on them) and the global
+    index of each row's start as int32 high and low words ([rows, 1],
+    :func:`~megatron_lowprec.numerics.rounding.row_start_words`): the compiled step has no 64-bit
+    integer."""
 
     keys: tuple[Any, Any, Any]
-    offset: Any
-    row_stride: Any
+    start_high: torch.Tensor
+    start_low: torch.Tensor
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
-        rows, row_length = like.shape
-        return grid_random_bits(self.keys, self.offset, self.row_stride, rows, row_length, like.device)
+        return row_random_bits(self.keys, self.start_high, self.start_low, like.shape[1])
 
 
 RandomSource = torch.Tensor | CounterStream | None

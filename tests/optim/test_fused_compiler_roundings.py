@@ -175,3 +175,11 @@ def test_the_emulation_sees_a_rounding_done_by_a_cast_in_the_kernel(option, roun
     monkeypatch.setattr(kernel_module, "_rounded_to", lambda values, dtype: values.to(dtype))
     twins = _run_twins(option, torch.bfloat16, steps=5)
     assert _differing_elements(twins) > 0
+
+
+def test_the_stochastic_rounding_step_has_no_64_bit_integer(round_trip_free_kernel):
+    """Triton refused the fused SR step inside the Megatron hook ("Cannot bitcast data-type of size
+    64 to data-type of size 32") while its stream offsets were int64: the step gets int32 words."""
+    _run_twins("sr", torch.bfloat16, steps=1)
+    dtypes = {_dtype(node) for graph in round_trip_free_kernel.graphs.values() for node in graph.graph.nodes}
+    assert torch.int32 in dtypes and torch.int64 not in dtypes
