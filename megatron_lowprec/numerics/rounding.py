@@ -93,7 +93,7 @@ def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | 
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise TypeError(f"index must be an integer tensor, got {index.dtype}")
     index = index.to(torch.int64)
-    return _hash_words(keys, (index >> 32).to(torch.int32), (index & _WORD_MASK).to(torch.int32))
+    return hash_words(keys, (index >> 32).to(torch.int32), (index & _WORD_MASK).to(torch.int32))
 
 
 def grid_random_bits(keys, offset, row_stride, rows: int, row_length: int, device=None) -> torch.Tensor:
@@ -121,11 +121,13 @@ def row_random_bits(keys, start_high: torch.Tensor, start_low: torch.Tensor, row
     into the high word, all in int32."""
     low = start_low + torch.arange(row_length, dtype=torch.int32, device=start_low.device).unsqueeze(0)
     carry = (low ^ _INT32_MIN) < (start_low ^ _INT32_MIN)
-    return _hash_words(keys, start_high + carry.to(torch.int32), low)
+    return hash_words(keys, start_high + carry.to(torch.int32), low)
 
 
-def _hash_words(keys, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """h = f(f(f(high ^ k0) ^ low ^ k1) ^ k2) on int32 lanes, which every vector unit multiplies
+def hash_words(keys, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The words of the global indices whose high and low 32-bit halves are ``high`` and ``low``
+    (int32), under round keys ``keys`` (Python ints, or int32 tensors broadcasting with them):
+    h = f(f(f(high ^ k0) ^ low ^ k1) ^ k2) on int32 lanes, which every vector unit multiplies
     natively: products wrap mod 2^32 as lowbias32 wants, and right shifts of the signed words are
     made logical by masking off the copied sign bits."""
     first_key, second_key, third_key = (key if torch.is_tensor(key) else signed_word(key) for key in keys)

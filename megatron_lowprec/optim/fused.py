@@ -1,9 +1,11 @@
 """Fused AdamW steps: the reference kernel compiled by ``torch.compile``, run once per flat bucket.
 
-Stochastic rounding runs it once per parameter instead, over the parameter's slice of the flat
-buffers viewed as [rows, row_length] of its stream layout: each element's SR word then comes from its
-global index without an integer division per element (which CPU vector units lack), at the price of
-one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies whose
+Stochastic rounding on GPUs also runs once per bucket (:class:`~megatron_lowprec.optim.kernel.BucketStream`:
+each element finds its parameter and row by a binary search and an integer division). On CPU it runs
+once per parameter instead, over the parameter's slice of the flat buffers viewed as [rows,
+row_length] of its stream layout: each element's SR word then comes from its global index without an
+integer division per element (which CPU vector units lack), at the price of one call per parameter
+(about 0.1 ms of Python and guard overhead each on CPU). Strategies whose
 step calls ATen kernels (D, coat) run it in chunks of the bucket, which bound their temporaries.
 
 The kernel is :func:`megatron_lowprec.optim.kernel.adamw_kernel_` itself, so fused and eager
@@ -34,6 +36,7 @@ from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_updat
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
 from megatron_lowprec.optim.buckets import FP8_PARTS, Bucket, bucket_alignment, elements_per_value
 from megatron_lowprec.optim.kernel import (
+    BucketStream,
     CounterStream,
     StepScalars,
     adamw_kernel_,
@@ -52,6 +55,11 @@ on 2 cores)."""
 
 LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
 """Added to torch.compile's cache key while :func:`_low_precision_tiling` is in force."""
+
+BUCKET_STREAM_DEVICES = ("cuda",)
+"""Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
+a binary search and an integer division per element, which GPUs have). Elsewhere (CPU vector units
+lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
 
 RECOMPILE_LIMIT = 64
 """Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
@@ -183,7 +191,9 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
     FP32 operands and results are materialized, so chunks bound the step's temporaries); else the
     whole bucket in one call."""
     device = bucket.param_buffer.device
-    if sr_seed is not None:
+    if sr_seed is not None and device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
+        yield bucket.param_buffer, grad, bucket.state, _bucket_stream(bucket, sr_seed, step)
+    elif sr_seed is not None:
         for index, layout in enumerate(bucket.streams):
             keys = counter_round_keys(sr_seed, step, layout.stream)
             stream = CounterStream(
@@ -191,7 +201,7 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
                 *_row_starts(bucket, index),
             )
             yield *_parameter_grids(bucket, grad, index, strategy), stream
-    elif strategy.moment_arithmetic == "torch" or strategy.moments == "fp8":
+    elif not _whole_bucket_step(strategy):
         alignment = bucket_alignment(strategy)
         chunk = max(EXTERN_CHUNK_ELEMENTS // alignment, 1) * alignment
         for start in range(0, bucket.numel, chunk):
@@ -203,6 +213,35 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
             yield bucket.param_buffer[start:end], grad[start:end], state, None
     else:
         yield bucket.param_buffer, grad, bucket.state, None
+
+
+def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
+    """Whether the step is elementwise FP32 and integer arithmetic, with no ATen kernel to chunk."""
+    return strategy.moment_arithmetic != "torch" and strategy.moments != "fp8"
+
+
+def _bucket_stream(bucket: Bucket, sr_seed: int, step: int) -> BucketStream:
+    """The :class:`BucketStream` of ``bucket`` at ``step``: this step's round keys, and the
+    per-parameter tables, built at the first step and kept with the bucket."""
+    device = bucket.param_buffer.device
+    if bucket.stream_tables is None:
+        starts = [_row_starts(bucket, index) for index in range(len(bucket.params))]
+        rows = [high.shape[0] for high, _ in starts]
+        bases = [sum(rows[:index]) for index in range(len(rows))]
+
+        def int32(values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        bucket.stream_tables = (
+            int32(bucket.offsets),
+            int32([layout.row_length for layout in bucket.streams]),
+            int32([base + count - 1 for base, count in zip(bases, rows)]),
+            int32(bases),
+            torch.cat([high for high, _ in starts]).reshape(-1),
+            torch.cat([low for _, low in starts]).reshape(-1),
+        )
+    keys = [[signed_word(key) for key in counter_round_keys(sr_seed, step, layout.stream)] for layout in bucket.streams]
+    return BucketStream(torch.tensor(keys, dtype=torch.int32, device=device), *bucket.stream_tables)
 
 
 def _row_starts(bucket: Bucket, index: int) -> tuple[torch.Tensor, torch.Tensor]:

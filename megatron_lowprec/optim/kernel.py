@@ -40,7 +40,7 @@ from megatron_lowprec.numerics import aten_ops
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import row_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import hash_words, row_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -64,7 +64,41 @@ class CounterStream(NamedTuple):
         return row_random_bits(self.keys, self.start_high, self.start_low, like.shape[1])
 
 
-RandomSource = torch.Tensor | CounterStream | None
+class BucketStream(NamedTuple):
+    """The counter-based SR words of a whole flat bucket in one call, for devices with integer
+    division (GPUs): each element finds its parameter by a binary search over the parameters' start
+    offsets, its row and column by one division by that parameter's row length, and its row's start
+    in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words` of every
+    parameter, concatenated). The words equal :class:`CounterStream`'s; padding elements (zero, and
+    rounded to zero whatever their word) take their parameter's last row."""
+
+    keys: torch.Tensor
+    """[parameters, 3] int32 round keys of each parameter's stream at this step."""
+    param_starts: torch.Tensor
+    """[parameters] int32 offset of each parameter in the bucket."""
+    row_lengths: torch.Tensor
+    """[parameters] int32 row length of each parameter's stream layout."""
+    last_rows: torch.Tensor
+    """[parameters] int32 index of each parameter's last row in the row table."""
+    row_bases: torch.Tensor
+    """[parameters] int32 index of each parameter's first row in the row table."""
+    start_high: torch.Tensor
+    start_low: torch.Tensor
+
+    def words(self, like: torch.Tensor) -> torch.Tensor:
+        element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
+        owner = torch.searchsorted(self.param_starts, element, right=True, out_int32=True) - 1
+        local = element - self.param_starts[owner]
+        row_length = self.row_lengths[owner]
+        row = torch.minimum(self.row_bases[owner] + local // row_length, self.last_rows[owner])
+        column = local - (row - self.row_bases[owner]) * row_length
+        low = self.start_low[row] + column
+        carry = (low ^ -(2**31)) < (self.start_low[row] ^ -(2**31))
+        keys = tuple(self.keys[owner, part] for part in range(3))
+        return hash_words(keys, self.start_high[row] + carry.to(torch.int32), low).view(like.shape)
+
+
+RandomSource = torch.Tensor | CounterStream | BucketStream | None
 """Precomputed 32-bit words (a generator's draw, or a stream's words), a counter stream over a
 [rows, row_length] view, or nothing (no SR)."""
 
@@ -234,7 +268,7 @@ def _apply_kahan(param, state, update, random_source):
 def _apply_stochastic(param, state, update, random_source: RandomSource):
     """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
     exact = param.float() + update
-    words = random_source.words(exact) if isinstance(random_source, CounterStream) else random_source
+    words = random_source.words(exact) if isinstance(random_source, (CounterStream, BucketStream)) else random_source
     param.copy_(stochastic_round(exact, float_format(param.dtype), words))
 
 
