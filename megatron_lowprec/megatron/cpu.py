@@ -223,9 +223,15 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if _is_cuda_device(device):
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        if not self.strict or sys._getframe(1).f_code.co_filename.startswith(_TORCH_DISTRIBUTED_DIRECTORY):
+        if not self.strict or torch.compiler.is_compiling() or _called_from_torch_distributed():
             return func(*args, **kwargs)
         return _placed(func, args, kwargs, device, func(*args, **kwargs))
+
+
+def _called_from_torch_distributed() -> bool:
+    """Whether the call being handled comes from ``torch.distributed``'s own code (two frames up:
+    ``__torch_function__``, then its caller)."""
+    return sys._getframe(2).f_code.co_filename.startswith(_TORCH_DISTRIBUTED_DIRECTORY)
 
 
 def host_site(tensor: Any) -> str | None:
@@ -257,7 +263,7 @@ def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__)
 _TORCH_DISTRIBUTED_DIRECTORY = os.path.join(_TORCH_DIRECTORY, "distributed") + os.sep
 """``torch.distributed`` places the tensors of its object collectives by backend (the CPU for gloo):
-strict mode leaves the calls made there alone."""
+strict mode leaves the calls made there alone, and the calls traced while ``torch.compile`` compiles."""
 
 
 def _call_site() -> str:

@@ -42,10 +42,17 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.metrics import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.quant import quantize_fp8
-from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, signed_word
+from megatron_lowprec.numerics.rounding import (
+    INT32_GRID_MAX_ROW,
+    StreamLayout,
+    counter_round_keys,
+    grid_random_bits,
+    row_start_words,
+    signed_word,
+)
 from megatron_lowprec.optim.adamw import non_finite_flag
 from megatron_lowprec.optim.buckets import LOW_COMPONENTS, MOMENTS, PER_GROUP_PARTS, state_keys
-from megatron_lowprec.optim.fused import EXTERN_CHUNK_ELEMENTS, compiled_kernel, fused_available
+from megatron_lowprec.optim.fused import compiled_kernel, fused_available
 from megatron_lowprec.optim.kernel import (
     CounterStream,
     StepScalars,
@@ -55,6 +62,7 @@ from megatron_lowprec.optim.kernel import (
     represented_value,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 NORM_CHUNK_ELEMENTS = 1 << 24
 """Elements squared per pass of :func:`sum_of_squares` (bounds its FP32 temporaries)."""
@@ -306,8 +314,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _calls(self, shard: Shard, piece: ShardPiece, step: int):
         """(parameter, gradient, state, random source) of each kernel call that updates ``piece``:
-        whole stream rows under stochastic rounding, bounded chunks (of whole FP8 groups) for
-        strategies that run ATen kernels, else the whole piece."""
+        whole stream rows under stochastic rounding, else the whole piece."""
         param = shard.bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel]
         grad = shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel]
         state = self.piece_state(shard, piece)
@@ -318,28 +325,36 @@ class ShardedAdamW(torch.optim.Optimizer):
             for start, rows, length, offset in _row_grids(layout, piece.param_start, piece.numel):
                 local = slice(start - piece.param_start, start - piece.param_start + rows * length)
                 if self.fused:
+                    if length > INT32_GRID_MAX_ROW:
+                        raise ValueError(
+                            f"SR stream rows of {length} elements; the fused step counts columns in int32 "
+                            f"(at most {INT32_GRID_MAX_ROW}): use fused=False"
+                        )
                     stream = CounterStream(
                         tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
-                        torch.tensor(offset, dtype=torch.int64, device=device),
-                        torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
+                        *row_start_words(offset, layout.row_stride, rows, device),
                     )
                 else:
-                    stream = CounterStream(keys, offset, layout.row_stride)
+                    stream = grid_random_bits(keys, offset, layout.row_stride, rows, length, device)
                 yield (
                     param[local].view(rows, length), grad[local].view(rows, length),
                     {key: value[local].view(rows, length) for key, value in state.items()}, stream,
                 )
-        elif self.strategy.moment_arithmetic == "torch" or self.strategy.moments == "fp8":
-            chunk = max(EXTERN_CHUNK_ELEMENTS // self.group_size, 1) * self.group_size
-            for start in range(0, piece.numel, chunk):
-                end = min(start + chunk, piece.numel)
-                yield param[start:end], grad[start:end], {
-                    key: value[start // self.group_size : math.ceil(end / self.group_size)]
-                    if key.endswith(PER_GROUP_PARTS) else value[start:end]
-                    for key, value in state.items()
-                }, None
         else:
             yield param, grad, state, None
+
+    def _torch_fused_step(self, shard: Shard, piece: ShardPiece, group: dict[str, Any]) -> UpdateQuality | None:
+        """Option D's step of one piece: torch's fused AdamW kernel on its FP32 master (as the
+        unsharded optimizer runs it, :func:`~megatron_lowprec.optim.torch_fused.torch_fused_adamw_step_`)."""
+        state = self.piece_state(shard, piece)
+        param = shard.bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel]
+        grad = shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel]
+        beta1, beta2 = group["betas"]
+        return torch_fused_adamw_step_(
+            param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], [(0, piece.numel)],
+            step=self.step_count, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], track_update_quality=self.track_update_quality,
+        )
 
     def _step_scalars(self, group: dict[str, Any], like: torch.Tensor) -> tuple[StepScalars, tuple[Any, Any]]:
         """A group's step scalars and beta2 expansion: Python floats for the eager kernel, 0-d
@@ -357,13 +372,18 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         """One AdamW step on every piece of every shard (the gradients must be reduced and finite)."""
         self.step_count += 1
-        kernel = compiled_kernel() if self.fused else adamw_kernel_
+        kernel = compiled_kernel(self.strategy.moments == "fp8") if self.fused else adamw_kernel_
         self.piece_update_quality = []
         for shard in self.shards:
             hyper = [self._step_scalars(group, shard.bucket.param_data) for group in self.param_groups]
             for piece in shard.pieces:
                 scalars, expansion = hyper[piece.group_index]
                 quality = UpdateQuality()
+                if self.strategy.adam_kernel == "torch_fused":
+                    quality = self._torch_fused_step(shard, piece, self.param_groups[piece.group_index]) or quality
+                    if self.track_update_quality:
+                        self.piece_update_quality.append((piece, quality))
+                    continue
                 for param, grad, state, random_source in self._calls(shard, piece, self.step_count):
                     before = represented_value(param, state) if self.track_update_quality else None
                     update = kernel(param, grad, state, self.strategy, scalars, expansion, random_source, self.track_update_quality)

@@ -226,6 +226,91 @@ def cast(x: torch.Tensor, fmt: str | FloatFormat, *, saturate: bool = False) -> 
     return round_to_format(x, fmt, saturate=saturate).to(fmt.storage_dtype)
 
 
+_BF16_DROPPED_BITS = 16
+_FP16_DROPPED_BITS = 13
+_FP16_MIN_NORMAL_BITS = 0x38800000
+"""The float32 pattern of 2^-14, float16's smallest normal value."""
+_FP16_MAX_FINITE_BITS = 0x477FE000
+"""The float32 pattern of 65504, float16's largest finite value."""
+_FP16_MIN_SUBNORMAL = 2.0**-24
+_FP16_SUBNORMAL_SHIFT_BASE = 126
+"""A float32 of exponent field E below 2^-14 is (its 24-bit significand) >> (126 - E) subnormal steps."""
+_FP16_LAST_SUBNORMAL_SHIFT = 25
+"""Past this shift a 24-bit significand is under half a step: it rounds to zero."""
+
+
+CAST_ROUNDING_DEVICES = ("cpu",)
+"""Device types whose compiled code keeps float round trips: Inductor's C++ backend compiles
+``x.to(bf16).to(fp32)`` into a real rounding (the fused-vs-eager tests check every option bit for
+bit), and AVX2 vectorizes that cast far better than the integer form (which made compiled B, C and
+kahan 2 to 5 times slower on CPU). Elsewhere (Triton on GPUs) :func:`round_to_16bit` is used."""
+
+
+def round_to_16bit_on_device(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype).to(torch.float32)`` for float32 ``x``, computed the way that survives compilation
+    on ``x``'s device: the cast itself on :data:`CAST_ROUNDING_DEVICES`, else :func:`round_to_16bit`.
+    Both give the same bits for every finite value (tested against torch's casts and ml_dtypes), so
+    the choice is how, never what."""
+    if x.device.type in CAST_ROUNDING_DEVICES:
+        return x.to(dtype).to(torch.float32)
+    return round_to_16bit(x, dtype)
+
+
+def round_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype).to(torch.float32)`` for a float32 ``x`` and ``dtype`` bfloat16 or float16, done
+    with integer operations on the bit pattern: round to nearest, ties to even, gradual underflow,
+    overflow to ±inf, the sign of zeros kept.
+
+    Compilers keep every integer operation, but not a float round trip: Inductor's Triton code drops
+    ``x.to(bf16).to(fp32)`` between two FP32 operations even with ``emulate_precision_casts``
+    (measured on an H100, gpu/FINDINGS.md), which silently removes roundings that MCF arithmetic
+    needs. A rounding written this way is the same on every backend, eager or compiled.
+
+    The magnitude is rounded and the sign put back:
+
+    * bfloat16 (8 exponent bits, like float32): add 0x7FFF plus the last kept bit, clear the low 16
+      bits; a carry moves into the exponent (up to inf past the largest bfloat16). Float32
+      subnormals are bfloat16 subnormals, so no other case exists.
+    * float16: at or above 2^-14, the same on the low 13 bits, then anything above 65504 is inf.
+      Below 2^-14 the grid is uniform (steps of 2^-24): the significand, shifted right by the binade
+      distance with the same round-half-even increment, counts steps, whose float32 value is exact.
+
+    Non-finite inputs (never in the optimizer, whose gradients are checked first): ±inf stays ±inf;
+    every NaN produced by arithmetic (a quiet NaN) becomes the canonical quiet NaN 0x7FC00000 with
+    its sign; a signalling NaN (quiet bit clear) may come out as ±inf. The magnitude is clamped to
+    0x7FC00000 first, so that no integer addition overflows.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_16bit takes float32 values, got {x.dtype}")
+    bits = x.view(torch.int32)
+    magnitude = bits & _FP32_ABS_MASK
+    sign = bits ^ magnitude
+    magnitude = torch.clamp_max(magnitude, _FP32_QUIET_NAN_BITS)
+    if dtype == torch.bfloat16:
+        rounded = _round_low_bits_to_nearest_even(magnitude, _BF16_DROPPED_BITS)
+    elif dtype == torch.float16:
+        normal = _round_low_bits_to_nearest_even(magnitude, _FP16_DROPPED_BITS)
+        normal = torch.where(normal > _FP16_MAX_FINITE_BITS, torch.clamp_min(normal, _FP32_INF_BITS), normal)
+        significand = (magnitude & (_FP32_IMPLICIT_BIT - 1)) | _FP32_IMPLICIT_BIT
+        shift = torch.clamp(
+            _FP16_SUBNORMAL_SHIFT_BASE - (magnitude >> _FP32_MANTISSA_BITS),
+            _FP16_DROPPED_BITS + 1,
+            _FP16_LAST_SUBNORMAL_SHIFT,
+        )
+        steps = (significand + _nearest_even_increment((significand >> shift) & 1, shift)) >> shift
+        subnormal = (steps.to(torch.float32) * _FP16_MIN_SUBNORMAL).view(torch.int32)
+        rounded = torch.where(magnitude < _FP16_MIN_NORMAL_BITS, subnormal, normal)
+    else:
+        raise ValueError(f"round_to_16bit rounds to torch.bfloat16 or torch.float16, got {dtype}")
+    return (rounded | sign).view(torch.float32)
+
+
+def _round_low_bits_to_nearest_even(magnitude: torch.Tensor, dropped: int) -> torch.Tensor:
+    """Float32 magnitude patterns with their low ``dropped`` bits rounded away, ties to even."""
+    increment = _nearest_even_increment((magnitude >> dropped) & 1, dropped)
+    return (magnitude + increment) & -(1 << dropped)
+
+
 def _nearest_even_increment(kept_is_odd: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
     """Half a unit of the kept bits, minus one unless the kept significand is odd: ties round to even."""
     return (1 << (shift - 1)) - 1 + kept_is_odd

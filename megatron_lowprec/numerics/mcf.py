@@ -19,9 +19,23 @@ float16, float64 for float32), computes ONE operation there and rounds the resul
   on hardware.
 
 Intermediate values are kept in W (holding P values exactly); results come back in P.
+
+For P = bfloat16 and float16 the rounding to P is :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`:
+on GPUs :func:`~megatron_lowprec.numerics.formats.round_to_16bit`, integer operations on the float32
+bit pattern, not the cast round trip ``w.to(P).to(float32)`` (on CPUs, whose compiler keeps the round
+trip, the cast, which is faster there and gives the same bits).
+Compilers may remove such a round trip between two float32 operations (Inductor's Triton code does,
+even with ``emulate_precision_casts``: gpu/FINDINGS.md), and every error term of Fast2Sum and TwoSum
+would then be computed from unrounded values; an integer rounding cannot be optimised away, so eager
+and compiled code, on every device, round alike. The casts that remain (to P on return, to W on
+entry) convert values that are already exact in P, so dropping them changes nothing. For P = float32
+(W = float64) the rounding is the cast, which eager code runs exactly; the compiled optimizer step
+never uses float32 MCF.
 """
 
 import torch
+
+from megatron_lowprec.numerics.formats import round_to_16bit_on_device
 
 _WIDER_DTYPE = {
     torch.bfloat16: torch.float32,
@@ -69,8 +83,11 @@ def _to_wide(operand: Operand, dtype: torch.dtype, device: torch.device) -> torc
 
 
 def _round(wide_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round a value computed in the wider dtype to P (nearest, ties to even), kept in the wider dtype."""
-    return wide_value.to(dtype).to(wide_value.dtype)
+    """Round a value computed in the wider dtype to P (nearest, ties to even), kept in the wider dtype:
+    with integer operations for 16-bit P where a compiler could drop a cast (see the module docstring)."""
+    if dtype == torch.float32:
+        return wide_value.to(dtype).to(wide_value.dtype)
+    return round_to_16bit_on_device(wide_value, dtype)
 
 
 def _fast2sum_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,11 @@ shard of an element draws the same word whatever the sharding (the shared random
 lines 9-11). A :class:`StreamLayout` says where a tensor's elements sit in their stream: a whole
 tensor, or a shard of one split along any dimension (tensor parallelism), so that an element's word
 is the same at every parallel layout.
+
+Every rounding here is integer arithmetic on the float32 bit pattern (``formats._round_with_increment``)
+and every word is integer arithmetic, with no float round trip through a 16-bit dtype: no compiler
+pass can remove or reorder any of it, so compiled code (Inductor's C++ or Triton) draws and rounds
+exactly as eager code does.
 """
 
 from __future__ import annotations
@@ -88,27 +93,41 @@ def keyed_random_bits(keys: tuple[int | torch.Tensor, int | torch.Tensor, int | 
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise TypeError(f"index must be an integer tensor, got {index.dtype}")
     index = index.to(torch.int64)
-    return _hash_words(keys, (index >> 32).to(torch.int32), (index & _WORD_MASK).to(torch.int32))
+    return hash_words(keys, (index >> 32).to(torch.int32), (index & _WORD_MASK).to(torch.int32))
 
 
 def grid_random_bits(keys, offset, row_stride, rows: int, row_length: int, device=None) -> torch.Tensor:
     """``keyed_random_bits(keys, grid_index(offset, row_stride, rows, row_length))`` (shape [rows,
-    row_length]) with int32 arithmetic per element: the 64-bit index of each row's start is split
-    once per row, and the column is added to its low word with an unsigned carry into the high word.
+    row_length]) with int32 arithmetic per element (:func:`row_start_words`, :func:`row_random_bits`).
     Vector units without 64-bit lanes (AVX2 multiplies and shifts them one by one) run it several
     times faster than the int64 grid. Rows longer than :data:`INT32_GRID_MAX_ROW` use the int64 grid."""
     if row_length > INT32_GRID_MAX_ROW:
         return keyed_random_bits(keys, grid_index(offset, row_stride, rows, row_length, device))
+    return row_random_bits(keys, *row_start_words(offset, row_stride, rows, device), row_length)
+
+
+def row_start_words(offset, row_stride, rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 64-bit global index ``offset + r * row_stride`` of each row's start (r < rows) as its high
+    and low 32-bit words (int32, two's complement; shape [rows, 1]). Computed once per stream layout
+    outside compiled code, so that a compiled step sees no 64-bit integer: Triton refused the
+    step that computed these in int64 ("Cannot bitcast data-type of size 64 to data-type of size 32")."""
     row_start = torch.arange(rows, dtype=torch.int64, device=device).unsqueeze(1) * row_stride + offset
-    start_low = (row_start & _WORD_MASK).to(torch.int32)
-    low = start_low + torch.arange(row_length, dtype=torch.int32, device=device).unsqueeze(0)
+    return (row_start >> 32).to(torch.int32), (row_start & _WORD_MASK).to(torch.int32)
+
+
+def row_random_bits(keys, start_high: torch.Tensor, start_low: torch.Tensor, row_length: int) -> torch.Tensor:
+    """The words of the rows whose starts :func:`row_start_words` gave, ``row_length`` columns each
+    (shape [rows, row_length]): the column is added to the start's low word with an unsigned carry
+    into the high word, all in int32."""
+    low = start_low + torch.arange(row_length, dtype=torch.int32, device=start_low.device).unsqueeze(0)
     carry = (low ^ _INT32_MIN) < (start_low ^ _INT32_MIN)
-    high = (row_start >> 32).to(torch.int32) + carry.to(torch.int32)
-    return _hash_words(keys, high, low)
+    return hash_words(keys, start_high + carry.to(torch.int32), low)
 
 
-def _hash_words(keys, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """h = f(f(f(high ^ k0) ^ low ^ k1) ^ k2) on int32 lanes, which every vector unit multiplies
+def hash_words(keys, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The words of the global indices whose high and low 32-bit halves are ``high`` and ``low``
+    (int32), under round keys ``keys`` (Python ints, or int32 tensors broadcasting with them):
+    h = f(f(f(high ^ k0) ^ low ^ k1) ^ k2) on int32 lanes, which every vector unit multiplies
     natively: products wrap mod 2^32 as lowbias32 wants, and right shifts of the signed words are
     made logical by masking off the copied sign bits."""
     first_key, second_key, third_key = (key if torch.is_tensor(key) else signed_word(key) for key in keys)

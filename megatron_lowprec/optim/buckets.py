@@ -79,6 +79,10 @@ class Bucket:
     state: dict[str, torch.Tensor]
     param_buffer: torch.Tensor | None = None
     grad_buffer: torch.Tensor | None = field(default=None, repr=False)
+    row_start_words: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """Per parameter index, the int32 words of its rows' starts in its SR stream (filled by the fused step)."""
+    stream_tables: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    """The per-parameter tables of the whole-bucket SR stream (filled by the fused step on GPUs)."""
 
     def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
         """The flat slice of ``buffer`` that belongs to parameter ``index`` (``per_group`` > 1: FP8 scales)."""

@@ -1,9 +1,11 @@
 """Fused AdamW steps: the reference kernel compiled by ``torch.compile``, run once per flat bucket.
 
-Stochastic rounding runs it once per parameter instead, over the parameter's slice of the flat
-buffers viewed as [rows, row_length] of its stream layout: each element's SR word then comes from its
-global index without an integer division per element (which CPU vector units lack), at the price of
-one call per parameter (about 0.1 ms of Python and guard overhead each on CPU). Strategies with FP8
+Stochastic rounding on GPUs runs once per bucket (:class:`~megatron_lowprec.optim.kernel.BucketStream`:
+each element finds its parameter and row by a binary search and an integer division). On CPU it runs
+once per parameter instead, over the parameter's slice of the flat buffers viewed as [rows,
+row_length] of its stream layout: each element's SR word then comes from its global index without an
+integer division per element (which CPU vector units lack), at the price of one call per parameter
+(about 0.1 ms of Python and guard overhead each on CPU). Strategies with FP8
 moments (coat) run it over the bucket viewed as [groups, group_size], so that each group is decoded,
 updated and re-quantized with its new statistics inside one compiled kernel
 (:data:`GROUP_STATISTICS_OPTIONS`), without bucket-sized FP32 temporaries.
@@ -41,9 +43,10 @@ from typing import Any
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics.rounding import counter_round_keys, signed_word
+from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, elements_per_value
 from megatron_lowprec.optim.kernel import (
+    BucketStream,
     CounterStream,
     StepScalars,
     adamw_kernel_,
@@ -72,6 +75,11 @@ Inductor lacks are left out (it then stores them)."""
 
 LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
 """Added to torch.compile's cache key while :func:`_low_precision_tiling` is in force."""
+
+BUCKET_STREAM_DEVICES = ("cuda",)
+"""Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
+a binary search and an integer division per element, which GPUs have). Elsewhere (CPU vector units
+lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
 
 RECOMPILE_LIMIT = 64
 """Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
@@ -242,13 +250,14 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
     each updates: each parameter on its own under stochastic rounding; else the whole bucket in one
     call (as [groups, group_size] under FP8 moments)."""
     device = bucket.param_buffer.device
-    if sr_seed is not None:
+    if sr_seed is not None and device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
+        yield bucket.param_buffer, grad, bucket.state, _bucket_stream(bucket, sr_seed, step)
+    elif sr_seed is not None:
         for index, layout in enumerate(bucket.streams):
             keys = counter_round_keys(sr_seed, step, layout.stream)
             stream = CounterStream(
                 tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
-                torch.tensor(layout.offset, dtype=torch.int64, device=device),
-                torch.tensor(layout.row_stride, dtype=torch.int64, device=device),
+                *_row_starts(bucket, index),
             )
             yield *_parameter_grids(bucket, grad, index, strategy), stream
     elif strategy.moments == "fp8":
@@ -270,6 +279,51 @@ def _group_grids(
 
     state = {key: buffer if key.endswith(PER_GROUP_PARTS) else grid(buffer) for key, buffer in bucket.state.items()}
     return grid(bucket.param_buffer), grid(grad), state, None
+
+
+def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
+    """Whether the step is elementwise FP32 and integer arithmetic over flat buffers (no torch kernel,
+    no per-group FP8 statistics), so that one call can take the whole bucket under any stream."""
+    return strategy.adam_kernel == "reference" and strategy.moments != "fp8"
+
+
+def _bucket_stream(bucket: Bucket, sr_seed: int, step: int) -> BucketStream:
+    """The :class:`BucketStream` of ``bucket`` at ``step``: this step's round keys, and the
+    per-parameter tables, built at the first step and kept with the bucket."""
+    device = bucket.param_buffer.device
+    if bucket.stream_tables is None:
+        starts = [_row_starts(bucket, index) for index in range(len(bucket.params))]
+        rows = [high.shape[0] for high, _ in starts]
+        bases = [sum(rows[:index]) for index in range(len(rows))]
+
+        def int32(values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        bucket.stream_tables = (
+            int32(bucket.offsets),
+            int32([layout.row_length for layout in bucket.streams]),
+            int32([base + count - 1 for base, count in zip(bases, rows)]),
+            int32(bases),
+            torch.cat([high for high, _ in starts]).reshape(-1),
+            torch.cat([low for _, low in starts]).reshape(-1),
+        )
+    keys = [[signed_word(key) for key in counter_round_keys(sr_seed, step, layout.stream)] for layout in bucket.streams]
+    return BucketStream(torch.tensor(keys, dtype=torch.int32, device=device), *bucket.stream_tables)
+
+
+def _row_starts(bucket: Bucket, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parameter ``index``'s row starts in its stream as int32 words (:func:`row_start_words`),
+    computed at its first step and kept with the bucket (a layout never changes)."""
+    if index not in bucket.row_start_words:
+        layout = bucket.streams[index]
+        if layout.row_length > INT32_GRID_MAX_ROW:
+            raise ValueError(
+                f"parameter {index} of the bucket has SR stream rows of {layout.row_length} elements; "
+                f"the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
+            )
+        rows = layout.rows(bucket.params[index].numel())
+        bucket.row_start_words[index] = row_start_words(layout.offset, layout.row_stride, rows, bucket.param_buffer.device)
+    return bucket.row_start_words[index]
 
 
 def _parameter_grids(

@@ -12,6 +12,12 @@ Rounding points of the reference, for every strategy:
   operation rounded to FP32 on its own, none fused) and rounded once when stored (nearest for
   16-bit, per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and
   Grow, every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
+* Where a value is rounded to the 16-bit parameter dtype and then computed with again (the inputs
+  of Grow, Fast2Sum and Mul, and every operation inside them), the rounding is
+  :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`: on GPUs integer operations
+  on the FP32 bits, never the cast round trip ``x.to(bf16).to(fp32)``, which Inductor's Triton code
+  removes (gpu/FINDINGS.md); on CPUs the cast, which Inductor's C++ code keeps. So the compiled step
+  rounds exactly where this specification does, on every backend. Casts to 16 bits that remain either store a result or convert an exact value.
 * The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) as
   λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2) and a correctly
   rounded square root, then applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or
@@ -29,10 +35,10 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics import aten_ops
-from megatron_lowprec.numerics.formats import float_format
+from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import grid_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import hash_words, row_random_bits, stochastic_round
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
@@ -43,20 +49,55 @@ SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class CounterStream(NamedTuple):
     """The counter-based SR words of a tensor viewed as [rows, row_length] (see
-    :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream),
-    the global index of the first element and the index distance between rows (0-d int32 keys and int64 indices in
-    the compiled step, so that it is not specialised on them)."""
+    :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream)
+    (0-d int32 tensors in the compiled step, so that it is not specialised on them) and the global
+    index of each row's start as int32 high and low words ([rows, 1],
+    :func:`~megatron_lowprec.numerics.rounding.row_start_words`): the compiled step has no 64-bit
+    integer."""
 
     keys: tuple[Any, Any, Any]
-    offset: Any
-    row_stride: Any
+    start_high: torch.Tensor
+    start_low: torch.Tensor
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
-        rows, row_length = like.shape
-        return grid_random_bits(self.keys, self.offset, self.row_stride, rows, row_length, like.device)
+        return row_random_bits(self.keys, self.start_high, self.start_low, like.shape[1])
 
 
-RandomSource = torch.Tensor | CounterStream | None
+class BucketStream(NamedTuple):
+    """The counter-based SR words of a whole flat bucket in one call, for devices with integer
+    division (GPUs): each element finds its parameter by a binary search over the parameters' start
+    offsets, its row and column by one division by that parameter's row length, and its row's start
+    in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words` of every
+    parameter, concatenated). The words equal :class:`CounterStream`'s; padding elements (zero, and
+    rounded to zero whatever their word) take their parameter's last row."""
+
+    keys: torch.Tensor
+    """[parameters, 3] int32 round keys of each parameter's stream at this step."""
+    param_starts: torch.Tensor
+    """[parameters] int32 offset of each parameter in the bucket."""
+    row_lengths: torch.Tensor
+    """[parameters] int32 row length of each parameter's stream layout."""
+    last_rows: torch.Tensor
+    """[parameters] int32 index of each parameter's last row in the row table."""
+    row_bases: torch.Tensor
+    """[parameters] int32 index of each parameter's first row in the row table."""
+    start_high: torch.Tensor
+    start_low: torch.Tensor
+
+    def words(self, like: torch.Tensor) -> torch.Tensor:
+        element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
+        owner = torch.searchsorted(self.param_starts, element, right=True, out_int32=True) - 1
+        local = element - self.param_starts[owner]
+        row_length = self.row_lengths[owner]
+        row = torch.minimum(self.row_bases[owner] + local // row_length, self.last_rows[owner])
+        column = local - (row - self.row_bases[owner]) * row_length
+        low = self.start_low[row] + column
+        carry = (low ^ -(2**31)) < (self.start_low[row] ^ -(2**31))
+        keys = tuple(self.keys[owner, part] for part in range(3))
+        return hash_words(keys, self.start_high[row] + carry.to(torch.int32), low).view(like.shape)
+
+
+RandomSource = torch.Tensor | CounterStream | BucketStream | None
 """Precomputed 32-bit words (a generator's draw, or a stream's words), a counter stream over a
 [rows, row_length] view, or nothing (no SR)."""
 
@@ -155,6 +196,13 @@ class StepScalars:
         )
 
 
+def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` (by integer operations where a
+    compiler could drop a cast), as a ``dtype`` tensor (an exact conversion, which no compiler pass
+    can make inexact)."""
+    return round_to_16bit_on_device(values, dtype).to(dtype)
+
+
 def _collage_second_moment_(
     state: dict[str, Any], grad: torch.Tensor, scalars: StepScalars, beta2_expansion: tuple[Any, Any], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -162,7 +210,7 @@ def _collage_second_moment_(
 
     Returns the represented v = v + δv in FP32.
     """
-    fresh = (grad * grad * scalars.one_minus_beta2).to(dtype)
+    fresh = _rounded_to(grad * grad * scalars.one_minus_beta2, dtype)
     scaled_hi, scaled_lo = mul(*beta2_expansion, state["exp_avg_sq"], state["exp_avg_sq_lo"])
     v_hi, v_lo = grow(scaled_hi, scaled_lo, fresh)
     state["exp_avg_sq"].copy_(v_hi)
@@ -197,14 +245,14 @@ def _apply_nearest(param, state, update, random_source):
 
 def _apply_mcf(param, state, update, random_source):
     """(θ, δθ) ← Grow((θ, δθ), Δθ) (Collage Alg. 2, line 13)."""
-    hi, lo = grow(param, state["param_lo"], update.to(param.dtype))
+    hi, lo = grow(param, state["param_lo"], _rounded_to(update, param.dtype))
     param.copy_(hi)
     state["param_lo"].copy_(lo)
 
 
 def _apply_kahan(param, state, update, random_source):
     """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
-    compensated = (update + state["kahan_compensation"].float()).to(param.dtype)
+    compensated = _rounded_to(update + state["kahan_compensation"].float(), param.dtype)
     new_param, compensation = fast2sum(param, compensated)
     param.copy_(new_param)
     state["kahan_compensation"].copy_(compensation)
@@ -213,7 +261,7 @@ def _apply_kahan(param, state, update, random_source):
 def _apply_stochastic(param, state, update, random_source: RandomSource):
     """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
     exact = param.float() + update
-    words = random_source.words(exact) if isinstance(random_source, CounterStream) else random_source
+    words = random_source.words(exact) if isinstance(random_source, (CounterStream, BucketStream)) else random_source
     param.copy_(stochastic_round(exact, float_format(param.dtype), words))
 
 

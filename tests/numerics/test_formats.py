@@ -14,6 +14,7 @@ from megatron_lowprec.numerics.formats import (
     FloatFormat,
     cast,
     float_format,
+    round_to_16bit,
     round_to_format,
 )
 
@@ -337,3 +338,65 @@ def test_invalid_formats(args, message):
 def test_generic_name_out_of_range():
     with pytest.raises(ValueError, match="exponent_bits must be in 2..8, got 9"):
         float_format("E9M3")
+
+
+def _sixteen_bit_rounding_probes(dropped_bits_at) -> torch.Tensor:
+    """Float32 patterns at every rounding boundary of a 16-bit format: for each sign and float32
+    exponent field, every pattern of the bits the format keeps there (``dropped_bits_at(field)``
+    low bits are dropped) with the dropped bits 0, 1, just under half, exactly half (the tie), just
+    over half and all ones; plus float32's own specials."""
+    patterns = []
+    for field in range(256):
+        dropped = dropped_bits_at(field)
+        kept = torch.arange(2 ** (23 - dropped), dtype=torch.int64) << dropped
+        half = 1 << (dropped - 1)
+        low = torch.tensor([0, 1, half - 1, half, half + 1, (1 << dropped) - 1], dtype=torch.int64)
+        magnitudes = (field << 23) + (kept.unsqueeze(1) + low.unsqueeze(0)).reshape(-1)
+        patterns += [magnitudes, magnitudes | 2**31]
+    words = torch.cat(patterns)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(torch.float32)
+
+
+def _assert_rounds_like(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> None:
+    finite_or_inf = ~torch.isnan(x)
+    mismatch = (got.view(torch.int32) != expected.view(torch.int32)) & finite_or_inf
+    assert not mismatch.any(), f"{int(mismatch.sum())} differ, first input {x[mismatch][:4].tolist()}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ml_dtype", "dropped_bits_at"),
+    [
+        (torch.bfloat16, ml_dtypes.bfloat16, lambda field: 16),
+        (torch.float16, np.float16, lambda field: min(max(126 - field, 13), 23)),
+    ],
+    ids=["bf16", "fp16"],
+)
+def test_integer_rounding_to_16_bits_equals_the_casts(dtype, ml_dtype, dropped_bits_at):
+    """Every tie, both neighbours of every tie and every carry (into the exponent, into the normal
+    range from the subnormals, into inf past the largest finite value), over all exponents, against
+    torch's cast and ml_dtypes/numpy's; then 2^18 random float32 patterns."""
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randint(-(2**31), 2**31, (2**18,), dtype=torch.int32, generator=generator).view(torch.float32)
+    for x in (_sixteen_bit_rounding_probes(dropped_bits_at), random):
+        got = round_to_16bit(x, dtype)
+        _assert_rounds_like(got, x.to(dtype).to(torch.float32), x)
+        with np.errstate(over="ignore", invalid="ignore"):
+            by_numpy = torch.from_numpy(x.numpy().astype(ml_dtype).astype(np.float32))
+        _assert_rounds_like(got, by_numpy, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_integer_rounding_keeps_infinities_and_quiet_nans(dtype):
+    quiet_nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, 0x7FC00001, -1, -(2**22)], dtype=torch.int32)
+    got = round_to_16bit(quiet_nans.view(torch.float32), dtype)
+    assert torch.equal(got.view(torch.int32) & 0x7FFFFFFF, torch.full((5,), 0x7FC00000, dtype=torch.int32))
+    assert torch.equal(got.view(torch.int32) < 0, quiet_nans < 0)
+    infinities = torch.tensor([torch.inf, -torch.inf, 3.4e38, -3.4e38])
+    assert torch.equal(round_to_16bit(infinities, dtype), torch.tensor([1, -1, 1, -1]) * torch.inf)
+
+
+def test_integer_rounding_rejects_other_dtypes():
+    with pytest.raises(TypeError, match="float32"):
+        round_to_16bit(torch.ones(2, dtype=torch.float64), torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
+        round_to_16bit(torch.ones(2), torch.float8_e4m3fn)

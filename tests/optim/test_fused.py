@@ -277,3 +277,32 @@ def test_the_fused_step_compiles_and_stays_exact_when_the_tiling_patch_breaks(mo
     finally:
         fused_module.compiled_kernel.cache_clear()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_dtype, monkeypatch):
+    """The GPU formulation (one compiled call per bucket, parameter and row found per element),
+    run on CPU: bit for bit the eager step, with sharded stream layouts (rows of a split tensor)."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    calls = []
+    monkeypatch.setattr(fused_module, "_bucket_stream", _recording(fused_module._bucket_stream, calls))
+
+    def layout(param):
+        if param.dim() == 2:
+            return StreamLayout.shard(param.numel(), tuple(param.shape), 1, 1, 3)
+        return StreamLayout.whole(param.numel(), param.numel())
+
+    eager, fused = _twin_optimizers("sr", param_dtype=param_dtype, grad_dtype=param_dtype, stream_layout=layout)
+    _step_twins(eager, fused, steps=10, seed=9, grad_dtype=param_dtype)
+    _assert_bit_identical(eager, fused)
+    assert len(calls) == 10
+
+
+def _recording(function, calls):
+    def recorded(*args):
+        calls.append(args)
+        return function(*args)
+
+    return recorded
