@@ -9,7 +9,6 @@ forward-backward step of two micro-batches through megatron's schedule on the sa
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from _cpu_bridge_worker import (
 )
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
 
 
 def _model(config, backend: str):
@@ -51,6 +51,7 @@ def _model(config, backend: str):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=True,
     )
+    model.cuda(torch.cuda.current_device())
     return Float16Module(config, model)
 
 
@@ -66,8 +67,8 @@ def _comparison(model, reference) -> dict:
 def _eval_logits(model) -> torch.Tensor:
     """Forward only, in eval mode: the logits of one fixed batch."""
     generator = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH_SIZE, SEQ_LENGTH), generator=generator)
-    position_ids = torch.arange(SEQ_LENGTH).expand(MICRO_BATCH_SIZE, -1)
+    tokens = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH_SIZE, SEQ_LENGTH), generator=generator).cuda()
+    position_ids = torch.arange(SEQ_LENGTH, device=torch.cuda.current_device()).expand(MICRO_BATCH_SIZE, -1)
     model.eval()
     with torch.no_grad():
         logits = model(tokens, position_ids, None)
@@ -161,7 +162,7 @@ def main(result_dir: Path) -> None:
     result_file = result_dir / f"rank{os.environ['RANK']}.json"
     results: dict[str, dict] = {}
     with cpu_bridge.cpu_bridge():
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        init_process_group(timeout_seconds=60)
         try:
             run_scenarios(SCENARIOS, results, result_file)
         finally:

@@ -8,7 +8,6 @@ SCENARIO JSON`` once per rank; writes ``RESULT_DIR/rank<N>.json``.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from _cpu_bridge_worker import _flat, _seeded_model, _train_step, _transformer_c
 from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
 
 from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
 
 
 def _ddp(config, distributed: bool, bucket_size: int | None = None):
@@ -212,7 +212,7 @@ def main(result_dir: Path, scenario: str, arguments: dict) -> None:
     from megatron.core import parallel_state
 
     with cpu_bridge.cpu_bridge():
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        init_process_group(timeout_seconds=120)
         try:
             result = SCENARIOS[scenario](**arguments)
         finally:
