@@ -65,7 +65,7 @@ the test suite) fails the way a GPU would where code places a tensor on the CPU 
 lets it meet the device. The bridge tags every tensor that is *placed on the host*: made by a factory
 (``torch.tensor``, ``zeros``, ``empty``, ...) without a device or with ``device="cpu"``, by
 ``.cpu()`` or ``.to("cpu")`` where they copy, or computed from host tensors alone (``torch.nn.Parameter`` keeps its
-data's tag, ``p.data = x`` takes ``x``'s); ``.cuda()`` clears the tag. Every other tensor counts as
+data's tag, ``p.data = x`` takes ``x``'s), and by ``torch.from_numpy``; ``.cuda()`` clears the tag. Every other tensor counts as
 being on the device: those made through the redirect above, ``device=x.device``, and tensors torch
 makes without a torch function (autograd's gradients). :class:`HostPlacementError`, naming the
 call and the line that placed the tensor, is raised when
@@ -382,6 +382,19 @@ def _checked_collective(name: str, collective: Callable) -> Callable:
     return checked
 
 
+def _host_from_numpy(from_numpy: Callable) -> Callable:
+    """``torch.from_numpy`` (which no torch function mode sees) tagging its tensor as on the host:
+    datasets hand out host tensors this way (megatron's ``GPTDataset``)."""
+
+    @functools.wraps(from_numpy)
+    def host_from_numpy(array):
+        tensor = from_numpy(array)
+        _set_host_site(tensor, _call_site())
+        return tensor
+
+    return host_from_numpy
+
+
 def _parameter_keeping_host_site(original_new: Callable) -> Callable:
     """``torch.nn.Parameter.__new__`` whose parameter keeps its data's host tag."""
 
@@ -543,6 +556,7 @@ def activate_cpu_bridge(strict: bool | None = None) -> bool:
         for name in COLLECTIVES:
             if hasattr(torch.distributed, name):
                 _STATE.replace(torch.distributed, name, _checked_collective(name, getattr(torch.distributed, name)))
+        _STATE.replace(torch, "from_numpy", _host_from_numpy(torch.from_numpy))
         _STATE.replace(
             torch.nn.Parameter, "__new__", staticmethod(_parameter_keeping_host_site(torch.nn.Parameter.__new__))
         )

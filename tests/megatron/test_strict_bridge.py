@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import re
 
+import numpy
 import pytest
 import torch
 
@@ -48,6 +49,7 @@ def test_factories_without_a_device_place_on_the_host_and_cuda_clears_it(strict)
     assert cpu.host_site(on_device.to("cpu", torch.float64)) is not None, "a copy to the CPU is on the host"
     assert cpu.host_site(on_host.cuda()) is None
     assert cpu.host_site(torch.zeros_like(on_device)) is None
+    assert cpu.host_site(torch.from_numpy(numpy.zeros(2))) is not None, "datasets hand out host tensors"
 
 
 def test_a_host_tensor_meeting_the_device_names_both_places(strict):

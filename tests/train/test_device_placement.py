@@ -56,7 +56,7 @@ def test_the_app_as_it_is_trains_under_the_strict_bridge(runs):
     [
         ("parameter_count_on_cpu", r"torch.distributed.all_reduce at .*train/metrics.py:\d+ got a tensor placed on the CPU at .*_device_placement_worker.py:\d+"),
         ("loss_totals_on_cpu", r"torch.distributed.all_reduce at .*train/loop.py:\d+ got a tensor placed on the CPU at .*_device_placement_worker.py:\d+"),
-        ("batches_on_cpu", r"embedding at .* mixes a tensor placed on the CPU at .*_device_placement_worker.py:\d+"),
+        ("batches_on_cpu", r"embedding at .* mixes a tensor placed on the CPU at .*datasets/gpt_dataset.py:\d+"),
         ("model_not_moved", r"mixes a tensor placed on the CPU at .*megatron/core/.*\.py:\d+"),
     ],
     ids=lambda value: value if " " not in value and "*" not in value else "",
