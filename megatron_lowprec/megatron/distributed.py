@@ -198,6 +198,17 @@ def _row_grids(layout: StreamLayout, start: int, numel: int) -> list[tuple[int, 
     return grids
 
 
+def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether any rank of ``optimizer``'s grad-stats group holds inf/NaN in its ``grads`` (one
+    all-reduce of a flag); counts the skipped step in the inner optimizer when so."""
+    found_inf = non_finite_flag(grads, device)
+    torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=optimizer.get_grad_stats_parallel_group())
+    if found_inf.item():
+        optimizer.optimizer.skipped_steps += 1
+        return True
+    return False
+
+
 class ShardedAdamW(torch.optim.Optimizer):
     """The precision-aware AdamW over this rank's shards of megatron's DDP buffers.
 
@@ -508,12 +519,7 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
     def prepare_grads(self) -> bool:
         """Group tails exchanged; returns whether any rank found inf/NaN in its owned gradients."""
         self._exchange_group_tails(grads=True)
-        found_inf = non_finite_flag(self._owned_grads(for_norm=False), self.device)
-        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
-        if found_inf.item():
-            self.optimizer.skipped_steps += 1
-            return True
-        return False
+        return skip_if_any_rank_non_finite(self, self._owned_grads(for_norm=False), self.device)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

@@ -36,12 +36,12 @@ from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
     build_distributed_optimizer,
+    skip_if_any_rank_non_finite,
     sum_of_squares,
 )
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
-from megatron_lowprec.optim.adamw import non_finite_flag
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 
 class LowPrecisionOptimizer(FP32Optimizer):
@@ -86,12 +86,7 @@ class LowPrecisionOptimizer(FP32Optimizer):
                 param.grad_dtype = main_grad.dtype
         super().prepare_grads()
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
-        found_inf = non_finite_flag(grads, self.get_loss_scale().device)
-        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
-        if found_inf.item():
-            self.optimizer.skipped_steps += 1
-            return True
-        return False
+        return skip_if_any_rank_non_finite(self, grads, self.get_loss_scale().device)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
