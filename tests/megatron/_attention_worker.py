@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from _cpu_bridge_worker import (
     MICRO_BATCH_SIZE,
-    SEED,
     SEQ_LENGTH,
     VOCAB_SIZE,
     _flat,
+    _seeded_model,
     _train_step,
     _transformer_config,
     run_scenarios,
@@ -31,28 +31,12 @@ from tests.megatron.launch import init_process_group
 
 
 def _model(config, backend: str):
-    """The bridge checks' tiny GPT (RoPE, tied embeddings) with ``backend``'s core attention."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
+    """The bridge checks' tiny GPT (RoPE, tied embeddings), seeded, with ``backend``'s core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.module import Float16Module
 
     from megatron_lowprec.megatron.attention import with_core_attention
 
-    torch.manual_seed(SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=with_core_attention(get_gpt_layer_local_spec(), backend),
-        vocab_size=VOCAB_SIZE,
-        max_sequence_length=SEQ_LENGTH,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=True,
-    )
-    model.cuda(torch.cuda.current_device())
-    return Float16Module(config, model)
+    return _seeded_model(config, with_core_attention(get_gpt_layer_local_spec(), backend))
 
 
 def _comparison(model, reference) -> dict:

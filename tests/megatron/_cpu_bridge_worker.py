@@ -122,8 +122,9 @@ def _transformer_config(tensor_parallel: int = 1, pipeline_parallel: int = 1, **
     return TransformerConfig(**settings)
 
 
-def _gpt_model(config):
-    """A tiny bf16 GPTModel (RoPE, tied embeddings) for this rank's pipeline stage, in Float16Module."""
+def _gpt_model(config, layer_spec=None):
+    """A tiny bf16 GPTModel (RoPE, tied embeddings) for this rank's pipeline stage, in Float16Module;
+    ``layer_spec`` defaults to megatron's local spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -131,7 +132,7 @@ def _gpt_model(config):
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=SEQ_LENGTH,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -186,12 +187,12 @@ def _train_step(model, data_seed: int) -> list[float]:
     return [float(reduced["lm loss"]) for reduced in losses]
 
 
-def _seeded_model(config):
+def _seeded_model(config, layer_spec=None):
     from megatron.core import tensor_parallel
 
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    return _gpt_model(config)
+    return _gpt_model(config, layer_spec)
 
 
 def _flat(tensors) -> torch.Tensor:
