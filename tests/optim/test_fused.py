@@ -267,13 +267,13 @@ def test_the_fused_step_compiles_and_stays_exact_when_the_tiling_patch_breaks(mo
         raise ValueError("not enough values to unpack (expected 3, got 2)")
 
     monkeypatch.setattr(fused_module, "_widened_tiling", broken)
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     fused_module.compiled_kernel.cache_clear()
     torch._dynamo.reset()
     try:
-        eager, fused = _twin_optimizers("D-MW")
-        _step_twins(eager, fused, steps=3, seed=9)
-        _assert_bit_identical(eager, fused)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            eager, fused = _twin_optimizers("D-MW")
+            _step_twins(eager, fused, steps=3, seed=9)
+            _assert_bit_identical(eager, fused)
     finally:
         fused_module.compiled_kernel.cache_clear()
         torch._dynamo.reset()
