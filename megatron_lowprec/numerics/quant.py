@@ -20,6 +20,11 @@ spans the whole format. To stay finite the expansion acts on the group normalise
 format, ``k < 1`` narrows a group wider than the format (its smallest elements then stay non-zero
 instead of underflowing). Groups without two distinct non-zero magnitudes get ``k = 1``.
 All arithmetic is float32 tensor code, device-agnostic; the caller's device is kept.
+
+Every division is correctly rounded and ``log``/``pow`` are this package's own
+(:mod:`megatron_lowprec.numerics.elementary`), so that eager code and code that Inductor compiles
+for a CPU or a GPU quantize to the same FP8 codes, scales and exponents; ``k`` is computed as
+``log2(R_fmt) / -log2(min|x| / M)``.
 """
 
 import math
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lowprec.numerics.elementary import div_rn, log2, power
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -54,13 +60,13 @@ def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
 
 
 def expand_dynamic_range(x: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
-    """COAT expand function f(x) = sign(x) |x|^k (section 4.2)."""
-    return torch.copysign(torch.pow(x.abs(), expansion_exponent), x)
+    """COAT expand function f(x) = sign(x) |x|^k (section 4.2), for k > 0."""
+    return torch.copysign(power(x.abs(), expansion_exponent), x)
 
 
 def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) -> torch.Tensor:
-    """Inverse of the expand function, f^{-1}(y) = sign(y) |y|^{1/k} (section 4.2)."""
-    return torch.copysign(torch.pow(y.abs(), expansion_exponent.reciprocal()), y)
+    """Inverse of the expand function, f^{-1}(y) = sign(y) |y|^{1/k} (section 4.2), for k > 0."""
+    return torch.copysign(power(y.abs(), div_rn(1.0, expansion_exponent)), y)
 
 
 @dataclass
@@ -148,24 +154,22 @@ def quantize_fp8_into(
         raise ValueError("cannot quantize a tensor holding NaN or infinity")
     nonzero_group = group_max > 0
     group_scale = torch.where(
-        nonzero_group, (group_max / format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0
+        nonzero_group, div_rn(group_max, format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0
     )
     if expansion_exponent is None:
-        scaled = groups / group_scale
+        scaled = div_rn(groups, group_scale)
     else:
         group_norm = torch.where(nonzero_group, group_max, 1.0)
-        normalized = groups / group_norm
+        normalized = div_rn(groups, group_norm)
         # k comes from the same float32 ratio that f raises to the power k (rounding is monotonic, so
         # min|x| / M is the smallest normalized magnitude), so the smallest non-zero element lands on
         # the smallest subnormal even when R_X is within rounding of 1. Both group statistics are
-        # taken in one pass over x; a ratio that underflows to 0 (R_X > 2^149) gives k = 1.
-        smallest_nonzero = torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1, keepdim=True) / group_norm
-        log_group_range = -torch.log(smallest_nonzero)
-        group_exponent = torch.where(
-            (log_group_range > 0) & torch.isfinite(log_group_range),
-            math.log(fp8_dynamic_range(fp8_dtype)) / log_group_range,
-            1.0,
-        )
+        # taken in one pass over x. A group whose ratio is 1 (one magnitude), 0 (it underflows:
+        # R_X > 2^149) or inf (all zeros) gets k = 1.
+        smallest_nonzero = div_rn(torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1, keepdim=True), group_norm)
+        spread = (smallest_nonzero > 0) & (smallest_nonzero < 1)
+        log_group_range = -log2(torch.where(spread, smallest_nonzero, 0.5))
+        group_exponent = torch.where(spread, div_rn(math.log2(fp8_dynamic_range(fp8_dtype)), log_group_range), 1.0)
         scaled = format_max * expand_dynamic_range(normalized, group_exponent)
         expansion_exponent.view(-1).copy_(group_exponent.view(-1))
     quantized = scaled.clamp(-format_max, format_max).to(fp8_dtype)
@@ -197,6 +201,30 @@ def quantize_fp8(
     return quantized
 
 
+def quantized_zeros(
+    numel: int,
+    fp8_dtype: "str | torch.dtype",
+    group_size: "int | None",
+    expand: bool,
+    device: torch.device,
+    groups: "int | None" = None,
+) -> QuantizedTensor:
+    """What :func:`quantize_fp8` gives ``numel`` zeros, built without quantizing anything: zero
+    payloads, and per group the scale 1 and the exponent k = 1 of an all-zero group (so an optimizer
+    starting from zero moments allocates its FP8 state alone). ``groups`` defaults to the groups of
+    ``group_size`` consecutive elements (several tensors' elements each in their own groups: more)."""
+    dtype = fp8_dtype_of(fp8_dtype)
+    groups = num_groups(numel, group_size) if groups is None else groups
+    return QuantizedTensor(
+        payload=torch.zeros(numel, dtype=dtype, device=device),
+        scale=torch.ones(groups, dtype=torch.float32, device=device),
+        expansion_exponent=torch.ones(groups, dtype=torch.float32, device=device) if expand else None,
+        group_size=group_size,
+        shape=torch.Size([numel]),
+        fp8_dtype=dtype,
+    )
+
+
 def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     """Float32 tensor of the original shape: payload * scale, or under expansion
     max|x| * f^{-1}(payload / fp8_max) (COAT section 4.2 and Appendix A)."""
@@ -208,6 +236,6 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     else:
         format_max = fp8_max(q.fp8_dtype)
         values = (group_scale * format_max) * contract_dynamic_range(
-            groups / format_max, q.expansion_exponent.view(-1, 1)
+            div_rn(groups, format_max), q.expansion_exponent.view(-1, 1)
         )
     return _ungrouped(values, q.payload).view(q.shape)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.quant import quantize_fp8
+from megatron_lowprec.numerics.quant import quantized_zeros
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -90,33 +90,36 @@ class Bucket:
         return buffer[start : start + math.ceil(self.params[index].numel() / per_group)]
 
 
-def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
-    reference = params[0]
-    dtype = reference.dtype
+def zero_state(
+    strategy: PrecisionStrategy, numel: int, like: torch.Tensor, fp8_groups: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Every flat state buffer of ``strategy`` but the master, zero (FP8: zero payloads, scale and k of
+    an all-zero group), for ``numel`` elements of 16-bit parameters like ``like``, on its device.
+    ``fp8_groups`` defaults to ``numel`` cut into consecutive groups."""
     state: dict[str, torch.Tensor] = {}
     for moment in MOMENTS:
-        if strategy.moments == "low":
-            state[moment] = reference.new_zeros(numel, dtype=dtype)
-        elif strategy.moments == "fp32":
-            state[moment] = reference.new_zeros(numel, dtype=torch.float32)
-        else:
-            zeros = quantize_fp8(
-                reference.new_zeros(numel, dtype=torch.float32),
-                strategy.fp8_format,
-                group_size=strategy.fp8_group_size,
-                expand=strategy.fp8_expand,
+        if strategy.moments == "fp8":
+            zeros = quantized_zeros(
+                numel, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand, like.device, fp8_groups
             )
             for part in FP8_PARTS:
                 if getattr(zeros, part) is not None:
                     state[f"{moment}_{part}"] = getattr(zeros, part)
+        else:
+            state[moment] = like.new_zeros(numel, dtype=like.dtype if strategy.moments == "low" else torch.float32)
+    for key in LOW_COMPONENTS:
+        if key in state_keys(strategy):
+            state[key] = like.new_zeros(numel)
+    return state
+
+
+def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
+    state = zero_state(strategy, numel, params[0])
     if strategy.master_weights:
-        master = reference.new_zeros(numel, dtype=torch.float32)
+        master = params[0].new_zeros(numel, dtype=torch.float32)
         for param, offset in zip(params, offsets):
             master[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
         state["master"] = master
-    for key in LOW_COMPONENTS:
-        if key in state_keys(strategy):
-            state[key] = reference.new_zeros(numel, dtype=dtype)
     return state
 
 

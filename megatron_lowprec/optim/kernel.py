@@ -19,9 +19,12 @@ Rounding points of the reference, for every strategy:
   removes (gpu/FINDINGS.md); on CPUs the cast, which Inductor's C++ code keeps. So the compiled step
   rounds exactly where this specification does, on every backend. Casts to 16 bits that remain either store a result or convert an exact value.
 * The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) as
-  λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2) and a correctly
-  rounded square root, then applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or
-  stochastic rounding.
+  λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2), a correctly
+  rounded square root and a correctly rounded division on every backend
+  (:mod:`~megatron_lowprec.numerics.elementary`: Triton's own FP32 division is approximate), then
+  applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding.
+* FP8 moments are decoded and re-quantized by ``numerics/quant.py``, whose divisions, ``log`` and
+  ``pow`` are likewise the same function on every backend.
 * ``adam_kernel="torch_fused"`` (option D) does not run this specification: torch's own fused AdamW
   kernel updates the FP32 master (``torch_fused.py``), in the eager and in the fused step alike.
 """
@@ -34,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics import aten_ops
+from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
@@ -274,9 +277,9 @@ _PARAM_UPDATES = {
 
 
 def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars) -> torch.Tensor:
-    """-lr m̂ / (√v̂ + ε) with the bias corrections folded into the scalars (one division, correctly
-    rounded sqrt; Adam §2)."""
-    return scalars.neg_scaled_step_size * exp_avg / (aten_ops.sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
+    """-lr m̂ / (√v̂ + ε) with the bias corrections folded into the scalars (Adam §2): one correctly
+    rounded division and square root."""
+    return div_rn(scalars.neg_scaled_step_size * exp_avg, sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
 
 
 def adamw_kernel_(

@@ -8,6 +8,12 @@ function it compiles, :func:`~megatron_lowprec.optim.kernel.adamw_kernel_`, trac
 graph (``make_fx``), with every FP32 -> 16-bit -> FP32 conversion pair bypassed, run on CPU. The
 buckets, segments and stream layouts are the fused path's own. A rounding that a compiler can
 remove makes this emulation differ from the eager step, as the mutation tests show.
+
+The second part captures the aten graph that Inductor lowers for the step (its decompositions
+applied) in the formulation used where it emits Triton, and checks that every floating-point
+operation in it is one that IEEE 754 fixes to the bit: no FP32 division or square root (Triton
+approximates the one and flushes subnormals in the other; both are done in float64 there), no
+``pow``, ``log`` or ``exp`` (each backend has its own), no fused or reordered arithmetic.
 """
 
 import dataclasses
@@ -17,9 +23,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from megatron_lowprec.numerics import formats, mcf
+from megatron_lowprec.numerics import elementary, formats, mcf
+from megatron_lowprec.numerics import quant as quant_module
 from megatron_lowprec.numerics.rounding import StreamLayout
-from megatron_lowprec.optim import AdamW, available_strategies
+from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies, get_strategy
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim import kernel as kernel_module
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_
@@ -207,3 +214,165 @@ def test_the_integer_roundings_of_gpus_and_the_casts_of_cpus_give_the_same_steps
         ])
     for integer, cast in zip(*runs):
         assert torch.equal(integer.view(torch.uint8), cast.view(torch.uint8))
+
+
+EXACT_FLOAT_OPS = {
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.sub.Tensor,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.neg.default,
+    torch.ops.aten.abs.default,
+    torch.ops.aten.copysign.Tensor,
+    torch.ops.aten.round.default,
+    torch.ops.aten.clamp.default,
+    torch.ops.aten.clamp_min.default,
+    torch.ops.aten.clamp_max.default,
+    torch.ops.aten.maximum.default,
+    torch.ops.aten.minimum.default,
+    torch.ops.aten.amax.default,
+    torch.ops.aten.amin.default,
+    torch.ops.aten.where.self,
+    torch.ops.aten.eq.Scalar,
+    torch.ops.aten.ne.Scalar,
+    torch.ops.aten.gt.Scalar,
+    torch.ops.aten.lt.Scalar,
+    torch.ops.aten.ge.Scalar,
+    torch.ops.aten.le.Scalar,
+    torch.ops.aten.eq.Tensor,
+    torch.ops.aten.ne.Tensor,
+    torch.ops.aten.gt.Tensor,
+    torch.ops.aten.lt.Tensor,
+    torch.ops.aten.ge.Tensor,
+    torch.ops.aten.le.Tensor,
+    torch.ops.aten.isinf.default,
+    torch.ops.aten.isnan.default,
+    torch.ops.aten.logical_not.default,
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.full.default,
+    torch.ops.aten.scalar_tensor.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.copy.default,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.view.default,
+    torch.ops.aten.view.dtype,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+}
+"""Operations on floating-point tensors whose result IEEE 754 fixes to the bit (exact, or correctly
+rounded +, - and *), or that only move, compare or convert values: every backend computes them alike."""
+
+FLOAT64_ONLY_OPS = {torch.ops.aten.div.Tensor, torch.ops.aten.sqrt.default, torch.ops.prims.div.default, torch.ops.prims.sqrt.default}
+"""Correctly rounded everywhere in float64 (PTX has no approximate FP64 division or square root), but
+not in FP32 on GPUs: Triton's FP32 ``/`` is ``div.full.f32``, its square root flushes subnormals."""
+
+
+def _float_inexact_operations(graph_module: torch.fx.GraphModule) -> list[str]:
+    """Each node that computes on floating-point values with an operation some backend does not
+    compute to the bit (any op outside :data:`EXACT_FLOAT_OPS`, or FP32 division / square root)."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        values = [node.meta.get("val")] + [arg.meta.get("val") for arg in node.all_input_nodes]
+        float_dtypes = {value.dtype for value in values if isinstance(value, torch.Tensor) and value.dtype.is_floating_point}
+        if not float_dtypes or node.target in EXACT_FLOAT_OPS:
+            continue
+        if node.target in FLOAT64_ONLY_OPS and _dtype(node) == torch.float64:
+            continue
+        found.append(f"{node.target} on {sorted(str(d) for d in float_dtypes)}")
+    return found
+
+
+class CapturingCompiler:
+    """``fused.compiled_kernel`` with a backend that records the aten graph Inductor would lower
+    (Inductor's decompositions applied) and runs it as it is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def backend(self, graph_module, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._inductor.decomposition import select_decomp_table
+
+        def record(graph, inputs):
+            self.graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=record, decompositions=select_decomp_table())
+
+    def __call__(self, group_statistics=False):
+        compiled = torch.compile(adamw_kernel_, backend=self.backend, dynamic=True, fullgraph=True)
+        return torch._dynamo.config.patch(specialize_int=True)(compiled)
+
+
+COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "reference"] + [
+    PrecisionStrategy("sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"),
+]
+
+
+@pytest.fixture
+def gpu_formulation(monkeypatch):
+    """What the fused step computes where Inductor emits Triton: integer 16-bit roundings, division
+    and square root through float64, stochastic rounding once per bucket."""
+    monkeypatch.setattr(formats, "CAST_ROUNDING_DEVICES", ())
+    monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", ())
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    compiler = CapturingCompiler()
+    monkeypatch.setattr(fused_module, "compiled_kernel", compiler)
+    torch._dynamo.reset()
+    yield compiler
+    torch._dynamo.reset()
+
+
+def _run_fused(strategy, steps=2, track_update_quality=False):
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).bfloat16()) for shape in SHAPES]
+    optimizer = AdamW(
+        params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, fused=True,
+        track_update_quality=track_update_quality,
+    )
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("strategy", COMPILED_STRATEGIES, ids=lambda strategy: strategy.name)
+def test_every_floating_point_operation_of_the_compiled_step_is_exact_on_every_backend(strategy, gpu_formulation):
+    """The aten graph that Inductor lowers for a GPU holds no FP32 division, reciprocal or square root
+    and no pow, log, exp or other function that backends approximate differently."""
+    _run_fused(strategy)
+    assert gpu_formulation.graphs, "the fused path did not call the compiled kernel"
+    for graph in gpu_formulation.graphs:
+        assert _float_inexact_operations(graph) == []
+
+
+@pytest.mark.parametrize("module", [kernel_module, quant_module], ids=["adam-update", "coat-quantization"])
+def test_a_plain_fp32_division_is_found(module, gpu_formulation, monkeypatch):
+    """Mutation: one of the step's divisions back to the FP32 ``/`` that Triton approximates."""
+    monkeypatch.setattr(module, "div_rn", lambda numerator, denominator: numerator / denominator)
+    _run_fused(get_strategy("coat"), steps=1)
+    found = [operation for graph in gpu_formulation.graphs for operation in _float_inexact_operations(graph)]
+    assert any("div" in operation or "reciprocal" in operation for operation in found)
+
+
+def test_torch_s_pow_and_log_are_found(gpu_formulation, monkeypatch):
+    """Mutation: COAT's expansion back to torch's pow and log (SLEEF, Inductor's vector functions and
+    libdevice differ)."""
+    monkeypatch.setattr(quant_module, "power", torch.pow)
+    monkeypatch.setattr(quant_module, "log2", torch.log2)
+    _run_fused(get_strategy("coat"), steps=1)
+    found = " ".join(operation for graph in gpu_formulation.graphs for operation in _float_inexact_operations(graph))
+    assert "pow" in found and "log2" in found

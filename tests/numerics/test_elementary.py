@@ -1,0 +1,111 @@
+"""The package's own elementary functions against float64 references, and eager against compiled:
+one function on every backend (numerics/elementary.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lowprec.numerics import elementary
+from megatron_lowprec.numerics.elementary import div_rn, exp2, log2, power, sqrt_rn
+
+
+def _random_floats(count: int, seed: int, low_bits: int = 1, high_bits: int = 0x7F800000) -> torch.Tensor:
+    """Positive finite FP32 values with uniformly random bit patterns (subnormals included)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low_bits, high_bits, (count,), generator=generator, dtype=torch.int32).view(torch.float32)
+
+
+def _correctly_rounded(values: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded once to FP32 (exact results of FP32 operands round correctly this way)."""
+    return values.float()
+
+
+def test_div_rn_is_the_correctly_rounded_quotient(device):
+    numerators, denominators = _random_floats(200_000, 1), _random_floats(200_000, 2)
+    signs = torch.where(torch.arange(200_000) % 3 == 0, -1.0, 1.0)
+    numerators = numerators * signs
+    expected = _correctly_rounded(numerators.double() / denominators.double())
+    got = div_rn(numerators.to(device), denominators.to(device)).cpu()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def test_div_rn_rounds_a_python_float_to_fp32_and_divides_by_it(device):
+    values = _random_floats(100_000, 3, 0x30000000, 0x50000000).to(device)
+    third = float(torch.tensor(1 / 3, dtype=torch.float32))
+    assert torch.equal(div_rn(values, 1 / 3).cpu(), _correctly_rounded(values.cpu().double() / third))
+    assert torch.equal(div_rn(1 / 3, values).cpu(), _correctly_rounded(third / values.cpu().double()))
+
+
+def test_sqrt_rn_is_correctly_rounded_subnormals_included(device):
+    values = _random_floats(200_000, 4)
+    expected = _correctly_rounded(values.double().sqrt())
+    assert torch.equal(sqrt_rn(values.to(device)).cpu().view(torch.int32), expected.view(torch.int32))
+
+
+def test_log2_is_within_its_bound_and_exact_at_powers_of_two(device):
+    values = _random_floats(1_000_000, 5)
+    got = log2(values.to(device)).cpu()
+    exact = torch.from_numpy(np.log2(values.double().numpy()))
+    half_ulp = torch.from_numpy(np.spacing(np.abs(got.numpy()))).double() / 2
+    assert ((got.double() - exact).abs() - half_ulp).max() <= elementary.LOG2_ERROR_BEYOND_HALF_ULP
+    exponents = torch.arange(-149, 128, dtype=torch.float64)
+    assert torch.equal(log2(torch.exp2(exponents).float().to(device)).cpu(), exponents.float())
+
+
+def test_exp2_is_within_its_bound_exact_at_integers_and_underflows_gradually(device):
+    generator = torch.Generator().manual_seed(6)
+    exponents = (torch.rand(1_000_000, generator=generator, dtype=torch.float64) * 254 - 127).float()
+    got = exp2(exponents.to(device)).cpu().double()
+    exact = torch.exp2(exponents.double())
+    normal = exact >= torch.finfo(torch.float32).tiny
+    assert ((got - exact).abs() / exact)[normal].max() <= elementary.EXP2_MAX_REL_ERROR
+    integers = torch.arange(-160, 128, dtype=torch.float32)
+    assert torch.equal(exp2(integers.to(device)).cpu(), torch.exp2(integers.double()).float())
+    subnormal = (-126.0 - torch.rand(10_000, generator=generator, dtype=torch.float64) * 23).float()
+    smallest = 2.0**-149
+    off = (exp2(subnormal.to(device)).cpu().double() - torch.exp2(subnormal.double())).abs()
+    assert off.max() <= smallest
+
+
+def test_power_is_within_its_bound_on_coat_s_domain(device):
+    generator = torch.Generator().manual_seed(7)
+    bases = torch.rand(1_000_000, generator=generator)
+    exponents = torch.rand(1_000_000, generator=generator) * 16 + 2.0**-10
+    got = power(bases.to(device), exponents.to(device)).cpu().double()
+    exact = torch.pow(bases.double(), exponents.double())
+    normal = exact >= torch.finfo(torch.float32).tiny
+    assert ((got - exact).abs() / exact)[normal].max() <= elementary.POWER_MAX_REL_ERROR
+    assert power(torch.zeros(3, device=device), torch.full((3,), 2.5, device=device)).eq(0).all()
+    assert power(torch.ones(3, device=device), torch.tensor([0.1, 1.0, 15.0], device=device)).eq(1).all()
+
+
+def _every_function(numerators, denominators, bases, exponents):
+    return (
+        div_rn(numerators, denominators),
+        div_rn(numerators, 448.0),
+        div_rn(17.8, denominators),
+        sqrt_rn(denominators),
+        log2(denominators),
+        exp2(-exponents * 9),
+        power(bases, exponents),
+    )
+
+
+@pytest.mark.parametrize("native_devices", [("cpu",), ()], ids=["native", "as-on-gpus"])
+def test_compiled_code_computes_the_same_bits_as_eager_code(native_devices, monkeypatch):
+    """Inductor's C++ code with each formulation (FP32 division and sqrt, as CPUs compile them; and
+    through float64, as other devices compile them) gives eager's bits."""
+    monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", native_devices)
+    generator = torch.Generator().manual_seed(8)
+    arguments = (
+        _random_floats(50_000, 9) * torch.where(torch.arange(50_000) % 2 == 0, -1.0, 1.0),
+        _random_floats(50_000, 10),
+        torch.rand(50_000, generator=generator),
+        torch.rand(50_000, generator=generator) * 16 + 0.01,
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(_every_function, dynamic=True, fullgraph=True)
+    for eager_result, compiled_result in zip(_every_function(*arguments), compiled(*arguments)):
+        assert torch.equal(eager_result.view(torch.int32), compiled_result.view(torch.int32))
+    torch._dynamo.reset()
+
