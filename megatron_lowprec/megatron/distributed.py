@@ -40,18 +40,16 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
-from megatron_lowprec.metrics import UpdateQuality, measure_update_quality
-from megatron_lowprec.numerics.quant import quantize_fp8
+from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import (
     INT32_GRID_MAX_ROW,
     StreamLayout,
     counter_round_keys,
     grid_random_bits,
     row_start_words,
-    signed_word,
 )
 from megatron_lowprec.optim.adamw import non_finite_flag
-from megatron_lowprec.optim.buckets import LOW_COMPONENTS, MOMENTS, PER_GROUP_PARTS, state_keys
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, zero_state
 from megatron_lowprec.optim.fused import compiled_kernel, fused_available
 from megatron_lowprec.optim.kernel import (
     CounterStream,
@@ -59,7 +57,7 @@ from megatron_lowprec.optim.kernel import (
     adamw_kernel_,
     beta2_expansion_for,
     check_param_dtype,
-    represented_value,
+    kernel_scalar,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
@@ -237,7 +235,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.track_update_quality = track_update_quality
         self.streams = stream_layouts
-        self.piece_update_quality: list[tuple[ShardPiece, UpdateQuality]] = []
+        self.piece_update_pieces: list[tuple[ShardPiece, torch.Tensor]] = []
         if strategy.moments == "fp8" and strategy.param_update == "stochastic":
             raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
         group_of = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
@@ -285,28 +283,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         return shard
 
     def _flat_state(self, shard: Shard, groups: int) -> dict[str, torch.Tensor]:
-        strategy = self.strategy
         param_data = shard.bucket.param_data
-        numel, dtype, device = shard.end - shard.start, param_data.dtype, param_data.device
-        state: dict[str, torch.Tensor] = {}
-        for moment in MOMENTS:
-            if strategy.moments == "fp8":
-                template = quantize_fp8(
-                    torch.zeros(strategy.fp8_group_size, device=device), strategy.fp8_format,
-                    group_size=strategy.fp8_group_size, expand=strategy.fp8_expand,
-                )
-                state[f"{moment}_payload"] = torch.zeros(numel, dtype=template.payload.dtype, device=device)
-                for part in ("scale", "expansion_exponent"):
-                    value = getattr(template, part)
-                    if value is not None:
-                        state[f"{moment}_{part}"] = value[:1].repeat(groups)
-            else:
-                state[moment] = torch.zeros(numel, dtype=dtype if strategy.moments == "low" else torch.float32, device=device)
-        if strategy.master_weights:
+        state = zero_state(self.strategy, shard.end - shard.start, param_data, groups)
+        if self.strategy.master_weights:
             state["master"] = param_data[shard.start : shard.end].float()
-        for key in LOW_COMPONENTS:
-            if key in state_keys(strategy):
-                state[key] = torch.zeros(numel, dtype=dtype, device=device)
         return state
 
     def state_bytes(self) -> int:
@@ -341,9 +321,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                             f"SR stream rows of {length} elements; the fused step counts columns in int32 "
                             f"(at most {INT32_GRID_MAX_ROW}): use fused=False"
                         )
-                    stream = CounterStream(
-                        tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
-                        *row_start_words(offset, layout.row_stride, rows, device),
+                    stream = CounterStream.at_step(
+                        self.seed, step, layout.stream, *row_start_words(offset, layout.row_stride, rows, device)
                     )
                 else:
                     stream = grid_random_bits(keys, offset, layout.row_stride, rows, length, device)
@@ -354,7 +333,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         else:
             yield param, grad, state, None
 
-    def _torch_fused_step(self, shard: Shard, piece: ShardPiece, group: dict[str, Any]) -> UpdateQuality | None:
+    def _torch_fused_step(self, shard: Shard, piece: ShardPiece, group: dict[str, Any]) -> torch.Tensor | None:
         """Option D's step of one piece: torch's fused AdamW kernel on its FP32 master (as the
         unsharded optimizer runs it, :func:`~megatron_lowprec.optim.torch_fused.torch_fused_adamw_step_`)."""
         state = self.piece_state(shard, piece)
@@ -375,33 +354,28 @@ class ShardedAdamW(torch.optim.Optimizer):
         expansion = beta2_expansion_for(self.strategy, beta2, like.dtype)
         if not self.fused:
             return scalars, expansion
-        return scalars.as_tensors(like.device), tuple(
-            None if part is None else torch.tensor(part, dtype=like.dtype, device=like.device) for part in expansion
-        )
+        return scalars.as_kernel_scalars(), tuple(None if part is None else kernel_scalar(part, like.dtype) for part in expansion)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step on every piece of every shard (the gradients must be reduced and finite)."""
         self.step_count += 1
         kernel = compiled_kernel(self.strategy.moments == "fp8") if self.fused else adamw_kernel_
-        self.piece_update_quality = []
+        self.piece_update_pieces = []
         for shard in self.shards:
             hyper = [self._step_scalars(group, shard.bucket.param_data) for group in self.param_groups]
             for piece in shard.pieces:
                 scalars, expansion = hyper[piece.group_index]
-                quality = UpdateQuality()
                 if self.strategy.adam_kernel == "torch_fused":
-                    quality = self._torch_fused_step(shard, piece, self.param_groups[piece.group_index]) or quality
-                    if self.track_update_quality:
-                        self.piece_update_quality.append((piece, quality))
-                    continue
-                for param, grad, state, random_source in self._calls(shard, piece, self.step_count):
-                    before = represented_value(param, state) if self.track_update_quality else None
-                    update = kernel(param, grad, state, self.strategy, scalars, expansion, random_source, self.track_update_quality)
-                    if before is not None:
-                        quality = quality + measure_update_quality(update, before, represented_value(param, state))
+                    quality = self._torch_fused_step(shard, piece, self.param_groups[piece.group_index])
+                else:
+                    pieces = [
+                        kernel(param, grad, state, self.strategy, scalars, expansion, random_source, self.track_update_quality)
+                        for param, grad, state, random_source in self._calls(shard, piece, self.step_count)
+                    ]
+                    quality = sum(pieces) if self.track_update_quality else None
                 if self.track_update_quality:
-                    self.piece_update_quality.append((piece, quality))
+                    self.piece_update_pieces.append((piece, quality))
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -564,11 +538,10 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         """EDQ and imprecision pieces of the last step for the whole model: summed over the owned
         pieces, the data-parallel ranks and the model-parallel ranks (a tensor-parallel-replicated
         parameter counted once)."""
-        local = UpdateQuality()
-        for piece, quality in self.optimizer.piece_update_quality:
+        pieces = torch.zeros(4, dtype=torch.float64, device=self.device)
+        for piece, piece_pieces in self.optimizer.piece_update_pieces:
             if tensor_parallel.param_is_not_tensor_parallel_duplicate(piece.param):
-                local = local + quality
-        pieces = local.to_tensor(self.device)
+                pieces += piece_pieces
         torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
         torch.distributed.all_reduce(pieces, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return UpdateQuality.from_tensor(pieces)

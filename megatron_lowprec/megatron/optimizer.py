@@ -111,11 +111,10 @@ class LowPrecisionOptimizer(FP32Optimizer):
         copies of a tensor-parallel-replicated parameter once; data-parallel replicas are identical
         and are not summed.
         """
-        local = UpdateQuality()
-        for bucket, quality in zip(self.optimizer.buckets, self.optimizer.bucket_update_quality):
+        pieces = torch.zeros(4, dtype=torch.float64, device=self.get_loss_scale().device)
+        for bucket, bucket_pieces in zip(self.optimizer.buckets, self.optimizer.bucket_update_pieces):
             if tensor_parallel.param_is_not_tensor_parallel_duplicate(bucket.params[0]):
-                local = local + quality
-        pieces = local.to_tensor(self.get_loss_scale().device)
+                pieces += bucket_pieces
         torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
         return UpdateQuality.from_tensor(pieces)
 

@@ -1,7 +1,10 @@
 """Effective descent quality (EDQ, Collage Def. 3.3, eq. 3) and imprecision percentage (Collage §3, Fig. 3).
 
 Both are kept as additive pieces (sums and counts) so that a distributed caller can all-reduce the
-pieces over the data-, tensor- and pipeline-parallel groups before dividing.
+pieces over the data-, tensor- and pipeline-parallel groups before dividing. An optimizer step
+computes them as a 4-element FP64 tensor on the parameters' device (:func:`update_quality_pieces`),
+inside its compiled kernel, and adds them up there: no host synchronisation until a caller reads
+an :class:`UpdateQuality` (:meth:`UpdateQuality.from_tensor`).
 """
 
 from __future__ import annotations
@@ -57,16 +60,27 @@ class UpdateQuality:
         return cls(values[0], values[1], int(values[2]), int(values[3]))
 
 
-def measure_update_quality(
+def update_quality_pieces(
     intended: torch.Tensor, represented_before: torch.Tensor, represented_after: torch.Tensor
-) -> UpdateQuality:
-    """Pieces for one tensor; the represented values should be exact (e.g. float64 sums of components)."""
+) -> torch.Tensor:
+    """The pieces of one tensor as an FP64 tensor [Σ Δθ·Δ̂θ, Σ Δθ², #(Δθ ≠ 0), #lost] on its device
+    (the represented values should be exact, e.g. float64 sums of components). Reductions only: a
+    compiled caller keeps no tensor-sized temporary, and nothing is copied to the host."""
     intended = intended.double()
     effective = represented_after.double() - represented_before.double()
     moving = intended != 0
-    return UpdateQuality(
-        intended_dot_effective=float(torch.dot(intended.flatten(), effective.flatten())),
-        intended_sq_norm=float(torch.dot(intended.flatten(), intended.flatten())),
-        intended_nonzero=int(moving.sum()),
-        lost=int((moving & (effective == 0)).sum()),
+    return torch.stack(
+        [
+            (intended * effective).sum(),
+            (intended * intended).sum(),
+            moving.sum().double(),
+            (moving & (effective == 0)).sum().double(),
+        ]
     )
+
+
+def measure_update_quality(
+    intended: torch.Tensor, represented_before: torch.Tensor, represented_after: torch.Tensor
+) -> UpdateQuality:
+    """:func:`update_quality_pieces` read back as an :class:`UpdateQuality` (one host synchronisation)."""
+    return UpdateQuality.from_tensor(update_quality_pieces(intended, represented_before, represented_after))

@@ -99,9 +99,10 @@ class AdamW(torch.optim.Optimizer):
     caller that has already checked (e.g. across ranks, as the Megatron hook does) passes
     ``check_grads_finite=False`` to save that pass over the gradients.
 
-    With ``track_update_quality=True`` every step stores the EDQ and imprecision pieces per
-    parameter group in :attr:`update_quality` and per bucket (aligned with :attr:`buckets`) in
-    :attr:`bucket_update_quality`; when off it costs no memory or time.
+    With ``track_update_quality=True`` every step computes the EDQ and imprecision pieces of each
+    bucket on its device (:attr:`bucket_update_pieces`, aligned with :attr:`buckets`), inside the
+    step's kernels and without a host synchronisation; :attr:`update_quality` (per parameter group)
+    and :attr:`bucket_update_quality` read them back. When off it costs no memory or time.
     """
 
     def __init__(
@@ -134,8 +135,7 @@ class AdamW(torch.optim.Optimizer):
         self.track_update_quality = track_update_quality
         self.check_grads_finite = check_grads_finite
         self.skipped_steps = 0
-        self.update_quality: list[UpdateQuality] = []
-        self.bucket_update_quality: list[UpdateQuality] = []
+        self.bucket_update_pieces: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
         self.seed = seed
         self._stream_layout = stream_layout
@@ -223,7 +223,22 @@ class AdamW(torch.optim.Optimizer):
             return generator_random_bits(param.shape, generator, param.device)
         return self.random_bits(param, step)
 
-    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> UpdateQuality:
+    @property
+    def bucket_update_quality(self) -> list[UpdateQuality]:
+        """The last step's update-quality pieces of each bucket (``track_update_quality``)."""
+        return [UpdateQuality.from_tensor(pieces) for pieces in self.bucket_update_pieces]
+
+    @property
+    def update_quality(self) -> list[UpdateQuality]:
+        """The last step's update-quality pieces of each parameter group (``track_update_quality``)."""
+        if not self.bucket_update_pieces:
+            return []
+        totals: dict[int, torch.Tensor] = {}
+        for bucket, pieces in zip(self.buckets, self.bucket_update_pieces):
+            totals[bucket.group_index] = totals.get(bucket.group_index, 0) + pieces
+        return [UpdateQuality.from_tensor(totals[index]) if index in totals else UpdateQuality() for index in range(len(self.param_groups))]
+
+    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
         group = self.param_groups[bucket.group_index]
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
@@ -234,12 +249,11 @@ class AdamW(torch.optim.Optimizer):
             for param in bucket.params:
                 self.state[param]["step"] = step
             sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
-            quality = fused_bucket_step_(
+            return fused_bucket_step_(
                 bucket, grad, self.strategy, step=step, sr_seed=sr_seed,
                 track_update_quality=self.track_update_quality, **hyper,
             )
-            return quality or UpdateQuality()
-        quality = UpdateQuality()
+        quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
         for index, param in enumerate(bucket.params):
             if param.grad is None:
                 continue
@@ -254,7 +268,7 @@ class AdamW(torch.optim.Optimizer):
                 **hyper,
             )
             if piece is not None:
-                quality = quality + piece
+                quality += piece
         return quality
 
     @torch.no_grad()
@@ -269,12 +283,9 @@ class AdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None
-        bucket_quality = [self._step_bucket(bucket, generator) for bucket in self.buckets]
+        pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]
         if self.track_update_quality:
-            self.bucket_update_quality = bucket_quality
-            self.update_quality = [UpdateQuality() for _ in self.param_groups]
-            for bucket, quality in zip(self.buckets, bucket_quality):
-                self.update_quality[bucket.group_index] = self.update_quality[bucket.group_index] + quality
+            self.bucket_update_pieces = pieces
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, elements_per_value
 from megatron_lowprec.optim.kernel import (
@@ -51,7 +50,8 @@ from megatron_lowprec.optim.kernel import (
     StepScalars,
     adamw_kernel_,
     beta2_expansion_for,
-    represented_value,
+    kernel_scalar,
+    to_device_async,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
@@ -212,9 +212,10 @@ def fused_bucket_step_(
     weight_decay: float,
     sr_seed: int | None,
     track_update_quality: bool,
-) -> UpdateQuality | None:
+) -> torch.Tensor | None:
     """One AdamW step over a whole bucket (its parameters all at ``step`` after this call), in the
-    compiled calls that :func:`_segments` lays out."""
+    compiled calls that :func:`_segments` lays out; the update-quality pieces (an FP64 tensor on the
+    bucket's device) when ``track_update_quality``."""
     param = bucket.param_buffer
     if strategy.adam_kernel == "torch_fused":
         spans = [(offset, bucket_param.numel()) for offset, bucket_param in zip(bucket.offsets, bucket.params)]
@@ -223,26 +224,17 @@ def fused_bucket_step_(
             param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )
-    device = param.device
-    scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_tensors(device)
+    scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_kernel_scalars()
     beta2_expansion = tuple(
-        None if part is None else torch.tensor(part, dtype=param.dtype, device=device)
-        for part in beta2_expansion_for(strategy, beta2, param.dtype)
+        None if part is None else kernel_scalar(part, param.dtype) for part in beta2_expansion_for(strategy, beta2, param.dtype)
     )
 
-    def run(param, grad, state, random_source) -> UpdateQuality | None:
-        before = represented_value(param, state) if track_update_quality else None
-        update = compiled_kernel(strategy.moments == "fp8")(
-            param, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality
-        )
-        return None if before is None else measure_update_quality(update, before, represented_value(param, state))
-
-    quality = UpdateQuality() if track_update_quality else None
-    for segment in _segments(bucket, grad, strategy, sr_seed, step):
-        piece = run(*segment)
-        if piece is not None:
-            quality = quality + piece
-    return quality
+    kernel = compiled_kernel(strategy.moments == "fp8")
+    pieces = [
+        kernel(param, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
+        for param, grad, state, random_source in _segments(bucket, grad, strategy, sr_seed, step)
+    ]
+    return sum(pieces) if track_update_quality else None
 
 
 def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, sr_seed: int | None, step: int):
@@ -254,11 +246,7 @@ def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, s
         yield bucket.param_buffer, grad, bucket.state, _bucket_stream(bucket, sr_seed, step)
     elif sr_seed is not None:
         for index, layout in enumerate(bucket.streams):
-            keys = counter_round_keys(sr_seed, step, layout.stream)
-            stream = CounterStream(
-                tuple(torch.tensor(signed_word(key), dtype=torch.int32, device=device) for key in keys),
-                *_row_starts(bucket, index),
-            )
+            stream = CounterStream.at_step(sr_seed, step, layout.stream, *_row_starts(bucket, index))
             yield *_parameter_grids(bucket, grad, index, strategy), stream
     elif strategy.moments == "fp8":
         yield _group_grids(bucket, grad, strategy)
@@ -297,7 +285,7 @@ def _bucket_stream(bucket: Bucket, sr_seed: int, step: int) -> BucketStream:
         bases = [sum(rows[:index]) for index in range(len(rows))]
 
         def int32(values):
-            return torch.tensor(values, dtype=torch.int32, device=device)
+            return to_device_async(torch.tensor(values, dtype=torch.int32), device)
 
         bucket.stream_tables = (
             int32(bucket.offsets),
@@ -308,7 +296,7 @@ def _bucket_stream(bucket: Bucket, sr_seed: int, step: int) -> BucketStream:
             torch.cat([low for _, low in starts]).reshape(-1),
         )
     keys = [[signed_word(key) for key in counter_round_keys(sr_seed, step, layout.stream)] for layout in bucket.streams]
-    return BucketStream(torch.tensor(keys, dtype=torch.int32, device=device), *bucket.stream_tables)
+    return BucketStream(to_device_async(torch.tensor(keys, dtype=torch.int32), device), *bucket.stream_tables)
 
 
 def _row_starts(bucket: Bucket, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,18 +36,41 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
+from megatron_lowprec.metrics.update_quality import update_quality_pieces
 from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.numerics.rounding import hash_words, row_random_bits, stochastic_round
+from megatron_lowprec.numerics.rounding import (
+    counter_round_keys,
+    hash_words,
+    row_random_bits,
+    signed_word,
+    stochastic_round,
+)
 from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_scalar(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-d host tensor for a compiled kernel. Inductor passes 0-d CPU tensors to GPU
+    kernels by value, so a step-dependent scalar reaches the kernel without a host-to-device copy
+    (``torch.tensor(value, device="cuda")`` blocks the host until the device has caught up) and
+    without the kernel being specialised on it."""
+    return torch.tensor(value, dtype=dtype)
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table on ``device`` without blocking the host: copied into pinned memory (PyTorch's
+    caching host allocator keeps the block until the copy has run) and from there without waiting;
+    on the CPU, the table itself."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CounterStream(NamedTuple):
@@ -61,6 +84,12 @@ class CounterStream(NamedTuple):
     keys: tuple[Any, Any, Any]
     start_high: torch.Tensor
     start_low: torch.Tensor
+
+    @classmethod
+    def at_step(cls, seed: int, step: int, stream: int, start_high: torch.Tensor, start_low: torch.Tensor) -> CounterStream:
+        """The stream's words at ``step``: round keys as :func:`kernel_scalar` int32 words."""
+        keys = tuple(kernel_scalar(signed_word(key), torch.int32) for key in counter_round_keys(seed, step, stream))
+        return cls(keys, start_high, start_low)
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
         return row_random_bits(self.keys, self.start_high, self.start_low, like.shape[1])
@@ -192,11 +221,9 @@ class StepScalars:
             decay_factor=1 - lr * weight_decay,
         )
 
-    def as_tensors(self, device: torch.device) -> StepScalars:
-        """The same scalars as 0-d FP32 tensors, so that a compiled step is not specialised on them."""
-        return StepScalars(
-            *(torch.tensor(getattr(self, f.name), dtype=torch.float32, device=device) for f in fields(self))
-        )
+    def as_kernel_scalars(self) -> StepScalars:
+        """The same scalars as 0-d FP32 host tensors (:func:`kernel_scalar`), for a compiled step."""
+        return StepScalars(*(kernel_scalar(getattr(self, f.name), torch.float32) for f in fields(self)))
 
 
 def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -290,14 +317,18 @@ def adamw_kernel_(
     scalars: StepScalars,
     beta2_expansion: tuple[Any, Any],
     random_source: RandomSource,
-    want_update: bool,
+    track_update_quality: bool,
 ) -> torch.Tensor | None:
     """The elementwise body of one step, in place. Every operation is one correctly rounded FP32
     operation (no lerp, addcmul or addcdiv, whose CPU kernels fuse multiply-adds; a correctly rounded
     sqrt), so an eager run and a compiled run round alike.
 
-    Returns the intended FP32 update Δθ when ``want_update`` (for the update-quality metrics).
+    With ``track_update_quality``, returns the update-quality pieces of the step
+    (:func:`~megatron_lowprec.metrics.update_quality.update_quality_pieces`: the intended FP32 update
+    against the change of the represented value), reduced inside the step: compiled, it keeps no
+    tensor-sized FP64 temporary.
     """
+    before = represented_value(param, state) if track_update_quality else None
     grad = grad.float()
     exp_avg = _decode_moment(state, "exp_avg", param, strategy)
     exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
@@ -310,7 +341,7 @@ def adamw_kernel_(
     update = None
     if strategy.weight_decay == "multiplicative":
         master = state["master"]
-        if want_update:
+        if track_update_quality:
             update = master * scalars.neg_lr_weight_decay + adam_term
         master.copy_(master * scalars.decay_factor + adam_term)
     else:
@@ -321,7 +352,9 @@ def adamw_kernel_(
     _encode_moment(state, "exp_avg", exp_avg, param, strategy)
     if not strategy.second_moment_mcf:
         _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
-    return update if want_update else None
+    if not track_update_quality:
+        return None
+    return update_quality_pieces(update, before, represented_value(param, state))
 
 
 def beta2_expansion_for(strategy: PrecisionStrategy, beta2: float, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -343,12 +376,13 @@ def adamw_step_(
     weight_decay: float,
     random_source: RandomSource = None,
     track_update_quality: bool = False,
-) -> UpdateQuality | None:
+) -> torch.Tensor | None:
     """One AdamW step on one parameter, in place, following ``strategy`` (see the module docstring).
 
     ``grad`` must be finite (the optimizer checks before calling). ``random_source`` drives
     stochastic rounding: 32-bit words of ``param``'s shape, or a :class:`CounterStream`. Returns the
-    update-quality pieces when ``track_update_quality`` is set, else ``None``.
+    update-quality pieces (a 4-element FP64 tensor on ``param``'s device) when
+    ``track_update_quality`` is set, else ``None``.
     """
     state["step"] += 1
     if strategy.adam_kernel == "torch_fused":
@@ -358,8 +392,7 @@ def adamw_step_(
             beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )
     scalars = StepScalars.for_step(state["step"], lr, beta1, beta2, eps, weight_decay)
-    before = represented_value(param, state) if track_update_quality else None
-    update = adamw_kernel_(
+    return adamw_kernel_(
         param,
         grad,
         state,
@@ -369,6 +402,3 @@ def adamw_step_(
         random_source,
         track_update_quality,
     )
-    if before is None:
-        return None
-    return measure_update_quality(update, before, represented_value(param, state))

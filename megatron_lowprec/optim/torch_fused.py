@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from megatron_lowprec.metrics.update_quality import UpdateQuality, measure_update_quality
+from megatron_lowprec.metrics.update_quality import update_quality_pieces
 
 WINDOWS_PER_MASTER = 100
 """A 16-bit gradient is converted to FP32 in windows of at most 1/100 of the master (1% of its bytes)."""
@@ -107,18 +107,19 @@ def torch_fused_adamw_step_(
     eps: float,
     weight_decay: float,
     track_update_quality: bool,
-) -> UpdateQuality | None:
+) -> torch.Tensor | None:
     """One AdamW step, in place, of the tensors at ``spans`` ((offset, numel) pairs) of the flat
     16-bit ``param``, its ``grad`` and the flat FP32 ``master``, ``exp_avg`` and ``exp_avg_sq``
     (``step`` counts this step); the parameter becomes the master rounded to nearest.
 
     With ``track_update_quality`` the intended update is the same kernel's update computed in
-    float64 from the same state, and the effective update the change of the FP32 master.
+    float64 from the same state, and the effective update the change of the FP32 master; the
+    update-quality pieces (an FP64 tensor on the master's device) are returned.
     """
     device = master.device
-    step_tensor = torch.tensor(float(step), dtype=torch.float32, device=device)
+    step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
-    quality = UpdateQuality() if track_update_quality else None
+    quality = master.new_zeros(4, dtype=torch.float64) if track_update_quality else None
     windows = _windows(master.numel(), grad, track_update_quality)
     scratch = None if grad.dtype == torch.float32 else torch.empty(windows[0][1], dtype=torch.float32, device=device)
     for start, end in windows:
@@ -139,5 +140,5 @@ def torch_fused_adamw_step_(
         )
         param[start:end].copy_(master[start:end])
         if track_update_quality:
-            quality = quality + measure_update_quality(intended, before, master[start:end])
+            quality += update_quality_pieces(intended, before, master[start:end])
     return quality

@@ -10,6 +10,7 @@ import torch
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_random_bits
 from megatron_lowprec.optim import AdamW, get_strategy, state_keys, strategy_names
 
+from ..allocations import measure_allocations
 from .conftest import OPTIONS
 
 
@@ -147,6 +148,16 @@ def test_bytes_per_param_measured_from_state_tensors(option, shapes, device):
     assert measured == pytest.approx(expected, rel=0, abs=1e-12)
     if get_strategy(option).moments != "fp8":
         assert measured == get_strategy(option).bytes_per_param()
+
+
+def test_construction_allocates_the_state_and_no_temporaries(option):
+    """Measured with the CPU allocator: building the optimizer allocates its state buffers (zero FP8
+    moments included) and nothing besides, so a run's peak memory is not its construction."""
+    params = [_param(torch.randn(shape)) for shape in [(300, 333), (4097,), (7,)]]
+    allocations = measure_allocations(lambda: AdamW(params, option=option, fused=False))
+    state_bytes = sum(buffer.nbytes for bucket in allocations.result.buckets for buffer in bucket.state.values())
+    assert allocations.end == pytest.approx(state_bytes, rel=1e-3)
+    assert allocations.peak <= 1.01 * state_bytes
 
 
 def test_state_keys_are_exactly_the_strategy_components(option, device):
