@@ -10,9 +10,11 @@ For each option it
 1. steps two ``AdamW`` optimizers on the current device, the fused (compiled) one and the eager
    reference, on the same random gradients (``--check-steps`` steps over mixed shapes, beta2 0.999),
    and counts the elements of parameters and optimizer state whose bits differ;
-2. trains ``lowprec-train`` in this process (``--model``, ``--seq-length``, ``--micro-batch``,
-   ``--steps``; the embedded corpus, ``logging.wandb=false``, no checkpoint) and reads the run's
-   ``metrics.jsonl``.
+2. trains ``lowprec-train`` (``--model``, ``--seq-length``, ``--micro-batch``, ``--steps``; the
+   embedded corpus, ``logging.wandb=false``, no checkpoint) and reads the run's ``metrics.jsonl``.
+
+Each option runs in a process of its own, so that its peak memory is its own (no earlier option's
+model or compiled kernels alive) and a crash (out of memory, a compiler fault) fails that row only.
 
 It prints one table: option, bytes/param, tokens/s over the last ``--window`` steps, peak memory in
 GiB from the run's summary (CUDA: ``torch.cuda.max_memory_allocated`` of that run; CPU: the
@@ -24,7 +26,9 @@ error, and the exit status is 1 if any option failed or mismatched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -132,6 +136,19 @@ def check_option(args: argparse.Namespace, option: str, device: torch.device, wo
     return result
 
 
+def check_option_in_subprocess(args: argparse.Namespace, option: str, work_dir: Path) -> OptionResult:
+    """:func:`check_option` in a fresh Python process (``--child``), its result read back as JSON."""
+    result_file = work_dir / f"{option}.result.json"
+    command = [sys.executable, __file__, "--child", str(result_file), "--options", option, "--work-dir", str(work_dir)]
+    for flag in ("model", "seq_length", "micro_batch", "steps", "window", "check_steps"):
+        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    completed = subprocess.run(command)
+    if completed.returncode != 0 or not result_file.is_file():
+        strategy = get_strategy(option)
+        return OptionResult(strategy.name, strategy.bytes_per_param(), error=f"process exited with {completed.returncode}")
+    return OptionResult(**json.loads(result_file.read_text()))
+
+
 def format_table(results: list[OptionResult], device: torch.device) -> str:
     memory = "peak alloc GiB" if device.type == "cuda" else "peak RSS GiB"
     header = f"{'option':<8} {'B/param':>8} {'tokens/s':>10} {memory:>15} {'final loss':>10} {'mismatches':>10}  result"
@@ -159,10 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=10, help="tokens/s over this many last steps")
     parser.add_argument("--check-steps", type=int, default=30, help="fused-vs-eager optimizer steps")
     parser.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a temporary one)")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for option in args.options:
         get_strategy(option)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if args.child is not None:
+        result = check_option(args, args.options[0], device, args.work_dir)
+        args.child.write_text(json.dumps(dataclasses.asdict(result)))
+        return 0
     if not fused_available(device):
         print(f"gpu_check: no fused step on {device} (Triton on CUDA, a C++ compiler on CPU)", file=sys.stderr)
         return 2
@@ -171,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
           f"micro-batch {args.micro_batch}, {args.steps} steps", flush=True)
     with tempfile.TemporaryDirectory() as temporary:
         work_dir = args.work_dir or Path(temporary)
-        results = [check_option(args, option, device, work_dir) for option in args.options]
+        results = [check_option_in_subprocess(args, option, work_dir) for option in args.options]
     print(format_table(results, device), flush=True)
     return 0 if all(result.passed for result in results) else 1
 

@@ -21,19 +21,38 @@ def _gpu_check_module():
     return module
 
 
+CHECKED_OPTIONS = {"A": "8", "sr": "8", "coat": "10.125"}
+"""Two cheap options and coat, whose FP8 range expansion used to differ between fused and eager."""
+
+
 def test_the_check_trains_each_option_and_finds_fused_and_eager_identical(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--options", "A", "sr", "--steps", "3", "--window", "2", "--check-steps", "4",
-         "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=900,
+        [sys.executable, str(BENCHMARK), "--options", *CHECKED_OPTIONS, "--steps", "3", "--window", "2",
+         "--check-steps", "4", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["A"], ["sr"])}
-    for option in ("A", "sr"):
-        _, bytes_per_param, tokens_per_second, peak, loss, mismatches, verdict = rows[option]
-        assert (bytes_per_param, mismatches, verdict) == ("8", "0", "ok")
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()[:1] in [[o] for o in CHECKED_OPTIONS]}
+    for option, bytes_per_param in CHECKED_OPTIONS.items():
+        _, printed_bytes, tokens_per_second, peak, loss, mismatches, verdict = rows[option]
+        assert (printed_bytes, mismatches, verdict) == (bytes_per_param, "0", "ok")
         assert float(tokens_per_second.replace(",", "")) > 0 and float(peak) > 0 and 0 < float(loss) < 20
         assert (tmp_path / option / "metrics.jsonl").is_file()
+
+
+def test_each_option_runs_in_a_process_of_its_own_and_a_crash_fails_its_row_only(tmp_path, monkeypatch):
+    gpu_check = _gpu_check_module()
+    launched = []
+
+    def crash(command, **kwargs):
+        launched.append(command)
+        return subprocess.CompletedProcess(command, -9)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", crash)
+    args = gpu_check.argparse.Namespace(model="tiny", seq_length=64, micro_batch=4, steps=3, window=2, check_steps=4)
+    result = gpu_check.check_option_in_subprocess(args, "C", tmp_path)
+    assert (result.option, result.passed, result.error) == ("C", False, "process exited with -9")
+    assert launched[0][:2] == [sys.executable, gpu_check.__file__] and "--child" in launched[0]
 
 
 def test_mismatches_and_errors_fail_the_check():
