@@ -17,19 +17,33 @@ cuDNN on GPUs (the math or the CPU flash kernel on CPUs); the score matrix is ne
 - Attention dropout: drawn inside SDPA while megatron's RNG tracker is forked to its model-parallel
   stream, as ``DotProductAttention`` forks it for its dropout (each tensor-parallel rank drops its own
   heads' probabilities; activation recompute restores the stream and redraws the same mask).
+- Determinism: under megatron's ``deterministic_mode`` SDPA may choose only
+  :data:`DETERMINISTIC_SDPA_BACKENDS`, whose backward passes are deterministic when
+  ``torch.use_deterministic_algorithms(True)`` is on (``lowprec-train trainer.deterministic=true``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+DETERMINISTIC_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""SDPA's backends that have a deterministic backward pass (FlashAttention-2 and the memory-efficient
+kernel run it in PyTorch's strict deterministic mode; cuDNN's attention has none)."""
+
 ATTENTION_BACKENDS = ("sdpa", "unfused", "te")
+
+
+def sdpa_backends(deterministic: bool) -> contextlib.AbstractContextManager:
+    """SDPA restricted to :data:`DETERMINISTIC_SDPA_BACKENDS` when ``deterministic``, else its own choice."""
+    return sdpa_kernel(list(DETERMINISTIC_SDPA_BACKENDS)) if deterministic else contextlib.nullcontext()
 """Core attention of the layer spec: PyTorch's SDPA (:class:`SDPAttention`), megatron's unfused
 ``DotProductAttention``, or Transformer Engine's ``TEDotProductAttention``."""
 
@@ -86,16 +100,17 @@ class SDPAttention(DotProductAttention):
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
 
         def attend() -> torch.Tensor:
-            return F.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask=sdpa_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=self.sdpa_scale,
-                **({"enable_gqa": True} if grouped else {}),
-            )
+            with sdpa_backends(self.config.deterministic_mode):
+                return F.scaled_dot_product_attention(
+                    query,
+                    key,
+                    value,
+                    attn_mask=sdpa_mask,
+                    dropout_p=dropout_p,
+                    is_causal=is_causal,
+                    scale=self.sdpa_scale,
+                    **({"enable_gqa": True} if grouped else {}),
+                )
 
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

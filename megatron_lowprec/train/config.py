@@ -217,6 +217,9 @@ class TrainerConfig:
     """Seed of initialisation, dropout, data order and stochastic rounding."""
     dry_run: bool = False
     """Print the resolved config and the plan, then exit without training."""
+    deterministic: bool = False
+    """Make a GPU run repeat bit for bit (``train/determinism.py``: deterministic algorithms, attention
+    backward and NCCL reductions); costs attention-backward speed on GPUs."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train import checkpoint
 from megatron_lowprec.train.config import TrainConfig, data_parallel_size
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
+from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
 
@@ -58,6 +59,8 @@ def distributed_environment(config: TrainConfig) -> Iterator[None]:
 
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if config.trainer.deterministic:
+        enable_determinism()
     with cpu_bridge(), contextlib.ExitStack() as cleanup:
         if not torch.distributed.is_initialized():
             cuda = torch.cuda.is_available()

@@ -62,7 +62,8 @@ def megatron_fusions(config: TrainConfig, cuda: bool) -> dict[str, bool]:
 
 def transformer_config(config: TrainConfig):
     """Megatron's ``TransformerConfig`` for the model, the parallel layout and BF16 parameters, with
-    the fusions of :func:`megatron_fusions`."""
+    the fusions of :func:`megatron_fusions` and megatron's ``deterministic_mode`` under
+    ``trainer.deterministic``."""
     from megatron.core.transformer import TransformerConfig
 
     model, trainer = config.model, config.trainer
@@ -88,6 +89,7 @@ def transformer_config(config: TrainConfig):
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=model.use_cpu_initialization,
+        deterministic_mode=trainer.deterministic,
         **megatron_fusions(config, torch.cuda.is_available()),
         fp8="hybrid" if te_fp8 else None,
         fp8_recipe={"delayed": "delayed", "current": "tensorwise"}.get(te_fp8, "delayed"),

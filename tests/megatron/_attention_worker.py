@@ -138,7 +138,34 @@ def unsupported_settings_tp1() -> dict:
     return errors
 
 
-SCENARIOS: tuple[Callable[[], dict], ...] = (equivalence_tp1, equivalence_tp2, dropout_tp2, unsupported_settings_tp1)
+def deterministic_backends_tp1() -> dict:
+    """The SDPA backends each forward of a GPT built with and without megatron's ``deterministic_mode``
+    may choose from."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron import attention
+
+    parallel_state.initialize_model_parallel()
+    allowed = {}
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        backends = ("flash", "mem_efficient", "math", "cudnn")
+        allowed[mode] = [name for name in backends if getattr(torch.backends.cuda, f"{name}_sdp_enabled")()]
+        return sdpa(*args, **kwargs)
+
+    attention.F.scaled_dot_product_attention = recording
+    try:
+        for mode in (True, False):
+            _eval_logits(_model(_transformer_config(deterministic_mode=mode), "sdpa"))
+    finally:
+        attention.F.scaled_dot_product_attention = sdpa
+    return {"deterministic": allowed[True], "default": allowed[False]}
+
+
+SCENARIOS: tuple[Callable[[], dict], ...] = (
+    equivalence_tp1, equivalence_tp2, dropout_tp2, unsupported_settings_tp1, deterministic_backends_tp1,
+)
 
 
 def main(result_dir: Path) -> None:

@@ -63,3 +63,11 @@ def test_unsupported_settings_are_refused_naming_the_alternatives(ranks):
     errors = scenario_results(ranks, "unsupported_settings_tp1")[0]
     assert "sliding-window" in errors["window"] and "'unfused' or 'te'" in errors["window"]
     assert "softmax_type='vanilla'" in errors["softmax"] and "'off-by-one'" in errors["softmax"]
+
+
+def test_deterministic_mode_keeps_sdpa_to_backends_with_a_deterministic_backward(ranks):
+    """cuDNN's attention (no deterministic backward) is excluded under megatron's deterministic_mode
+    (``trainer.deterministic``), and only there."""
+    result = scenario_results(ranks, "deterministic_backends_tp1")[0]
+    assert result["deterministic"] == ["flash", "mem_efficient", "math"]
+    assert "cudnn" in result["default"]
