@@ -196,6 +196,24 @@ class StreamLayout:
             raise ValueError(f"a tensor of {numel} elements is not whole rows of {self.row_length} elements")
         return numel // self.row_length
 
+    def grids(self, start: int, numel: int) -> list[tuple[int, int, int, int]]:
+        """Elements ``[start, start + numel)`` of the flattened tensor as grids of stream rows: (first
+        element, rows, row length, global index of the first element). A run that starts or ends
+        inside a row gives one-row grids for those parts."""
+        length = self.row_length
+        grids, position, end = [], start, start + numel
+        while position < end:
+            row, column = divmod(position, length)
+            if column or end - position < length:
+                width = min(length - column, end - position)
+                grids.append((position, 1, width, self.offset + row * self.row_stride + column))
+                position += width
+            else:
+                rows = (end - position) // length
+                grids.append((position, rows, length, self.offset + row * self.row_stride))
+                position += rows * length
+        return grids
+
     def index(self, numel: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global indices of a tensor's ``numel`` elements in flat order (int64)."""
         return grid_index(self.offset, self.row_stride, self.rows(numel), self.row_length, device).reshape(-1)
