@@ -148,6 +148,8 @@ class Bucket:
     """Per entry, the int32 words of its rows' starts in its SR stream (filled by the fused step)."""
     stream_tables: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
     """Per call window, the per-entry tables of the whole-window SR stream (filled by the fused step on GPUs)."""
+    stream_keys: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """Per call window, the first step and seed of its block of SR round keys, and the keys on the device."""
     grad_rows: tuple[list[int], BufferRows] | None = field(default=None, repr=False)
     """The gradients' source starts and :class:`BufferRows` when they live in another buffer."""
 
@@ -190,9 +192,9 @@ class Bucket:
         device = source.device
         return BufferRows(
             source,
-            torch.tensor([offset // ALIGNMENT for offset in self.offsets], dtype=torch.int32).to(device),
-            torch.tensor(source_starts, dtype=torch.int64).to(device),
-            torch.tensor(self.numels, dtype=torch.int64).to(device),
+            torch.tensor([offset // ALIGNMENT for offset in self.offsets], dtype=torch.int32, device=device),
+            torch.tensor(source_starts, dtype=torch.int64, device=device),
+            torch.tensor(self.numels, dtype=torch.int64, device=device),
             ALIGNMENT,
             torch.tensor(0, dtype=torch.int32),
         )

@@ -42,7 +42,6 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.util
 import logging
@@ -53,7 +52,7 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
+from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
@@ -63,7 +62,6 @@ from megatron_lowprec.optim.kernel import (
     beta2_expansion_for,
     bucket_kernel_,
     kernel_scalar,
-    to_device_async,
 )
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
@@ -291,20 +289,16 @@ def _torch_fused_bucket_step_(
 def _scalars_of(
     bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
 ) -> StepScalars | GroupScalars:
-    """The scalars of a call over elements [start, end) of the bucket: one group's as kernel scalars,
-    or several groups' as a :class:`GroupScalars` table (entries of a group are contiguous)."""
+    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's,
+    or several groups' with the elements where each begins (entries of a group are contiguous)."""
     runs = [
         (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
         if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
     ]
-    if len(runs) == 1:
-        return scalars[runs[0][0]].as_kernel_scalars()
-    if end - start > MAX_CALL_ELEMENTS:
-        raise ValueError(f"a call over {end - start} elements of several parameter groups exceeds {MAX_CALL_ELEMENTS}")
-    table = torch.tensor([[getattr(scalars[group], field.name) for field in dataclasses.fields(StepScalars)] for group, _ in runs])
-    first_elements = torch.tensor([max(offset - start, 0) for _, offset in runs], dtype=torch.int32)
-    device = bucket.device
-    return GroupScalars(to_device_async(table, device), to_device_async(first_elements, device))
+    per_group = tuple(scalars[group].as_kernel_scalars() for group, _ in runs)
+    if len(per_group) == 1:
+        return per_group[0]
+    return GroupScalars(per_group, tuple(kernel_scalar(offset - start, torch.int32) for _, offset in runs[1:]))
 
 
 def _calls(
@@ -359,9 +353,15 @@ def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
     return strategy.adam_kernel == "reference" and strategy.moments != "fp8"
 
 
+KEY_BLOCK_STEPS = 256
+"""Steps whose SR round keys go to the device in one table (:class:`BucketStream`): one copy per this
+many steps, none in the others."""
+
+
 def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int) -> BucketStream:
-    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: this step's round
-    keys, and the per-entry tables of the window, built at its first step and kept with the bucket."""
+    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-entry
+    tables of the window, built at its first step, and the round keys of a block of
+    :data:`KEY_BLOCK_STEPS` steps from this one, both kept with the bucket."""
     device = bucket.device
     entries = [
         index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
@@ -389,7 +389,7 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
         bases = [sum(counts[:position]) for position in range(len(counts))]
 
         def int32(values):
-            return to_device_async(torch.tensor(values, dtype=torch.int32), device)
+            return torch.tensor(values, dtype=torch.int32, device=device)
 
         bucket.stream_tables[(start, end)] = (
             int32(firsts),
@@ -400,8 +400,13 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
             torch.cat([high for high, _ in words]).reshape(-1),
             torch.cat([low for _, low in words]).reshape(-1),
         )
-    keys = [[signed_word(key) for key in counter_round_keys(sr_seed, step, bucket.streams[index].stream)] for index in entries]
-    return BucketStream(to_device_async(torch.tensor(keys, dtype=torch.int32), device), *bucket.stream_tables[(start, end)])
+    first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
+    if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
+        first_step, seed = step, sr_seed
+        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), [bucket.streams[i].stream for i in entries])
+        keys = block.reshape(-1).to(device)
+        bucket.stream_keys[(start, end)] = (first_step, seed, keys)
+    return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
 
 
 def _entry_grid_calls(

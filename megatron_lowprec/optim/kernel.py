@@ -31,7 +31,6 @@ Rounding points of the reference, for every strategy:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -65,15 +64,6 @@ def kernel_scalar(value: float | int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
-def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host table on ``device`` without blocking the host: copied into pinned memory (PyTorch's
-    caching host allocator keeps the block until the copy has run) and from there without waiting;
-    on the CPU, the table itself."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class CounterStream(NamedTuple):
     """The counter-based SR words of a tensor viewed as [rows, row_length] (see
     :class:`~megatron_lowprec.numerics.rounding.StreamLayout`): round keys of (seed, step, stream)
@@ -102,12 +92,16 @@ class BucketStream(NamedTuple):
     entries' start offsets, its row and column by one division by that entry's row length, and its
     row's start in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words`
     of every entry's rows, concatenated). An entry may start inside a row of its stream (a run of a
-    parameter's elements). The words equal :class:`CounterStream`'s; padding elements (zero, and
-    rounded to zero whatever their word) take their entry's last row. Element indices are int32:
+    parameter's elements). The round keys of a block of steps live on the device
+    (:func:`~megatron_lowprec.numerics.rounding.counter_round_keys_table`), so a step passes only its
+    row in the block, by value. The words equal :class:`CounterStream`'s; padding elements (zero,
+    and rounded to zero whatever their word) take their entry's last row. Element indices are int32:
     a call covers fewer than 2^31 elements (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`)."""
 
     keys: torch.Tensor
-    """[entries, 3] int32 round keys of each entry's stream at this step."""
+    """[steps x entries x 3] int32 round keys of each entry's stream at each step of a block, flat."""
+    step_row: torch.Tensor
+    """0-d int32 host tensor: this step's row in the block of keys."""
     entry_starts: torch.Tensor
     """[entries] int32 offset of each entry in the call."""
     first_columns: torch.Tensor
@@ -130,7 +124,8 @@ class BucketStream(NamedTuple):
         column = local - (row - self.row_bases[owner]) * row_length
         low = self.start_low[row] + column
         carry = (low ^ -(2**31)) < (self.start_low[row] ^ -(2**31))
-        keys = tuple(self.keys[owner, part] for part in range(3))
+        key_base = (self.step_row * self.entry_starts.shape[0] + owner) * 3
+        keys = tuple(self.keys[key_base + part] for part in range(3))
         return hash_words(keys, self.start_high[row] + carry.to(torch.int32), low).view(like.shape)
 
 
@@ -314,23 +309,28 @@ def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepSca
     return div_rn(scalars.neg_scaled_step_size * exp_avg, sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
 
 
-STEP_SCALAR_COUNT = len(fields(StepScalars))
+STEP_SCALAR_NAMES = tuple(field.name for field in fields(StepScalars))
 
 
 class GroupScalars(NamedTuple):
     """The step scalars of a call whose elements belong to several parameter groups (a distributed
-    optimizer's shard): row g of ``table`` ([groups, fields] FP32, the :class:`StepScalars` fields in
-    order) for the call's elements from ``first_elements[g]`` on (int32, ascending, the first 0)."""
+    optimizer's shard): ``per_group[g]`` (:func:`kernel_scalar` tensors) for the call's elements from
+    ``boundaries[g - 1]`` on (0-d int32 host tensors, ascending; group 0 from the first element).
+    Everything is passed by value; each element picks its group's values with a chain of selects."""
 
-    table: torch.Tensor
-    first_elements: torch.Tensor
+    per_group: tuple[StepScalars, ...]
+    boundaries: tuple[torch.Tensor, ...]
 
-    def resolve(self, shape: torch.Size) -> StepScalars:
-        """Each element's scalars, as tensors of ``shape``."""
-        element = torch.arange(math.prod(shape), dtype=torch.int32, device=self.table.device)
-        group = torch.searchsorted(self.first_elements, element, right=True, out_int32=True) - 1
-        values = self.table[group]
-        return StepScalars(*(values[:, index].view(shape) for index in range(STEP_SCALAR_COUNT)))
+    def resolve(self, like: torch.Tensor) -> StepScalars:
+        """Each element's scalars, as tensors of ``like``'s shape and device."""
+        element = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape)
+        selected = []
+        for name in STEP_SCALAR_NAMES:
+            value = getattr(self.per_group[0], name)
+            for boundary, scalars in zip(self.boundaries, self.per_group[1:]):
+                value = torch.where(element >= boundary, getattr(scalars, name), value)
+            selected.append(value)
+        return StepScalars(*selected)
 
 
 def bucket_kernel_(
@@ -353,7 +353,7 @@ def bucket_kernel_(
     if isinstance(grad, BufferRows):
         grad = grad.read(shape)
     if isinstance(scalars, GroupScalars):
-        scalars = scalars.resolve(shape)
+        scalars = scalars.resolve(like)
     pieces = adamw_kernel_(values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
     if isinstance(param, BufferRows):
         param.write(values)

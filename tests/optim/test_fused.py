@@ -314,11 +314,13 @@ def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_d
     """The GPU formulation (one compiled call per bucket, parameter and row found per element),
     run on CPU: bit for bit the eager step, with sharded stream layouts (rows of a split tensor).
     A bucket larger than one call's int32 element count is stepped in windows that cut its
-    parameters anywhere (here windows of 640 elements: the bucket holds 6144)."""
+    parameters anywhere (here windows of 640 elements: the bucket holds 6144); the round keys go to
+    the device in blocks of steps (here 3, so that ten steps cross blocks)."""
     from megatron_lowprec.numerics.rounding import StreamLayout
 
     monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(fused_module, "MAX_CALL_ELEMENTS", max_call_elements)
+    monkeypatch.setattr(fused_module, "KEY_BLOCK_STEPS", 3)
     calls = []
     monkeypatch.setattr(fused_module, "_bucket_stream", _recording(fused_module._bucket_stream, calls))
 
