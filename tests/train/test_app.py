@@ -173,7 +173,9 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
         assert record["tokens_per_second"] > 0 and record["tflops_per_gpu"] > 0 and record["peak_rss_gib"] > 0
         assert "mfu" not in record
     assert summary["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_second"] / 2e12)
-    assert "TFLOP/s/GPU" in finished.stdout and "peak RSS" in finished.stdout
+    assert "TFLOP/s/process" in finished.stdout and "peak RSS" in finished.stdout
+    # The summary is the last line, after wandb's (which says where it saves, and nothing at the end).
+    assert finished.stdout.splitlines()[-1].startswith("summary: option sr"), finished.stdout[-2000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
     plot = tmp_path / "loss.png"
