@@ -39,9 +39,10 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def _tiny(cache_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """A 2-layer, 32-wide GPT, 2 micro-batches of 2 per rank and step, a metrics row per step, no
-    evaluation before the end, no wandb; the LR schedule decays over 8 steps whatever max_steps is."""
+    evaluation before the end, no wandb, the eager optimizer step (no compilation); the LR schedule
+    decays over 8 steps whatever max_steps is."""
     return [
-        "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32",
+        "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32", "precision.fused=false",
         "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.log_interval=1",
         "trainer.eval_interval=1000", "trainer.eval_iters=1",
         f"optimizer.lr={LR}", f"optimizer.min_lr={MIN_LR}", f"optimizer.lr_warmup_steps={WARMUP}",
