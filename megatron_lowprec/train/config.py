@@ -221,15 +221,15 @@ class TrainerConfig:
     """Save a checkpoint every this many steps (0: only at the end)."""
     save: bool = True
     """Save a checkpoint at the end (and at ``save_interval``)."""
-    seed: int = 1234
-    """Seed of initialisation, dropout, data order and stochastic rounding."""
-    dry_run: bool = False
-    """Print the resolved config and the plan, then exit without training."""
     # Preemption (Megatron-LM's --exit-signal-handler): on SIGTERM or exit_signal every rank
     # finishes its step, saves a checkpoint and exits 0.
     exit_signal: Optional[str] = "SIGUSR1"
     """A signal handled like SIGTERM, e.g. the one SLURM's ``--signal`` sends before the time limit
     (SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGTERM; ``null``: SIGTERM alone)."""
+    seed: int = 1234
+    """Seed of initialisation, dropout, data order and stochastic rounding."""
+    dry_run: bool = False
+    """Print the resolved config and the plan, then exit without training."""
 
 
 @dataclass
