@@ -24,7 +24,7 @@ HELP_LINES = 2
 """Lines of ``--help`` text per group member or key; longer descriptions end in "..."."""
 USAGE = """\
 usage: lowprec-train [GROUP=MEMBER ...] [KEY=VALUE ...] [+experiment=PRESET]
-       torchrun --nproc-per-node N -m megatron_lowprec.train [...]   (N ranks; or launch/torchrun.sh)
+       torchrun --nproc-per-node N -m megatron_lowprec.train [...]  (N ranks; or launch/torchrun.sh)
        lowprec-train --help | --version
 
 Pretrain a megatron-core GPT with one low-precision optimizer option. Every argument is a Hydra
@@ -145,11 +145,11 @@ def help_text(directory: Path) -> str:
         rows.append((key, f"{sentence} [{default}]"))
     lines += _rows(rows, 2)
     readme = SOURCE_TREE / "README.md"
-    where = f" ({readme})" if readme.is_file() else ""
     lines += [
         "",
-        "Every key with its type and meaning: megatron_lowprec/train/config.py. The README's section",
-        f'"Training: lowprec-train"{where} explains runs, resuming, preemption and the run directory.',
+        "Every key with its type and meaning: megatron_lowprec/train/config.py. Runs, resuming, preemption",
+        'and the run directory: the README\'s section "Training: lowprec-train"' + (":" if readme.is_file() else "."),
+        *([f"  {readme}"] if readme.is_file() else []),
     ]
     return "\n".join(lines)
 
