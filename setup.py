@@ -27,7 +27,9 @@ setup(
         ]
     },
     install_requires=[
-        "torch>=2.4",
+        # 2.10 or later, its pre-releases included: NGC images carry builds like 2.10.0a0+b4e4ee81d3
+        # (megatron_lowprec.MINIMUM_TORCH says why, and refuses an older torch at import).
+        "torch>=2.10.0a0",
         "numpy>=1.24",
     ],
     extras_require={

@@ -161,8 +161,9 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
         *_tiny(cache_dir, run_dir, "precision=sr", "trainer.max_steps=2", "trainer.save=true", "logging.wandb=true"),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                              env=environment)
+    assert finished.returncode == 0, finished.stdout[-3000:]
     assert "summary: option sr" in finished.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["final_valid_loss"])
@@ -173,7 +174,12 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
         assert record["tokens_per_second"] > 0 and record["tflops_per_gpu"] > 0 and record["peak_rss_gib"] > 0
         assert "mfu" not in record
     assert summary["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_second"] / 2e12)
-    assert "TFLOP/s/GPU" in finished.stdout and "peak RSS" in finished.stdout
+    assert "TFLOP/s/process" in finished.stdout and "peak RSS" in finished.stdout
+    # The summary is the last line of stdout and stderr, after wandb's (which says where it saves at the
+    # start, and nothing at the end).
+    last_line = finished.stdout.splitlines()[-1]
+    assert last_line.startswith("summary: option sr") and "train loss" in last_line, finished.stdout[-2000:]
+    assert f"train loss {summary['final_train_loss']:.4f} (last step)" in last_line
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
     plot = tmp_path / "loss.png"
