@@ -114,8 +114,10 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
     """The compiled :func:`~megatron_lowprec.optim.kernel.bucket_kernel_` (built once; Dynamo
     specialises it per strategy, dtype and kind of sources),
     with :data:`GROUP_STATISTICS_OPTIONS` for strategies with FP8 moments (``group_statistics``).
-    Shapes are dynamic, but Python ints are not (``specialize_int``): the strategy's FP8 group size
-    must be a constant, or every group index becomes a scalar division by a symbol."""
+    Shapes are dynamic, but Python numbers are not (``specialize_int``, ``specialize_float``): the
+    strategy's FP8 group size must be a constant, or every group index becomes a scalar division by a
+    symbol, and the polynomial coefficients of ``numerics/elementary.py`` are constants (step-dependent
+    values are 0-d tensors)."""
     from torch._inductor import config as inductor_config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -124,7 +126,7 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
     compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
-    compiled = torch._dynamo.config.patch(specialize_int=True)(compiled)
+    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
 
     def call(*args):
         with _low_precision_tiling():

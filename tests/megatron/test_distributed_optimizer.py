@@ -97,7 +97,15 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
 
 @pytest.fixture(scope="module")
 def costs(tmp_path_factory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS, bucket_size=None, hidden_size=128)
+    return _run(
+        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS, stepped_options=STEPPED_OPTIONS,
+        bucket_size=None, hidden_size=128,
+    )
+
+
+STEPPED_OPTIONS = ["A", "D", "sr", "coat"]
+"""Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
+AdamW, stochastic rounding per bucket, FP8 group grids)."""
 
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
@@ -108,7 +116,7 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
     allocated (no second gradient buffer, no FP32 copy beside D's and coat's masters; a few words
     of tables per parameter); that state is the README's bytes/param (parameter and gradient
     excluded) over the elements the rank updates, plus the zero padding where a shard boundary cuts
-    a parameter; a step keeps nothing."""
+    a parameter; a step keeps nothing allocated."""
     from megatron_lowprec.optim import get_strategy
 
     per_element = get_strategy(option).bytes_per_param() - 4
@@ -117,11 +125,12 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
         assert result["reported_bytes"] <= result["built_bytes"] <= result["reported_bytes"] + 128 * result["entries"]
         assert result["reported_bytes"] == pytest.approx(per_element * (result["owned"] + result["padding"]), rel=1e-9)
         assert result["padding"] <= (0 if layout == "unsharded" else ALIGNMENT * result["state_buckets"])
-        assert result["step_kept_bytes"] <= 0
+        if option in STEPPED_OPTIONS:
+            assert result["step_kept_bytes"] == 0
 
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
-@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("option", STEPPED_OPTIONS)
 def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
     """A fused step (stochastic rounding as on GPUs, whole buckets) launches one compiled call per
     state bucket, not per parameter (D runs torch's fused kernel: none), and creates no tensor on

@@ -314,7 +314,7 @@ class CapturingCompiler:
 
     def __call__(self, group_statistics=False):
         compiled = torch.compile(kernel_module.bucket_kernel_, backend=self.backend, dynamic=True, fullgraph=True)
-        return torch._dynamo.config.patch(specialize_int=True)(compiled)
+        return torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
 
 
 COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "reference"] + [
