@@ -2,9 +2,9 @@
 
 The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP32 copy of the model:
 the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
-its config says) become ``param.grad``, they are clipped by their global norm over the
-model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` updates the model's
-16-bit parameters in place with the chosen precision option (only ``D`` and ``coat`` keep an FP32
+its config says) become ``param.grad``, they are clipped by their exact global norm over the
+model-parallel group (the distributed optimizer's, bit for bit) and counted, and
+:class:`megatron_lowprec.optim.AdamW` updates the model's 16-bit parameters in place with the chosen precision option (only ``D`` and ``coat`` keep an FP32
 master, inside the optimizer state). A step whose gradients hold NaN or inf on any rank is skipped
 on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
 
@@ -30,21 +30,23 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
     build_distributed_optimizer,
+    global_grad_norm,
     skip_if_any_rank_non_finite,
-    sum_of_squares,
 )
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 
-class LowPrecisionOptimizer(FP32Optimizer):
+class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
 
     def __init__(self, optimizer: AdamW, config: OptimizerConfig, seed_offset: int = 0) -> None:
@@ -88,17 +90,29 @@ class LowPrecisionOptimizer(FP32Optimizer):
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
         return skip_if_any_rank_non_finite(self, grads, self.get_loss_scale().device)
 
+    def grads_for_norm(self) -> list[torch.Tensor]:
+        """The gradients megatron counts in the norm: neither shared (the last stage's copy of a tied
+        embedding) nor a tensor-parallel duplicate."""
+        return [
+            param.grad
+            for param in self.get_parameters()
+            if param.grad is not None
+            and param_is_not_shared(param)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
+        ]
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global L2 norm over the model-parallel group, from the exact Σ x²
+        (:func:`~megatron_lowprec.megatron.distributed.global_grad_norm`), which the distributed
+        optimizer finds bit for bit over its shards, for FP32 and 16-bit gradients alike."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.get_loss_scale().device)
+
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clipping by the global L2 norm over the model-parallel group: megatron's own for FP32
-        gradients; for 16-bit gradients (megatron's asserts FP32) squares in FP32 summed in FP64
-        (:func:`~megatron_lowprec.megatron.distributed.sum_of_squares`), which the distributed
-        optimizer sums the same way over its shards."""
-        if all(p.grad.dtype == torch.float32 for p in self.get_parameters() if p.grad is not None):
-            return super().clip_grad_norm(clip_grad)
-        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.get_loss_scale().device)
-        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
-        grad_norm = squares.item() ** 0.5
+        """Clipping by the global L2 norm (:meth:`get_grad_norm`), as megatron clips: every gradient
+        times ``clip_grad / (norm + 1e-6)`` when that is below 1."""
+        grad_norm = self.get_grad_norm()
         coefficient = clip_grad / (grad_norm + 1.0e-6)
         if coefficient < 1.0:
             torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coefficient)
