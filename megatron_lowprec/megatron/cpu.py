@@ -14,6 +14,8 @@ Device requests, redirected by :class:`CudaToCpuMode` (a ``torch.overrides.Torch
   (receive buffers), ``pipeline_parallel/schedules.py`` (the token count), ``transformer/utils.py``
   (``get_default_causal_mask``), ``models/common/embeddings/rotary_pos_embedding.py``,
   ``optimizer/optimizer.py`` and ``optimizer/clip_grads.py``.
+- positional ``Tensor.to(<CUDA device>)`` (``x.to(torch.cuda.current_device())``, as training scripts
+  move their batches) → ``Tensor.to("cpu")``.
 - ``Tensor.cuda()`` → the tensor itself: ``tensor_parallel/data.py`` (``broadcast_data``) and
   ``models/common/language_module/language_module.py`` (``setup_embeddings_and_output_layer``, which
   ties the embeddings of the first and the last pipeline stage).
@@ -69,8 +71,7 @@ Streams, events and the device's generator state, which megatron-core 0.17 to 0.
 
 Not bridged, because torch already makes them harmless without CUDA, or megatron-core reaches them only
 on paths a CPU run does not take: ``torch.cuda.empty_cache`` (a no-op while CUDA is uninitialised),
-positional ``Tensor.to(<CUDA device>)`` (CUDA-graph static inputs, the hybrid context-parallel data
-schedule), CUDA graphs. ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a
+CUDA graphs. ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a
 megatron-core version needs more.
 
 Strict mode (``activate_cpu_bridge(strict=True)``, or ``MEGATRON_LOWPREC_STRICT_BRIDGE=1``; on in
@@ -126,6 +127,11 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
         "CUDA devices and integer indices become CPU",
         "utils.py, distributed/param_and_grad_buffer.py, tensor_parallel/data.py, pipeline_parallel/*, "
         "transformer/utils.py, optimizer/*",
+    ),
+    BridgedCall(
+        "Tensor.to(<CUDA device>)",
+        "moves to the CPU",
+        "batches moved by training scripts; CUDA-graph static inputs, the hybrid context-parallel schedule",
     ),
     BridgedCall(
         "Tensor.cuda",
@@ -256,6 +262,8 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if _is_cuda_device(device):
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
         if not self.strict or torch.compiler.is_compiling() or _called_from_torch_distributed():
             return func(*args, **kwargs)
         return _placed(func, args, kwargs, device, func(*args, **kwargs))

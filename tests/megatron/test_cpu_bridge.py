@@ -141,6 +141,8 @@ def test_mode_redirects_cuda_device_requests_to_cpu():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.empty(2, device=0).device.type == "cpu"
         assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.ones(2).to(0).device.type == "cpu"
+        assert torch.ones(2).to("cuda:0", torch.bfloat16).dtype == torch.bfloat16
         assert torch.zeros(2).new_zeros(3, device="cuda:0").device.type == "cpu"
         assert torch.zeros(2, device="meta").device.type == "meta"
         tensor = torch.zeros(2, dtype=torch.bfloat16)
