@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import runpy
 import sys
@@ -175,9 +176,7 @@ def _compile_helpers_unless_built(compile_helpers):
 
     @functools.wraps(compile_helpers)
     def compile_unless_built():
-        try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
             compile_helpers()
 
     return compile_unless_built
