@@ -193,8 +193,9 @@ def activate_cpu_trial() -> bool:
     """Without CUDA, what a CPU trial of Megatron-LM's training loop needs on top of the CPU bridge:
     ``initialize_megatron(allow_no_cuda=True)`` (which only drops its CUDA assert), one "device"
     per local rank (``torch.cuda.device_count``, which ``_initialize_distributed`` requires before it
-    sets up model parallelism) whose ``set_device`` changes nothing, gloo as ``--distributed-backend``
-    unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
+    sets up model parallelism) whose ``set_device`` changes nothing, no loading of the CUDA fused
+    kernels (``megatron.legacy.fused_kernels``, which Megatron-LM until 0.16 builds with nvcc at
+    start-up), gloo as ``--distributed-backend`` unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
     with CUDA)."""
     import torch
 
@@ -209,6 +210,10 @@ def activate_cpu_trial() -> bool:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _replace(torch.cuda, "device_count", lambda: local_ranks)
     _replace(torch.cuda, "set_device", lambda device: None)
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        from megatron.legacy import fused_kernels
+
+        _replace(fused_kernels, "load", lambda args: None)
     for flag, value in (("--distributed-backend", "gloo"), ("--no-gradient-accumulation-fusion", None)):
         if flag not in sys.argv:
             sys.argv.extend([flag] if value is None else [flag, value])
