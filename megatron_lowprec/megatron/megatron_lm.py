@@ -42,7 +42,7 @@ import runpy
 import sys
 from typing import Any
 
-from megatron_lowprec.optim.strategies import strategy_names
+from megatron_lowprec.optim.strategies import get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
@@ -52,11 +52,19 @@ PRECISION_FIELDS = (
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
 
+def _option_name(name: str) -> str:
+    """The canonical name of a precision option given by any of its names, in any case."""
+    try:
+        return get_strategy(name).name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``)."""
     group = parser.add_argument_group(title="megatron-lowprec precision options")
     group.add_argument(
-        "--lowprec-option", type=str, default=None, choices=strategy_names(), metavar="OPTION",
+        "--lowprec-option", type=_option_name, default=None, metavar="OPTION",
         help=f"precision option of the optimizer: {', '.join(strategy_names())}; without it megatron's own optimizer",
     )
     group.add_argument("--lowprec-seed", type=int, default=None,

@@ -57,11 +57,13 @@ def test_arguments_parse_into_the_configs_fields():
     assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
 
 
-def test_an_unknown_option_is_refused_with_the_valid_ones(capsys):
+def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--lowprec-option", "collage_plus"]).lowprec_option == "C"
+    assert parser.parse_args(["--lowprec-option", "d-mw"]).lowprec_option == "D-MW"
     with pytest.raises(SystemExit):
         parser.parse_args(["--lowprec-option", "E"])
-    assert "invalid choice: 'E'" in capsys.readouterr().err
+    assert "unknown precision option 'E'; valid options: A, bf16, B" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("newer", [False, True], ids=["until-0.18", "0.19"])
