@@ -11,7 +11,9 @@ with one integer all-reduce). 16-bit values are converted to float32 exactly fir
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -41,9 +43,26 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
             high = torch.where(non_finite, 1, square >> LIMB_BITS)
             low = torch.where(non_finite, (mantissa != 0).to(torch.int64), square & ((1 << LIMB_BITS) - 1))
             index = exponent.clamp(min=1).to(torch.int64)
-            for row, limb in enumerate((high, low)):
-                bins[row] += torch.bincount(index, weights=limb.double(), minlength=EXPONENTS).to(torch.int64)
+            with _exact_sums_allowed():
+                for row, limb in enumerate((high, low)):
+                    bins[row] += torch.bincount(index, weights=limb.double(), minlength=EXPONENTS).to(torch.int64)
     return bins
+
+
+@contextlib.contextmanager
+def _exact_sums_allowed() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` refuses CUDA's ``bincount`` with weights, whose
+    float atomics add in any order; here every partial sum is an integer below 2^53, exact in any
+    order, so the check is lifted for these calls and restored after them."""
+    if not torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def norm_from_bins(bins: torch.Tensor) -> float:

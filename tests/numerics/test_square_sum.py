@@ -63,3 +63,13 @@ def test_non_finite_values():
     assert norm_from_bins(square_sum_bins([torch.tensor([1.0, math.inf])], torch.device("cpu"))) == math.inf
     assert math.isnan(norm_from_bins(square_sum_bins([torch.tensor([math.nan, math.inf])], torch.device("cpu"))))
     assert norm_from_bins(square_sum_bins([], torch.device("cpu"))) == 0.0
+
+
+def test_deterministic_mode_is_kept_and_allows_the_exact_sums(device):
+    values = torch.randn(100, generator=torch.Generator().manual_seed(4)).to(device)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert norm_from_bins(square_sum_bins([values], device).cpu()) == exact_norm(values.cpu())
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
