@@ -43,7 +43,7 @@ trap 'rm -f "$REPORT"' EXIT
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --junitxml="$REPORT" \
     tests/megatron/test_cpu_bridge.py \
     "tests/megatron/test_optimizer_hook.py::test_option_d_reproduces_stock_megatron_bf16_optimizer" \
-    "tests/megatron/test_optimizer_hook.py::test_replicas_stay_bit_identical[sr-2-2-False]" \
+    "tests/megatron/test_optimizer_hook.py::test_replicas_stay_bit_identical[C-2-2-False]" \
     "tests/megatron/test_optimizer_hook.py::test_dist_checkpoint_saved_at_tp2_loads_at_tp1[C]" \
     tests/megatron/test_build_optimizer.py \
     tests/megatron/test_megatron_lm.py \
