@@ -65,6 +65,7 @@ from megatron_lowprec.optim.kernel import (
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
+
 def megatron_sharding_api() -> tuple[type, type]:
     """megatron-core's ``Range`` and ``DistributedOptimizer``, checked for what this module uses;
     ``ValueError`` naming the installed version and the missing pieces otherwise."""
