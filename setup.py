@@ -5,7 +5,7 @@ extras imported lazily where used.
 """
 from setuptools import find_packages, setup
 
-MEGATRON = ["megatron-core>=0.16.1,<0.17", "psutil"]
+MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
 DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
 TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10"]
 PLOT = ["matplotlib>=3.7"]

@@ -14,7 +14,8 @@ all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_m
 parameter elements a bucket range holds); the ``MegatronOptimizer`` interface (scheduler, training
 loop, ``dist_checkpointing``). Not reused: megatron's main-parameter groups and its wrapped torch
 optimizer (the precision options keep no hidden FP32 copy except the masters of D and coat, which
-are optimizer state here), and its gradient-norm code (see :meth:`~DistributedLowPrecisionOptimizer.clip_grad_norm`).
+are optimizer state here), and its gradient-norm code, whose FP32 sums depend on how the elements
+are split (see :func:`global_grad_norm`).
 
 Bit-identical to the unsharded optimizer: every element goes through the same kernel
 (:func:`megatron_lowprec.optim.kernel.adamw_kernel_`); stochastic rounding draws each element's
@@ -40,16 +41,15 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, grid_random_bits
+from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value, state_dtypes
 from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
 from megatron_lowprec.optim.strategies import PrecisionStrategy
-
-NORM_CHUNK_ELEMENTS = 1 << 24
-"""Elements squared per pass of :func:`sum_of_squares` (bounds its FP32 temporaries)."""
 
 
 def megatron_sharding_api() -> tuple[type, type]:
@@ -85,16 +85,13 @@ def megatron_sharding_api() -> tuple[type, type]:
     return Range, DistributedOptimizer
 
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ x² over ``tensors`` as a 1-element FP64 tensor: each square in FP32 (exact for 16-bit
-    values), summed in FP64, so that the total hardly depends on how the elements are split into
-    tensors (a sharded and an unsharded optimizer find the same norm)."""
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for tensor in tensors:
-        flat = tensor.reshape(-1)
-        for start in range(0, flat.numel(), NORM_CHUNK_ELEMENTS):
-            total += flat[start : start + NORM_CHUNK_ELEMENTS].float().square().sum(dtype=torch.float64)
-    return total
+def global_grad_norm(grads: list[torch.Tensor], group: torch.distributed.ProcessGroup, device: torch.device) -> float:
+    """L2 norm of ``grads`` over the ranks of ``group``: the exact Σ x² (integer bins, one all-reduce;
+    :mod:`megatron_lowprec.numerics.square_sum`), so that the sharded and the unsharded optimizer,
+    which hold the same gradients split differently, find the same bits for FP32 and 16-bit gradients."""
+    bins = square_sum_bins(grads, device)
+    torch.distributed.all_reduce(bins, group=group)
+    return norm_from_bins(bins)
 
 
 @dataclass(frozen=True)
@@ -401,7 +398,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.seed = extra["seed"]
 
 
-class DistributedLowPrecisionOptimizer(MegatronOptimizer):
+class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
     """megatron-core's ``MegatronOptimizer`` interface around :class:`ShardedAdamW` for DDP
     chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
 
@@ -448,7 +445,7 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
                     grads.append(grad)
         return grads
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+    def grads_for_norm(self) -> list[torch.Tensor]:
         return self._owned_grads(for_norm=True)
 
     def _exchange_group_tails(self, grads: bool) -> None:
@@ -488,13 +485,16 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         return skip_if_any_rank_non_finite(self, self._owned_grads(for_norm=False), self.device)
 
     @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global L2 norm of the owned gradients over all ranks (:func:`global_grad_norm`): the
+        same bits the unsharded hook finds, for FP32 and 16-bit gradients alike."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.device)
+
+    @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip by the global L2 norm: squares in FP32, summed in FP64 over the owned gradients and
-        all ranks (:func:`sum_of_squares`), the same total the unsharded hook finds for 16-bit
-        gradients, so that clipped steps stay bit-identical."""
-        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.device)
-        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
-        grad_norm = squares.item() ** 0.5
+        """Clip by the global L2 norm (:meth:`get_grad_norm`), so that clipped steps stay bit-identical
+        to the unsharded optimizer's."""
+        grad_norm = self.get_grad_norm()
         coefficient = clip_grad / (grad_norm + 1.0e-6)
         if coefficient < 1.0:
             torch._foreach_mul_(self._owned_grads(for_norm=False), coefficient)
@@ -503,7 +503,7 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def count_zeros(self) -> float:
         zeros = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grad in self.get_main_grads_for_grad_norm():
+        for grad in self.grads_for_norm():
             zeros += grad.numel() - torch.count_nonzero(grad)
         torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
         return zeros.item()

@@ -22,11 +22,11 @@ from megatron_lowprec.megatron import cpu as cpu_bridge
 from tests.megatron.launch import init_process_group
 
 
-def _ddp(config, distributed: bool, bucket_size: int | None = None):
+def _ddp(config, distributed: bool, bucket_size: int | None = None, grad_reduce_in_fp32: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, use_distributed_optimizer=distributed, bucket_size=bucket_size,
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=distributed, bucket_size=bucket_size,
         overlap_grad_reduce=bucket_size is not None,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
@@ -52,24 +52,27 @@ def _train_with_finalize(model, optimizer, steps: int) -> dict:
 
     model.config.finalize_model_grads_func = finalize_model_grads
     scheduler = _scheduler(optimizer, steps)
-    losses, successes = [], []
+    losses, successes, grad_norms = [], [], []
     for step in range(steps):
         scheduler.step(1)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses.extend(_train_step(model, data_seed=1000 * step + parallel_state.get_data_parallel_rank()))
-        successes.append(optimizer.step()[0])
-    return {"losses": losses, "successes": successes}
+        success, grad_norm, _ = optimizer.step()
+        successes.append(success)
+        grad_norms.append(grad_norm)
+    return {"losses": losses, "successes": successes, "grad_norms": grad_norms}
 
 
 def sharded_equals_unsharded(
     options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False,
-    pipeline_parallel: int = 1,
+    pipeline_parallel: int = 1, grad_reduce_in_fp32: bool = False,
 ) -> dict:
     """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
-    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``; tied
-    embeddings across ``pipeline_parallel`` stages); whether losses and parameters are
-    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
+    on the same data (DDP buckets of ``bucket_size`` elements, gradients reduced in FP32 or BF16;
+    both eager, or both ``fused``; tied embeddings across ``pipeline_parallel`` stages); whether
+    losses, gradient norms and parameters are bit-identical, the optimizer state bytes each rank
+    holds, and the layout's figures."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -82,7 +85,7 @@ def sharded_equals_unsharded(
     for option in options:
         runs = {}
         for distributed in (False, True):
-            model = _ddp(config, distributed, bucket_size)
+            model = _ddp(config, distributed, bucket_size, grad_reduce_in_fp32)
             optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
             losses = _train_with_finalize(model, optimizer, steps)
             quality = optimizer.update_quality()
@@ -92,6 +95,8 @@ def sharded_equals_unsharded(
         result[option] = {
             "successes": all(runs[True][0]["successes"]) and all(runs[False][0]["successes"]),
             "losses_identical": runs[True][0]["losses"] == runs[False][0]["losses"],
+            "grad_norms_identical": runs[True][0]["grad_norms"] == runs[False][0]["grad_norms"],
+            "grad_norms": runs[False][0]["grad_norms"],
             "params_identical": torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32)),
             "sharded_bytes": runs[True][2],
             "sharded_padding_bytes": sum(

@@ -28,29 +28,32 @@ def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[
 
 
 @pytest.mark.parametrize(
-    "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused",
+    "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused, grad_reduce_in_fp32",
     [
-        (OPTIONS, 2, 1, 1, 3000, 10, False),
-        (OPTIONS, 4, 2, 1, None, 6, False),
-        (["A", "C", "sr", "coat"], 4, 1, 2, None, 4, False),
-        (["sr", "coat"], 2, 1, 1, 3000, 3, True),
+        (OPTIONS, 2, 1, 1, 3000, 10, False, False),
+        (OPTIONS, 2, 1, 1, 3000, 6, False, True),
+        (OPTIONS, 4, 2, 1, None, 6, False, False),
+        (["A", "C", "sr", "coat"], 4, 1, 2, None, 4, False, False),
+        (["sr", "coat"], 2, 1, 1, 3000, 3, True, False),
     ],
-    ids=["dp2-small-buckets", "tp2xdp2", "pp2xdp2", "dp2-fused"],
+    ids=["dp2-small-buckets", "dp2-fp32-reduction", "tp2xdp2", "pp2xdp2", "dp2-fused"],
 )
 def test_sharded_states_train_bit_identically_and_hold_their_share(
-    tmp_path, options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused
+    tmp_path, options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused, grad_reduce_in_fp32
 ):
     """Each option, with and without the distributed optimizer, from the same weights on the same
     data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
     boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
     DP=2 with the embedding tied across stages; the compiled kernel on stochastic rounding's row
-    grids and coat's group-aligned chunks). Without the zero padding of its state buckets' layout,
-    each rank holds at most its share of the unsharded state plus one alignment unit per bucket
-    (the share is smaller by the unsharded buckets' padding), the ranks hold equal shares within
+    grids and coat's group-aligned chunks; DP=2 with Megatron-LM's defaults, FP32 gradient
+    reduction and clipping at 1.0, where both find the same gradient norms, which clip). Without
+    the zero padding of its state buckets' layout, each rank holds at most its share of the
+    unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
+    buckets' padding), the ranks hold equal shares within
     one unit per bucket, and the update-quality pieces summed over the ranks match."""
     ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=options,
                  tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, steps=steps,
-                 bucket_size=bucket_size, fused=fused)
+                 bucket_size=bucket_size, fused=fused, grad_reduce_in_fp32=grad_reduce_in_fp32)
     data_parallel = ranks[0]["data_parallel_size"]
     assert data_parallel == 2
     if bucket_size is not None:
@@ -59,6 +62,8 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
         results = [rank[option] for rank in ranks]
         for result in results:
             assert result["successes"] and result["losses_identical"] and result["params_identical"], option
+            assert result["grad_norms_identical"], option
+            assert max(result["grad_norms"]) > 1.0, "clipping at 1.0 never acted"
             unit = ALIGNMENT * result["bytes_per_element"] * result["buckets"]
             unpadded = result["sharded_bytes"] - result["sharded_padding_bytes"]
             assert unpadded <= result["unsharded_bytes"] / data_parallel + unit, option
