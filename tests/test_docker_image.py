@@ -148,8 +148,9 @@ def test_torchrun_trains_and_resumes_on_two_gloo_ranks(image, runs_dir, show):
          app_lines(first))
     assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
     assert "world size 2 (TP 1, PP 1), 4 steps from scratch" in first.stdout
-    resumed = run(image, *command, "trainer.max_steps=8", "resume=true", options=options)
-    show("... trainer.max_steps=8 resume=true", app_lines(resumed))
+    extended = ("trainer.max_steps=8", "resume=true", "optimizer.override_opt_param_scheduler=true")
+    resumed = run(image, *command, *extended, options=options)
+    show(f"... {' '.join(extended)}", app_lines(resumed))
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
     assert "world size 2 (TP 1, PP 1), 8 steps resumed from step 4" in resumed.stdout
     assert json.loads((runs_dir / "ddp" / "summary.json").read_text())["steps"] == 8
