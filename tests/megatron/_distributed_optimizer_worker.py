@@ -7,6 +7,7 @@ SCENARIO JSON`` once per rank; writes ``RESULT_DIR/rank<N>.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -98,6 +99,11 @@ def sharded_equals_unsharded(
             "grad_norms": runs[False][0]["grad_norms"],
             "params_identical": torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32)),
             "sharded_bytes": runs[True][2],
+            "sharded_padding_bytes": sum(
+                (state_bucket.numel - sum(state_bucket.numels)) / state_bucket.numel
+                * sum(buffer.numel() * buffer.element_size() for buffer in state_bucket.state.values())
+                for shard in sharded.shards for state_bucket in shard.state_buckets
+            ),
             "unsharded_bytes": runs[False][2],
             "buckets": len(sharded.shards),
             "bytes_per_element": runs[True][2] / sum(shard.end - shard.start for shard in sharded.shards),
@@ -210,7 +216,118 @@ def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere)}
+def _counting_compiled_calls(calls: list[int]):
+    """Wrap the fused step's compiled kernel so that every call is counted in ``calls``."""
+    from megatron_lowprec.optim import fused
+
+    compiled_kernel = fused.compiled_kernel
+
+    def counting(*flags):
+        kernel = compiled_kernel(*flags)
+
+        def call(*args):
+            calls.append(1)
+            return kernel(*args)
+
+        return call
+
+    fused.compiled_kernel = counting
+
+
+@contextlib.contextmanager
+def _spying_host_to_device_copies(copies: list[str]):
+    """Record every ``torch.tensor`` / ``torch.as_tensor`` that places its data on a device: a copy from
+    the host that waits for the device (the step's scalars and tables must not need one)."""
+    factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def spy(name):
+        def factory(*args, **kwargs):
+            if kwargs.get("device") is not None:
+                copies.append(f"torch.{name}(..., device={kwargs['device']})")
+            return factories[name](*args, **kwargs)
+
+        return factory
+
+    for name in factories:
+        setattr(torch, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, factory in factories.items():
+            setattr(torch, name, factory)
+
+
+def _backward(model, optimizer, data_seed: int) -> None:
+    """Gradients of one step, synced once (as megatron's schedule does with finalize_model_grads)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    _train_step(model, data_seed=data_seed)
+
+
+def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size: int, hidden_size: int) -> dict:
+    """DP=2, per option and with and without the distributed optimizer (fused; stochastic rounding
+    one call per bucket, as on GPUs): the bytes the optimizer's construction leaves allocated
+    (:func:`tests.allocations.kept_allocations`, less the flat buffer that the unsharded optimizer
+    moves the parameters into, their old storage freed), against the state it reports; and for ``stepped_options``, what a step keeps allocated,
+    the compiled calls of one step against the number of its state buckets and of its parameters,
+    and host-to-device copies during a step."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.optim import fused
+    from tests.allocations import kept_allocations
+
+    parallel_state.initialize_model_parallel()
+    fused.BUCKET_STREAM_DEVICES = ("cuda", "cpu")
+    calls: list[int] = []
+    copies: list[str] = []
+    _counting_compiled_calls(calls)
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0, hidden_size=hidden_size, num_layers=1)
+    result = {}
+    for option in options:
+        for distributed in (False, True):
+            model = _ddp(config, distributed, bucket_size)
+            numel = sum(param.numel() for param in model.parameters())
+            built = kept_allocations(lambda: _optimizer(option, model, distributed, fused=True))
+            optimizer = built.result
+            if distributed:
+                reported = optimizer.optimizer.state_bytes()
+                entries = sum(len(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                state_buckets = sum(len(shard.state_buckets) for shard in optimizer.optimizer.shards)
+                owned = sum(sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                padding = sum(b.numel - sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                moved_params = 0
+            else:
+                reported = _unsharded_state_bytes(optimizer)
+                moved_params = sum(bucket.param_buffer.nbytes for bucket in optimizer.optimizer.buckets)
+                entries = sum(len(bucket.params) for bucket in optimizer.optimizer.buckets)
+                state_buckets = len(optimizer.optimizer.buckets)
+                owned = sum(sum(bucket.numels) for bucket in optimizer.optimizer.buckets)
+                padding = sum(bucket.numel - sum(bucket.numels) for bucket in optimizer.optimizer.buckets)
+            costs = {
+                "built_bytes": built.end - moved_params,
+                "reported_bytes": reported,
+                "owned": owned,
+                "padding": padding,
+                "parameters": numel,
+                "state_buckets": state_buckets,
+                "entries": entries,
+            }
+            if option in stepped_options:
+                for data_seed in (1, 2):
+                    _backward(model, optimizer, data_seed)
+                    del calls[:], copies[:]
+                    with _spying_host_to_device_copies(copies):
+                        stepped = kept_allocations(optimizer.step)
+                    assert stepped.result[0], f"{option}: a step was skipped"
+                costs.update(step_kept_bytes=stepped.end, compiled_calls=len(calls), copies=list(copies))
+            result[f"{option}-{'sharded' if distributed else 'unsharded'}"] = costs
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs)}
 
 
 def main(result_dir: Path, scenario: str, arguments: dict) -> None:

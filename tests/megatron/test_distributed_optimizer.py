@@ -46,9 +46,10 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
     boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
     DP=2 with the embedding tied across stages; the compiled kernel on stochastic rounding's row
     grids and coat's group-aligned chunks; DP=2 with Megatron-LM's defaults, FP32 gradient
-    reduction and clipping at 1.0, where both find the same gradient norms, which clip). Each
-    rank holds at most its share of the unsharded state plus one alignment unit per bucket (the
-    share is smaller by the unsharded buckets' wider padding), the ranks hold equal shares within
+    reduction and clipping at 1.0, where both find the same gradient norms, which clip). Without
+    the zero padding of its state buckets' layout, each rank holds at most its share of the
+    unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
+    buckets' padding), the ranks hold equal shares within
     one unit per bucket, and the update-quality pieces summed over the ranks match."""
     ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=options,
                  tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, steps=steps,
@@ -64,11 +65,12 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
             assert result["grad_norms_identical"], option
             assert max(result["grad_norms"]) > 1.0, "clipping at 1.0 never acted"
             unit = ALIGNMENT * result["bytes_per_element"] * result["buckets"]
-            assert result["sharded_bytes"] <= result["unsharded_bytes"] / data_parallel + unit, option
+            unpadded = result["sharded_bytes"] - result["sharded_padding_bytes"]
+            assert unpadded <= result["unsharded_bytes"] / data_parallel + unit, option
             assert result["sharded_bytes"] >= 0.9 * result["unsharded_bytes"] / data_parallel, option
             assert result["edq"][0] == pytest.approx(result["edq"][1], rel=1e-9)
             assert result["imprecision"][0] == result["imprecision"][1]
-        shares = [result["sharded_bytes"] for result in results]
+        shares = [result["sharded_bytes"] - result["sharded_padding_bytes"] for result in results]
         assert max(shares) - min(shares) <= unit, option
 
 
@@ -98,6 +100,56 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
                     assert result["sharded"] == pytest.approx(result["unsharded"], rel=1e-4), option
 
 
+@pytest.fixture(scope="module")
+def costs(tmp_path_factory) -> list[dict]:
+    return _run(
+        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS, stepped_options=STEPPED_OPTIONS,
+        bucket_size=None, hidden_size=128,
+    )
+
+
+STEPPED_OPTIONS = ["A", "D", "sr", "coat"]
+"""Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
+AdamW, stochastic rounding per bucket, FP8 group grids)."""
+
+
+@pytest.mark.parametrize("layout", ["unsharded", "sharded"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, layout):
+    """Measured with the CPU allocator on each rank of a DP=2 megatron GPT whose tensors are whole
+    multiples of the alignment: building the optimizer leaves exactly the state it reports
+    allocated (no second gradient buffer, no FP32 copy beside D's and coat's masters; a few words
+    of tables per parameter); that state is the README's bytes/param (parameter and gradient
+    excluded) over the elements the rank updates, plus the zero padding where a shard boundary cuts
+    a parameter; a step keeps nothing allocated."""
+    from megatron_lowprec.optim import get_strategy
+
+    per_element = get_strategy(option).bytes_per_param() - 4
+    for rank in costs:
+        result = rank[f"{option}-{layout}"]
+        assert result["reported_bytes"] <= result["built_bytes"] <= result["reported_bytes"] + 128 * result["entries"]
+        assert result["reported_bytes"] == pytest.approx(per_element * (result["owned"] + result["padding"]), rel=1e-9)
+        assert result["padding"] <= (0 if layout == "unsharded" else ALIGNMENT * result["state_buckets"])
+        if option in STEPPED_OPTIONS:
+            assert result["step_kept_bytes"] == 0
+
+
+@pytest.mark.parametrize("layout", ["unsharded", "sharded"])
+@pytest.mark.parametrize("option", STEPPED_OPTIONS)
+def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
+    """A fused step (stochastic rounding as on GPUs, whole buckets) launches one compiled call per
+    state bucket, not per parameter (D runs torch's fused kernel: none), and creates no tensor on
+    the device from host data (a copy that waits for the device)."""
+    from megatron_lowprec.optim import get_strategy
+
+    for rank in costs:
+        result = rank[f"{option}-{layout}"]
+        expected = 0 if get_strategy(option).adam_kernel == "torch_fused" else result["state_buckets"]
+        assert result["compiled_calls"] == expected
+        assert result["entries"] > result["state_buckets"]
+        assert result["copies"] == []
+
+
 def test_shard_boundaries_move_to_the_end_of_a_cut_fp8_group():
     from megatron_lowprec.megatron.distributed import owned_bounds
 
@@ -107,18 +159,6 @@ def test_shard_boundaries_move_to_the_end_of_a_cut_fp8_group():
     assert owned_bounds(1024, 2, [(0, 1024)], 128) == [0, 512, 1024]
     with pytest.raises(ValueError, match="fewer than one FP8 group"):
         owned_bounds(128, 4, [(0, 128)], 128)
-
-
-@pytest.mark.parametrize("start, numel", [(0, 96), (5, 40), (20, 37), (12, 12), (7, 1)])
-def test_row_grids_give_each_element_its_global_index(start, numel):
-    """A run of a tensor-parallel shard's elements, cut into whole rows, draws from the indices
-    that ``StreamLayout.index`` gives those elements in the whole tensor."""
-    from megatron_lowprec.megatron.distributed import _row_grids
-    from megatron_lowprec.numerics.rounding import StreamLayout, grid_index
-
-    layout = StreamLayout.shard(7, (8, 12), 1, rank=1, world_size=3)
-    pieces = [grid_index(offset, layout.row_stride, rows, length).reshape(-1) for _, rows, length, offset in _row_grids(layout, start, numel)]
-    assert torch.equal(torch.cat(pieces), layout.index(96)[start : start + numel])
 
 
 def test_a_megatron_core_without_the_sharding_machinery_is_refused(monkeypatch):
