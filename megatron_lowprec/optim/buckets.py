@@ -24,6 +24,7 @@ import torch
 
 from megatron_lowprec.numerics.quant import quantized_zeros
 from megatron_lowprec.numerics.rounding import StreamLayout
+from megatron_lowprec.optim.master import master_key, new_master, reset_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 ALIGNMENT = 128
@@ -44,7 +45,7 @@ def state_keys(strategy: PrecisionStrategy) -> list[str]:
     else:
         keys = list(MOMENTS)
     if strategy.master_weights:
-        keys.append("master")
+        keys.append(master_key(strategy))
     if strategy.keeps_param_low_component:
         keys.append("param_lo")
     if strategy.second_moment_mcf:
@@ -116,10 +117,10 @@ def zero_state(
 def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
     state = zero_state(strategy, numel, params[0])
     if strategy.master_weights:
-        master = params[0].new_zeros(numel, dtype=torch.float32)
+        master = new_master(strategy, numel, params[0])
         for param, offset in zip(params, offsets):
-            master[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
-        state["master"] = master
+            reset_master_(param.detach().reshape(-1), master[offset : offset + param.numel()])
+        state[master_key(strategy)] = master
     return state
 
 

@@ -53,6 +53,7 @@ from megatron_lowprec.optim.kernel import (
     kernel_scalar,
     to_device_async,
 )
+from megatron_lowprec.optim.master import master_key
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -221,7 +222,7 @@ def fused_bucket_step_(
         spans = [(offset, bucket_param.numel()) for offset, bucket_param in zip(bucket.offsets, bucket.params)]
         state = bucket.state
         return torch_fused_adamw_step_(
-            param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
+            param, grad, state[master_key(strategy)], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )
     scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_kernel_scalars()

@@ -13,6 +13,10 @@ of each tensor through a separately compiled scalar loop, which need not round a
 16-bit gradients are converted in windows of at most 1/:data:`WINDOWS_PER_MASTER` of the master
 (every window start a multiple of :data:`WINDOW_ALIGNMENT`, so that windows split tensors only
 between whole vectors), which bounds the step's temporaries; FP32 gradients are used in place.
+
+A master stored as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``,
+``optim/master.py``) is joined into an FP32 window of the same bounds, updated there by the same
+kernel call, and split back: the same kernel on the same FP32 values, so the same masters bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import functools
 import torch
 
 from megatron_lowprec.metrics.update_quality import update_quality_pieces
+from megatron_lowprec.optim.master import master_value, store_master_
 
 WINDOWS_PER_MASTER = 100
 """A 16-bit gradient is converted to FP32 in windows of at most 1/100 of the master (1% of its bytes)."""
@@ -61,8 +66,8 @@ def require_torch_fused_adamw(device: torch.device, option: str) -> None:
         )
 
 
-def _windows(numel: int, grad: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
-    if grad.dtype == torch.float32 and not track_update_quality:
+def _windows(numel: int, grad: torch.Tensor, master: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
+    if grad.dtype == torch.float32 and master.dtype == torch.float32 and not track_update_quality:
         return [(0, numel)]
     size = max(numel // WINDOWS_PER_MASTER // WINDOW_ALIGNMENT, 1) * WINDOW_ALIGNMENT
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
@@ -109,8 +114,9 @@ def torch_fused_adamw_step_(
     track_update_quality: bool,
 ) -> torch.Tensor | None:
     """One AdamW step, in place, of the tensors at ``spans`` ((offset, numel) pairs) of the flat
-    16-bit ``param``, its ``grad`` and the flat FP32 ``master``, ``exp_avg`` and ``exp_avg_sq``
-    (``step`` counts this step); the parameter becomes the master rounded to nearest.
+    16-bit ``param``, its ``grad``, the flat stored ``master`` (the FP32 master, or the int16
+    remainder below a BF16 ``param``: ``optim/master.py``) and the flat FP32 ``exp_avg`` and
+    ``exp_avg_sq`` (``step`` counts this step); the parameter becomes the master's 16-bit copy.
 
     With ``track_update_quality`` the intended update is the same kernel's update computed in
     float64 from the same state, and the effective update the change of the FP32 master; the
@@ -120,25 +126,25 @@ def torch_fused_adamw_step_(
     step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
     quality = master.new_zeros(4, dtype=torch.float64) if track_update_quality else None
-    windows = _windows(master.numel(), grad, track_update_quality)
+    windows = _windows(master.numel(), grad, master, track_update_quality)
     scratch = None if grad.dtype == torch.float32 else torch.empty(windows[0][1], dtype=torch.float32, device=device)
     for start, end in windows:
         pieces = _pieces(spans, start, end)
         if not pieces:
             continue
         window_grad = grad[start:end] if scratch is None else scratch[: end - start].copy_(grad[start:end])
+        window_param, window_stored = param[start:end], master[start:end]
+        window_master = master_value(window_param, window_stored)
         if track_update_quality:
-            before = master[start:end].double()
+            before = window_master.double()
             intended = before.clone()
             _fused_adamw(
                 intended, window_grad.double(), exp_avg[start:end].double(), exp_avg_sq[start:end].double(),
                 pieces, step_tensor, hyper,
             )
             intended -= before
-        _fused_adamw(
-            master[start:end], window_grad, exp_avg[start:end], exp_avg_sq[start:end], pieces, step_tensor, hyper
-        )
-        param[start:end].copy_(master[start:end])
+        _fused_adamw(window_master, window_grad, exp_avg[start:end], exp_avg_sq[start:end], pieces, step_tensor, hyper)
+        store_master_(window_param, window_stored, window_master)
         if track_update_quality:
-            quality += update_quality_pieces(intended, before, master[start:end])
+            quality += update_quality_pieces(intended, before, window_master)
     return quality
