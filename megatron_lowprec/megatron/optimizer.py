@@ -4,8 +4,9 @@ The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP3
 the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
 its config says) become ``param.grad``, they are clipped by their global norm over the
 model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` updates the model's
-16-bit parameters in place with the chosen precision option (only ``D`` and ``coat`` keep an FP32
-master, inside the optimizer state). A step whose gradients hold NaN or inf on any rank is skipped
+16-bit parameters in place with the chosen precision option (only ``D`` and ``coat``
+keep an FP32 master, inside the optimizer state: whole, or as a 16-bit remainder below the BF16
+parameter, ``master_storage``). A step whose gradients hold NaN or inf on any rank is skipped
 on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
 
 Stochastic rounding draws from the stateless counter stream of ``AdamW``, with one stream per
@@ -43,6 +44,7 @@ from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
+from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 
 class LowPrecisionOptimizer(FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
@@ -58,6 +60,15 @@ class LowPrecisionOptimizer(FP32Optimizer):
         state_dict = super().state_dict()
         state_dict["lowprec"]["seed"] -= self.seed_offset
         return state_dict
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict=None) -> None:
+        """The FP32 masters (D, coat) restart from the model's parameters, as megatron's
+        mixed-precision optimizers do when a checkpoint's model is loaded without its optimizer."""
+        for param, state in self.optimizer.state.items():
+            stored = stored_master(state)
+            if stored is not None:
+                reset_master_(param.detach(), stored)
 
     @torch.no_grad()
     def step(self):
@@ -122,17 +133,21 @@ class LowPrecisionOptimizer(FP32Optimizer):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
         parameter's shape; FP8 states per element, :func:`checkpoint_state`), which
         ``dist_checkpointing`` reshards across layouts; the distributed optimizer saves and loads
-        the same keys. The shared step is kept also when it is 0 (megatron drops a falsy step, and
-        the state could not load)."""
+        the same keys. An FP32 master is saved as such under ``master`` in either storage (a
+        remainder joined with its parameter), so that either storage loads the other's checkpoints.
+        The shared step is kept also when it is 0 (megatron drops a falsy step, and the state could
+        not load)."""
         state_dict = self.state_dict()
         step = self._extract_common_per_param_step(state_dict)
         params = self.get_parameters()
-        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
         for index, entry in state_dict["state"].items():
             param = params[index]
             tensors = {key: value for key, value in entry.items() if torch.is_tensor(value)}
-            for key, value in checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading).items():
-                entry[key] = value.view(param.shape)
+            form = checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading, param=param)
+            state_dict["state"][index] = {
+                **{key: value for key, value in entry.items() if key not in tensors},
+                **{key: value.view(param.shape) for key, value in form.items()},
+            }
         optim_state_to_sharding_state(
             state_dict, get_param_id_to_sharded_param_map(model_sharded_state_dict, params), exclude_keys="step"
         )
@@ -142,14 +157,19 @@ class LowPrecisionOptimizer(FP32Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """A :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
-        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups)."""
+        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups; the FP32
+        master into its storage by :meth:`AdamW.load_state_dict`)."""
         params = self.get_parameters()
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
             param = params[index]
             if entry["exp_avg_scale"].numel() == param.numel() and entry["exp_avg_payload"].dtype == torch.uint8:
-                restored = {key: value.clone() for key, value in self.optimizer.state[param].items() if torch.is_tensor(value)}
+                restored = {
+                    key: value.clone()
+                    for key, value in self.optimizer.state[param].items()
+                    if torch.is_tensor(value) and key not in MASTER_KEYS.values()
+                }
                 restore_checkpoint_state(restored, entry, param.numel(), self.optimizer.strategy)
                 entry.update(restored)
         super().load_state_dict(state_dict)
@@ -214,6 +234,7 @@ def build_optimizer(
     shared_randomness: bool = True,
     fused: bool | None = None,
     track_update_quality: bool = False,
+    master_storage: str | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
     """The Megatron optimizer of precision ``option`` for ``model_chunks`` (after megatron DDP wrapping).
 
@@ -225,8 +246,14 @@ def build_optimizer(
     and ``lr_mult`` for ``OptimizerParamScheduler``); ``config`` supplies lr, weight decay, Adam's
     betas and eps and ``clip_grad``. Parameters must be BF16 or FP16 (``Float16Module``). An unknown
     option raises ``ValueError`` listing the valid names before anything is built.
+
+    ``master_storage`` (``"fp32"`` or ``"remainder"``; ``None``: the option's own) stores the FP32
+    master of ``D`` or ``coat`` whole or as a 16-bit remainder below the BF16
+    parameter (:class:`~megatron_lowprec.optim.AdamW`); the unsharded optimizer only, for now.
     """
     strategy = get_strategy(option)
+    if master_storage is not None:
+        strategy = strategy.with_master_storage(master_storage)
     if config.use_distributed_optimizer and not shared_randomness:
         raise ValueError(
             "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
@@ -239,6 +266,11 @@ def build_optimizer(
                 {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
             )
     if config.use_distributed_optimizer:
+        if strategy.master_storage == "remainder":
+            raise ValueError(
+                f"option {strategy.name!r} with master_storage='remainder' runs with use_distributed_optimizer=False "
+                "for now (the sharded optimizer keeps whole FP32 masters); use master_storage='fp32' to shard it"
+            )
         return build_distributed_optimizer(
             strategy, model_chunks, config, groups, seed=seed, fused=fused,
             track_update_quality=track_update_quality, stream_layouts=stream_layouts(model_chunks),
