@@ -4,7 +4,7 @@ The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP3
 the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
 its config says) become ``param.grad``, they are clipped by their global norm over the
 model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` updates the model's
-16-bit parameters in place with the chosen precision option (only ``D`` and ``coat``
+16-bit parameters in place with the chosen precision option (only ``D``, ``coat`` and ``D-BF16``
 keep an FP32 master, inside the optimizer state: whole, or as a 16-bit remainder below the BF16
 parameter, ``master_storage``). A step whose gradients hold NaN or inf on any rank is skipped
 on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
@@ -63,7 +63,7 @@ class LowPrecisionOptimizer(FP32Optimizer):
 
     @torch.no_grad()
     def reload_model_params(self, state_dict=None) -> None:
-        """The FP32 masters (D, coat) restart from the model's parameters, as megatron's
+        """The FP32 masters (D, coat, D-BF16) restart from the model's parameters, as megatron's
         mixed-precision optimizers do when a checkpoint's model is loaded without its optimizer."""
         for param, state in self.optimizer.state.items():
             stored = stored_master(state)
@@ -248,7 +248,7 @@ def build_optimizer(
     option raises ``ValueError`` listing the valid names before anything is built.
 
     ``master_storage`` (``"fp32"`` or ``"remainder"``; ``None``: the option's own) stores the FP32
-    master of ``D`` or ``coat`` whole or as a 16-bit remainder below the BF16
+    master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit remainder below the BF16
     parameter (:class:`~megatron_lowprec.optim.AdamW`); the unsharded optimizer only, for now.
     """
     strategy = get_strategy(option)

@@ -84,7 +84,7 @@ class AdamW(torch.optim.Optimizer):
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
-    (D, coat) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
+    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
     parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only);
     ``None`` keeps the strategy's own. The masters are the same bits either way (``optim/master.py``).
     Stochastic rounding draws its bits from a counter-based stream

@@ -5,7 +5,8 @@ so adding a strategy is one :func:`register_strategy` call plus a row in the tes
 
 Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Collage-plus,
 ``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
-(Collage App. C), stochastic rounding (SR paper, Alg. 1) and COAT FP8 optimizer states (COAT §4).
+(Collage App. C), stochastic rounding (SR paper, Alg. 1), COAT FP8 optimizer states (COAT §4) and
+``D-BF16``, an FP32 master with BF16 moments (DeepSeek-V3 report, "Low-Precision Optimizer States").
 """
 
 from __future__ import annotations
@@ -263,6 +264,16 @@ register_strategy(
         aliases=("fp8_states",),
         moments="fp8",
         master_weights=True,
+        weight_decay="multiplicative",
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "D-BF16",
+        "BF16 model + FP32 master weights (BF16 parameter + 16-bit remainder) + BF16 states (DeepSeek-V3)",
+        aliases=("fp32_master_bf16_states",),
+        master_weights=True,
+        master_storage="remainder",
         weight_decay="multiplicative",
     )
 )

@@ -93,11 +93,11 @@ class PrecisionConfig:
     """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
 
     option: str = "A"
-    """Precision option: A, B, C, D, D-MW, kahan, sr, coat (or an alias)."""
+    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16 (or an alias)."""
     master_storage: Optional[str] = None
-    """How an option with an FP32 master (D, coat) stores it: ``fp32`` (whole, 4 bytes) or
+    """How an option with an FP32 master (D, coat, D-BF16) stores it: ``fp32`` (whole, 4 bytes) or
     ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,
-    the same masters bit for bit); ``None``: the option's own."""
+    the same masters bit for bit); ``None``: the option's own (``D-BF16``: remainder)."""
     fused: Optional[bool] = None
     """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
     shared_randomness: bool = True

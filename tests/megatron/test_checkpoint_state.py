@@ -79,7 +79,7 @@ def _remainder_state(option: str, numel: int, seed: int) -> tuple[torch.Tensor, 
     return param, {key: value for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
 
 
-@pytest.mark.parametrize("option", ["D", "coat"])
+@pytest.mark.parametrize("option", ["D", "coat", "D-BF16"])
 def test_a_remainder_master_is_saved_as_the_fp32_master_and_loads_into_either_storage(option):
     """The checkpoint form of a remainder master is the FP32 master under ``master`` (the same tensor a
     whole master saves), and it loads back exactly into the remainder and its parameter, or into a

@@ -131,9 +131,9 @@ def test_dist_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path, option):
 
 
 def test_remainder_masters_resume_from_state_dicts_bit_identically(tmp_path):
-    """D and coat with their masters as remainders below the BF16 parameters, at DP=2: resuming
+    """D, coat and D-BF16 with their masters as remainders below the BF16 parameters, at DP=2: resuming
     from the model's and the optimizer's state dicts continues bit-identically."""
-    options = ["D", "coat"]
+    options = ["D", "coat", "D-BF16"]
     ranks = _run(tmp_path, 2, "resume", options=options, steps=6, master_storage="remainder")
     for rank in ranks:
         for option in options:

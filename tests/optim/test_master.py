@@ -12,7 +12,7 @@ from megatron_lowprec.optim import master as master_module
 from megatron_lowprec.optim.fused import fused_available
 from megatron_lowprec.optim.master import master_value, stored_master
 
-MASTER_OPTIONS = ["D", "coat"]
+MASTER_OPTIONS = ["D", "coat", "D-BF16"]
 SHAPES = [(1000,), (3,), (129,), (4097,), (7, 13), (300,)]
 """Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
 
@@ -197,7 +197,7 @@ def _clear_remainder_bit(state_dict):
 def test_a_state_dict_that_lost_one_remainder_bit_is_caught():
     """Mutation: the saved remainders lose their lowest bit; the loaded masters differ from the saved ones."""
     with pytest.raises(AssertionError, match="master elements"):
-        _resume("coat", "remainder", "remainder", "cpu", corrupt=_clear_remainder_bit)
+        _resume("D-BF16", "remainder", "remainder", "cpu", corrupt=_clear_remainder_bit)
 
 
 def test_a_state_dict_of_the_other_storage_is_checked_before_anything_changes():
@@ -239,7 +239,7 @@ def test_update_quality_of_the_remainder_form_is_the_whole_form_s(option, device
 def test_update_quality_that_drops_one_remainder_bit_is_caught(monkeypatch):
     """Mutation: joining loses the remainder's lowest bit; the effective updates, and so the pieces, differ."""
     gradients = _gradients(1, seed=4)
-    whole = _optimizer("coat", "fp32", False, "cpu", track_update_quality=True)
+    whole = _optimizer("D-BF16", "fp32", False, "cpu", track_update_quality=True)
     _train(*whole, gradients)
 
     def join_without_bit(upper, remainder):
@@ -247,7 +247,7 @@ def test_update_quality_that_drops_one_remainder_bit_is_caught(monkeypatch):
 
     join = master_module.join_bf16_remainder
     monkeypatch.setattr(master_module, "join_bf16_remainder", join_without_bit)
-    remainder = _optimizer("coat", "remainder", False, "cpu", track_update_quality=True)
+    remainder = _optimizer("D-BF16", "remainder", False, "cpu", track_update_quality=True)
     _train(*remainder, gradients)
     got, expected = remainder[1].bucket_update_pieces[0].tolist(), whole[1].bucket_update_pieces[0].tolist()
     assert got[:2] != pytest.approx(expected[:2], rel=1e-12)
@@ -296,7 +296,7 @@ def test_a_skip_that_drops_one_remainder_bit_is_caught(monkeypatch):
         _skip_touches_nothing(*_optimizer("D", "remainder", False, "cpu"))
 
 
-@pytest.mark.parametrize("option, expected", [("D", 14.0), ("coat", 8.125)])
+@pytest.mark.parametrize("option, expected", [("D", 14.0), ("coat", 8.125), ("D-BF16", 10.0)])
 def test_bytes_per_param_of_the_remainder_form_measured_from_the_state_tensors(option, expected, device):
     """Bytes/param of a 2^16-element parameter (whole FP8 groups) counted from its 16-bit parameter, a
     16-bit gradient and every state tensor: the README's figures."""
@@ -309,13 +309,13 @@ def test_bytes_per_param_of_the_remainder_form_measured_from_the_state_tensors(o
 
 def test_master_storage_is_checked_at_construction():
     param = torch.nn.Parameter(torch.randn(8).bfloat16())
-    with pytest.raises(ValueError, match=r"option 'A' keeps no FP32 master.*options with one: D, coat"):
+    with pytest.raises(ValueError, match=r"option 'A' keeps no FP32 master.*options with one: D, coat, D-BF16"):
         AdamW([param], option="A", master_storage="remainder")
     with pytest.raises(ValueError, match=r"master_storage='half' is not valid; choose one of fp32, remainder"):
         AdamW([param], option="D", master_storage="half")
     with pytest.raises(ValueError, match="master_weights=False drops the master"):
         AdamW([param], option="coat", master_weights=False, master_storage="remainder")
     with pytest.raises(ValueError, match=r"upper half in the BF16 parameter.*torch.float16"):
-        AdamW([torch.nn.Parameter(torch.randn(8).half())], option="D", master_storage="remainder")
+        AdamW([torch.nn.Parameter(torch.randn(8).half())], option="D-BF16")
     half = torch.nn.Parameter(torch.randn(8).half())
-    assert "master" in AdamW([half], option="D").state[half]
+    assert "master" in AdamW([half], option="D-BF16", master_storage="fp32").state[half]

@@ -8,7 +8,7 @@ from megatron_lowprec.optim import PrecisionStrategy, available_strategies, get_
 # Collage Table 2 (A-D), D-MW (NOTES.md), Kahan and SR from their component counts (issue table).
 PAPER_BYTES_PER_PARAM = {"A": 8, "B": 10, "C": 12, "D": 16, "D-MW": 12, "kahan": 10, "sr": 8}
 # An FP32 master as the BF16 parameter plus a 2-byte remainder (issue 21's table).
-REMAINDER_BYTES_PER_PARAM = {"D": 14, "coat": 2 + 2 + 2 + 2 * (1 + 8 / 128)}
+REMAINDER_BYTES_PER_PARAM = {"D": 14, "coat": 2 + 2 + 2 + 2 * (1 + 8 / 128), "D-BF16": 10}
 
 
 @pytest.mark.parametrize("name, expected", sorted(PAPER_BYTES_PER_PARAM.items()))
@@ -24,6 +24,13 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     assert strategy.with_master_storage("remainder").name == name
 
 
+def test_the_fp32_master_with_bf16_moments_is_deepseek_v3_s_recipe_at_10_bytes():
+    strategy = get_strategy("fp32_master_bf16_states")
+    assert (strategy.name, strategy.moments, strategy.master_weights) == ("D-BF16", "low", True)
+    assert (strategy.master_storage, strategy.weight_decay, strategy.adam_kernel) == ("remainder", "multiplicative", "reference")
+    assert strategy.bytes_per_param() == 10 == get_strategy("B").bytes_per_param()
+
+
 def test_coat_bytes_per_param_is_master_plus_fp8_moments_plus_group_metadata():
     # 2 (BF16 param) + 2 (BF16 grad) + 4 (FP32 master) + 2 x (1 B payload + 8 B per 128-group)
     assert get_strategy("coat").bytes_per_param() == 2 + 2 + 4 + 2 * (1 + 8 / 128)
@@ -33,7 +40,8 @@ def test_coat_bytes_per_param_is_master_plus_fp8_moments_plus_group_metadata():
 @pytest.mark.parametrize(
     "alias, name",
     [("bf16", "A"), ("COLLAGE_LIGHT", "B"), ("collage_plus", "C"), ("c", "C"), ("fp32_master", "D"),
-     ("fp32_states", "D-MW"), ("d-mw", "D-MW"), ("KAHAN", "kahan"), ("bf16_sr", "sr"), ("fp8_states", "coat")],
+     ("fp32_states", "D-MW"), ("d-mw", "D-MW"), ("KAHAN", "kahan"), ("bf16_sr", "sr"), ("fp8_states", "coat"),
+     ("fp32_master_bf16_states", "D-BF16"), ("d-bf16", "D-BF16")],
 )
 def test_names_and_aliases_are_case_insensitive(alias, name):
     assert get_strategy(alias).name == name
@@ -76,7 +84,7 @@ def test_a_strategy_without_master_runs_the_reference_kernel():
     """torch's fused AdamW kernel needs the FP32 master that master_weights=False drops."""
     assert get_strategy("D").adam_kernel == "torch_fused"
     assert get_strategy("D").without_master_weights().adam_kernel == "reference"
-    assert get_strategy("D").with_master_storage("remainder").without_master_weights().master_storage == "fp32"
+    assert get_strategy("D-BF16").without_master_weights().master_storage == "fp32"
 
 
 def _readme_option_rows():

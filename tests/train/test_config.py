@@ -227,6 +227,7 @@ def test_dry_run_plan_shows_the_state_per_rank_with_and_without_sharding(capsys,
 def test_master_storage_sets_how_the_fp32_master_is_stored(capsys, tmp_path):
     from megatron_lowprec.train.config import precision_strategy
 
+    assert compose(["precision=D-BF16"]).precision.master_storage == "remainder"
     assert compose(["precision=D"]).precision.master_storage == "fp32"
     precision = compose(["precision=D", "precision.master_storage=remainder"]).precision
     assert precision_strategy(precision).bytes_per_param() == 14
@@ -239,11 +240,11 @@ def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
         capsys, "precision=D", "precision.master_storage=half"
     )
     message = _fails(capsys, "precision=A", "precision.master_storage=remainder")
-    assert "option 'A' keeps no FP32 master" in message and "D, coat" in message
+    assert "option 'A' keeps no FP32 master" in message and "D, coat, D-BF16" in message
     assert "precision.master_storage belong to this package's AdamW" in _fails(
         capsys, "precision=megatron", "precision.master_storage=remainder"
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "needs optimizer.distributed=false (or precision.master_storage=fp32)" in _fails(
-        capsys, "precision=D", "precision.master_storage=remainder", "optimizer.distributed=true"
+        capsys, "precision=D-BF16", "optimizer.distributed=true"
     )
