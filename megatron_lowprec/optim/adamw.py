@@ -21,8 +21,8 @@ from megatron_lowprec.optim.kernel import (
     adamw_step_,
     check_param_dtype,
 )
-from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
-from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
+from megatron_lowprec.optim.strategies import PrecisionStrategy, available_strategies, get_strategy
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
@@ -136,7 +136,8 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"master_weights=False drops the master, so master_storage={master_storage!r} cannot apply")
             strategy = strategy.without_master_weights()
         elif master_weights and not strategy.master_weights:
-            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; use option 'D' or 'coat'")
+            with_master = ", ".join(repr(s.name) for s in available_strategies() if s.master_weights)
+            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
         if master_storage is not None:
             strategy = strategy.with_master_storage(master_storage)
         if fused and generator is not None and strategy.param_update == "stochastic":
@@ -407,7 +408,7 @@ def _master_as_one_key(state: dict[str, Any]) -> set[str]:
 def _load_master_(param: torch.Tensor, state: dict[str, Any], saved_key: str, saved: torch.Tensor) -> None:
     """Load a saved master (FP32 under ``master``, or a remainder below ``param``) into ``state``'s
     stored master, whichever its storage; a remainder into a remainder is copied as it is."""
-    stored = next(state[key] for key in MASTER_KEYS.values() if key in state)
+    stored = stored_master(state)
     if saved.dtype == stored.dtype:
         stored.copy_(saved)
         return
