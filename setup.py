@@ -5,7 +5,7 @@ extras imported lazily where used.
 """
 from setuptools import find_packages, setup
 
-MEGATRON = ["megatron-core>=0.16.1,<0.17", "psutil"]
+MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
 DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
 TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10"]
 PLOT = ["matplotlib>=3.7"]
@@ -27,7 +27,9 @@ setup(
         ]
     },
     install_requires=[
-        "torch>=2.4",
+        # 2.10 or later, its pre-releases included: NGC images carry builds like 2.10.0a0+b4e4ee81d3
+        # (megatron_lowprec.MINIMUM_TORCH says why, and refuses an older torch at import).
+        "torch>=2.10.0a0",
         "numpy>=1.24",
     ],
     extras_require={

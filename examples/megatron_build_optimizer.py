@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
 
+    from megatron_lowprec.megatron.notices import quiet_library_notices
+
+    quiet_library_notices()
     from megatron_lowprec.megatron.cpu import activate_cpu_bridge
     from megatron_lowprec.optim import get_strategy
 

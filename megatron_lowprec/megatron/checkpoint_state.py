@@ -22,7 +22,7 @@ import math
 import torch
 
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS
+from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS, state_dtypes
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -58,6 +58,18 @@ def checkpoint_state(
         else:
             result[key] = value.reshape(-1)
     return result
+
+
+def checkpoint_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each tensor :func:`checkpoint_state` returns for ``strategy`` with 16-bit
+    parameters of ``param_dtype``: FP8 payloads as uint8, a remainder master as the FP32 master."""
+    dtypes = {}
+    for key, dtype in state_dtypes(strategy, param_dtype).items():
+        if key == MASTER_KEYS["remainder"]:
+            dtypes[MASTER_KEYS["fp32"]] = torch.float32
+        else:
+            dtypes[key] = torch.uint8 if dtype.itemsize == 1 else dtype
+    return dtypes
 
 
 def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The CUDA→CPU bridge: megatron-core on a CPU-only torch build with the gloo backend.
 
-megatron-core 0.16.1 hard-codes CUDA in places that have a plain CPU meaning. Without CUDA,
+megatron-core (0.16.1 to 0.19) hard-codes CUDA in places that have a plain CPU meaning. Without CUDA,
 :func:`activate_cpu_bridge` bridges exactly the calls below (each is also an entry of
 :data:`BRIDGED_CALLS`); with CUDA it does nothing. Paths are relative to ``megatron/core``.
 
@@ -14,6 +14,8 @@ Device requests, redirected by :class:`CudaToCpuMode` (a ``torch.overrides.Torch
   (receive buffers), ``pipeline_parallel/schedules.py`` (the token count), ``transformer/utils.py``
   (``get_default_causal_mask``), ``models/common/embeddings/rotary_pos_embedding.py``,
   ``optimizer/optimizer.py`` and ``optimizer/clip_grads.py``.
+- positional ``Tensor.to(<CUDA device>)`` (``x.to(torch.cuda.current_device())``, as training scripts
+  move their batches) → ``Tensor.to("cpu")``.
 - ``Tensor.cuda()`` → the tensor itself: ``tensor_parallel/data.py`` (``broadcast_data``) and
   ``models/common/language_module/language_module.py`` (``setup_embeddings_and_output_layer``, which
   ties the embeddings of the first and the last pipeline stage).
@@ -53,12 +55,24 @@ The RNG tracker behind ``tensor_parallel.get_cuda_rng_tracker()`` (``tensor_para
   (``_get_all_rng_states`` / ``_set_all_rng_states`` for ``CheckpointFunction``). The originals
   raise, or queue the state with a stack trace that is never released.
 
-Not bridged, because torch already makes them harmless without CUDA, or megatron-core 0.16.1 reaches
-them only on paths a CPU run does not take: ``torch.cuda.empty_cache`` (a no-op while CUDA is
-uninitialised), ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` (several distributed-optimizer
-instances, MoE, offloading and CUDA-graph paths), positional ``Tensor.to(<CUDA device>)`` (CUDA-graph
-static inputs, the hybrid context-parallel data schedule). ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a megatron-core
-version needs more.
+Streams, events and the device's generator state, which megatron-core 0.17 to 0.19 touch on every step:
+
+- ``torch.cuda.current_stream()`` / ``torch.cuda.default_stream()`` → the one :class:`CpuStream`: from 0.19
+  ``distributed/param_and_grad_buffer.py`` ``start_grad_sync`` waits on the current stream for
+  CUDA-graph weight-gradient events at every gradient sync; several distributed-optimizer
+  instances, MoE and offloading paths do so too. CPU kernels run in program order, so waiting is a no-op.
+- ``torch.cuda.Stream(...)`` → a new :class:`CpuStream`, and ``torch.cuda.stream(s)`` → a context
+  that changes nothing (side streams for overlapped communication and offloading).
+- ``torch.cuda.Event(...)`` → :class:`CpuEvent`, already complete when recorded (its
+  ``elapsed_time`` measures host time): events between streams and for timing.
+- ``torch.cuda.get_rng_state()`` / ``torch.cuda.set_rng_state(state)`` → the default CPU generator's state:
+  ``rerun_state_machine.py`` saves and restores the RNG states around every validated step, and
+  Megatron-LM's ``megatron/training/checkpointing.py`` stores them in checkpoints.
+
+Not bridged, because torch already makes them harmless without CUDA, or megatron-core reaches them only
+on paths a CPU run does not take: ``torch.cuda.empty_cache`` (a no-op while CUDA is uninitialised),
+CUDA graphs. ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a
+megatron-core version needs more.
 
 Strict mode (``activate_cpu_bridge(strict=True)``, or ``MEGATRON_LOWPREC_STRICT_BRIDGE=1``; on in
 the test suite) fails the way a GPU would where code places a tensor on the CPU explicitly and then
@@ -91,6 +105,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -112,6 +127,11 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
         "CUDA devices and integer indices become CPU",
         "utils.py, distributed/param_and_grad_buffer.py, tensor_parallel/data.py, pipeline_parallel/*, "
         "transformer/utils.py, optimizer/*",
+    ),
+    BridgedCall(
+        "Tensor.to(<CUDA device>)",
+        "moves to the CPU",
+        "batches moved by training scripts; CUDA-graph static inputs, the hybrid context-parallel schedule",
     ),
     BridgedCall(
         "Tensor.cuda",
@@ -153,6 +173,25 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
         "_set_cuda_rng_state",
         "torch.set_rng_state",
         "tensor_parallel/random.py _set_all_rng_states (activation recompute)",
+    ),
+    BridgedCall(
+        "torch.cuda.current_stream",
+        "the one CpuStream, whose waits are no-ops",
+        "distributed/param_and_grad_buffer.py start_grad_sync (0.19), distributed optimizer instances, MoE",
+    ),
+    BridgedCall("torch.cuda.default_stream", "the one CpuStream", "distributed/, optimizer/ (0.17+)"),
+    BridgedCall("torch.cuda.Stream", "a new CpuStream", "side streams for communication and offloading (0.17+)"),
+    BridgedCall("torch.cuda.stream", "a context that changes nothing", "side streams (0.17+)"),
+    BridgedCall("torch.cuda.Event", "CpuEvent, complete when recorded", "stream synchronisation and timing (0.17+)"),
+    BridgedCall(
+        "torch.cuda.get_rng_state",
+        "the default CPU generator's state",
+        "rerun_state_machine.py, Megatron-LM's megatron/training/checkpointing.py",
+    ),
+    BridgedCall(
+        "torch.cuda.set_rng_state",
+        "sets the default CPU generator's state",
+        "rerun_state_machine.py, Megatron-LM's megatron/training/checkpointing.py",
     ),
 )
 
@@ -223,6 +262,8 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if _is_cuda_device(device):
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
         if not self.strict or torch.compiler.is_compiling() or _called_from_torch_distributed():
             return func(*args, **kwargs)
         return _placed(func, args, kwargs, device, func(*args, **kwargs))
@@ -501,6 +542,85 @@ def _set_default_rng_state(
     torch.set_rng_state(new_state)
 
 
+class CpuEvent:
+    """``torch.cuda.Event`` on the CPU: complete as soon as it is recorded, since CPU kernels run in
+    program order; ``elapsed_time`` gives the host time between two recorded events in ms."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.recorded_at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded_at = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_time(self, end_event: "CpuEvent") -> float:
+        if self.recorded_at is None or end_event.recorded_at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time")
+        return (end_event.recorded_at - self.recorded_at) * 1000.0
+
+
+class CpuStream:
+    """``torch.cuda.Stream`` on the CPU: work is never queued, so every wait returns at once."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
+        event = CpuEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+
+_CPU_STREAM = CpuStream()
+
+
+def _current_stream(device: Any = None) -> CpuStream:
+    """The one CPU stream, which stands in for the current (and the default) CUDA stream."""
+    return _CPU_STREAM
+
+
+def _stream_context(stream: Any = None) -> contextlib.AbstractContextManager:
+    """``torch.cuda.stream(s)``: CPU work runs in program order whichever stream is named."""
+    return contextlib.nullcontext(stream)
+
+
+def _get_device_rng_state(device: Any = "cuda") -> torch.Tensor:
+    """The default CPU generator's state, which stands in for the current CUDA device's."""
+    return torch.get_rng_state()
+
+
+def _set_device_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    """Set the default CPU generator's state, which stands in for the current CUDA device's."""
+    torch.set_rng_state(new_state)
+
+
 class _BridgeState:
     """The active mode and the original value of every attribute the bridge replaced."""
 
@@ -568,6 +688,13 @@ def activate_cpu_bridge(strict: bool | None = None) -> bool:
     _STATE.replace(torch.cuda, "current_device", _current_device)
     _STATE.replace(torch.cuda, "synchronize", _synchronize)
     _STATE.replace(torch.cuda, "manual_seed", _seed_default_generator)
+    _STATE.replace(torch.cuda, "current_stream", _current_stream)
+    _STATE.replace(torch.cuda, "default_stream", _current_stream)
+    _STATE.replace(torch.cuda, "Stream", CpuStream)
+    _STATE.replace(torch.cuda, "stream", _stream_context)
+    _STATE.replace(torch.cuda, "Event", CpuEvent)
+    _STATE.replace(torch.cuda, "get_rng_state", _get_device_rng_state)
+    _STATE.replace(torch.cuda, "set_rng_state", _set_device_rng_state)
     _STATE.replace(tensor_parallel_random, "CudaRNGStatesTracker", cpu_rng_states_tracker_class())
     _STATE.replace(tensor_parallel_random, "_CUDA_RNG_STATE_TRACKER", None)
     _STATE.replace(tensor_parallel_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)

@@ -13,8 +13,9 @@ Reused from megatron-core: the DDP buffers, their bucketing, padding, reduce-sca
 all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_map`` (which
 parameter elements a bucket range holds); the ``MegatronOptimizer`` interface (scheduler, training
 loop, ``dist_checkpointing``). Not reused: megatron's main-parameter groups and its wrapped torch
-optimizer (the precision options keep no hidden FP32 copy except the masters of D and coat, which
-are optimizer state here), and its gradient-norm code (see :meth:`~DistributedLowPrecisionOptimizer.clip_grad_norm`).
+optimizer (the precision options keep no hidden FP32 copy except the masters of D, coat and
+D-BF16, which are optimizer state here, whole or as 16-bit remainders below the owned parameters), and its gradient-norm code, whose FP32 sums depend on how the elements
+are split (see :func:`global_grad_norm`).
 
 Bit-identical to the unsharded optimizer: every element goes through the same kernel
 (:func:`megatron_lowprec.optim.kernel.adamw_kernel_`); stochastic rounding draws each element's
@@ -39,31 +40,17 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.metrics import UpdateQuality
-from megatron_lowprec.numerics.rounding import (
-    INT32_GRID_MAX_ROW,
-    StreamLayout,
-    counter_round_keys,
-    grid_random_bits,
-    row_start_words,
-)
+from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, grid_random_bits
+from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
-from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, zero_state
-from megatron_lowprec.optim.fused import compiled_kernel, fused_available
-from megatron_lowprec.optim.kernel import (
-    CounterStream,
-    StepScalars,
-    adamw_kernel_,
-    beta2_expansion_for,
-    check_param_dtype,
-    kernel_scalar,
-)
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value
+from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
+from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
+from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
-from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
-
-NORM_CHUNK_ELEMENTS = 1 << 24
-"""Elements squared per pass of :func:`sum_of_squares` (bounds its FP32 temporaries)."""
 
 
 def megatron_sharding_api() -> tuple[type, type]:
@@ -99,16 +86,13 @@ def megatron_sharding_api() -> tuple[type, type]:
     return Range, DistributedOptimizer
 
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ x² over ``tensors`` as a 1-element FP64 tensor: each square in FP32 (exact for 16-bit
-    values), summed in FP64, so that the total hardly depends on how the elements are split into
-    tensors (a sharded and an unsharded optimizer find the same norm)."""
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for tensor in tensors:
-        flat = tensor.reshape(-1)
-        for start in range(0, flat.numel(), NORM_CHUNK_ELEMENTS):
-            total += flat[start : start + NORM_CHUNK_ELEMENTS].float().square().sum(dtype=torch.float64)
-    return total
+def global_grad_norm(grads: list[torch.Tensor], group: torch.distributed.ProcessGroup, device: torch.device) -> float:
+    """L2 norm of ``grads`` over the ranks of ``group``: the exact Σ x² (integer bins, one all-reduce;
+    :mod:`megatron_lowprec.numerics.square_sum`), so that the sharded and the unsharded optimizer,
+    which hold the same gradients split differently, find the same bits for FP32 and 16-bit gradients."""
+    bins = square_sum_bins(grads, device)
+    torch.distributed.all_reduce(bins, group=group)
+    return norm_from_bins(bins)
 
 
 @dataclass(frozen=True)
@@ -122,15 +106,19 @@ class ShardPiece:
     bucket_start: int
     """Position of that element in the megatron bucket's parameter and gradient buffers."""
     numel: int
-    state_start: int
-    """Offset of the run in the shard's per-element state buffers."""
-    group_start: int
-    """Offset of its first FP8 group in the shard's per-group state buffers."""
+    owned_start: int
+    """Position of that element in this rank's owned range of the bucket."""
+    state_bucket: int
+    """Which of the shard's :attr:`Shard.state_buckets` holds the run's state."""
+    entry: int
+    """The run's entry in that bucket."""
 
 
 @dataclass
 class Shard:
-    """This rank's part of one megatron bucket: the owned range, its pieces and its flat state."""
+    """This rank's part of one megatron bucket: the owned range, its pieces, and their state in
+    optim buckets (one, or two where tensor-parallel-replicated parameters are kept apart, whose
+    update quality counts once over the tensor-parallel ranks)."""
 
     bucket: Any
     """megatron's ``_ParamAndGradBucket`` (``param_data`` and ``grad_data`` are bucket views)."""
@@ -139,7 +127,11 @@ class Shard:
     bounds: list[int]
     """Owned range of every data-parallel rank r: ``[bounds[r], bounds[r + 1])`` of the bucket."""
     pieces: list[ShardPiece]
-    state: dict[str, torch.Tensor]
+    state_buckets: list[Bucket]
+    """The pieces' state, with the bucket's parameters and gradients read in place
+    (:class:`~megatron_lowprec.optim.buckets.BufferRows` over ``param_data`` and ``grad_data``)."""
+    grad_rows: list[BufferRows]
+    """The gradients of each state bucket's entries, in place in ``grad_data``."""
 
     @property
     def megatron_shard_numel(self) -> int:
@@ -155,6 +147,9 @@ class Shard:
 
     def grads(self) -> list[torch.Tensor]:
         return [self.bucket.grad_data[p.bucket_start : p.bucket_start + p.numel] for p in self.pieces]
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.bucket.param_data[p.bucket_start : p.bucket_start + p.numel] for p in self.pieces]
 
 
 def owned_bounds(bucket_numel: int, world_size: int, params: list[tuple[int, int]], group_size: int) -> list[int]:
@@ -178,24 +173,6 @@ def owned_bounds(bucket_numel: int, world_size: int, params: list[tuple[int, int
     return bounds
 
 
-def _row_grids(layout: StreamLayout, start: int, numel: int) -> list[tuple[int, int, int, int]]:
-    """Elements ``[start, start + numel)`` of a tensor laid out as ``layout`` as grids of whole
-    stream rows: (first element, rows, row length, global index of the first element)."""
-    length = layout.row_length
-    grids, position, end = [], start, start + numel
-    while position < end:
-        row, column = divmod(position, length)
-        if column or end - position < length:
-            width = min(length - column, end - position)
-            grids.append((position, 1, width, layout.offset + row * layout.row_stride + column))
-            position += width
-        else:
-            rows = (end - position) // length
-            grids.append((position, rows, length, layout.offset + row * layout.row_stride))
-            position += rows * length
-    return grids
-
-
 def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: torch.device) -> bool:
     """Whether any rank of ``optimizer``'s grad-stats group holds inf/NaN in its ``grads`` (one
     all-reduce of a flag); counts the skipped step in the inner optimizer when so."""
@@ -210,10 +187,12 @@ def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: to
 class ShardedAdamW(torch.optim.Optimizer):
     """The precision-aware AdamW over this rank's shards of megatron's DDP buffers.
 
-    ``param_groups`` are the model's (megatron's groups, as the scheduler expects); the state lives
-    in :attr:`shards`, one per bucket, each a set of flat buffers over the rank's owned range:
-    per-element states at the bucket's positions (megatron's padding included, which stays zero),
-    per-group FP8 parts group by group of each piece."""
+    ``param_groups`` are the model's (megatron's groups, as the scheduler expects). Each shard's
+    pieces are the entries of optim buckets (:class:`~megatron_lowprec.optim.buckets.Bucket`, in
+    their aligned layout, parameter groups one after the other) whose parameters and gradients are
+    read and written in place in megatron's buffers, so a fused step is one compiled call per state
+    bucket (:func:`~megatron_lowprec.optim.fused.fused_bucket_step_`), whatever the number of
+    parameters, with each parameter group's scalars per element."""
 
     def __init__(
         self,
@@ -235,7 +214,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.track_update_quality = track_update_quality
         self.streams = stream_layouts
-        self.piece_update_pieces: list[tuple[ShardPiece, torch.Tensor]] = []
+        self.bucket_update_pieces: list[tuple[Bucket, torch.Tensor]] = []
         if strategy.moments == "fp8" and strategy.param_update == "stochastic":
             raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
         group_of = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
@@ -266,122 +245,126 @@ class ShardedAdamW(torch.optim.Optimizer):
             range_type(bounds[rank], bounds[rank + 1]),
             0,
         )
-        pieces, groups = [], 0
-        for param, param_ranges in sorted(ranges.items(), key=lambda item: item[1]["gbuf_local"].start):
-            if param not in group_of:
-                continue
-            numel = param_ranges["param"].size
-            pieces.append(
+        runs = [
+            (param, param_ranges) for param, param_ranges in sorted(ranges.items(), key=lambda item: item[1]["gbuf_local"].start)
+            if param in group_of
+        ]
+        kinds = sorted({tensor_parallel.param_is_not_tensor_parallel_duplicate(param) for param, _ in runs}, reverse=True)
+        pieces, state_buckets, grad_rows = [], [], []
+        for kind in kinds:
+            members = sorted(
+                (run for run in runs if tensor_parallel.param_is_not_tensor_parallel_duplicate(run[0]) == kind),
+                key=lambda run: (group_of[run[0]], run[1]["gbuf_local"].start),
+            )
+            kind_pieces = [
                 ShardPiece(
                     param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
-                    numel, param_ranges["gbuf_local"].start, groups,
+                    param_ranges["param"].size, param_ranges["gbuf_local"].start, len(state_buckets), entry,
                 )
+                for entry, (param, param_ranges) in enumerate(members)
+            ]
+            state_bucket, _ = build_bucket(
+                self.strategy, kind_pieces[0].group_index, [piece.param for piece in kind_pieces], own_params=False,
+                streams=[self.streams[piece.param] for piece in kind_pieces],
+                runs=[(piece.param_start, piece.numel) for piece in kind_pieces],
+                master_source=[bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel] for piece in kind_pieces],
+                entry_groups=[piece.group_index for piece in kind_pieces],
             )
-            groups += math.ceil(numel / self.group_size)
-        shard = Shard(bucket, group, rank, bounds, pieces, {})
-        shard.state = self._flat_state(shard, groups)
-        return shard
-
-    def _flat_state(self, shard: Shard, groups: int) -> dict[str, torch.Tensor]:
-        param_data = shard.bucket.param_data
-        state = zero_state(self.strategy, shard.end - shard.start, param_data, groups)
-        if self.strategy.master_weights:
-            state["master"] = param_data[shard.start : shard.end].float()
-        return state
+            starts = [piece.bucket_start for piece in kind_pieces]
+            state_bucket.param_rows = (starts, state_bucket.rows_in(bucket.param_data, starts))
+            grad_rows.append(state_bucket.rows_in(bucket.grad_data, starts))
+            state_buckets.append(state_bucket)
+            pieces.extend(kind_pieces)
+        return Shard(bucket, group, rank, bounds, pieces, state_buckets, grad_rows)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        return sum(buffer.numel() * buffer.element_size() for shard in self.shards for buffer in shard.state.values())
-
-    def piece_state(self, shard: Shard, piece: ShardPiece) -> dict[str, torch.Tensor]:
-        """The piece's slices of the shard's state buffers (flat)."""
-        groups = math.ceil(piece.numel / self.group_size)
-        return {
-            key: buffer[piece.group_start : piece.group_start + groups]
-            if key.endswith(PER_GROUP_PARTS)
-            else buffer[piece.state_start : piece.state_start + piece.numel]
-            for key, buffer in shard.state.items()
-        }
-
-    def _calls(self, shard: Shard, piece: ShardPiece, step: int):
-        """(parameter, gradient, state, random source) of each kernel call that updates ``piece``:
-        whole stream rows under stochastic rounding, else the whole piece."""
-        param = shard.bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel]
-        grad = shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel]
-        state = self.piece_state(shard, piece)
-        device = param.device
-        if self.strategy.param_update == "stochastic":
-            layout = self.streams[piece.param]
-            keys = counter_round_keys(self.seed, step, layout.stream)
-            for start, rows, length, offset in _row_grids(layout, piece.param_start, piece.numel):
-                local = slice(start - piece.param_start, start - piece.param_start + rows * length)
-                if self.fused:
-                    if length > INT32_GRID_MAX_ROW:
-                        raise ValueError(
-                            f"SR stream rows of {length} elements; the fused step counts columns in int32 "
-                            f"(at most {INT32_GRID_MAX_ROW}): use fused=False"
-                        )
-                    stream = CounterStream.at_step(
-                        self.seed, step, layout.stream, *row_start_words(offset, layout.row_stride, rows, device)
-                    )
-                else:
-                    stream = grid_random_bits(keys, offset, layout.row_stride, rows, length, device)
-                yield (
-                    param[local].view(rows, length), grad[local].view(rows, length),
-                    {key: value[local].view(rows, length) for key, value in state.items()}, stream,
-                )
-        else:
-            yield param, grad, state, None
-
-    def _torch_fused_step(self, shard: Shard, piece: ShardPiece, group: dict[str, Any]) -> torch.Tensor | None:
-        """Option D's step of one piece: torch's fused AdamW kernel on its FP32 master (as the
-        unsharded optimizer runs it, :func:`~megatron_lowprec.optim.torch_fused.torch_fused_adamw_step_`)."""
-        state = self.piece_state(shard, piece)
-        param = shard.bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel]
-        grad = shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel]
-        beta1, beta2 = group["betas"]
-        return torch_fused_adamw_step_(
-            param, grad, state["master"], state["exp_avg"], state["exp_avg_sq"], [(0, piece.numel)],
-            step=self.step_count, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], track_update_quality=self.track_update_quality,
+        return sum(
+            buffer.numel() * buffer.element_size()
+            for shard in self.shards for state_bucket in shard.state_buckets for buffer in state_bucket.state.values()
         )
 
-    def _step_scalars(self, group: dict[str, Any], like: torch.Tensor) -> tuple[StepScalars, tuple[Any, Any]]:
-        """A group's step scalars and beta2 expansion: Python floats for the eager kernel, 0-d
-        tensors on ``like``'s device for the compiled one (not specialised on them)."""
-        beta1, beta2 = group["betas"]
-        scalars = StepScalars.for_step(self.step_count, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-        expansion = beta2_expansion_for(self.strategy, beta2, like.dtype)
-        if not self.fused:
-            return scalars, expansion
-        return scalars.as_kernel_scalars(), tuple(None if part is None else kernel_scalar(part, like.dtype) for part in expansion)
+    def piece_state(self, shard: Shard, piece: ShardPiece) -> dict[str, torch.Tensor]:
+        """The piece's slices of its state bucket's buffers (flat)."""
+        state_bucket = shard.state_buckets[piece.state_bucket]
+        return {
+            key: state_bucket.view(buffer, piece.entry, elements_per_value(key, self.strategy))
+            for key, buffer in state_bucket.state.items()
+        }
+
+    def _hyper(self, groups: list[int]) -> dict[int, dict[str, float]]:
+        hyper = {}
+        for index in groups:
+            group = self.param_groups[index]
+            beta1, beta2 = group["betas"]
+            hyper[index] = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return hyper
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step on every piece of every shard (the gradients must be reduced and finite)."""
+        """One AdamW step on every shard (the gradients must be reduced and finite): per state bucket,
+        one compiled call (fused), torch's fused AdamW (option D), or the eager kernel per piece."""
         self.step_count += 1
-        kernel = compiled_kernel(self.strategy.moments == "fp8") if self.fused else adamw_kernel_
-        self.piece_update_pieces = []
+        self.bucket_update_pieces = []
+        sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
         for shard in self.shards:
-            hyper = [self._step_scalars(group, shard.bucket.param_data) for group in self.param_groups]
-            for piece in shard.pieces:
-                scalars, expansion = hyper[piece.group_index]
-                if self.strategy.adam_kernel == "torch_fused":
-                    quality = self._torch_fused_step(shard, piece, self.param_groups[piece.group_index])
+            for state_bucket, grad_rows in zip(shard.state_buckets, shard.grad_rows):
+                entry_grads = [
+                    shard.bucket.grad_data[start : start + numel]
+                    for start, numel in zip(state_bucket.param_rows[0], state_bucket.numels)
+                ]
+                hyper = self._hyper(sorted(set(state_bucket.entry_groups)))
+                if self.fused or self.strategy.adam_kernel == "torch_fused":
+                    quality = fused_bucket_step_(
+                        state_bucket, self.strategy, grad_rows, entry_grads, hyper, step=self.step_count,
+                        sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+                    )
                 else:
-                    pieces = [
-                        kernel(param, grad, state, self.strategy, scalars, expansion, random_source, self.track_update_quality)
-                        for param, grad, state, random_source in self._calls(shard, piece, self.step_count)
-                    ]
-                    quality = sum(pieces) if self.track_update_quality else None
+                    quality = self._eager_step(state_bucket, entry_grads, hyper)
                 if self.track_update_quality:
-                    self.piece_update_pieces.append((piece, quality))
+                    self.bucket_update_pieces.append((state_bucket, quality))
         return None
 
+    def _eager_step(self, state_bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]]):
+        """The eager reference kernel on each piece (in place in megatron's buffers), stochastic
+        rounding with each grid of stream rows' words."""
+        pieces = []
+        for index, (param, grad) in enumerate(zip(state_bucket.entry_params(), entry_grads)):
+            values = hyper[state_bucket.entry_groups[index]]
+            scalars = StepScalars.for_step(self.step_count, **values)
+            expansion = beta2_expansion_for(self.strategy, values["beta2"], param.dtype)
+            state = {
+                key: state_bucket.view(buffer, index, elements_per_value(key, self.strategy))
+                for key, buffer in state_bucket.state.items()
+            }
+            for param_part, grad_part, state_part, words in self._eager_parts(state_bucket, index, param, grad, state):
+                pieces.append(
+                    adamw_kernel_(
+                        param_part, grad_part, state_part, self.strategy, scalars, expansion, words, self.track_update_quality
+                    )
+                )
+        return sum(pieces) if self.track_update_quality else None
+
+    def _eager_parts(self, state_bucket: Bucket, index: int, param, grad, state):
+        """(parameter, gradient, state, SR words) of each eager call on entry ``index``: the whole
+        entry, or under stochastic rounding each grid of whole stream rows."""
+        if self.strategy.param_update != "stochastic":
+            yield param, grad, state, None
+            return
+        layout, element_start = state_bucket.streams[index], state_bucket.element_starts[index]
+        keys = counter_round_keys(self.seed, self.step_count, layout.stream)
+        for first, rows, length, offset in layout.grids(element_start, state_bucket.numels[index]):
+            local = slice(first - element_start, first - element_start + rows * length)
+            yield (
+                param[local].view(rows, length), grad[local].view(rows, length),
+                {key: value[local].view(rows, length) for key, value in state.items()},
+                grid_random_bits(keys, offset, layout.row_stride, rows, length, param.device),
+            )
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard state (one entry per bucket shard), the step, and the SR seed."""
+        """This rank's shard state (per bucket shard, each state bucket's buffers), the step, and the SR seed."""
         state_dict = super().state_dict()
-        state_dict["shards"] = [dict(shard.state) for shard in self.shards]
+        state_dict["shards"] = [[dict(state_bucket.state) for state_bucket in shard.state_buckets] for shard in self.shards]
         state_dict["lowprec"] = {
             "option": self.strategy.name, "step": self.step_count, "skipped_steps": self.skipped_steps,
             "seed": self.seed, "bounds": [shard.bounds for shard in self.shards],
@@ -397,21 +380,26 @@ class ShardedAdamW(torch.optim.Optimizer):
         if extra.get("bounds") != [shard.bounds for shard in self.shards]:
             raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
                              "reshard it through sharded_state_dict (dist_checkpointing)")
-        for saved, shard in zip(state_dict["shards"], self.shards):
-            for key, buffer in shard.state.items():
+        pairs = [
+            (saved, state_bucket)
+            for saved_shard, shard in zip(state_dict["shards"], self.shards)
+            for saved, state_bucket in zip(saved_shard, shard.state_buckets)
+        ]
+        for saved, state_bucket in pairs:
+            for key, buffer in state_bucket.state.items():
                 if key not in saved or saved[key].shape != buffer.shape or saved[key].dtype != buffer.dtype:
                     raise ValueError(f"state {key!r} of a shard does not match: expected {buffer.dtype}{tuple(buffer.shape)}")
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
-        for saved, shard in zip(state_dict["shards"], self.shards):
-            for key, buffer in shard.state.items():
+        for saved, state_bucket in pairs:
+            for key, buffer in state_bucket.state.items():
                 buffer.copy_(saved[key])
         self.step_count = extra["step"]
         self.skipped_steps = extra["skipped_steps"]
         self.seed = extra["seed"]
 
 
-class DistributedLowPrecisionOptimizer(MegatronOptimizer):
+class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
     """megatron-core's ``MegatronOptimizer`` interface around :class:`ShardedAdamW` for DDP
     chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
 
@@ -437,10 +425,13 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         return torch.ones(1, device=self.device)
 
     def reload_model_params(self, state_dict=None) -> None:
-        """The FP32 masters (D, coat) restart from the model's parameters."""
+        """The FP32 masters (D, coat, D-BF16) restart from the model's parameters."""
         for shard in self.optimizer.shards:
-            if "master" in shard.state:
-                shard.state["master"].copy_(shard.bucket.param_data[shard.start : shard.end])
+            for state_bucket in shard.state_buckets:
+                stored = stored_master(state_bucket.state)
+                if stored is not None:
+                    for index, param in enumerate(state_bucket.entry_params()):
+                        reset_master_(param, state_bucket.view(stored, index))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients live in DDP's buffer (``zero_grad_buffer``); model ``.grad`` are released."""
@@ -456,7 +447,7 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
                     grads.append(grad)
         return grads
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+    def grads_for_norm(self) -> list[torch.Tensor]:
         return self._owned_grads(for_norm=True)
 
     def _exchange_group_tails(self, grads: bool) -> None:
@@ -496,13 +487,16 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         return skip_if_any_rank_non_finite(self, self._owned_grads(for_norm=False), self.device)
 
     @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global L2 norm of the owned gradients over all ranks (:func:`global_grad_norm`): the
+        same bits the unsharded hook finds, for FP32 and 16-bit gradients alike."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.device)
+
+    @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip by the global L2 norm: squares in FP32, summed in FP64 over the owned gradients and
-        all ranks (:func:`sum_of_squares`), the same total the unsharded hook finds for 16-bit
-        gradients, so that clipped steps stay bit-identical."""
-        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.device)
-        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
-        grad_norm = squares.item() ** 0.5
+        """Clip by the global L2 norm (:meth:`get_grad_norm`), so that clipped steps stay bit-identical
+        to the unsharded optimizer's."""
+        grad_norm = self.get_grad_norm()
         coefficient = clip_grad / (grad_norm + 1.0e-6)
         if coefficient < 1.0:
             torch._foreach_mul_(self._owned_grads(for_norm=False), coefficient)
@@ -511,7 +505,7 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def count_zeros(self) -> float:
         zeros = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grad in self.get_main_grads_for_grad_norm():
+        for grad in self.grads_for_norm():
             zeros += grad.numel() - torch.count_nonzero(grad)
         torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
         return zeros.item()
@@ -539,9 +533,9 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         pieces, the data-parallel ranks and the model-parallel ranks (a tensor-parallel-replicated
         parameter counted once)."""
         pieces = torch.zeros(4, dtype=torch.float64, device=self.device)
-        for piece, piece_pieces in self.optimizer.piece_update_pieces:
-            if tensor_parallel.param_is_not_tensor_parallel_duplicate(piece.param):
-                pieces += piece_pieces
+        for state_bucket, bucket_pieces in self.optimizer.bucket_update_pieces:
+            if tensor_parallel.param_is_not_tensor_parallel_duplicate(state_bucket.params[0]):
+                pieces += bucket_pieces
         torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
         torch.distributed.all_reduce(pieces, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return UpdateQuality.from_tensor(pieces)
@@ -621,13 +615,14 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
         strategy = self.optimizer.strategy
         owned_numel = shard.end - shard.start
         local = {
-            key: torch.zeros(owned_numel, dtype=torch.uint8 if buffer.dtype.itemsize == 1 else buffer.dtype, device=self.device)
-            for key, buffer in shard.state.items()
+            key: torch.zeros(owned_numel, dtype=dtype, device=self.device)
+            for key, dtype in checkpoint_dtypes(strategy, shard.bucket.param_data.dtype).items()
         }
-        for piece in shard.pieces:
-            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy)
+        params = shard.params()
+        for piece, param in zip(shard.pieces, params):
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy, param=param)
             for key, value in form.items():
-                local[key][piece.state_start : piece.state_start + piece.numel] = value
+                local[key][piece.owned_start : piece.owned_start + piece.numel] = value
         written = [piece for piece in shard.pieces if piece.param_start == 0]
         tensors: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {piece.param: {} for piece in written}
         world_size = len(shard.bounds) - 1
@@ -651,15 +646,27 @@ class DistributedLowPrecisionOptimizer(MegatronOptimizer):
             raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
         for shard in self.optimizer.shards:
-            for piece in shard.pieces:
+            for piece, param in zip(shard.pieces, shard.params()):
                 whole = loaded["state"][param_ids[piece.param]]
                 run = {key: value.reshape(-1)[piece.param_start : piece.param_start + piece.numel] for key, value in whole.items()}
-                restore_checkpoint_state(self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy)
+                restore_checkpoint_state(
+                    self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
+                )
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.step_count = loaded["state"]["common_step"]
         self.optimizer.skipped_steps = extra["skipped_steps"]
         self.optimizer.seed = extra["seed"]
+        if self.optimizer.strategy.master_storage == "remainder":
+            self._sync_params()
+
+    def _sync_params(self) -> None:
+        """All-gather the parameters from their owners now, as after a step: a remainder master
+        loaded from a checkpoint rewrote the owned parameters (its upper halves), which every replica
+        must see before the next forward pass."""
+        self._exchange_group_tails(grads=False)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_distributed_optimizer(

@@ -48,6 +48,7 @@ from megatron_lowprec.layers import (
     fp8_linear,
     fp8_swiglu,
 )
+from megatron_lowprec.megatron import compat
 
 NORM_NAMES = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")
 LAST_STAGE_MODULES = ("output_layer", "final_layernorm")
@@ -69,7 +70,9 @@ class _LowPrecisionLinear:
         grad_output_buffer=None,
         wgrad_deferral_limit=None,
         tp_group=None,
+        **newer_keywords,
     ):
+        compat.refuse_newer_linear_keywords(newer_keywords, type(self).__name__)
         if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         return self._matmul(input, weight, bias)

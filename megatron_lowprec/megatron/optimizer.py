@@ -1,13 +1,14 @@
-"""Precision options as Megatron optimizers: ``build_optimizer(option, model_chunks, config)``.
+"""Precision options as Megatron optimizers: ``build_optimizer`` takes ``get_megatron_optimizer``'s call.
 
 The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP32 copy of the model:
 the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
-its config says) become ``param.grad``, they are clipped by their global norm over the
-model-parallel group and counted, and :class:`megatron_lowprec.optim.AdamW` updates the model's
-16-bit parameters in place with the chosen precision option (only ``D``, ``coat`` and ``D-BF16``
-keep an FP32 master, inside the optimizer state: whole, or as a 16-bit remainder below the BF16
-parameter, ``master_storage``). A step whose gradients hold NaN or inf on any rank is skipped
-on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
+its config says) become ``param.grad``, they are clipped by their exact global norm over the
+model-parallel group (the distributed optimizer's, bit for bit) and counted, and
+:class:`megatron_lowprec.optim.AdamW` updates the model's 16-bit parameters in place with the chosen
+precision option (only ``D``, ``coat`` and ``D-BF16`` keep an FP32 master, inside the optimizer
+state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). A step whose
+gradients hold NaN or inf on any rank is skipped on every rank and reported as ``(False, None,
+None)``, as megatron's loss scaler reports an overflow.
 
 Stochastic rounding draws from the stateless counter stream of ``AdamW``, with one stream per
 logical tensor named by its layout-independent name (:func:`canonical_parameter_names`) and each
@@ -20,6 +21,8 @@ replicas drift apart.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -29,24 +32,27 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron import compat
+from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
     build_distributed_optimizer,
+    global_grad_norm,
     skip_if_any_rank_non_finite,
-    sum_of_squares,
 )
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
+from megatron_lowprec.optim.strategies import strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 
-class LowPrecisionOptimizer(FP32Optimizer):
+class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
 
     def __init__(self, optimizer: AdamW, config: OptimizerConfig, seed_offset: int = 0) -> None:
@@ -99,17 +105,29 @@ class LowPrecisionOptimizer(FP32Optimizer):
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
         return skip_if_any_rank_non_finite(self, grads, self.get_loss_scale().device)
 
+    def grads_for_norm(self) -> list[torch.Tensor]:
+        """The gradients megatron counts in the norm: neither shared (the last stage's copy of a tied
+        embedding) nor a tensor-parallel duplicate."""
+        return [
+            param.grad
+            for param in self.get_parameters()
+            if param.grad is not None
+            and param_is_not_shared(param)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
+        ]
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global L2 norm over the model-parallel group, from the exact Σ x²
+        (:func:`~megatron_lowprec.megatron.distributed.global_grad_norm`), which the distributed
+        optimizer finds bit for bit over its shards, for FP32 and 16-bit gradients alike."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.get_loss_scale().device)
+
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clipping by the global L2 norm over the model-parallel group: megatron's own for FP32
-        gradients; for 16-bit gradients (megatron's asserts FP32) squares in FP32 summed in FP64
-        (:func:`~megatron_lowprec.megatron.distributed.sum_of_squares`), which the distributed
-        optimizer sums the same way over its shards."""
-        if all(p.grad.dtype == torch.float32 for p in self.get_parameters() if p.grad is not None):
-            return super().clip_grad_norm(clip_grad)
-        squares = sum_of_squares(self.get_main_grads_for_grad_norm(), self.get_loss_scale().device)
-        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
-        grad_norm = squares.item() ** 0.5
+        """Clipping by the global L2 norm (:meth:`get_grad_norm`), as megatron clips: every gradient
+        times ``clip_grad / (norm + 1e-6)`` when that is below 1."""
+        grad_norm = self.get_grad_norm()
         coefficient = clip_grad / (grad_norm + 1.0e-6)
         if coefficient < 1.0:
             torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coefficient)
@@ -225,57 +243,199 @@ def stream_layouts(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Paramet
     return layouts
 
 
+@dataclasses.dataclass
+class LowPrecisionOptimizerConfig(OptimizerConfig):
+    """megatron-core's ``OptimizerConfig`` with the precision option and its settings, so that a
+    caller passing only megatron's arguments gets the option: ``build_optimizer(config, model_chunks,
+    ...)`` as ``get_megatron_optimizer`` is called, and :meth:`provide` as Megatron-Bridge calls it.
+
+    ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
+    ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
+    ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
+    it is available); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
+    (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
+    the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
+    remainder below the BF16 parameter. Everything else is megatron's: lr, weight decay, Adam's betas
+    and eps, ``clip_grad``, ``use_distributed_optimizer``, ``decoupled_lr``.
+    """
+
+    lowprec_option: str | None = None
+    lowprec_seed: int = 0
+    lowprec_shared_randomness: bool = True
+    lowprec_fused: bool | None = None
+    lowprec_track_update_quality: bool = False
+    lowprec_master_storage: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lowprec_option is None:
+            raise ValueError(f"LowPrecisionOptimizerConfig needs lowprec_option, one of {', '.join(strategy_names())}")
+        get_strategy(self.lowprec_option)
+
+    @classmethod
+    def from_optimizer_config(cls, config: OptimizerConfig, **changes: Any) -> LowPrecisionOptimizerConfig:
+        """``config``'s megatron fields (the ``timers`` Megatron-LM attaches included) with ``changes``
+        (``lowprec_option=...``, or any field) applied."""
+        fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(OptimizerConfig)}
+        return cls(**{**fields, **changes})
+
+    def provide(
+        self,
+        model_chunks: torch.nn.Module | list[torch.nn.Module],
+        config_overrides: dict | None = None,
+        use_gloo_process_groups: bool = True,
+        pg_collection: Any = None,
+    ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
+        """Megatron-Bridge's optimizer-provider contract (``training/optim.py`` calls it in place of
+        ``get_megatron_optimizer`` when the config has it): :func:`build_optimizer` with this config."""
+        return build_optimizer(
+            self, model_chunks, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+        )
+
+
+UNSUPPORTED_SETTINGS = (
+    ("fp16", True, "FP16 loss scaling is not implemented by the precision options; train in BF16 (bf16=True)"),
+    ("decoupled_weight_decay", False, "the precision options are AdamW (decoupled weight decay)"),
+    ("use_precision_aware_optimizer", True, "Transformer Engine's precision-aware FusedAdam is another optimizer"),
+    ("optimizer_cpu_offload", True, "optimizer states stay on the device"),
+    ("overlap_param_gather_with_optimizer_step", True, "one optimizer covers all model chunks"),
+    ("use_layer_wise_distributed_optimizer", True, "that is the emerging optimizers' (Muon) sharding"),
+    ("optimizer_cuda_graph", True, "the step is not captured in a CUDA graph"),
+)
+"""(field, value, why) of megatron ``OptimizerConfig`` settings the precision options cannot honour."""
+
+
+def _check_config(config: OptimizerConfig) -> None:
+    """One ``ValueError`` naming the first setting of ``config`` that the precision options cannot honour."""
+    if config.optimizer != "adam":
+        raise ValueError(
+            f"config.optimizer={config.optimizer!r}: the precision options are AdamW variants; set optimizer='adam'"
+        )
+    for name, value, why in UNSUPPORTED_SETTINGS:
+        if getattr(config, name, not value) == value:
+            raise ValueError(f"config.{name}={value!r} is not supported by the precision options: {why}")
+    threshold = getattr(config, "grad_norm_skip_threshold", math.inf)
+    if threshold != math.inf:
+        raise ValueError(f"config.grad_norm_skip_threshold={threshold!r} is not supported by the precision options")
+
+
+def _check_process_groups(pg_collection: Any) -> None:
+    """``pg_collection`` must hold megatron's global (``parallel_state``) groups, which the optimizers use."""
+    if pg_collection is None:
+        return
+    expected = {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "pp": parallel_state.get_pipeline_model_parallel_group(),
+        "mp": parallel_state.get_model_parallel_group(),
+        "dp_cp": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    different = [name for name, group in expected.items() if getattr(pg_collection, name, group) is not group]
+    if different:
+        raise ValueError(
+            f"pg_collection's {', '.join(different)} differ from megatron's parallel_state groups; the precision "
+            "options run on the global groups (ProcessGroupCollection.use_mpu_process_groups())"
+        )
+
+
+def _dump_param_groups(model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]], path: str) -> None:
+    """Megatron's ``dump_param_to_param_group_map``: each parameter's global name → its group index."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import get_global_unique_param_name
+
+    mapping = {
+        get_global_unique_param_name(model_chunks, param): index
+        for index, group in enumerate(groups)
+        for param in group["params"]
+    }
+    torch.distributed.checkpoint.save(state_dict=mapping, checkpoint_id=path)
+
+
 def build_optimizer(
-    option: str,
-    model_chunks: list[torch.nn.Module],
-    config: OptimizerConfig,
+    config: OptimizerConfig | str,
+    model_chunks: torch.nn.Module | list[torch.nn.Module],
+    config_overrides: dict | OptimizerConfig | None = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    dump_param_to_param_group_map: str | None = None,
     *,
-    seed: int = 0,
-    shared_randomness: bool = True,
+    seed: int | None = None,
+    shared_randomness: bool | None = None,
     fused: bool | None = None,
-    track_update_quality: bool = False,
+    track_update_quality: bool | None = None,
     master_storage: str | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
-    """The Megatron optimizer of precision ``option`` for ``model_chunks`` (after megatron DDP wrapping).
+    """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
 
-    ``config.use_distributed_optimizer`` shards every state across the data-parallel ranks (ZeRO-1,
-    :mod:`megatron_lowprec.megatron.distributed`); the chunks must then be DDP built with
-    ``use_distributed_optimizer=True`` as well.
+    Called as megatron-core's ``get_megatron_optimizer`` is, on every supported version::
 
-    Parameter groups are megatron's own (no weight decay on biases and 1-D parameters, ``wd_mult``
-    and ``lr_mult`` for ``OptimizerParamScheduler``); ``config`` supplies lr, weight decay, Adam's
-    betas and eps and ``clip_grad``. Parameters must be BF16 or FP16 (``Float16Module``). An unknown
-    option raises ``ValueError`` listing the valid names before anything is built.
+        build_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
+                        pg_collection=None, dump_param_to_param_group_map=None)
 
-    ``master_storage`` (``"fp32"`` or ``"remainder"``; ``None``: the option's own) stores the FP32
-    master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit remainder below the BF16
-    parameter (:class:`~megatron_lowprec.optim.AdamW`); the unsharded optimizer only, for now.
+    with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
+    option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
+    The keywords ``seed``, ``shared_randomness``, ``fused``, ``track_update_quality`` and
+    ``master_storage`` override the config's ``lowprec_*`` settings in either form.
+
+    Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
+    installed megatron-core (:func:`~megatron_lowprec.megatron.compat.param_groups`): with
+    ``config_overrides=None`` no weight decay on biases and 1-D parameters and ``decoupled_lr`` for
+    the embedding and output layer; a caller's ``config_overrides`` replace these defaults, as in
+    megatron (``wd_mult``, ``max_lr``/``min_lr`` for ``OptimizerParamScheduler``, ``eps``...).
+    ``config.use_distributed_optimizer`` shards every state across the data-parallel ranks
+    (ZeRO-1, :mod:`megatron_lowprec.megatron.distributed`); the chunks must then be DDP built with
+    ``use_distributed_optimizer=True`` as well. ``dump_param_to_param_group_map`` is written as
+    megatron writes it. ``use_gloo_process_groups`` changes nothing (no gloo group is used);
+    ``pg_collection`` must hold megatron's global groups. What cannot be honoured (another
+    ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
+    one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
+    be BF16 (``Float16Module``).
     """
-    strategy = get_strategy(option)
-    if master_storage is not None:
-        strategy = strategy.with_master_storage(master_storage)
-    if config.use_distributed_optimizer and not shared_randomness:
+    if isinstance(config, str):
+        if not isinstance(config_overrides, OptimizerConfig):
+            raise TypeError(
+                "build_optimizer(option, model_chunks, config): the third argument must be megatron's OptimizerConfig, "
+                f"not {type(config_overrides).__name__}"
+            )
+        config = LowPrecisionOptimizerConfig.from_optimizer_config(config_overrides, lowprec_option=config)
+        config_overrides = None
+    if not isinstance(config, LowPrecisionOptimizerConfig):
+        raise ValueError(
+            f"build_optimizer got a {type(config).__name__} without a precision option: pass a "
+            "LowPrecisionOptimizerConfig(lowprec_option=..., ...) or build_optimizer(option, model_chunks, config)"
+        )
+    given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
+             "lowprec_track_update_quality": track_update_quality, "lowprec_master_storage": master_storage}
+    config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
+    model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    strategy = get_strategy(config.lowprec_option)
+    if config.lowprec_master_storage is not None:
+        strategy = strategy.with_master_storage(config.lowprec_master_storage)
+    _check_config(config)
+    _check_process_groups(pg_collection)
+    if config.use_distributed_optimizer and not config.lowprec_shared_randomness:
         raise ValueError(
             "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
             "with the distributed optimizer each element is updated on one rank only"
         )
-    groups: list[dict[str, Any]] = []
-    for group in megatron_param_groups(model_chunks, config, None):
-        if group["params"]:
-            groups.append(
-                {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
-            )
+    megatron_groups = compat.param_groups(model_chunks, config, config_overrides)
+    for group in megatron_groups:
+        if group.get("optimizer", "adam") != "adam":
+            raise ValueError(f"config_overrides set optimizer={group['optimizer']!r} for a group; the precision options are AdamW")
+        if group["is_expert_parallel"] and group["params"]:
+            raise ValueError("expert-parallel (MoE expert) parameters are not supported by the precision options")
+    if dump_param_to_param_group_map is not None:
+        _dump_param_groups(model_chunks, megatron_groups, dump_param_to_param_group_map)
+    groups: list[dict[str, Any]] = [
+        {**group, "lr": config.lr * group["lr_mult"], "weight_decay": config.weight_decay * group["wd_mult"]}
+        for group in megatron_groups
+        if group["params"]
+    ]
     if config.use_distributed_optimizer:
-        if strategy.master_storage == "remainder":
-            raise ValueError(
-                f"option {strategy.name!r} with master_storage='remainder' runs with use_distributed_optimizer=False "
-                "for now (the sharded optimizer keeps whole FP32 masters); use master_storage='fp32' to shard it"
-            )
         return build_distributed_optimizer(
-            strategy, model_chunks, config, groups, seed=seed, fused=fused,
-            track_update_quality=track_update_quality, stream_layouts=stream_layouts(model_chunks),
+            strategy, model_chunks, config, groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
+            track_update_quality=config.lowprec_track_update_quality, stream_layouts=stream_layouts(model_chunks),
         )
-    seed_offset = 0 if shared_randomness else torch.distributed.get_rank() * 1_000_003
+    seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     adamw = AdamW(
         groups,
         lr=config.lr,
@@ -283,9 +443,9 @@ def build_optimizer(
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
         option=strategy,
-        seed=seed + seed_offset,
-        fused=fused,
-        track_update_quality=track_update_quality,
+        seed=config.lowprec_seed + seed_offset,
+        fused=config.lowprec_fused,
+        track_update_quality=config.lowprec_track_update_quality,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,
         bucket_key=tensor_parallel.param_is_not_tensor_parallel_duplicate,

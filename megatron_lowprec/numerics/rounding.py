@@ -25,6 +25,7 @@ import math
 import operator
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from megatron_lowprec.numerics.formats import FloatFormat, _round_with_increment, float_format
@@ -196,6 +197,24 @@ class StreamLayout:
             raise ValueError(f"a tensor of {numel} elements is not whole rows of {self.row_length} elements")
         return numel // self.row_length
 
+    def grids(self, start: int, numel: int) -> list[tuple[int, int, int, int]]:
+        """Elements ``[start, start + numel)`` of the flattened tensor as grids of stream rows: (first
+        element, rows, row length, global index of the first element). A run that starts or ends
+        inside a row gives one-row grids for those parts."""
+        length = self.row_length
+        grids, position, end = [], start, start + numel
+        while position < end:
+            row, column = divmod(position, length)
+            if column or end - position < length:
+                width = min(length - column, end - position)
+                grids.append((position, 1, width, self.offset + row * self.row_stride + column))
+                position += width
+            else:
+                rows = (end - position) // length
+                grids.append((position, rows, length, self.offset + row * self.row_stride))
+                position += rows * length
+        return grids
+
     def index(self, numel: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global indices of a tensor's ``numel`` elements in flat order (int64)."""
         return grid_index(self.offset, self.row_stride, self.rows(numel), self.row_length, device).reshape(-1)
@@ -241,6 +260,30 @@ def _splitmix64(state: int) -> int:
     z = ((z ^ (z >> 30)) * _SPLITMIX64_MULTIPLIERS[0]) & _UINT64_MASK
     z = ((z ^ (z >> 27)) * _SPLITMIX64_MULTIPLIERS[1]) & _UINT64_MASK
     return z ^ (z >> 31)
+
+
+def counter_round_keys_table(seed: int, steps: range, streams: list[int]) -> torch.Tensor:
+    """:func:`counter_round_keys` for every step of ``steps`` and every stream of ``streams`` at once
+    (uint64 arithmetic in numpy, which wraps as SplitMix64 wants), as int32 words (two's
+    complement) of shape [steps, streams, 3], on the CPU."""
+    with numpy.errstate(over="ignore"):
+        mask = numpy.uint64(_UINT64_MASK)
+        seed_key = _splitmix64_array(numpy.array([operator.index(seed) & _UINT64_MASK], dtype=numpy.uint64))
+        stream_words = numpy.array([operator.index(stream) & _UINT64_MASK for stream in streams], dtype=numpy.uint64)
+        stream_key = _splitmix64_array(seed_key ^ stream_words)
+        step_words = numpy.array([operator.index(step) & _UINT64_MASK for step in steps], dtype=numpy.uint64)
+        step_key = _splitmix64_array(stream_key[None, :] ^ step_words[:, None]) & mask
+        last_key = _splitmix64_array(step_key)
+    words = numpy.stack([step_key, step_key >> numpy.uint64(32), last_key], axis=-1) & numpy.uint64(_WORD_MASK)
+    return torch.from_numpy(words.astype(numpy.uint32).view(numpy.int32))
+
+
+def _splitmix64_array(state: numpy.ndarray) -> numpy.ndarray:
+    """:func:`_splitmix64` of every element of a uint64 array."""
+    z = state + numpy.uint64(_SPLITMIX64_INCREMENT)
+    z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(_SPLITMIX64_MULTIPLIERS[0])
+    z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(_SPLITMIX64_MULTIPLIERS[1])
+    return z ^ (z >> numpy.uint64(31))
 
 
 def counter_round_keys(seed: int, step: int, stream: int = 0) -> tuple[int, int, int]:

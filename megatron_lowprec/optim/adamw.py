@@ -261,8 +261,8 @@ class AdamW(torch.optim.Optimizer):
                 self.state[param]["step"] = step
             sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
             return fused_bucket_step_(
-                bucket, grad, self.strategy, step=step, sr_seed=sr_seed,
-                track_update_quality=self.track_update_quality, **hyper,
+                bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
+                {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
             )
         quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
         for index, param in enumerate(bucket.params):

@@ -3,22 +3,26 @@
 Every buffer is made with ``new_zeros`` of a parameter (or gradient), so it lives where the
 parameters live, whatever device that is.
 
-Every state tensor of a bucket is one flat buffer; each parameter's state entries are views into it
-at the parameter's offset, so the eager reference (per parameter) and the fused step (per bucket)
-read and write the very same memory. Offsets are aligned to :data:`ALIGNMENT` elements (and to the
-FP8 group size), so FP8 groups never straddle two parameters and the zero padding between
-parameters stays zero under every strategy (zero gradient, zero moments, zero parameter).
+Every state tensor of a bucket is one flat buffer; each entry's state is a view into it at the
+entry's offset, so the eager reference (per entry) and the fused step (per bucket) read and write
+the very same memory. An entry is a parameter, or a contiguous run of a parameter's flattened
+elements (the distributed optimizer's shard of it). Offsets are aligned to :data:`ALIGNMENT`
+elements (and to the FP8 group size), so FP8 groups never straddle two entries and the zero padding
+between entries stays zero under every strategy (zero gradient, zero moments, zero parameter).
 
 With ``own_params=True`` the bucket also owns a flat parameter buffer and re-points each
 parameter's ``.data`` at its view, as megatron-core's DistributedDataParallel does with its
-contiguous parameter buffer; gradients are gathered into a flat gradient buffer the same way.
+contiguous parameter buffer. Gradients are read where they are (:func:`gather_grads`): from the
+bucket's own gradient buffer, or in place from another flat buffer that holds them all (megatron's
+DDP keeps ``main_grad`` in one: :class:`BufferRows`), and only otherwise copied into a buffer of the
+bucket's own.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,29 +70,135 @@ def bucket_alignment(strategy: PrecisionStrategy) -> int:
     return ALIGNMENT
 
 
+class BufferRows(NamedTuple):
+    """A bucket's values that live in another flat buffer: entry e's elements [0, numel_e) sit at
+    ``source[source_starts[e] : source_starts[e] + numel_e]``, and at the bucket's offsets in its own
+    layout. Viewed as rows of ``width`` elements (the bucket's alignment, so that each row belongs to
+    one entry), each row is a contiguous run of the source: :meth:`read` gathers the bucket-shaped
+    values with one lookup per row, :meth:`write` scatters them back. Both run inside compiled
+    steps; indices are int64 (megatron's buffers can exceed 2^31 elements)."""
+
+    source: torch.Tensor
+    first_rows: torch.Tensor
+    """[entries] int32: the first row of each entry in the bucket."""
+    source_starts: torch.Tensor
+    """[entries] int64: where each entry starts in ``source``."""
+    numels: torch.Tensor
+    """[entries] int64: elements of each entry."""
+    width: int
+    first_row: torch.Tensor
+    """0-d int32 host tensor: the bucket row where a call's values start (a window of the bucket)."""
+
+    def from_row(self, row: int) -> BufferRows:
+        """The same rows for a call that starts at bucket row ``row``."""
+        return self._replace(first_row=torch.tensor(row, dtype=torch.int32))
+
+    def _rows(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row of a call of ``numel`` elements: its source index, its last valid column, and the columns."""
+        row = torch.arange(numel // self.width, dtype=torch.int32, device=self.source.device) + self.first_row
+        owner = torch.searchsorted(self.first_rows, row, right=True, out_int32=True) - 1
+        done = (row - self.first_rows[owner]).to(torch.int64) * self.width
+        last = torch.clamp(self.numels[owner] - done, max=self.width) - 1
+        column = torch.arange(self.width, dtype=torch.int64, device=self.source.device)
+        return (self.source_starts[owner] + done).unsqueeze(1), last.unsqueeze(1), column
+
+    def read(self, shape: torch.Size) -> torch.Tensor:
+        """The bucket's values in ``shape`` (padding elements zero)."""
+        start, last, column = self._rows(math.prod(shape))
+        values = self.source[start + torch.minimum(column, last)]
+        return torch.where(column <= last, values, 0).view(shape)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Store the bucket-shaped ``values`` back into the source. A padding element is written to
+        its row's last valid element with that element's value, so that duplicate indices always
+        carry equal values and the result does not depend on the order of the stores."""
+        start, last, column = self._rows(values.numel())
+        valid_column = torch.minimum(column, last)
+        rows = values.reshape(-1, self.width)
+        self.source.index_put_(((start + valid_column).reshape(-1),), rows.gather(1, valid_column).reshape(-1))
+
+
 @dataclass
 class Bucket:
-    """Flat state of the parameters of one group that share a device and a dtype."""
+    """Flat state of the entries (parameters, or runs of a parameter's elements) of one group that
+    share a device and a dtype."""
 
     group_index: int
     params: list[torch.nn.Parameter]
+    """The parameter of each entry."""
     offsets: list[int]
     numel: int
     """Padded number of elements of every flat buffer (FP8 scales: ``numel / group_size``)."""
     streams: list[StreamLayout]
-    """Where each parameter's elements sit in the counter-based SR stream (aligned with ``params``)."""
+    """Where each entry's parameter sits in the counter-based SR stream (aligned with ``params``)."""
     state: dict[str, torch.Tensor]
+    numels: list[int]
+    """Elements of each entry: its parameter's, or its run's."""
+    element_starts: list[int]
+    """Where each entry starts in its parameter's flattened elements (0 for a whole parameter)."""
+    entry_groups: list[int]
+    """The parameter group of each entry (all ``group_index`` but in a distributed optimizer's shard,
+    whose entries of one group are contiguous)."""
     param_buffer: torch.Tensor | None = None
+    """The entries' 16-bit parameters when the bucket owns them (``own_params``)."""
+    param_rows: tuple[list[int], BufferRows] | None = None
+    """Where the entries' 16-bit parameters live when another flat buffer holds them (megatron's
+    DDP buffer under the distributed optimizer): their starts in it, and its :class:`BufferRows`."""
     grad_buffer: torch.Tensor | None = field(default=None, repr=False)
     row_start_words: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    """Per parameter index, the int32 words of its rows' starts in its SR stream (filled by the fused step)."""
-    stream_tables: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    """The per-parameter tables of the whole-bucket SR stream (filled by the fused step on GPUs)."""
+    """Per entry, the int32 words of its rows' starts in its SR stream (filled by the fused step)."""
+    stream_tables: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    """Per call window, the per-entry tables of the whole-window SR stream (filled by the fused step on GPUs)."""
+    stream_keys: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """Per call window, the first step and seed of its block of SR round keys, and the keys on the device."""
+    grad_rows: tuple[list[int], BufferRows] | None = field(default=None, repr=False)
+    """The gradients' source starts and :class:`BufferRows` when they live in another buffer."""
 
     def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
-        """The flat slice of ``buffer`` that belongs to parameter ``index`` (``per_group`` > 1: FP8 scales)."""
+        """The flat slice of ``buffer`` that belongs to entry ``index`` (``per_group`` > 1: FP8 scales)."""
         start = self.offsets[index] // per_group
-        return buffer[start : start + math.ceil(self.params[index].numel() / per_group)]
+        return buffer[start : start + math.ceil(self.numels[index] / per_group)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The 16-bit dtype of the entries' parameters."""
+        return self.params[0].dtype
+
+    def entry_params(self) -> list[torch.Tensor]:
+        """Each entry's 16-bit parameter values, flat, where they live."""
+        if self.param_rows is not None:
+            starts, rows = self.param_rows
+            return [rows.source[start : start + numel] for start, numel in zip(starts, self.numels)]
+        if self.param_buffer is not None:
+            return [self.view(self.param_buffer, index) for index in range(len(self.params))]
+        return [param.detach().reshape(-1) for param in self.params]
+
+    def group_runs(self) -> list[tuple[int, int, int]]:
+        """(group, first entry, end entry) of each run of entries of one parameter group."""
+        runs: list[tuple[int, int, int]] = []
+        for index, group in enumerate(self.entry_groups):
+            if runs and runs[-1][0] == group:
+                runs[-1] = (group, runs[-1][1], index + 1)
+            else:
+                runs.append((group, index, index + 1))
+        return runs
+
+    def rows_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
+        """A :class:`BufferRows` for this bucket's entries at ``source_starts`` of the flat ``source``
+        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset)."""
+        device = source.device
+        return BufferRows(
+            source,
+            torch.tensor([offset // ALIGNMENT for offset in self.offsets], dtype=torch.int32, device=device),
+            torch.tensor(source_starts, dtype=torch.int64, device=device),
+            torch.tensor(self.numels, dtype=torch.int64, device=device),
+            ALIGNMENT,
+            torch.tensor(0, dtype=torch.int32),
+        )
 
 
 def zero_state(
@@ -114,14 +224,13 @@ def zero_state(
     return state
 
 
-def _flat_state(strategy: PrecisionStrategy, params: list[torch.nn.Parameter], offsets: list[int], numel: int) -> dict[str, torch.Tensor]:
-    state = zero_state(strategy, numel, params[0])
+def state_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each state buffer of ``strategy`` for 16-bit parameters of ``param_dtype``, in
+    :func:`state_keys` order."""
+    dtypes = {key: value.dtype for key, value in zero_state(strategy, 0, torch.empty(0, dtype=param_dtype)).items()}
     if strategy.master_weights:
-        master = new_master(strategy, numel, params[0])
-        for param, offset in zip(params, offsets):
-            reset_master_(param.detach().reshape(-1), master[offset : offset + param.numel()])
-        state[master_key(strategy)] = master
-    return state
+        dtypes[master_key(strategy)] = new_master(strategy, 0, torch.empty(0)).dtype
+    return {key: dtypes[key] for key in state_keys(strategy)}
 
 
 def build_bucket(
@@ -130,17 +239,35 @@ def build_bucket(
     params: list[torch.nn.Parameter],
     own_params: bool,
     streams: list[StreamLayout] | None = None,
+    runs: list[tuple[int, int]] | None = None,
+    master_source: list[torch.Tensor] | None = None,
+    entry_groups: list[int] | None = None,
 ) -> tuple[Bucket, list[dict[str, Any]]]:
-    """A bucket for ``params`` (same device and dtype) and each parameter's state of views into it.
-    ``streams`` defaults to a whole stream per parameter, numbered by position."""
+    """A bucket for ``params`` (same device and dtype) and each entry's state of views into it.
+    ``streams`` defaults to a whole stream per parameter, numbered by position. ``runs``: the
+    entries are runs (first element, elements) of the parameters' flattened elements rather than
+    whole parameters; their masters start from ``master_source`` (the runs' 16-bit values).
+    ``entry_groups``: each entry's parameter group (default: ``group_index``)."""
     if streams is None:
         streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
+    if runs is None:
+        runs = [(0, param.numel()) for param in params]
     alignment = bucket_alignment(strategy)
     offsets, numel = [], 0
-    for param in params:
+    for _, run_numel in runs:
         offsets.append(numel)
-        numel += -(-param.numel() // alignment) * alignment
-    bucket = Bucket(group_index, list(params), offsets, numel, list(streams), _flat_state(strategy, params, offsets, numel))
+        numel += -(-run_numel // alignment) * alignment
+    bucket = Bucket(
+        group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
+        [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
+    )
+    if strategy.master_weights:
+        master = new_master(strategy, numel, params[0])
+        sources = master_source or [param.detach().reshape(-1) for param in params]
+        for index, source in enumerate(sources):
+            reset_master_(source, bucket.view(master, index))
+        bucket.state[master_key(strategy)] = master
+    bucket.state = {key: bucket.state[key] for key in state_keys(strategy)}
     if own_params:
         bucket.param_buffer = params[0].new_zeros(numel)
         for index, param in enumerate(params):
@@ -148,28 +275,53 @@ def build_bucket(
             view.copy_(param.detach())
             param.data = view
     states = []
+    whole = all(start == 0 and count == param.numel() for (start, count), param in zip(runs, params))
     for index in range(len(params)):
         entry: dict[str, Any] = {"step": 0}
         for key, buffer in bucket.state.items():
             flat = bucket.view(buffer, index, elements_per_value(key, strategy))
-            entry[key] = flat if key.endswith(FP8_PARTS) else flat.view(params[index].shape)
+            entry[key] = flat if key.endswith(FP8_PARTS) or not whole else flat.view(params[index].shape)
         states.append(entry)
     return bucket, states
 
 
-def gather_grads(bucket: Bucket) -> torch.Tensor | None:
-    """The bucket's gradients as one flat buffer, or ``None`` if some parameter has no gradient or
-    the gradients do not share one dtype. Gradients that are not yet views of the buffer are copied
-    in once and re-pointed, so that later backward passes accumulate into the buffer directly."""
+def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
+    """The bucket's gradients for a fused step, or ``None`` if some parameter has no gradient or the
+    gradients do not share one dtype. Without a copy where possible: the bucket's own gradient buffer
+    when the gradients are its views (after the first step of a plain training loop); a
+    :class:`BufferRows` when they are contiguous views of one other buffer (megatron DDP's
+    ``main_grad``). Otherwise they are copied into the bucket's buffer and re-pointed at it, so that
+    later backward passes accumulate there directly."""
     grads = [param.grad for param in bucket.params]
     if any(grad is None for grad in grads) or len({grad.dtype for grad in grads}) != 1:
         return None
+    if bucket.grad_buffer is not None and bucket.grad_buffer.dtype == grads[0].dtype and all(
+        grad.data_ptr() == bucket.view(bucket.grad_buffer, index).data_ptr() and grad.is_contiguous()
+        for index, grad in enumerate(grads)
+    ):
+        return bucket.grad_buffer
+    storage = grads[0].untyped_storage()
+    shared = all(grad.is_contiguous() and grad.untyped_storage().data_ptr() == storage.data_ptr() for grad in grads)
+    if shared and (len(grads) > 1 or storage.nbytes() > grads[0].nbytes):
+        return _rows_of(bucket, grads, storage)
     dtype = grads[0].dtype
     if bucket.grad_buffer is None or bucket.grad_buffer.dtype != dtype:
         bucket.grad_buffer = grads[0].new_zeros(bucket.numel, dtype=dtype)
     for index, (param, grad) in enumerate(zip(bucket.params, grads)):
         view = bucket.view(bucket.grad_buffer, index).view(param.shape)
-        if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-            view.copy_(grad)
-            param.grad = view
+        view.copy_(grad)
+        param.grad = view
     return bucket.grad_buffer
+
+
+def _rows_of(bucket: Bucket, grads: list[torch.Tensor], storage: torch.UntypedStorage) -> BufferRows:
+    """The :class:`BufferRows` of gradients that are contiguous views of one shared ``storage`` (kept
+    with the bucket while the storage, the dtype and the views' places stay the same)."""
+    starts = [grad.storage_offset() for grad in grads]
+    if bucket.grad_rows is not None:
+        cached_starts, rows = bucket.grad_rows
+        if cached_starts == starts and rows.source.dtype == grads[0].dtype and rows.source.untyped_storage().data_ptr() == storage.data_ptr():
+            return rows
+    source = grads[0].new_empty(0).set_(storage, 0, (storage.nbytes() // grads[0].element_size(),))
+    bucket.grad_rows = (starts, bucket.rows_in(source, starts))
+    return bucket.grad_rows[1]

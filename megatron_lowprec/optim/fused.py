@@ -1,32 +1,42 @@
 """Fused AdamW steps: the reference kernel compiled by ``torch.compile``, run once per flat bucket.
 
-Stochastic rounding on GPUs runs once per bucket (:class:`~megatron_lowprec.optim.kernel.BucketStream`:
-each element finds its parameter and row by a binary search and an integer division). On CPU it runs
-once per parameter instead, over the parameter's slice of the flat buffers viewed as [rows,
-row_length] of its stream layout: each element's SR word then comes from its global index without an
-integer division per element (which CPU vector units lack), at the price of one call per parameter
-(about 0.1 ms of Python and guard overhead each on CPU). Strategies with FP8
-moments (coat) run it over the bucket viewed as [groups, group_size], so that each group is decoded,
-updated and re-quantized with its new statistics inside one compiled kernel
-(:data:`GROUP_STATISTICS_OPTIONS`), without bucket-sized FP32 temporaries.
+A bucket (``buckets.py``) holds the state of its entries, parameters or runs of a parameter's
+elements (a distributed optimizer's shard), in one aligned layout. Its parameters and gradients
+are read where they live: the bucket's own flat buffers, or megatron's DDP buffers through
+:class:`~megatron_lowprec.optim.buckets.BufferRows` (gathered and, for parameters, scattered back
+inside the compiled call), so the step allocates no second copy of either. One compiled call
+(:func:`_calls`) updates the whole bucket:
+
+* flat, or as [groups, group_size] for FP8 moments (coat), so that each group is decoded, updated and
+  re-quantized with its new statistics inside one kernel (:data:`GROUP_STATISTICS_OPTIONS`), without
+  bucket-sized FP32 temporaries;
+* stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
+  element finds its entry and stream row by a binary search and an integer division), in windows
+  of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
+  integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
+  stream layout (about 0.1 ms of Python and guard overhead each);
+* a shard whose entries belong to several parameter groups takes each element's scalars from a
+  per-group table (:class:`~megatron_lowprec.optim.kernel.GroupScalars`).
+
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.
 
-The kernel is :func:`megatron_lowprec.optim.kernel.adamw_kernel_` itself, so fused and eager
-steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and Triton kernels on
-GPU. What keeps the compiled step bit-identical to the eager one:
+The compiled function is :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, which reads the
+sources and calls :func:`~megatron_lowprec.optim.kernel.adamw_kernel_`, the eager reference itself,
+so fused and eager steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and
+Triton kernels on GPU. What keeps the compiled step bit-identical to the eager one:
 
 * ``emulate_precision_casts``: every explicit cast to a 16-bit dtype is a real rounding. Without it
-  Inductor keeps 16-bit intermediates in FP32, which silently drops the MCF error terms.
-* Inductor compiles C++ with ``-ffp-contract=off`` (its default), so no multiply and add are fused.
-* COAT's dynamic range expansion calls ``pow`` and ``log``, which Inductor evaluates with its own
-  vectorized functions. Where ATen's eager kernels use other implementations (on CPU: the C
-  library's ``pow`` for the elements after the last whole vector, and another vectorized ``log``,
-  which differs from Inductor's on about 1% of random inputs), an element's FP8 code may differ by
-  one step between the eager and the fused step; the tests bound this. Strategies without
-  expansion are bit-identical.
-* Step-dependent scalars and the SR round keys are 0-d tensors, and shapes are dynamic, so one
-  compilation per strategy and dtype serves every step and bucket.
+  Inductor keeps 16-bit intermediates in FP32, which silently drops the MCF error terms. Roundings
+  that feed further arithmetic are integer operations on GPUs (Triton drops float round trips).
+* No multiply and add are fused: Inductor compiles C++ with ``-ffp-contract=off`` and Triton without
+  FP fusion under ``emulate_precision_casts``.
+* Divisions, square roots, and COAT's ``log`` and ``pow`` are the package's own correctly rounded or
+  fixed-polynomial functions (``numerics/elementary.py``), the same on every backend; FP32 denormals
+  are kept (``disable_ftz`` where this torch's Inductor has it).
+* Step-dependent scalars and the SR round keys are 0-d host tensors (passed by value, no
+  host-to-device copy), and shapes are dynamic, so one compilation per strategy, dtype and kind of
+  source serves every step and bucket.
 """
 
 from __future__ import annotations
@@ -42,18 +52,18 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys, row_start_words, signed_word
-from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, elements_per_value
+from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
+from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
+    GroupScalars,
     StepScalars,
-    adamw_kernel_,
     beta2_expansion_for,
+    bucket_kernel_,
     kernel_scalar,
-    to_device_async,
 )
-from megatron_lowprec.optim.master import master_key
+from megatron_lowprec.optim.master import stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -61,6 +71,10 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True
 """``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
 hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
 on 2 cores)."""
+
+OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True}
+"""Set where this torch's Inductor has them: ``disable_ftz`` keeps FP32 subnormals in Triton's
+libdevice functions (its default flushes them, eager CUDA does not)."""
 
 GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
@@ -98,24 +112,36 @@ def fused_available(device: torch.device) -> bool:
 
 @functools.cache
 def compiled_kernel(group_statistics: bool = False) -> Callable:
-    """The compiled :func:`adamw_kernel_` (built once; Dynamo specialises it per strategy and dtype),
+    """The compiled :func:`~megatron_lowprec.optim.kernel.bucket_kernel_` (built once; Dynamo
+    specialises it per strategy, dtype and kind of sources),
     with :data:`GROUP_STATISTICS_OPTIONS` for strategies with FP8 moments (``group_statistics``).
-    Shapes are dynamic, but Python ints are not (``specialize_int``): the strategy's FP8 group size
-    must be a constant, or every group index becomes a scalar division by a symbol."""
+    Shapes are dynamic, but Python numbers are not (``specialize_int``, ``specialize_float``): the
+    strategy's FP8 group size must be a constant, or every group index becomes a scalar division by a
+    symbol, and the polynomial coefficients of ``numerics/elementary.py`` are constants (step-dependent
+    values are 0-d tensors)."""
     from torch._inductor import config as inductor_config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     options = dict(INDUCTOR_OPTIONS)
+    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
-    compiled = torch.compile(adamw_kernel_, dynamic=True, fullgraph=True, options=options)
-    compiled = torch._dynamo.config.patch(specialize_int=True)(compiled)
+    compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
+    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
 
     def call(*args):
         with _low_precision_tiling():
             return compiled(*args)
 
     return call
+
+
+def _has_option(config: Any, dotted_name: str) -> bool:
+    for part in dotted_name.split("."):
+        if not hasattr(config, part):
+            return False
+        config = getattr(config, part)
+    return True
 
 
 @contextlib.contextmanager
@@ -199,75 +225,129 @@ def _low_precision_tiling_select(base: type) -> type:
     return LowPrecisionTilingSelect
 
 
+MAX_CALL_ELEMENTS = 1 << 30
+"""Elements of one compiled call at most where the call counts its elements in int32 (stochastic
+rounding over a whole bucket): a larger bucket is stepped in windows of this size."""
+
+
 @torch.no_grad()
 def fused_bucket_step_(
     bucket: Bucket,
-    grad: torch.Tensor,
     strategy: PrecisionStrategy,
+    grad: torch.Tensor | BufferRows,
+    entry_grads: list[torch.Tensor],
+    hyper: dict[int, dict[str, float]],
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     sr_seed: int | None,
     track_update_quality: bool,
 ) -> torch.Tensor | None:
-    """One AdamW step over a whole bucket (its parameters all at ``step`` after this call), in the
-    compiled calls that :func:`_segments` lays out; the update-quality pieces (an FP64 tensor on the
-    bucket's device) when ``track_update_quality``."""
-    param = bucket.param_buffer
-    if strategy.adam_kernel == "torch_fused":
-        spans = [(offset, bucket_param.numel()) for offset, bucket_param in zip(bucket.offsets, bucket.params)]
-        state = bucket.state
-        return torch_fused_adamw_step_(
-            param, grad, state[master_key(strategy)], state["exp_avg"], state["exp_avg_sq"], spans, step=step, lr=lr,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
-        )
-    scalars = StepScalars.for_step(step, lr, beta1, beta2, eps, weight_decay).as_kernel_scalars()
-    beta2_expansion = tuple(
-        None if part is None else kernel_scalar(part, param.dtype) for part in beta2_expansion_for(strategy, beta2, param.dtype)
-    )
+    """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
+    calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
+    device) when ``track_update_quality``.
 
+    ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
+    :class:`~megatron_lowprec.optim.buckets.BufferRows` over the buffer they live in; ``entry_grads``
+    each entry's flat gradient (views of either). ``hyper`` gives lr, beta1, beta2, eps and
+    weight_decay of each parameter group that the bucket's entries belong to."""
+    if strategy.adam_kernel == "torch_fused":
+        return _torch_fused_bucket_step_(bucket, entry_grads, hyper, step, track_update_quality)
+    betas = {values["beta2"] for values in hyper.values()}
+    if len(betas) != 1:
+        raise ValueError(f"a bucket's parameter groups must share beta2 (they hold {sorted(betas)})")
+    dtype = bucket.state_dtype
+    beta2_expansion = tuple(
+        None if part is None else kernel_scalar(part, dtype) for part in beta2_expansion_for(strategy, betas.pop(), dtype)
+    )
+    scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
-        kernel(param, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
-        for param, grad, state, random_source in _segments(bucket, grad, strategy, sr_seed, step)
+        kernel(param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality)
+        for param, call_grad, state, call_scalars, random_source in _calls(
+            bucket, strategy, grad, entry_grads, scalars, sr_seed, step
+        )
     ]
     return sum(pieces) if track_update_quality else None
 
 
-def _segments(bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy, sr_seed: int | None, step: int):
-    """The (parameter, gradient, state, random source) slices of the bucket that one compiled call
-    each updates: each parameter on its own under stochastic rounding; else the whole bucket in one
-    call (as [groups, group_size] under FP8 moments)."""
-    device = bucket.param_buffer.device
-    if sr_seed is not None and device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
-        yield bucket.param_buffer, grad, bucket.state, _bucket_stream(bucket, sr_seed, step)
+def _torch_fused_bucket_step_(
+    bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]], step: int, track: bool
+) -> torch.Tensor | None:
+    """Option D: torch's fused AdamW over each parameter group's entries (one multi-tensor call per
+    window of the bucket's state)."""
+    params, state, pieces = bucket.entry_params(), bucket.state, []
+    for group, first, end in bucket.group_runs():
+        spans = list(zip(bucket.offsets[first:end], bucket.numels[first:end]))
+        values = hyper[group]
+        pieces.append(
+            torch_fused_adamw_step_(
+                params[first:end], entry_grads[first:end], stored_master(state), state["exp_avg"], state["exp_avg_sq"],
+                spans, step=step, lr=values["lr"], beta1=values["beta1"], beta2=values["beta2"], eps=values["eps"],
+                weight_decay=values["weight_decay"], track_update_quality=track,
+            )
+        )
+    return sum(pieces) if track else None
+
+
+def _scalars_of(
+    bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
+) -> StepScalars | GroupScalars:
+    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's,
+    or several groups' with the elements where each begins (entries of a group are contiguous)."""
+    runs = [
+        (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
+        if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
+    ]
+    per_group = tuple(scalars[group].as_kernel_scalars() for group, _ in runs)
+    if len(per_group) == 1:
+        return per_group[0]
+    return GroupScalars(per_group, tuple(kernel_scalar(offset - start, torch.int32) for _, offset in runs[1:]))
+
+
+def _calls(
+    bucket: Bucket,
+    strategy: PrecisionStrategy,
+    grad: torch.Tensor | BufferRows,
+    entry_grads: list[torch.Tensor],
+    scalars: dict[int, StepScalars],
+    sr_seed: int | None,
+    step: int,
+):
+    """The (parameter, gradient, state, scalars, random source) of each compiled call of the step:
+
+    - stochastic rounding where integer division is cheap (:data:`BUCKET_STREAM_DEVICES`): the
+      whole bucket, in windows of at most :data:`MAX_CALL_ELEMENTS` (:class:`BucketStream`);
+    - stochastic rounding elsewhere: each entry on its own, as grids of whole stream rows;
+    - FP8 moments: the whole bucket as [groups, group_size], so that each group's moments are
+      decoded, updated and re-quantized in one pass over it (the bucket holds whole groups);
+    - otherwise the whole bucket, flat.
+    """
+    param = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1]
+    if sr_seed is not None and bucket.device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
+        for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
+            end = min(start + MAX_CALL_ELEMENTS, bucket.numel)
+            state = {key: buffer[start:end] for key, buffer in bucket.state.items()}
+            yield (
+                _window(param, start, end), _window(grad, start, end), state, _scalars_of(bucket, scalars, start, end),
+                _bucket_stream(bucket, start, end, sr_seed, step),
+            )
     elif sr_seed is not None:
-        for index, layout in enumerate(bucket.streams):
-            stream = CounterStream.at_step(sr_seed, step, layout.stream, *_row_starts(bucket, index))
-            yield *_parameter_grids(bucket, grad, index, strategy), stream
+        yield from _entry_grid_calls(bucket, strategy, entry_grads, scalars, sr_seed, step)
     elif strategy.moments == "fp8":
-        yield _group_grids(bucket, grad, strategy)
+        group_size = strategy.fp8_group_size
+
+        def grid(buffer):
+            return buffer.view(-1, group_size) if torch.is_tensor(buffer) else buffer
+
+        state = {key: value if key.endswith(PER_GROUP_PARTS) else grid(value) for key, value in bucket.state.items()}
+        yield grid(param), grid(grad), state, _scalars_of(bucket, scalars, 0, bucket.numel), None
     else:
-        yield bucket.param_buffer, grad, bucket.state, None
+        yield param, grad, bucket.state, _scalars_of(bucket, scalars, 0, bucket.numel), None
 
 
-def _group_grids(
-    bucket: Bucket, grad: torch.Tensor, strategy: PrecisionStrategy
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], None]:
-    """The whole bucket viewed as [groups, group_size] of its FP8 quantization (per-group scales and
-    exponents flat, one per row), so that the compiled step loops over groups: each group's moments
-    are decoded, updated and re-quantized in one pass over it (the bucket holds whole groups)."""
-    group_size = strategy.fp8_group_size
-
-    def grid(buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.view(-1, group_size)
-
-    state = {key: buffer if key.endswith(PER_GROUP_PARTS) else grid(buffer) for key, buffer in bucket.state.items()}
-    return grid(bucket.param_buffer), grid(grad), state, None
+def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
+    """Elements [start, end) of a bucket-shaped flat buffer, or of the bucket a :class:`BufferRows` maps."""
+    return source[start:end] if torch.is_tensor(source) else source.from_row(start // source.width)
 
 
 def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
@@ -276,58 +356,94 @@ def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
     return strategy.adam_kernel == "reference" and strategy.moments != "fp8"
 
 
-def _bucket_stream(bucket: Bucket, sr_seed: int, step: int) -> BucketStream:
-    """The :class:`BucketStream` of ``bucket`` at ``step``: this step's round keys, and the
-    per-parameter tables, built at the first step and kept with the bucket."""
-    device = bucket.param_buffer.device
-    if bucket.stream_tables is None:
-        starts = [_row_starts(bucket, index) for index in range(len(bucket.params))]
-        rows = [high.shape[0] for high, _ in starts]
-        bases = [sum(rows[:index]) for index in range(len(rows))]
+KEY_BLOCK_STEPS = 256
+"""Steps whose SR round keys go to the device in one table (:class:`BucketStream`): one copy per this
+many steps, none in the others."""
+
+
+def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int) -> BucketStream:
+    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-entry
+    tables of the window, built at its first step, and the round keys of a block of
+    :data:`KEY_BLOCK_STEPS` steps from this one, both kept with the bucket."""
+    device = bucket.device
+    entries = [
+        index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
+        if offset < end and offset + numel > start
+    ]
+    if (start, end) not in bucket.stream_tables:
+        firsts, columns, row_lengths, words = [], [], [], []
+        for index in entries:
+            layout = bucket.streams[index]
+            if layout.row_length > INT32_GRID_MAX_ROW:
+                raise ValueError(
+                    f"entry {index} of the bucket has SR stream rows of {layout.row_length} elements; the fused step "
+                    f"counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
+                )
+            skipped = max(start - bucket.offsets[index], 0)
+            first_element = bucket.element_starts[index] + skipped
+            last_element = bucket.element_starts[index] + min(bucket.numels[index], end - bucket.offsets[index]) - 1
+            first_row, column = divmod(first_element, layout.row_length)
+            rows = last_element // layout.row_length - first_row + 1
+            firsts.append(bucket.offsets[index] + skipped - start)
+            columns.append(column)
+            row_lengths.append(layout.row_length)
+            words.append(row_start_words(layout.offset + first_row * layout.row_stride, layout.row_stride, rows, device))
+        counts = [high.shape[0] for high, _ in words]
+        bases = [sum(counts[:position]) for position in range(len(counts))]
 
         def int32(values):
-            return to_device_async(torch.tensor(values, dtype=torch.int32), device)
+            return torch.tensor(values, dtype=torch.int32, device=device)
 
-        bucket.stream_tables = (
-            int32(bucket.offsets),
-            int32([layout.row_length for layout in bucket.streams]),
-            int32([base + count - 1 for base, count in zip(bases, rows)]),
+        bucket.stream_tables[(start, end)] = (
+            int32(firsts),
+            int32(columns),
+            int32(row_lengths),
+            int32([base + count - 1 for base, count in zip(bases, counts)]),
             int32(bases),
-            torch.cat([high for high, _ in starts]).reshape(-1),
-            torch.cat([low for _, low in starts]).reshape(-1),
+            torch.cat([high for high, _ in words]).reshape(-1),
+            torch.cat([low for _, low in words]).reshape(-1),
         )
-    keys = [[signed_word(key) for key in counter_round_keys(sr_seed, step, layout.stream)] for layout in bucket.streams]
-    return BucketStream(to_device_async(torch.tensor(keys, dtype=torch.int32), device), *bucket.stream_tables)
+    first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
+    if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
+        first_step, seed = step, sr_seed
+        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), [bucket.streams[i].stream for i in entries])
+        keys = block.reshape(-1).to(device)
+        bucket.stream_keys[(start, end)] = (first_step, seed, keys)
+    return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
 
 
-def _row_starts(bucket: Bucket, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Parameter ``index``'s row starts in its stream as int32 words (:func:`row_start_words`),
-    computed at its first step and kept with the bucket (a layout never changes)."""
-    if index not in bucket.row_start_words:
-        layout = bucket.streams[index]
-        if layout.row_length > INT32_GRID_MAX_ROW:
-            raise ValueError(
-                f"parameter {index} of the bucket has SR stream rows of {layout.row_length} elements; "
-                f"the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
+def _entry_grid_calls(
+    bucket: Bucket,
+    strategy: PrecisionStrategy,
+    entry_grads: list[torch.Tensor],
+    scalars: dict[int, StepScalars],
+    sr_seed: int,
+    step: int,
+):
+    """Stochastic rounding entry by entry: each entry's slices of the parameters, gradients and state
+    as grids of whole rows of its stream layout (:meth:`StreamLayout.grids`: one grid, or a one-row
+    grid for a partial first or last row), with the row starts' int32 words (computed at the first
+    step and kept with the bucket). FP8 payloads and scales stay flat, as in the eager state."""
+    kernel_scalars = {group: values.as_kernel_scalars() for group, values in scalars.items()}
+    for index, (param, grad) in enumerate(zip(bucket.entry_params(), entry_grads)):
+        layout, element_start = bucket.streams[index], bucket.element_starts[index]
+        for grid_index, (first, rows, length, offset) in enumerate(layout.grids(element_start, bucket.numels[index])):
+            if length > INT32_GRID_MAX_ROW:
+                raise ValueError(
+                    f"entry {index} of the bucket has SR stream rows of {length} elements; the fused step counts "
+                    f"columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
+                )
+            key = (index, grid_index)
+            if key not in bucket.row_start_words:
+                bucket.row_start_words[key] = row_start_words(offset, layout.row_stride, rows, bucket.device)
+            local = slice(first - element_start, first - element_start + rows * length)
+            state = {
+                key_: bucket.view(buffer, index, elements_per_value(key_, strategy))
+                if key_.endswith(FP8_PARTS) else bucket.view(buffer, index)[local].view(rows, length)
+                for key_, buffer in bucket.state.items()
+            }
+            stream = CounterStream.at_step(sr_seed, step, layout.stream, *bucket.row_start_words[key])
+            yield (
+                param[local].view(rows, length), grad.reshape(-1)[local].view(rows, length), state,
+                kernel_scalars[bucket.entry_groups[index]], stream,
             )
-        rows = layout.rows(bucket.params[index].numel())
-        bucket.row_start_words[index] = row_start_words(layout.offset, layout.row_stride, rows, bucket.param_buffer.device)
-    return bucket.row_start_words[index]
-
-
-def _parameter_grids(
-    bucket: Bucket, grad: torch.Tensor, index: int, strategy: PrecisionStrategy
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Parameter ``index``'s slices of the bucket's parameter, gradient and state buffers, viewed as
-    [rows, row_length] of its stream layout (FP8 payloads and scales stay flat, as in the eager state)."""
-    layout = bucket.streams[index]
-    rows = layout.rows(bucket.params[index].numel())
-
-    def grid(buffer: torch.Tensor) -> torch.Tensor:
-        return bucket.view(buffer, index).view(rows, layout.row_length)
-
-    state = {
-        key: bucket.view(buffer, index, elements_per_value(key, strategy)) if key.endswith(FP8_PARTS) else grid(buffer)
-        for key, buffer in bucket.state.items()
-    }
-    return grid(bucket.param_buffer), grid(grad), state

@@ -52,7 +52,7 @@ from megatron_lowprec.numerics.rounding import (
     signed_word,
     stochastic_round,
 )
-from megatron_lowprec.optim.buckets import build_bucket
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, BufferRows, build_bucket
 from megatron_lowprec.optim.master import (
     check_master_param_dtype,
     master_key,
@@ -73,15 +73,6 @@ def kernel_scalar(value: float | int, dtype: torch.dtype) -> torch.Tensor:
     (``torch.tensor(value, device="cuda")`` blocks the host until the device has caught up) and
     without the kernel being specialised on it."""
     return torch.tensor(value, dtype=dtype)
-
-
-def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host table on ``device`` without blocking the host: copied into pinned memory (PyTorch's
-    caching host allocator keeps the block until the copy has run) and from there without waiting;
-    on the CPU, the table itself."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CounterStream(NamedTuple):
@@ -107,36 +98,45 @@ class CounterStream(NamedTuple):
 
 
 class BucketStream(NamedTuple):
-    """The counter-based SR words of a whole flat bucket in one call, for devices with integer
-    division (GPUs): each element finds its parameter by a binary search over the parameters' start
-    offsets, its row and column by one division by that parameter's row length, and its row's start
-    in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words` of every
-    parameter, concatenated). The words equal :class:`CounterStream`'s; padding elements (zero, and
-    rounded to zero whatever their word) take their parameter's last row."""
+    """The counter-based SR words of a whole call over a flat bucket (or a window of one), for
+    devices with integer division (GPUs): each element finds its entry by a binary search over the
+    entries' start offsets, its row and column by one division by that entry's row length, and its
+    row's start in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words`
+    of every entry's rows, concatenated). An entry may start inside a row of its stream (a run of a
+    parameter's elements). The round keys of a block of steps live on the device
+    (:func:`~megatron_lowprec.numerics.rounding.counter_round_keys_table`), so a step passes only its
+    row in the block, by value. The words equal :class:`CounterStream`'s; padding elements (zero,
+    and rounded to zero whatever their word) take their entry's last row. Element indices are int32:
+    a call covers fewer than 2^31 elements (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`)."""
 
     keys: torch.Tensor
-    """[parameters, 3] int32 round keys of each parameter's stream at this step."""
-    param_starts: torch.Tensor
-    """[parameters] int32 offset of each parameter in the bucket."""
+    """[steps x entries x 3] int32 round keys of each entry's stream at each step of a block, flat."""
+    step_row: torch.Tensor
+    """0-d int32 host tensor: this step's row in the block of keys."""
+    entry_starts: torch.Tensor
+    """[entries] int32 offset of each entry in the call."""
+    first_columns: torch.Tensor
+    """[entries] int32 column of each entry's first element in its first row."""
     row_lengths: torch.Tensor
-    """[parameters] int32 row length of each parameter's stream layout."""
+    """[entries] int32 row length of each entry's stream layout."""
     last_rows: torch.Tensor
-    """[parameters] int32 index of each parameter's last row in the row table."""
+    """[entries] int32 index of each entry's last row in the row table."""
     row_bases: torch.Tensor
-    """[parameters] int32 index of each parameter's first row in the row table."""
+    """[entries] int32 index of each entry's first row in the row table."""
     start_high: torch.Tensor
     start_low: torch.Tensor
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
         element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
-        owner = torch.searchsorted(self.param_starts, element, right=True, out_int32=True) - 1
-        local = element - self.param_starts[owner]
+        owner = torch.searchsorted(self.entry_starts, element, right=True, out_int32=True) - 1
+        local = element - self.entry_starts[owner] + self.first_columns[owner]
         row_length = self.row_lengths[owner]
         row = torch.minimum(self.row_bases[owner] + local // row_length, self.last_rows[owner])
         column = local - (row - self.row_bases[owner]) * row_length
         low = self.start_low[row] + column
         carry = (low ^ -(2**31)) < (self.start_low[row] ^ -(2**31))
-        keys = tuple(self.keys[owner, part] for part in range(3))
+        key_base = (self.step_row * self.entry_starts.shape[0] + owner) * 3
+        keys = tuple(self.keys[key_base + part] for part in range(3))
         return hash_words(keys, self.start_high[row] + carry.to(torch.int32), low).view(like.shape)
 
 
@@ -325,6 +325,57 @@ def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepSca
     return div_rn(scalars.neg_scaled_step_size * exp_avg, sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
 
 
+STEP_SCALAR_NAMES = tuple(field.name for field in fields(StepScalars))
+
+
+class GroupScalars(NamedTuple):
+    """The step scalars of a call whose elements belong to several parameter groups (a distributed
+    optimizer's shard): ``per_group[g]`` (:func:`kernel_scalar` tensors) for the call's elements from
+    ``boundaries[g - 1]`` on (0-d int32 host tensors, ascending; group 0 from the first element).
+    Everything is passed by value; each element picks its group's values with a chain of selects."""
+
+    per_group: tuple[StepScalars, ...]
+    boundaries: tuple[torch.Tensor, ...]
+
+    def resolve(self, like: torch.Tensor) -> StepScalars:
+        """Each element's scalars, as tensors of ``like``'s shape and device."""
+        element = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape)
+        selected = []
+        for name in STEP_SCALAR_NAMES:
+            value = getattr(self.per_group[0], name)
+            for boundary, scalars in zip(self.boundaries, self.per_group[1:]):
+                value = torch.where(element >= boundary, getattr(scalars, name), value)
+            selected.append(value)
+        return StepScalars(*selected)
+
+
+def bucket_kernel_(
+    param: torch.Tensor | BufferRows,
+    grad: torch.Tensor | BufferRows,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    scalars: StepScalars | GroupScalars,
+    beta2_expansion: tuple[Any, Any],
+    random_source: RandomSource,
+    track_update_quality: bool,
+) -> torch.Tensor | None:
+    """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
+    (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
+    place) and whose scalars may differ by parameter group (:class:`GroupScalars`). The fused step
+    compiles this function."""
+    like = [value for key, value in state.items() if not key.endswith(PER_GROUP_PARTS)][0]
+    shape = like.shape
+    values = param.read(shape) if isinstance(param, BufferRows) else param
+    if isinstance(grad, BufferRows):
+        grad = grad.read(shape)
+    if isinstance(scalars, GroupScalars):
+        scalars = scalars.resolve(like)
+    pieces = adamw_kernel_(values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
+    if isinstance(param, BufferRows):
+        param.write(values)
+    return pieces
+
+
 def adamw_kernel_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -402,7 +453,7 @@ def adamw_step_(
     state["step"] += 1
     if strategy.adam_kernel == "torch_fused":
         return torch_fused_adamw_step_(
-            param.view(-1), grad.reshape(-1), state[master_key(strategy)].view(-1), state["exp_avg"].view(-1),
+            [param.view(-1)], [grad.reshape(-1)], state[master_key(strategy)].view(-1), state["exp_avg"].view(-1),
             state["exp_avg_sq"].view(-1), [(0, param.numel())], step=state["step"], lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )

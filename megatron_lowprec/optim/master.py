@@ -64,6 +64,29 @@ def store_master_(param: torch.Tensor, stored: torch.Tensor, value: torch.Tensor
     stored.copy_(remainder)
 
 
+def store_masters_(params: list[torch.Tensor], stored: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """:func:`store_master_` over lists of pieces, ``values`` from :func:`master_value` (whole
+    masters: the stored pieces themselves, copied to the parameters in one multi-tensor call)."""
+    if all(piece.dtype == torch.float32 and value is piece for piece, value in zip(stored, values)):
+        torch._foreach_copy_(params, values)
+        return
+    for param, piece, value in zip(params, stored, values):
+        store_master_(param, piece, value)
+
+
+REMAINDER_TIE = -(1 << 15)
+"""The remainder of an FP32 value exactly halfway between two BF16 values (low 16 bits 0x8000)."""
+
+
+def copies_off_nearest_even(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """How many BF16 copies ``param`` of the remainder masters ``stored`` differ from the masters
+    rounded to nearest even (torch's cast, the whole form's copy): the exact ties, whose copy is
+    rounded away from zero onto an odd last bit where the cast keeps the even one below (a 0-d
+    int64 tensor on the device)."""
+    odd = (param.view(torch.int16) & 1) == 1
+    return ((stored == REMAINDER_TIE) & odd).sum()
+
+
 def new_master(strategy: PrecisionStrategy, numel: int, like: torch.Tensor) -> torch.Tensor:
     """A flat, zero stored master of ``strategy`` for ``numel`` elements on ``like``'s device: fill
     it from the parameters with :func:`reset_master_`."""

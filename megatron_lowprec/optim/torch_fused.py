@@ -6,16 +6,18 @@ FP32 moments) do not run this package's specification of the Adam update but the
 2.0): the FP32 master then follows torch bit for bit on the same device, at torch's speed, and
 the 16-bit parameter is its nearest rounding, written in one more pass.
 
-The eager step (one parameter) and the fused step (one flat bucket) both call
-:func:`torch_fused_adamw_step_`; a bucket's parameters are passed as separate tensors, as torch
-passes its parameters, because torch's CPU kernel runs the last ``numel % vector width`` elements
-of each tensor through a separately compiled scalar loop, which need not round as its vector loop. The kernel wants FP32 gradients:
-16-bit gradients are converted in windows of at most 1/:data:`WINDOWS_PER_MASTER` of the master
-(every window start a multiple of :data:`WINDOW_ALIGNMENT`, so that windows split tensors only
-between whole vectors), which bounds the step's temporaries; FP32 gradients are used in place.
+The eager step (one parameter), the fused step (one flat bucket) and the distributed optimizer (one
+shard) all call :func:`torch_fused_adamw_step_`; a bucket's entries are passed as separate tensors,
+as torch passes its parameters, because torch's CPU kernel runs the last ``numel % vector width``
+elements of each tensor through a separately compiled scalar loop, which need not round as its
+vector loop. The kernel wants FP32 gradients: 16-bit gradients are converted in windows of at most
+:data:`WINDOW_ELEMENTS` of the flat state (every window edge a multiple of :data:`WINDOW_ALIGNMENT`,
+so that windows split entries only between whole vectors), which bounds the step's temporaries;
+FP32 gradients are used in place. Gradients and 16-bit parameters may live anywhere (the bucket's
+buffers, or megatron's DDP buffers): each entry's are passed as flat views.
 
 A master stored as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``,
-``optim/master.py``) is joined into an FP32 window of the same bounds, updated there by the same
+``optim/master.py``) is joined into FP32 pieces of the same windows, updated there by the same
 kernel call, and split back: the same kernel on the same FP32 values, so the same masters bit for bit.
 """
 
@@ -26,10 +28,11 @@ import functools
 import torch
 
 from megatron_lowprec.metrics.update_quality import update_quality_pieces
-from megatron_lowprec.optim.master import master_value, store_master_
+from megatron_lowprec.optim.master import master_value, store_masters_
 
-WINDOWS_PER_MASTER = 100
-"""A 16-bit gradient is converted to FP32 in windows of at most 1/100 of the master (1% of its bytes)."""
+WINDOW_ELEMENTS = 1 << 22
+"""16-bit gradients are converted to FP32 (and tracked updates computed in FP64) in windows of at most
+this many elements: 16 MiB of FP32 scratch, a few launches per window."""
 
 WINDOW_ALIGNMENT = 128
 """Window edges are multiples of this many elements (a multiple of every CPU vector width, and the
@@ -66,40 +69,37 @@ def require_torch_fused_adamw(device: torch.device, option: str) -> None:
         )
 
 
-def _windows(numel: int, grad: torch.Tensor, master: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
-    if grad.dtype == torch.float32 and master.dtype == torch.float32 and not track_update_quality:
+def _windows(numel: int, grads: list[torch.Tensor], master: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
+    """Ranges of the flat state of at most :data:`WINDOW_ELEMENTS` (edges at multiples of
+    :data:`WINDOW_ALIGNMENT`), or the whole state when FP32 gradients and an FP32 master are used
+    in place untracked."""
+    if all(grad.dtype == torch.float32 for grad in grads) and master.dtype == torch.float32 and not track_update_quality:
         return [(0, numel)]
-    size = max(numel // WINDOWS_PER_MASTER // WINDOW_ALIGNMENT, 1) * WINDOW_ALIGNMENT
-    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+    return [(start, min(start + WINDOW_ELEMENTS, numel)) for start in range(0, numel, WINDOW_ELEMENTS)]
 
 
-def _pieces(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    """The parts of the tensors at ``spans`` ((offset, numel) in the flat buffers) inside [start, end),
-    relative to ``start``."""
+def _pieces(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int, int]]:
+    """The parts of the entries at ``spans`` ((offset, numel) in the flat state) inside [start, end):
+    (entry, first element, end element), relative to the entry."""
     pieces = []
-    for offset, numel in spans:
+    for index, (offset, numel) in enumerate(spans):
         low, high = max(offset, start), min(offset + numel, end)
         if high > low:
-            pieces.append((low - start, high - start))
+            pieces.append((index, low - offset, high - offset))
     return pieces
 
 
-def _fused_adamw(master, grad, exp_avg, exp_avg_sq, pieces, step, hyper) -> None:
-    """One ``torch._fused_adamw_`` call over the ``pieces`` of the flat tensors (as torch.optim.AdamW(fused=True))."""
-    def split(flat):
-        return [flat[low:high] for low, high in pieces]
-
-    masters = split(master)
+def _fused_adamw(masters, grads, exp_avgs, exp_avg_sqs, step, hyper) -> None:
+    """One ``torch._fused_adamw_`` call over lists of tensors (as torch.optim.AdamW(fused=True))."""
     torch._fused_adamw_(
-        masters, split(grad), split(exp_avg), split(exp_avg_sq), [], [step] * len(masters),
-        amsgrad=False, maximize=False, **hyper,
+        masters, grads, exp_avgs, exp_avg_sqs, [], [step] * len(masters), amsgrad=False, maximize=False, **hyper
     )
 
 
 @torch.no_grad()
 def torch_fused_adamw_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -113,10 +113,12 @@ def torch_fused_adamw_step_(
     weight_decay: float,
     track_update_quality: bool,
 ) -> torch.Tensor | None:
-    """One AdamW step, in place, of the tensors at ``spans`` ((offset, numel) pairs) of the flat
-    16-bit ``param``, its ``grad``, the flat stored ``master`` (the FP32 master, or the int16
-    remainder below a BF16 ``param``: ``optim/master.py``) and the flat FP32 ``exp_avg`` and
-    ``exp_avg_sq`` (``step`` counts this step); the parameter becomes the master's 16-bit copy.
+    """One AdamW step, in place, of the entries at ``spans`` ((offset, numel) pairs) of the flat
+    stored ``master`` (the FP32 master, or the int16 remainder below BF16 parameters:
+    ``optim/master.py``) and the flat FP32 ``exp_avg`` and ``exp_avg_sq``, with ``grads`` (each
+    entry's flat gradient, wherever it lives) and ``step`` counting this step; each entry's flat
+    16-bit parameter in ``params`` becomes its master's 16-bit copy. A handful of launches per
+    window, whatever the number of entries (torch's multi-tensor kernels).
 
     With ``track_update_quality`` the intended update is the same kernel's update computed in
     float64 from the same state, and the effective update the change of the FP32 master; the
@@ -126,25 +128,36 @@ def torch_fused_adamw_step_(
     step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
     quality = master.new_zeros(4, dtype=torch.float64) if track_update_quality else None
-    windows = _windows(master.numel(), grad, master, track_update_quality)
-    scratch = None if grad.dtype == torch.float32 else torch.empty(windows[0][1], dtype=torch.float32, device=device)
+    windows = _windows(master.numel(), grads, master, track_update_quality)
+    in_place = all(grad.dtype == torch.float32 for grad in grads)
+    scratch = None if in_place else torch.empty(windows[0][1] - windows[0][0], dtype=torch.float32, device=device)
     for start, end in windows:
         pieces = _pieces(spans, start, end)
         if not pieces:
             continue
-        window_grad = grad[start:end] if scratch is None else scratch[: end - start].copy_(grad[start:end])
-        window_param, window_stored = param[start:end], master[start:end]
-        window_master = master_value(window_param, window_stored)
+
+        def split(flat):
+            return [flat[spans[index][0] + low : spans[index][0] + high] for index, low, high in pieces]
+
+        window_grads = [grads[index][low:high] for index, low, high in pieces]
+        if not in_place:
+            sizes = [high - low for _, low, high in pieces]
+            converted = list(scratch[: sum(sizes)].split(sizes))
+            torch._foreach_copy_(converted, window_grads)
+            window_grads = converted
+        window_params = [params[index][low:high] for index, low, high in pieces]
+        stored, exp_avgs, exp_avg_sqs = split(master), split(exp_avg), split(exp_avg_sq)
+        masters = [master_value(param, piece) for param, piece in zip(window_params, stored)]
         if track_update_quality:
-            before = window_master.double()
-            intended = before.clone()
+            before = [piece.double() for piece in masters]
+            intended = [piece.clone() for piece in before]
             _fused_adamw(
-                intended, window_grad.double(), exp_avg[start:end].double(), exp_avg_sq[start:end].double(),
-                pieces, step_tensor, hyper,
+                intended, [grad.double() for grad in window_grads], [piece.double() for piece in exp_avgs],
+                [piece.double() for piece in exp_avg_sqs], step_tensor, hyper,
             )
-            intended -= before
-        _fused_adamw(window_master, window_grad, exp_avg[start:end], exp_avg_sq[start:end], pieces, step_tensor, hyper)
-        store_master_(window_param, window_stored, window_master)
+        _fused_adamw(masters, window_grads, exp_avgs, exp_avg_sqs, step_tensor, hyper)
+        store_masters_(window_params, stored, masters)
         if track_update_quality:
-            quality += update_quality_pieces(intended, before, window_master)
+            for intended_piece, before_piece, master_piece in zip(intended, before, masters):
+                quality += update_quality_pieces(intended_piece - before_piece, before_piece, master_piece)
     return quality

@@ -7,7 +7,10 @@
 The config is composed with Hydra's compose API from ``configs/`` (or ``$LOWPREC_CONFIG_DIR``) on
 top of the typed schema :class:`~megatron_lowprec.train.config.TrainConfig`; every rank composes the
 same config. Errors in the config (an unknown option or key, a layout that does not fit the world
-size) are reported in one line, before any process group, dataset or model is created.
+size) are reported in one line, before any process group, dataset or model is created (exit 2), as
+is a checkpoint that cannot be resumed from. ``--help`` lists the config groups and the most used
+keys; ``--version`` the versions of this package, torch and megatron-core. Ctrl-C stops with one
+line naming the step reached and the checkpoint a rerun resumes from (exit 130).
 """
 
 from __future__ import annotations
@@ -15,23 +18,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lowprec.train.config import ConfigError, TrainConfig, validate
+from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, validate
+from megatron_lowprec.train.usage import help_text, version_text
 
 CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
 SCHEMA_NAME = "train_schema"
-MEGATRON_NOTICES = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "full scope is deprecated",
-)
-"""megatron-core's notices that say nothing about the run: its plain-torch fallbacks without TE/apex
-(optional here), and a deprecation its own default CUDA-graph scope triggers."""
-
-
+HELP_FLAGS = ("-h", "--help")
+VERSION_FLAGS = ("-V", "--version")
 def config_dir() -> Path:
     """``$LOWPREC_CONFIG_DIR``, else the ``configs/`` folder of the source tree this package is in."""
     configured = os.environ.get(CONFIG_DIR_VARIABLE)
@@ -102,11 +98,20 @@ def to_yaml(config: TrainConfig) -> str:
 
 
 def _check_resumable(config: TrainConfig) -> None:
-    """``resume=true`` needs a checkpoint in ``run_dir``: say so before any work."""
-    from megatron_lowprec.train.checkpoint import checkpoints_dir, latest_checkpoint
+    """``resume_from`` names an intact checkpoint, and ``resume=true`` needs one in ``run_dir``: say so
+    before any work."""
+    from megatron_lowprec.train.checkpoint import checkpoint_problem, checkpoints_dir, latest_checkpoint, resume_candidates
 
-    if config.resume and latest_checkpoint(Path(config.run_dir)) is None:
-        raise ConfigError(f"resume=true, but {str(checkpoints_dir(Path(config.run_dir)))!r} holds no checkpoint")
+    if config.resume_from is not None:
+        problem = checkpoint_problem(Path(config.resume_from))
+        if problem is not None:
+            raise ConfigError(f"resume_from={config.resume_from!r} cannot be resumed from: {problem}")
+    elif config.resume and latest_checkpoint(Path(config.run_dir)) is None:
+        damaged = [f"{path.name} {checkpoint_problem(path)}" for path in resume_candidates(Path(config.run_dir))]
+        found = f" (damaged: {'; '.join(damaged)})" if damaged else ""
+        raise ConfigError(
+            f"resume=true, but {str(checkpoints_dir(Path(config.run_dir)))!r} holds no intact checkpoint{found}"
+        )
 
 
 def _check_run_dir(config: TrainConfig) -> None:
@@ -121,15 +126,55 @@ def _check_run_dir(config: TrainConfig) -> None:
         raise ConfigError(f"run_dir={str(directory)!r} is not writable")
 
 
+def _planned_world_size(config: TrainConfig, launched: bool) -> tuple[int, str]:
+    """The world size to validate and plan for, and the note a dry run prints about it."""
+    if launched:
+        return int(os.environ["WORLD_SIZE"]), ""
+    if not config.trainer.dry_run:
+        return 1, ""
+    ranks = model_parallel_size(config)
+    return ranks, f"WORLD_SIZE is unset: planned for the {ranks} rank(s) of one model replica; WORLD_SIZE=N plans for N"
+
+
+def _print_rank_zero(message: str) -> None:
+    """Print on global rank 0 only (every rank of a run stops with the same message)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``lowprec-train``: Hydra overrides in, exit status out."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments and arguments[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    """Entry point of ``lowprec-train``: Hydra overrides in, exit status out (0 done or stopped by an
+    exit signal with a checkpoint, 2 config or resume error, 130 Ctrl-C)."""
     try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        _print_rank_zero("lowprec-train: interrupted during start-up, before any training step")
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if any(argument in HELP_FLAGS for argument in arguments):
+        try:
+            print(help_text(config_dir()), flush=True)
+        except BrokenPipeError:  # lowprec-train --help | head
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if any(argument in VERSION_FLAGS for argument in arguments):
+        print(version_text())
+        return 0
+    from megatron_lowprec.megatron.notices import quiet_library_notices
+
+    quiet_library_notices()
+    try:
+        options = [argument for argument in arguments if argument.startswith("-")]
+        if options:
+            raise ConfigError(
+                f"unknown option {options[0]!r}: lowprec-train takes Hydra overrides (key=value, group=member) "
+                f"and {', '.join(HELP_FLAGS + VERSION_FLAGS)}"
+            )
         config = compose(arguments)
+        world_size, world_size_note = _planned_world_size(config, launched="WORLD_SIZE" in os.environ)
         validate(config, world_size)
         _check_resumable(config)
         if not config.trainer.dry_run:
@@ -141,11 +186,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_lowprec.train.plan import describe
 
         print(to_yaml(config))
-        print(describe(config, world_size))
+        print(describe(config, world_size, world_size_note))
         return 0
-    for notice in MEGATRON_NOTICES:
-        warnings.filterwarnings("ignore", message=notice, category=UserWarning)
-    from megatron_lowprec.train.loop import train
+    return _train(config)
 
-    train(config)
+
+def _train(config: TrainConfig) -> int:
+    """Train, turning a checkpoint that cannot be resumed and Ctrl-C into one line each."""
+    from megatron_lowprec.train.checkpoint import ResumeError
+    from megatron_lowprec.train.loop import Interrupted, train
+
+    try:
+        train(config)
+    except ResumeError as error:
+        _print_rank_zero(f"lowprec-train: cannot resume: {error}")
+        return 2
+    except Interrupted as interrupted:
+        _print_rank_zero(f"lowprec-train: {interrupted.report()}")
+        return 130
     return 0

@@ -9,38 +9,157 @@ NumPy), restored when the layout is unchanged; it holds tensors and plain contai
 read with ``weights_only=True``. Every option, ``coat`` included (its FP8 states are saved per
 element, :mod:`megatron_lowprec.megatron.checkpoint_state`), and the distributed optimizer save the
 same model-space optimizer state, so a checkpoint resumes at another TP/PP layout, data-parallel
-size or ``optimizer.distributed`` setting. A checkpoint is written under ``iter_<N>.partial`` and renamed when every rank is done;
-``checkpoints/latest`` names the newest complete one, so an interrupted save leaves the previous
-checkpoint in charge.
+size or ``optimizer.distributed`` setting.
+
+A checkpoint counts only once every rank has finished writing it: it is written under
+``iter_<N>.partial``; after a barrier rank 0 writes the completion marker ``complete.json`` last
+(every file of the checkpoint with its size, written to a temporary name and renamed), renames the
+directory and points ``checkpoints/latest`` at it, so an interrupted save leaves the previous
+checkpoint in charge. On resume a checkpoint without the marker, with a file missing or of another
+size than the marker says, or one that fails to load is named in one line and the previous one is
+tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
+pointed back at the first intact one before it is loaded. A checkpoint written with another option, or with
+another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
+``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
+run with :class:`ResumeError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import multiprocessing
 import os
 import pickle
 import random
+import re
 import shutil
+import signal
+import threading
+from collections.abc import Iterable, Iterator
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy
 import torch
 
 from megatron_lowprec.train.config import option_label
+from megatron_lowprec.train.signals import shield_helper
 
 LATEST_FILE = "latest"
+COMPLETE_FILE = "complete.json"
+CHECKPOINT_NAME = re.compile(r"iter_(\d+)")
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint the run cannot resume from: written with another option or schedule, or damaged
+    where the run insists on it (``resume_from``), or no intact one left."""
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint that fails to load on some rank."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of the run, if any."""
-    latest = checkpoints_dir(run_dir) / LATEST_FILE
+def checkpoint_path(run_dir: Path, iteration: int) -> Path:
+    """Where the checkpoint of ``iteration`` lives once complete."""
+    return checkpoints_dir(run_dir) / f"iter_{iteration:07d}"
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (no completion marker, or a file the marker lists
+    missing or of another size), or None."""
+    if not path.is_dir():
+        return "does not exist"
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        return f"has no {COMPLETE_FILE} (its save did not finish)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        return f"its {COMPLETE_FILE} is unreadable ({type(error).__name__})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size:,} bytes, {size:,} were written"
+    return None
+
+
+def _iteration(path: Path) -> int | None:
+    match = CHECKPOINT_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """The checkpoints a resume tries, in order: the one ``latest`` names, then the older ones, newest
+    first (all of them, newest first, without ``latest``)."""
+    directory = checkpoints_dir(run_dir)
+    numbered = sorted(
+        ((_iteration(path), path) for path in directory.glob("iter_*") if _iteration(path) is not None),
+        reverse=True,
+    )
+    latest = directory / LATEST_FILE
     if not latest.is_file():
-        return None
-    path = checkpoints_dir(run_dir) / latest.read_text().strip()
-    return path if path.is_dir() else None
+        return [path for _, path in numbered]
+    named = directory / latest.read_text().strip()
+    limit = _iteration(named)
+    return [named, *(path for iteration, path in numbered if limit is None or iteration < limit)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume of the run starts from: the first intact one of :func:`resume_candidates`."""
+    return next((path for path in resume_candidates(run_dir) if checkpoint_problem(path) is None), None)
+
+
+def start_writer_service(shielded: Iterable[signal.Signals]) -> None:
+    """Start the queue megatron's ``dist_checkpointing`` writer reports its results through (a
+    ``multiprocessing`` manager process of the spawn context, which megatron-core otherwise starts at
+    the first save) with the ``shielded`` signals blocked in that process.
+
+    SLURM signals every process of a job step, and ``kill -TERM -<group>`` every process of a group:
+    without this, the exit signal that asks for a checkpoint also kills that process and the save
+    fails with ``BrokenPipeError``. The process ends with the run (:func:`~megatron_lowprec.train.signals.shield_helper`).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # started already (or a megatron-core that keeps no such queue)
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(shield_helper, (tuple(int(number) for number in shielded),))
+    filesystem_async._results_queue = manager.Queue()
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Ctrl-C while a checkpoint is written raises ``KeyboardInterrupt`` once it is complete. The
+    writer processes megatron forks for a save inherit the handler: interrupted, they would leave
+    the save waiting for them forever."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, flush it to disk and rename it over ``path``."""
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
 
 
 def _layout() -> dict[str, int]:
@@ -111,13 +230,18 @@ def _sharded_state(run, is_loading: bool) -> dict:
 
 
 def save(run) -> Path:
-    """Write the checkpoint of ``run.iteration`` and point ``latest`` at it (collective)."""
+    """Write the checkpoint of ``run.iteration``, mark it complete and point ``latest`` at it
+    (collective); Ctrl-C meanwhile stops the run once the checkpoint is complete."""
+    with _ctrl_c_deferred():
+        return _save(run)
+
+
+def _save(run) -> Path:
     from megatron.core import dist_checkpointing
 
     rank = torch.distributed.get_rank()
-    name = f"iter_{run.iteration:07d}"
-    final = checkpoints_dir(run.run_dir) / name
-    partial = final.with_name(f"{name}.partial")
+    final = checkpoint_path(run.run_dir, run.iteration)
+    partial = final.with_name(f"{final.name}.partial")
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -127,26 +251,81 @@ def save(run) -> Path:
     torch.save(per_rank, partial / f"rank{rank}.pt")
     torch.distributed.barrier()
     if rank == 0:
+        files = {
+            str(file.relative_to(partial)): file.stat().st_size for file in sorted(partial.rglob("*")) if file.is_file()
+        }
+        marker = {"iteration": run.iteration, "world_size": torch.distributed.get_world_size(), "files": files}
+        _write_atomically(partial / COMPLETE_FILE, json.dumps(marker, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        latest = checkpoints_dir(run.run_dir) / LATEST_FILE
-        latest.with_suffix(".partial").write_text(name)
-        os.replace(latest.with_suffix(".partial"), latest)
+        _write_atomically(checkpoints_dir(run.run_dir) / LATEST_FILE, final.name)
     torch.distributed.barrier()
     return final
 
 
+SCHEDULE_FIELDS = (
+    ("max_lr", "optimizer.lr"),
+    ("min_lr", "optimizer.min_lr"),
+    ("lr_warmup_steps", "optimizer.lr_warmup_steps"),
+    ("lr_decay_steps", "optimizer.lr_decay_steps"),
+    ("lr_decay_style", "optimizer.lr_decay_style"),
+    ("start_wd", "optimizer.weight_decay"),
+)
+"""Fields of megatron's ``OptimizerParamScheduler`` state, and the config key that sets each."""
+
+
+def _check_schedule(run, path: Path, saved: dict) -> None:
+    """The config's schedule is the checkpoint's, or a key says which to take (Megatron-LM refuses a
+    mismatch unless told to override it or to use the checkpoint's)."""
+    optimizer = run.config.optimizer
+    if optimizer.override_opt_param_scheduler or optimizer.use_checkpoint_opt_param_scheduler:
+        return
+    current = run.scheduler.state_dict()
+    differences = []
+    for field, key in SCHEDULE_FIELDS:
+        if field in saved and saved[field] != current[field]:
+            if field == "lr_decay_steps" and optimizer.lr_decay_steps is None:
+                key = "trainer.max_steps (the decay steps)"
+            differences.append(f"{key} {current[field]} here, {saved[field]} in the checkpoint")
+    if differences:
+        raise ResumeError(
+            f"{path} was trained on another learning-rate schedule: {'; '.join(differences)}. "
+            f"Set optimizer.override_opt_param_scheduler=true to continue from its step "
+            f"{saved.get('num_steps')} on this config's schedule, or optimizer.use_checkpoint_opt_param_scheduler=true "
+            "to keep the checkpoint's"
+        )
+
+
+def _read_on_every_rank(path: Path, read):
+    """``read()``, where a failure on any rank is a :class:`DamagedCheckpoint` on all of them."""
+    try:
+        value, failure = read(), ""
+    except Exception as error:  # noqa: BLE001 - any failure to read means the checkpoint is damaged
+        value, failure = None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    failed = torch.tensor([1 if failure else 0], dtype=torch.int32, device=torch.cuda.current_device())
+    torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        raise DamagedCheckpoint(f"fails to load ({failure or 'on another rank'})")
+    return value
+
+
 def load(run, path: Path) -> None:
-    """Load ``path`` into ``run``: model, optimizer, scheduler, iteration; RNG at the same layout."""
+    """Load ``path`` into ``run``: model, optimizer, scheduler, iteration; RNG at the same layout.
+
+    Everything is read (and the option and schedule checked) before anything is applied, so a
+    :class:`DamagedCheckpoint` leaves the optimizer, scheduler and iteration as they were."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_sharded_state(run, is_loading=True), str(path))
+    common = _read_on_every_rank(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     option = option_label(run.config.precision)
-    if loaded["option"] != option:
-        raise ValueError(f"checkpoint {str(path)!r} was trained with option {loaded['option']!r}, not {option!r}")
+    if common["option"] != option:
+        raise ResumeError(f"{path} was trained with option {common['option']!r}, not {option!r}")
+    _check_schedule(run, path, common["scheduler"])
+    loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(_sharded_state(run, is_loading=True), str(path)))
     same_layout = loaded["layout"] == _layout()
+    rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
+    per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
-    per_rank = load_rank_file(path / f"rank{torch.distributed.get_rank()}.pt") if same_layout else None
     run.optimizer.load_state_dict(loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
@@ -154,11 +333,53 @@ def load(run, path: Path) -> None:
         _set_rng_states(per_rank["rng"])
 
 
-def resume_if_present(run, resume: bool | None) -> int | None:
-    """Resume from the run directory's latest checkpoint unless ``resume`` is False; the step resumed
-    from, or None (``lowprec-train`` has already refused ``resume=true`` without a checkpoint)."""
-    path = None if resume is False else latest_checkpoint(run.run_dir)
-    if path is None:
+def _problem_on_any_rank(path: Path) -> str | None:
+    """:func:`checkpoint_problem` as every rank agrees on it (each looks at the file system itself)."""
+    problem = checkpoint_problem(path)
+    seen = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=torch.cuda.current_device())
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+    return problem or ("incomplete as another rank sees it" if seen.item() else None)
+
+
+def _say(message: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(f"lowprec-train: {message}", flush=True)
+
+
+def resume_if_present(run) -> int | None:
+    """Resume from ``resume_from``, else (unless ``resume=false``) from the newest intact checkpoint of
+    the run directory, naming each damaged one on the way; the step resumed from, or None
+    (``lowprec-train`` has already refused ``resume=true`` without a checkpoint)."""
+    config = run.config
+    if config.resume_from is not None:
+        path = Path(config.resume_from).absolute()
+        try:
+            problem = _problem_on_any_rank(path)
+            if problem is None:
+                load(run, path)
+                return run.iteration
+        except DamagedCheckpoint as error:
+            problem = str(error)
+        raise ResumeError(f"resume_from={config.resume_from} cannot be resumed from: {problem}")
+    if config.resume is False:
         return None
-    load(run, path)
-    return run.iteration
+    skipped = []
+    for path in resume_candidates(run.run_dir):
+        problem = _problem_on_any_rank(path)
+        if problem is None:
+            if skipped and torch.distributed.get_rank() == 0:
+                _write_atomically(checkpoints_dir(run.run_dir) / LATEST_FILE, path.name)
+            try:
+                load(run, path)
+            except DamagedCheckpoint as error:
+                problem = str(error)
+        if problem is None:
+            return run.iteration
+        skipped.append(path.name)
+        _say(f"skipping checkpoint {path}: {problem}")
+    if skipped:
+        raise ResumeError(
+            f"no intact checkpoint in {checkpoints_dir(run.run_dir)} (skipped {', '.join(skipped)}); "
+            "resume=false starts the run over"
+        )
+    return None

@@ -27,6 +27,7 @@ DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
 TE_FP8_RECIPES = ("delayed", "current")
+EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
 
 
 @dataclass
@@ -159,6 +160,13 @@ class OptimizerConfig:
     """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps and updates only its
     shard of every optimizer state (gradients reduce-scattered, parameters all-gathered); needs a
     data-parallel size above 1. Training is bit-identical either way."""
+    # Resuming with another schedule (Megatron-LM's --override-opt_param-scheduler and
+    # --use-checkpoint-opt_param-scheduler); with neither, a schedule that differs from the
+    # checkpoint's (lr, min_lr, warmup, decay steps or style, weight decay) stops the run.
+    override_opt_param_scheduler: bool = False
+    """On resume, take this config's schedule and continue it from the checkpoint's step."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's schedule and ignore this config's."""
 
 
 @dataclass
@@ -217,6 +225,11 @@ class TrainerConfig:
     """Save a checkpoint every this many steps (0: only at the end)."""
     save: bool = True
     """Save a checkpoint at the end (and at ``save_interval``)."""
+    # Preemption (Megatron-LM's --exit-signal-handler): on SIGTERM or exit_signal every rank
+    # finishes its step, saves a checkpoint and exits 0.
+    exit_signal: Optional[str] = "SIGUSR1"
+    """A signal handled like SIGTERM, e.g. the one SLURM's ``--signal`` sends before the time limit
+    (SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGTERM; ``null``: SIGTERM alone)."""
     seed: int = 1234
     """Seed of initialisation, dropout, data order and stochastic rounding."""
     dry_run: bool = False
@@ -254,6 +267,9 @@ class TrainConfig:
     """Run directory (config, metrics, checkpoints); ``None``: ``runs/<time>-<model>-<option>``."""
     resume: Optional[bool] = None
     """``None``: resume when run_dir holds a checkpoint; ``true``: require one; ``false``: start fresh."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory (``<run_dir>/checkpoints/iter_<N>``, of this run or another) to resume
+    from exactly: where it is damaged the run stops instead of falling back to an older one."""
 
 
 class ConfigError(ValueError):
@@ -301,14 +317,23 @@ def _validate_megatron_optimizer(precision: PrecisionConfig) -> None:
         )
 
 
+def model_parallel_size(config: TrainConfig) -> int:
+    """Ranks one model replica spans: tensor x pipeline parallel size."""
+    return config.trainer.tensor_model_parallel_size * config.trainer.pipeline_model_parallel_size
+
+
 def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     """Data-parallel ranks left once tensor and pipeline parallelism take theirs."""
-    model_parallel = config.trainer.tensor_model_parallel_size * config.trainer.pipeline_model_parallel_size
+    model_parallel = model_parallel_size(config)
     if world_size % model_parallel:
+        launch = (
+            f"; launch a multiple of {model_parallel} ranks: torchrun --nproc-per-node {model_parallel} "
+            f"-m megatron_lowprec.train ..., or launch/torchrun.sh --nproc-per-node {model_parallel} ..."
+        )
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size x "
             f"pipeline_model_parallel_size = {config.trainer.tensor_model_parallel_size} x "
-            f"{config.trainer.pipeline_model_parallel_size}"
+            f"{config.trainer.pipeline_model_parallel_size}{launch}"
         )
     return world_size // model_parallel
 
@@ -469,11 +494,6 @@ def validate(config: TrainConfig, world_size: int) -> None:
                 "optimizer.distributed=true updates each element on one rank only, so replicas cannot drift; "
                 "precision.shared_randomness=false needs optimizer.distributed=false"
             )
-        if not config.precision.megatron_optimizer and precision_strategy(config.precision).master_storage == "remainder":
-            raise ConfigError(
-                f"optimizer.distributed=true keeps whole FP32 masters for now; precision.option={config.precision.option} "
-                "with precision.master_storage=remainder needs optimizer.distributed=false (or precision.master_storage=fp32)"
-            )
     _validate_layer_precision(config.precision)
     _validate_optimizer(config.optimizer)
     if config.data.kind == "indexed":
@@ -482,3 +502,17 @@ def validate(config: TrainConfig, world_size: int) -> None:
         _validate_megatron_optimizer(config.precision)
     if config.resume and config.run_dir is None:
         raise ConfigError("resume=true needs run_dir=<the directory of the run to resume>")
+    _validate_fault_handling(config)
+
+
+def _validate_fault_handling(config: TrainConfig) -> None:
+    """The exit signal, the schedule choice on resume and ``resume_from``."""
+    if config.trainer.exit_signal is not None:
+        _choice("trainer.exit_signal", config.trainer.exit_signal, EXIT_SIGNALS)
+    if config.optimizer.override_opt_param_scheduler and config.optimizer.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "optimizer.override_opt_param_scheduler=true (take the config's schedule) and "
+            "optimizer.use_checkpoint_opt_param_scheduler=true (keep the checkpoint's) contradict each other; set one"
+        )
+    if config.resume_from is not None and config.resume is False:
+        raise ConfigError(f"resume_from={config.resume_from!r} and resume=false contradict each other; drop one")

@@ -9,6 +9,10 @@ data-parallel reduction, the precision option as a ``MegatronOptimizer``
 ``get_megatron_optimizer`` with ``precision.megatron_optimizer``, the stock baseline) and megatron's
 ``OptimizerParamScheduler`` (warmup, then cosine decay). Without CUDA the CPU bridge is active and
 the backend is gloo.
+
+SIGTERM or ``trainer.exit_signal`` on any rank stops every rank after the same step with a
+checkpoint (:mod:`megatron_lowprec.train.signals`); Ctrl-C raises :class:`Interrupted`, which says
+where the run stopped and which checkpoint a rerun resumes from.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron_lowprec.train.data import TrainingData, batches, build_training_da
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
+from megatron_lowprec.train.signals import ExitSignals
 
 
 MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
@@ -96,6 +101,24 @@ def _run_dir(config: TrainConfig) -> Path:
     return Path(chosen[0]).absolute()
 
 
+class Interrupted(Exception):
+    """Ctrl-C (``KeyboardInterrupt``) during a run: the step it reached and where a rerun resumes."""
+
+    def __init__(self, run_dir: Path, step: int | None, max_steps: int) -> None:
+        super().__init__(f"interrupted at step {step} in {run_dir}")
+        self.run_dir, self.step, self.max_steps = run_dir, step, max_steps
+
+    def report(self) -> str:
+        """One line: the step reached, and the checkpoint a rerun with this run directory resumes from."""
+        reached = "during start-up" if self.step is None else f"after step {self.step}/{self.max_steps}"
+        path = checkpoint.latest_checkpoint(self.run_dir)
+        if path is None:
+            resume = f"no checkpoint in {self.run_dir} yet, so a rerun starts from scratch"
+        else:
+            resume = f"a rerun with run_dir={self.run_dir} resumes from {path}"
+        return f"interrupted {reached}; {resume}"
+
+
 @dataclasses.dataclass
 class Run:
     """What the loop works with."""
@@ -110,7 +133,7 @@ class Run:
     iteration: int = 0
 
 
-def _build(config: TrainConfig, run_dir: Path) -> Run:
+def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -165,8 +188,7 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         )
     module.config.finalize_model_grads_func = finalize_model_grads
     module.config.grad_scale_func = optimizer.scale_loss
-    max_steps = max(trainer.max_steps, 1)
-    decay_steps = optim.lr_decay_steps or max_steps
+    decay_steps = optim.lr_decay_steps or max(trainer.max_steps, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -177,8 +199,10 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
         lr_decay_style=optim.lr_decay_style,
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,
-        wd_incr_steps=max_steps,
+        wd_incr_steps=decay_steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=optim.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=optim.override_opt_param_scheduler,
     )
     dp = data_parallel_size(config, torch.distributed.get_world_size())
     return Run(config, run_dir, data, model, optimizer, scheduler, trainer.global_batch_size // (trainer.micro_batch_size * dp))
@@ -325,34 +349,59 @@ def evaluate_sharpness(run: Run) -> float:
 
 
 def train(config: TrainConfig) -> dict:
-    """Run the training of ``config``; returns the summary (also printed and saved by rank 0)."""
+    """Run the training of ``config``; returns the summary (also printed and saved by rank 0), or,
+    when an exit signal stopped it, where it stopped (``stopped_by``, ``steps``, ``checkpoint``).
+    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``."""
     with distributed_environment(config):
         run_dir = _run_dir(config)
-        run = _build(config, run_dir)
-        resumed = checkpoint.resume_if_present(run, config.resume)
-        logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
-        trainer = config.trainer
-        tokens_per_step = trainer.global_batch_size * config.model.seq_length
-        interval: list[dict] = []
-        step_seconds: list[float] = []
-        saved_at = None
-        while run.iteration < trainer.max_steps:
-            started = time.perf_counter()
-            interval.append(train_step(run))
-            step_seconds.append(time.perf_counter() - started)
-            if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps:
-                logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
-                interval = []
-            if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
-                logger.valid(run.iteration, evaluate(run))
-            if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:
-                logger.sharpness(run.iteration, evaluate_sharpness(run))
-            if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
+        try:
+            run = build_run(config, run_dir)
+            resumed = checkpoint.resume_if_present(run)
+            logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
+        except KeyboardInterrupt:
+            raise Interrupted(run_dir, None, config.trainer.max_steps) from None
+        try:
+            with ExitSignals(config.trainer.exit_signal) as exit_signals:
+                if config.trainer.save:
+                    checkpoint.start_writer_service(exit_signals.signals)
+                return _train_loop(run, logger, exit_signals, resumed)
+        except KeyboardInterrupt:
+            logger.close(exit_code=130)
+            raise Interrupted(run_dir, run.iteration, config.trainer.max_steps) from None
+
+
+def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resumed: int | None) -> dict:
+    """Steps until ``trainer.max_steps`` (then evaluation, the last checkpoint and the summary) or until
+    an exit signal (then a checkpoint and one line)."""
+    config, trainer = run.config, run.config.trainer
+    tokens_per_step = trainer.global_batch_size * config.model.seq_length
+    interval: list[dict] = []
+    step_seconds: list[float] = []
+    saved_at = None
+    while run.iteration < trainer.max_steps:
+        started = time.perf_counter()
+        interval.append(train_step(run))
+        step_seconds.append(time.perf_counter() - started)
+        stop_signal = exit_signals.received()
+        if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps or stop_signal:
+            logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
+            interval = []
+        if stop_signal:
+            if trainer.save and saved_at != run.iteration:
                 checkpoint.save(run)
                 saved_at = run.iteration
-        valid_loss = evaluate(run)
-        logger.valid(run.iteration, valid_loss)
-        if trainer.save and saved_at != run.iteration and (step_seconds or resumed is None):
+            saved = checkpoint.checkpoint_path(run.run_dir, run.iteration) if saved_at == run.iteration else None
+            return logger.stop(stop_signal, saved)
+        if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
+            logger.valid(run.iteration, evaluate(run))
+        if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:
+            logger.sharpness(run.iteration, evaluate_sharpness(run))
+        if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
             checkpoint.save(run)
-        tokens_per_second = tokens_per_step * len(step_seconds) / sum(step_seconds) if step_seconds else math.nan
-        return logger.finish(valid_loss, tokens_per_second)
+            saved_at = run.iteration
+    valid_loss = evaluate(run)
+    logger.valid(run.iteration, valid_loss)
+    if trainer.save and saved_at != run.iteration and (step_seconds or resumed is None):
+        checkpoint.save(run)
+    tokens_per_second = tokens_per_step * len(step_seconds) / sum(step_seconds) if step_seconds else math.nan
+    return logger.finish(valid_loss, tokens_per_second)

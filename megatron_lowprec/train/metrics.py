@@ -3,7 +3,8 @@
 Every line of ``metrics.jsonl`` is one JSON object with ``step``, ``split`` (``train``, ``valid``
 or ``sharpness``) and ``option``. Train lines hold ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_second`` (over the training steps alone: evaluation and checkpoints are not counted),
-``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`), ``mfu`` (on GPUs whose
+``tflops_per_gpu`` (model FLOPs, :mod:`megatron_lowprec.train.throughput`; per process on CPUs, where
+the console says ``TFLOP/s/process``), ``mfu`` (on GPUs whose
 BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_reserved_gib`` on
 GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
 ``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval);
@@ -55,6 +56,7 @@ def _open_wandb(config: TrainConfig, run_dir: Path):
         dir=str(run_dir),
         mode=os.environ.get("WANDB_MODE", config.logging.wandb_mode),
         config=dataclasses.asdict(config),
+        settings=wandb.Settings(quiet=True),
     )
 
 
@@ -71,8 +73,10 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 
 def _performance_text(performance: dict) -> str:
-    """``12.3 TFLOP/s/GPU | MFU 1.2% | peak 3.40 GiB allocated, 4.00 GiB reserved`` (or ``peak RSS``)."""
-    parts = [f"{performance['tflops_per_gpu']:.3g} TFLOP/s/GPU"]
+    """``12.3 TFLOP/s/GPU | MFU 1.2% | peak 3.40 GiB allocated, 4.00 GiB reserved``; on CPUs
+    ``TFLOP/s/process`` and ``peak RSS`` (a rank is a process there, not a GPU)."""
+    device = "GPU" if "peak_allocated_gib" in performance else "process"
+    parts = [f"{performance['tflops_per_gpu']:.3g} TFLOP/s/{device}"]
     if "mfu" in performance:
         parts.append(f"MFU {100 * performance['mfu']:.1f}%")
     if "peak_rss_gib" in performance:
@@ -212,7 +216,8 @@ class MetricsLogger:
         return self.run.optimizer.optimizer.skipped_steps
 
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
-        """Print and save the summary; close the metrics file and wandb. Returns the summary."""
+        """Save the summary, close the metrics file and wandb, then print the summary: the run's last
+        line. Its train loss is the last step's (the step lines show means over their interval)."""
         strategy = precision_strategy(self.config.precision)
         performance = self._performance(tokens_per_second)
         summary = {
@@ -233,16 +238,41 @@ class MetricsLogger:
         }
         if not self.active:
             return summary
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        if self.wandb is not None:
+            self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
+        self.close(exit_code=0)
         print(
             f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
             f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
-            f"train loss {summary['final_train_loss']:.4f} | validation loss {valid_loss:.4f} | "
+            f"train loss {summary['final_train_loss']:.4f} (last step) | validation loss {valid_loss:.4f} | "
             f"{tokens_per_second:,.0f} tokens/s | {_performance_text(performance)} | {self.run_dir}",
             flush=True,
         )
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def stop(self, signal_name: str, checkpoint: Path | None) -> dict:
+        """An exit signal stopped the run after ``run.iteration``: one line, files closed; where it stopped."""
+        step, rerun = self.run.iteration, f"run_dir={self.run_dir}"
+        if self.config.resume_from is not None:
+            rerun += " and without resume_from"
+        if checkpoint is None:
+            saved = "without a checkpoint (trainer.save=false)"
+        else:
+            saved = f"and saved {checkpoint}; a rerun with {rerun} resumes from it"
+        if self.active:
+            self.close(exit_code=0)
+            print(
+                f"lowprec-train: {signal_name} received: stopped after step {step}/{self.config.trainer.max_steps} {saved}",
+                flush=True,
+            )
+        return {"stopped_by": signal_name, "steps": step, "checkpoint": None if checkpoint is None else str(checkpoint),
+                "run_dir": str(self.run_dir)}
+
+    def close(self, exit_code: int) -> None:
+        """Close the metrics file and finish the wandb run (quietly: it prints nothing at the end)."""
+        if not self.active or self.metrics.closed:
+            return
         self.metrics.close()
         if self.wandb is not None:
-            self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
-            self.wandb.finish()
-        return summary
+            self.wandb.finish(exit_code=exit_code)

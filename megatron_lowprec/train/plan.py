@@ -15,8 +15,9 @@ def _vocab_size(config: TrainConfig) -> int | None:
     return EMBEDDED_DEFAULT_VOCAB_SIZE if config.data.kind == "embedded" else None
 
 
-def describe(config: TrainConfig, world_size: int) -> str:
-    """Layout, batch arithmetic, model size and optimizer memory of ``config`` on ``world_size`` ranks."""
+def describe(config: TrainConfig, world_size: int, world_size_note: str = "") -> str:
+    """Layout, batch arithmetic, model size and optimizer memory of ``config`` on ``world_size`` ranks;
+    ``world_size_note`` says where that world size comes from when it was not launched."""
     trainer, model = config.trainer, config.model
     strategy = precision_strategy(config.precision)
     dp = data_parallel_size(config, world_size)
@@ -25,7 +26,7 @@ def describe(config: TrainConfig, world_size: int) -> str:
     lines = [
         "plan:",
         f"  ranks: {world_size} = TP {trainer.tensor_model_parallel_size} x PP "
-        f"{trainer.pipeline_model_parallel_size} x DP {dp}",
+        f"{trainer.pipeline_model_parallel_size} x DP {dp}" + (f" ({world_size_note})" if world_size_note else ""),
         f"  batch: global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x DP {dp} x "
         f"{microbatches} accumulated micro-batches; {tokens_per_step:,} tokens/step",
         f"  steps: {trainer.max_steps} ({trainer.max_steps * tokens_per_step:,} tokens), "

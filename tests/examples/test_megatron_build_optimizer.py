@@ -24,12 +24,15 @@ def test_example_trains_and_reports_update_quality(option):
         port = probe.getsockname()[1]
     completed = subprocess.run(
         [sys.executable, str(EXAMPLE), "--option", option, "--steps", "20"],
-        env={**os.environ, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        env={**{key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}, "MASTER_PORT": str(port),
+             "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
+    # megatron-core's notices about optional TE/apex fallbacks are filtered once at start-up.
+    assert "Warning" not in completed.stderr, completed.stderr[-3000:]
     steps = [STEP_LINE.search(line) for line in completed.stdout.splitlines()]
     losses = [float(match.group(1)) for match in steps if match]
     assert len(losses) == 20

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ SLURM_SBATCH = ROOT / "launch" / "slurm.sbatch"
 BASH = shutil.which("bash")
 LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES",
                     "WORLD_SIZE", "CONTAINER_IMAGE", "CONTAINER_MOUNTS", "RDZV_PORT", "HEAD_NODE", "GPUS_PER_NODE",
-                    "DRY_RUN")
+                    "DRY_RUN", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
 def launch(script: Path, *arguments: str, bin_dir: Path, **variables: str) -> subprocess.CompletedProcess:
@@ -206,3 +207,23 @@ def test_launchers_pass_shellcheck():
     assert shellcheck, "shellcheck is not on PATH: pip install -e '.[dev]' -c constraints.txt"
     completed = subprocess.run([shellcheck, str(TORCHRUN_SH), str(SLURM_SBATCH)], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+def test_slurm_sends_sigterm_before_the_time_limit_and_torchrun_waits_for_the_checkpoint(bin_dir):
+    """The job asks SLURM for SIGTERM before its time limit: a signal every rank saves a checkpoint on,
+    and one torchrun forwards to its workers at every torch version (it dies of SIGUSR1 before 2.9);
+    srun starts torchrun with the grace it gives the workers to save exported."""
+    from megatron_lowprec.train.signals import ExitSignals
+
+    directives = re.findall(r"^#SBATCH --signal=(\w+)@(\d+)$", SLURM_SBATCH.read_text(), re.MULTILINE)
+    assert len(directives) == 1 and int(directives[0][1]) >= 120, directives
+    assert getattr(signal, f"SIG{directives[0][0]}") in ExitSignals(None).signals
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!{BASH}\necho "grace=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT $*"\n')
+    srun.chmod(0o755)
+    completed = launch(SLURM_SBATCH, "precision=sr", bin_dir=bin_dir, **{**SLURM_JOB, "DRY_RUN": "0"})
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("grace=240 --nodes 2 "), completed.stdout
+    completed = launch(SLURM_SBATCH, "precision=sr", bin_dir=bin_dir, **{**SLURM_JOB, "DRY_RUN": "0"},
+                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT="600")
+    assert completed.stdout.startswith("grace=600 "), completed.stdout

@@ -396,7 +396,10 @@ def _replaceable_attributes() -> dict[str, object]:
 
     attributes = {
         f"torch.cuda.{name}": getattr(torch.cuda, name)
-        for name in ("current_device", "synchronize", "manual_seed")
+        for name in (
+            "current_device", "synchronize", "manual_seed", "current_stream", "default_stream", "Stream", "stream",
+            "Event", "get_rng_state", "set_rng_state",
+        )
     }
     attributes["torch.autograd._engine_run_backward"] = torch.autograd._engine_run_backward
     for name in (

@@ -7,6 +7,7 @@ SCENARIO JSON`` once per rank; writes ``RESULT_DIR/rank<N>.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,21 +22,23 @@ from megatron_lowprec.megatron import cpu as cpu_bridge
 from tests.megatron.launch import init_process_group
 
 
-def _ddp(config, distributed: bool, bucket_size: int | None = None):
+def _ddp(config, distributed: bool, bucket_size: int | None = None, grad_reduce_in_fp32: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, use_distributed_optimizer=distributed, bucket_size=bucket_size,
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=distributed, bucket_size=bucket_size,
         overlap_grad_reduce=bucket_size is not None,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=_seeded_model(config))
 
 
 def _optimizer(option: str, model, distributed: bool, fused: bool = False, **options):
+    """The optimizer of ``option``: a name, or NAME:MASTER_STORAGE (``D:remainder``)."""
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
+    name, _, master_storage = option.partition(":")
     config = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=distributed)
-    return build_optimizer(option, [model], config, seed=11, fused=fused, **options)
+    return build_optimizer(name, [model], config, seed=11, fused=fused, master_storage=master_storage or None, **options)
 
 
 def _unsharded_state_bytes(optimizer) -> int:
@@ -51,24 +54,27 @@ def _train_with_finalize(model, optimizer, steps: int) -> dict:
 
     model.config.finalize_model_grads_func = finalize_model_grads
     scheduler = _scheduler(optimizer, steps)
-    losses, successes = [], []
+    losses, successes, grad_norms = [], [], []
     for step in range(steps):
         scheduler.step(1)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses.extend(_train_step(model, data_seed=1000 * step + parallel_state.get_data_parallel_rank()))
-        successes.append(optimizer.step()[0])
-    return {"losses": losses, "successes": successes}
+        success, grad_norm, _ = optimizer.step()
+        successes.append(success)
+        grad_norms.append(grad_norm)
+    return {"losses": losses, "successes": successes, "grad_norms": grad_norms}
 
 
 def sharded_equals_unsharded(
     options: list[str], tensor_parallel: int, steps: int, bucket_size: int | None, fused: bool = False,
-    pipeline_parallel: int = 1,
+    pipeline_parallel: int = 1, grad_reduce_in_fp32: bool = False,
 ) -> dict:
     """Per option: ``steps`` steps with and without the distributed optimizer from the same weights
-    on the same data (DDP buckets of ``bucket_size`` elements; both eager, or both ``fused``; tied
-    embeddings across ``pipeline_parallel`` stages); whether losses and parameters are
-    bit-identical, the optimizer state bytes each rank holds, and the layout's figures."""
+    on the same data (DDP buckets of ``bucket_size`` elements, gradients reduced in FP32 or BF16;
+    both eager, or both ``fused``; tied embeddings across ``pipeline_parallel`` stages); whether
+    losses, gradient norms and parameters are bit-identical, the optimizer state bytes each rank
+    holds, and the layout's figures."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -81,7 +87,7 @@ def sharded_equals_unsharded(
     for option in options:
         runs = {}
         for distributed in (False, True):
-            model = _ddp(config, distributed, bucket_size)
+            model = _ddp(config, distributed, bucket_size, grad_reduce_in_fp32)
             optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
             losses = _train_with_finalize(model, optimizer, steps)
             quality = optimizer.update_quality()
@@ -91,8 +97,15 @@ def sharded_equals_unsharded(
         result[option] = {
             "successes": all(runs[True][0]["successes"]) and all(runs[False][0]["successes"]),
             "losses_identical": runs[True][0]["losses"] == runs[False][0]["losses"],
+            "grad_norms_identical": runs[True][0]["grad_norms"] == runs[False][0]["grad_norms"],
+            "grad_norms": runs[False][0]["grad_norms"],
             "params_identical": torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32)),
             "sharded_bytes": runs[True][2],
+            "sharded_padding_bytes": sum(
+                (state_bucket.numel - sum(state_bucket.numels)) / state_bucket.numel
+                * sum(buffer.numel() * buffer.element_size() for buffer in state_bucket.state.values())
+                for shard in sharded.shards for state_bucket in shard.state_buckets
+            ),
             "unsharded_bytes": runs[False][2],
             "buckets": len(sharded.shards),
             "bytes_per_element": runs[True][2] / sum(shard.end - shard.start for shard in sharded.shards),
@@ -183,29 +196,159 @@ def _same_state(sharded, sharded_model, unsharded, unsharded_model) -> bool:
     return True
 
 
+def _sharded_masters(optimizer) -> torch.Tensor | None:
+    """The FP32 masters the distributed optimizer holds (remainders joined with their parameters), flat."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
+
+    sharded = optimizer.optimizer
+    if not sharded.strategy.master_weights:
+        return None
+    return torch.cat([
+        checkpoint_state(sharded.piece_state(shard, piece), piece.numel, sharded.strategy, param=param)["master"]
+        for shard in sharded.shards for piece, param in zip(shard.pieces, shard.params())
+    ])
+
+
 def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
     """Another layout loads each option's checkpoint with and without the distributed optimizer:
-    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``."""
+    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``. An
+    option ``LOADED<-SAVED`` loads the checkpoint of option SAVED (another master storage): whether
+    its FP32 masters equal, bit for bit, those that SAVED (listed before it) loaded."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
-    result = {}
-    for option in options:
+    result, masters = {}, {}
+    for entry in options:
+        option, _, saved = entry.partition("<-")
         runs = {
-            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
+            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / (saved or option)), 2 * steps)
             for distributed in (True, False)
         }
         same_state = _same_state(runs[True][1], runs[True][0], runs[False][1], runs[False][0])
+        masters[entry] = _sharded_masters(runs[True][1])
         losses = {
             distributed: _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
             for distributed, (model, optimizer, scheduler) in runs.items()
         }
-        result[option] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
+        result[entry] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
+        if saved:
+            result[entry]["same_masters"] = torch.equal(masters[entry].view(torch.int32), masters[saved].view(torch.int32))
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere)}
+def _counting_compiled_calls(calls: list[int]):
+    """Wrap the fused step's compiled kernel so that every call is counted in ``calls``."""
+    from megatron_lowprec.optim import fused
+
+    compiled_kernel = fused.compiled_kernel
+
+    def counting(*flags):
+        kernel = compiled_kernel(*flags)
+
+        def call(*args):
+            calls.append(1)
+            return kernel(*args)
+
+        return call
+
+    fused.compiled_kernel = counting
+
+
+@contextlib.contextmanager
+def _spying_host_to_device_copies(copies: list[str]):
+    """Record every ``torch.tensor`` / ``torch.as_tensor`` that places its data on a device: a copy from
+    the host that waits for the device (the step's scalars and tables must not need one)."""
+    factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def spy(name):
+        def factory(*args, **kwargs):
+            if kwargs.get("device") is not None:
+                copies.append(f"torch.{name}(..., device={kwargs['device']})")
+            return factories[name](*args, **kwargs)
+
+        return factory
+
+    for name in factories:
+        setattr(torch, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, factory in factories.items():
+            setattr(torch, name, factory)
+
+
+def _backward(model, optimizer, data_seed: int) -> None:
+    """Gradients of one step, synced once (as megatron's schedule does with finalize_model_grads)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    _train_step(model, data_seed=data_seed)
+
+
+def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size: int, hidden_size: int) -> dict:
+    """DP=2, per option and with and without the distributed optimizer (fused; stochastic rounding
+    one call per bucket, as on GPUs): the bytes the optimizer's construction leaves allocated
+    (:func:`tests.allocations.kept_allocations`, less the flat buffer that the unsharded optimizer
+    moves the parameters into, their old storage freed), against the state it reports; and for ``stepped_options``, what a step keeps allocated,
+    the compiled calls of one step against the number of its state buckets and of its parameters,
+    and host-to-device copies during a step."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.optim import fused
+    from tests.allocations import kept_allocations
+
+    parallel_state.initialize_model_parallel()
+    fused.BUCKET_STREAM_DEVICES = ("cuda", "cpu")
+    calls: list[int] = []
+    copies: list[str] = []
+    _counting_compiled_calls(calls)
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0, hidden_size=hidden_size, num_layers=1)
+    result = {}
+    for option in options:
+        for distributed in (False, True):
+            model = _ddp(config, distributed, bucket_size)
+            numel = sum(param.numel() for param in model.parameters())
+            built = kept_allocations(lambda: _optimizer(option, model, distributed, fused=True))
+            optimizer = built.result
+            if distributed:
+                reported = optimizer.optimizer.state_bytes()
+                entries = sum(len(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                state_buckets = sum(len(shard.state_buckets) for shard in optimizer.optimizer.shards)
+                owned = sum(sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                padding = sum(b.numel - sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                moved_params = 0
+            else:
+                reported = _unsharded_state_bytes(optimizer)
+                moved_params = sum(bucket.param_buffer.nbytes for bucket in optimizer.optimizer.buckets)
+                entries = sum(len(bucket.params) for bucket in optimizer.optimizer.buckets)
+                state_buckets = len(optimizer.optimizer.buckets)
+                owned = sum(sum(bucket.numels) for bucket in optimizer.optimizer.buckets)
+                padding = sum(bucket.numel - sum(bucket.numels) for bucket in optimizer.optimizer.buckets)
+            costs = {
+                "built_bytes": built.end - moved_params,
+                "reported_bytes": reported,
+                "owned": owned,
+                "padding": padding,
+                "parameters": numel,
+                "state_buckets": state_buckets,
+                "entries": entries,
+            }
+            if option in stepped_options:
+                for data_seed in (1, 2):
+                    _backward(model, optimizer, data_seed)
+                    del calls[:], copies[:]
+                    with _spying_host_to_device_copies(copies):
+                        stepped = kept_allocations(optimizer.step)
+                    assert stepped.result[0], f"{option}: a step was skipped"
+                costs.update(step_kept_bytes=stepped.end, compiled_calls=len(calls), copies=list(copies))
+            result[f"{option}-{'sharded' if distributed else 'unsharded'}"] = costs
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs)}
 
 
 def main(result_dir: Path, scenario: str, arguments: dict) -> None:

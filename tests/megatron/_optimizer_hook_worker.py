@@ -177,12 +177,24 @@ def _stock_masters(optimizer, model) -> dict[str, torch.Tensor]:
     return masters
 
 
+def _exact_norm_in_stock_megatron(grads_for_norm, norm_type=2, grad_stats_parallel_group=None, **_) -> float:
+    """megatron's ``get_grad_norm_fp32`` computed as the precision options compute it (exactly)."""
+    from megatron_lowprec.megatron.distributed import global_grad_norm
+
+    grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+    return global_grad_norm(grads, grad_stats_parallel_group, grads[0].device)
+
+
 def option_d_against_stock_megatron(steps: int) -> dict:
     """Option D and megatron's own bf16 optimizer (Float16OptimizerWithFloat16Params around torch's
-    AdamW, set to torch's fused kernel) from the same weights on the same data: their losses, and
-    whether every FP32 master is bit-identical to megatron's main parameter."""
+    AdamW, set to torch's fused kernel) from the same weights on the same data, the stock optimizer
+    clipping by the exact gradient norm the precision options use: their losses, and whether every
+    FP32 master is bit-identical to megatron's main parameter. Also megatron's own FP32 norm and the
+    exact one of the last step's gradients."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
@@ -192,12 +204,21 @@ def option_d_against_stock_megatron(steps: int) -> dict:
     stock = _ddp(config, grad_reduce_in_fp32=True)
     our_optimizer = build_optimizer("D", [ours], _optimizer_config(), fused=False)
     stock_optimizer = _torch_fused_adamw(get_megatron_optimizer(_optimizer_config(), [stock]))
-    result = {"ours": _train(ours, our_optimizer, steps)["losses"], "stock": _train(stock, stock_optimizer, steps)["losses"]}
+    result = {"ours": _train(ours, our_optimizer, steps)["losses"]}
+    megatron_optimizer.get_grad_norm_fp32 = _exact_norm_in_stock_megatron
+    try:
+        result["stock"] = _train(stock, stock_optimizer, steps)["losses"]
+    finally:
+        megatron_optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
     stock_masters = _stock_masters(stock_optimizer, stock)
     our_masters = {name: our_optimizer.optimizer.state[param]["master"] for name, param in ours.named_parameters()}
     result["masters_identical"] = sorted(our_masters) == sorted(stock_masters) and all(
         torch.equal(our_masters[name].view(torch.int32), stock_masters[name].view(torch.int32)) for name in our_masters
     )
+    grads = [param.main_grad for param in ours.parameters()]
+    group = parallel_state.get_model_parallel_group()
+    result["norms"] = [_exact_norm_in_stock_megatron(grads, grad_stats_parallel_group=group),
+                       get_grad_norm_fp32(grads, grad_stats_parallel_group=group)]
     return result
 
 

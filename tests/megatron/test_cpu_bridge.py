@@ -49,6 +49,9 @@ class TestMegatronOnCpu:
                 "function mode stack",
                 "torch.autograd._engine_run_backward",
                 "torch.cuda.current_device",
+                "torch.cuda.current_stream",
+                "torch.cuda.Event",
+                "torch.cuda.get_rng_state",
                 "tensor_parallel.random.CudaRNGStatesTracker",
             } <= set(rank_results["activation"]["changed"])
             assert rank_results["deactivation"]["not_restored"] == []
@@ -138,6 +141,8 @@ def test_mode_redirects_cuda_device_requests_to_cpu():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.empty(2, device=0).device.type == "cpu"
         assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.ones(2).to(0).device.type == "cpu"
+        assert torch.ones(2).to("cuda:0", torch.bfloat16).dtype == torch.bfloat16
         assert torch.zeros(2).new_zeros(3, device="cuda:0").device.type == "cpu"
         assert torch.zeros(2, device="meta").device.type == "meta"
         tensor = torch.zeros(2, dtype=torch.bfloat16)
@@ -163,6 +168,32 @@ def test_activation_is_a_noop_when_cuda_is_available(monkeypatch):
     assert torch.autograd._engine_run_backward is run_backward
     assert torch.overrides._get_current_function_mode_stack() == modes
     assert ("megatron.core" in sys.modules) == megatron_imported
+
+
+@requires_no_cuda
+def test_streams_events_and_rng_state_have_cpu_meanings():
+    """megatron-core 0.17+ waits on streams and events at every gradient sync and saves the device's
+    RNG state with each checkpoint; on the CPU these are program-order no-ops and the CPU generator."""
+    before = {name: getattr(torch.cuda, name) for name in ("current_stream", "Event", "get_rng_state")}
+    with cpu.cpu_bridge(strict=False):
+        stream = torch.cuda.current_stream()
+        assert stream is torch.cuda.default_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        stream.wait_event(start)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            side.wait_stream(stream)
+            total = torch.ones(3).sum()
+        end.record(side)
+        assert start.query() and end.query() and total.item() == 3.0
+        assert start.elapsed_time(end) >= 0.0
+        torch.manual_seed(5)
+        saved = torch.cuda.get_rng_state()
+        first = torch.rand(4)
+        torch.cuda.set_rng_state(saved)
+        assert torch.equal(torch.rand(4), first)
+    assert {name: getattr(torch.cuda, name) for name in before} == before
 
 
 def test_every_bridged_call_is_documented():

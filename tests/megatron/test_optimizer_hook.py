@@ -76,12 +76,15 @@ def test_every_element_draws_the_same_sr_bits_at_every_layout(tmp_path):
 
 def test_option_d_reproduces_stock_megatron_bf16_optimizer(tmp_path):
     """Option D does what megatron's Float16OptimizerWithFloat16Params + torch AdamW(fused) does
-    (DP=2): the same losses and FP32 masters, bit for bit (both clip FP32 gradients with megatron's
-    own norm, and D runs torch's fused AdamW kernel)."""
+    (DP=2, FP32 gradients clipped at 1.0): the same losses and FP32 masters, bit for bit, when both
+    clip by the same norm (D runs torch's fused AdamW kernel). The precision options' norm is the
+    exact one, which megatron's FP32 norm approximates to within FP32 rounding."""
     ranks = _run(tmp_path, 2, "option_d_against_stock_megatron", steps=20)
     for rank in ranks:
         assert rank["ours"] == rank["stock"]
         assert rank["masters_identical"]
+        exact, megatron = rank["norms"]
+        assert megatron == pytest.approx(exact, rel=1e-6)
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):

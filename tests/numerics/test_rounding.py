@@ -346,3 +346,15 @@ def test_generator_bits(device):
     generator.set_state(state)
     assert torch.equal(generator_random_bits((400, 1000), generator), words)
     assert generator_random_bits((3,), None, device=device).shape == (3,)
+
+
+@pytest.mark.parametrize("start, numel", [(0, 96), (5, 40), (20, 37), (12, 12), (7, 1)])
+def test_grids_of_a_run_give_each_element_its_global_index(start, numel):
+    """A run of a tensor-parallel shard's elements (a distributed optimizer's piece), cut into grids
+    of whole stream rows, draws from the indices that ``StreamLayout.index`` gives those elements."""
+    layout = StreamLayout.shard(7, (8, 12), 1, rank=1, world_size=3)
+    grids = layout.grids(start, numel)
+    assert sum(rows * length for _, rows, length, _ in grids) == numel
+    pieces = [grid_index(offset, layout.row_stride, rows, length).reshape(-1) for _, rows, length, offset in grids]
+    assert torch.equal(torch.cat(pieces), layout.index(96)[start : start + numel])
+

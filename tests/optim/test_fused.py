@@ -160,6 +160,54 @@ def test_tracking_update_quality_adds_no_parameter_sized_temporaries(option):
     assert (peaks[True] - peaks[False]) / numel < 1.0
 
 
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_fused_step_creates_no_device_tensor_from_host_data(option, monkeypatch):
+    """After the first step (which builds the buckets' tables), a step creates no tensor on the device
+    from host data (``torch.tensor(..., device=...)`` waits for the device to catch up): scalars reach
+    the compiled kernel as 0-d host tensors, per-step tables through pinned memory. Stochastic
+    rounding runs one call per bucket, as on GPUs."""
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    eager, fused = _twin_optimizers(option)
+    _step_twins(eager, fused, steps=1, seed=3)
+    copies = []
+    for name in ("tensor", "as_tensor"):
+        factory = getattr(torch, name)
+
+        def spy(*args, _factory=factory, _name=name, **kwargs):
+            if kwargs.get("device") is not None:
+                copies.append(_name)
+            return _factory(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    for param in fused[0]:
+        param.grad = torch.ones_like(param)
+    fused[1].step()
+    assert copies == []
+
+
+@pytest.mark.parametrize("option", ["A", "sr", "coat"])
+def test_gradients_in_one_shared_buffer_are_read_in_place(option):
+    """Gradients that are views of one flat buffer (as megatron DDP's ``main_grad``) are read where they
+    are: the fused step allocates no gradient buffer of its own and stays bit-identical to the eager
+    step."""
+    eager, fused = _twin_optimizers(option)
+    shared = torch.zeros(sum(p.numel() for p in fused[0]) + 37, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        offset = 37
+        for p, q in zip(eager[0], fused[0]):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad = grad.clone()
+            view = shared[offset : offset + q.numel()].view(q.shape)
+            view.copy_(grad)
+            q.grad = view
+            offset += q.numel()
+        eager[1].step()
+        fused[1].step()
+    _assert_bit_identical(eager, fused)
+    assert all(bucket.grad_buffer is None and bucket.grad_rows is not None for bucket in fused[1].buckets)
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -257,13 +305,22 @@ def test_the_fused_step_compiles_and_stays_exact_when_the_tiling_patch_breaks(mo
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
-def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("param_dtype", "max_call_elements"),
+    [(torch.bfloat16, fused_module.MAX_CALL_ELEMENTS), (torch.float16, fused_module.MAX_CALL_ELEMENTS), (torch.bfloat16, 640)],
+    ids=["bf16", "fp16", "bf16-windows"],
+)
+def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_dtype, max_call_elements, monkeypatch):
     """The GPU formulation (one compiled call per bucket, parameter and row found per element),
-    run on CPU: bit for bit the eager step, with sharded stream layouts (rows of a split tensor)."""
+    run on CPU: bit for bit the eager step, with sharded stream layouts (rows of a split tensor).
+    A bucket larger than one call's int32 element count is stepped in windows that cut its
+    parameters anywhere (here windows of 640 elements: the bucket holds 6144); the round keys go to
+    the device in blocks of steps (here 3, so that ten steps cross blocks)."""
     from megatron_lowprec.numerics.rounding import StreamLayout
 
     monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fused_module, "MAX_CALL_ELEMENTS", max_call_elements)
+    monkeypatch.setattr(fused_module, "KEY_BLOCK_STEPS", 3)
     calls = []
     monkeypatch.setattr(fused_module, "_bucket_stream", _recording(fused_module._bucket_stream, calls))
 
@@ -275,7 +332,7 @@ def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_d
     eager, fused = _twin_optimizers("sr", param_dtype=param_dtype, grad_dtype=param_dtype, stream_layout=layout)
     _step_twins(eager, fused, steps=10, seed=9, grad_dtype=param_dtype)
     _assert_bit_identical(eager, fused)
-    assert len(calls) == 10
+    assert len(calls) == 10 * -(-fused[1].buckets[0].numel // max_call_elements)
 
 
 def _recording(function, calls):

@@ -316,8 +316,8 @@ class CapturingCompiler:
         return aot_module_simplified(graph_module, example_inputs, fw_compiler=record, decompositions=select_decomp_table())
 
     def __call__(self, group_statistics=False):
-        compiled = torch.compile(adamw_kernel_, backend=self.backend, dynamic=True, fullgraph=True)
-        return torch._dynamo.config.patch(specialize_int=True)(compiled)
+        compiled = torch.compile(kernel_module.bucket_kernel_, backend=self.backend, dynamic=True, fullgraph=True)
+        return torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
 
 
 COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "reference"] + [

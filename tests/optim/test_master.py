@@ -319,3 +319,22 @@ def test_master_storage_is_checked_at_construction():
         AdamW([torch.nn.Parameter(torch.randn(8).half())], option="D-BF16")
     half = torch.nn.Parameter(torch.randn(8).half())
     assert "master" in AdamW([half], option="D-BF16", master_storage="fp32").state[half]
+
+
+def test_copies_off_nearest_even_counts_where_the_copy_differs_from_torchs_cast():
+    """Against torch's own cast of the joined master: every tie and its neighbours, below even and
+    odd BF16 values, positive and negative, plus random masters."""
+    from megatron_lowprec.numerics.formats import join_bf16_remainder
+    from megatron_lowprec.optim.master import copies_off_nearest_even
+
+    highs = torch.arange(0x3F80, 0x3F90, dtype=torch.int32)
+    lows = torch.tensor([0x7FFF, 0x8000, 0x8001, 0x0000, 0xFFFF], dtype=torch.int32)
+    patterns = ((highs[:, None] << 16) | lows[None, :]).reshape(-1)
+    patterns = torch.cat([patterns, patterns | torch.tensor(-(1 << 31), dtype=torch.int32)])
+    random = torch.randn(100_000, generator=torch.Generator().manual_seed(3)).view(torch.int32)
+    masters = torch.cat([patterns, random]).view(torch.float32)
+    upper, remainder = split_bf16_remainder(masters)
+    assert torch.equal(join_bf16_remainder(upper, remainder).view(torch.int32), masters.view(torch.int32))
+    expected = int((masters.to(torch.bfloat16).view(torch.int16) != upper.view(torch.int16)).sum())
+    assert expected >= 16  # the ties below the 8 even highs, either sign, and random ones
+    assert int(copies_off_nearest_even(upper, remainder)) == expected

@@ -79,10 +79,11 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
         assert result["summary"]["option"] == option
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (option, losses)
         assert math.isfinite(result["summary"]["final_valid_loss"])
-    # Option D is megatron-core's BF16 optimizer (FP32 masters, torch's Adam) bit for bit on CPU.
+    # Option D is megatron-core's BF16 optimizer (FP32 masters, torch's Adam); it clips by the exact
+    # gradient norm, which megatron's FP32 norm approximates to 1e-6, so the runs agree closely here
+    # (bit for bit when both clip by the same norm: tests/megatron/test_optimizer_hook.py).
     by_option = dict(zip(OPTIONS_AND_STOCK, results))
-    assert _train_losses(by_option["megatron"]) == _train_losses(by_option["D"])
-    assert by_option["megatron"]["summary"]["parameter_digest"] == by_option["D"]["summary"]["parameter_digest"]
+    assert _train_losses(by_option["megatron"]) == pytest.approx(_train_losses(by_option["D"]), rel=1e-4)
 
 
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
@@ -161,8 +162,9 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
         *_tiny(cache_dir, run_dir, "precision=sr", "trainer.max_steps=2", "trainer.save=true", "logging.wandb=true"),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                              env=environment)
+    assert finished.returncode == 0, finished.stdout[-3000:]
     assert "summary: option sr" in finished.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["final_valid_loss"])
@@ -173,7 +175,12 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
         assert record["tokens_per_second"] > 0 and record["tflops_per_gpu"] > 0 and record["peak_rss_gib"] > 0
         assert "mfu" not in record
     assert summary["tflops_per_gpu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_second"] / 2e12)
-    assert "TFLOP/s/GPU" in finished.stdout and "peak RSS" in finished.stdout
+    assert "TFLOP/s/process" in finished.stdout and "peak RSS" in finished.stdout
+    # The summary is the last line of stdout and stderr, after wandb's (which says where it saves at the
+    # start, and nothing at the end).
+    last_line = finished.stdout.splitlines()[-1]
+    assert last_line.startswith("summary: option sr") and "train loss" in last_line, finished.stdout[-2000:]
+    assert f"train loss {summary['final_train_loss']:.4f} (last step)" in last_line
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
     plot = tmp_path / "loss.png"

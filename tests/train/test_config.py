@@ -1,4 +1,5 @@
-"""The Hydra config of ``lowprec-train``: composition, one file per option, fail-fast errors, dry run."""
+"""The Hydra config of ``lowprec-train``: composition, one file per option, fail-fast errors, dry run,
+``--help`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_attention_backend_auto_puts_sdpa_in_the_local_spec():
 
 def test_resume_true_needs_a_checkpoint(capsys, tmp_path):
     assert "run_dir" in _fails(capsys, "resume=true")
-    assert "holds no checkpoint" in _fails(capsys, "resume=true", f"run_dir={tmp_path}")
+    assert "holds no intact checkpoint" in _fails(capsys, "resume=true", f"run_dir={tmp_path}")
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -245,6 +246,102 @@ def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
         capsys, "precision=megatron", "precision.master_storage=remainder"
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "needs optimizer.distributed=false (or precision.master_storage=fp32)" in _fails(
-        capsys, "precision=D-BF16", "optimizer.distributed=true"
-    )
+    assert main(["trainer.dry_run=true", "precision=D-BF16", "optimizer.distributed=true"]) == 0
+    assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in capsys.readouterr().out
+
+
+def test_help_lists_the_groups_the_most_used_keys_and_the_readme(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    groups = out.split("config groups")[1].split("most used keys")[0]
+    for option in OPTIONS:
+        assert f"\n    {option} " in groups, option
+    assert "Collage option C (Collage-plus): MCF parameters and second moment" in groups
+    assert "\n    gpt_1.3b " in groups and "\n    indexed " in groups
+    assert "collage_table5_gpt_1.3b" in groups and "Collage Table 5 (left), GPT-1.3B" in groups
+    keys = out.split("most used keys")[1]
+    assert "trainer.max_steps" in keys and "Optimizer steps to train [300]" in keys
+    assert "trainer.exit_signal" in keys and "optimizer.override_opt_param_scheduler" in keys
+    assert "README" in out and "Training: lowprec-train" in out
+    paths = (str(config_dir()), str(Path(__file__).resolve().parents[2]))
+    assert max(len(line) for line in out.splitlines() if not any(path in line for path in paths)) <= 100
+    assert main(["precision=C", "-h"]) == 0 and "config groups" in capsys.readouterr().out
+
+
+def test_version_names_the_package_torch_and_megatron_core(capsys):
+    from importlib import metadata
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert f"megatron-lowprec {metadata.version('megatron-lowprec')}" in out
+    assert f"torch {torch.__version__}" in out and f"megatron-core {metadata.version('megatron-core')}" in out
+
+
+def test_an_unknown_option_is_a_config_error(capsys):
+    message = _fails(capsys, "--max-steps=3")
+    assert "unknown option '--max-steps=3'" in message and "--help" in message
+
+
+def test_dry_run_without_world_size_plans_for_the_layout_of_the_preset(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["trainer.dry_run=true", "+experiment=collage_table5_gpt_1.3b"]) == 0
+    plan = capsys.readouterr().out.split("plan:")[1]
+    assert "ranks: 8 = TP 8 x PP 1 x DP 1 (WORLD_SIZE is unset: planned for the 8 rank(s) of one model replica" in plan
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert main(["trainer.dry_run=true", "+experiment=collage_table5_gpt_1.3b"]) == 0
+    assert "ranks: 16 = TP 8 x PP 1 x DP 2\n" in capsys.readouterr().out
+
+
+def test_a_layout_needing_more_ranks_says_how_to_launch_them(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    message = _fails(capsys, "trainer.tensor_model_parallel_size=2", "trainer.pipeline_model_parallel_size=2")
+    assert "world size 1 is not divisible" in message
+    assert "torchrun --nproc-per-node 4 -m megatron_lowprec.train" in message
+    assert "launch/torchrun.sh --nproc-per-node 4" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["trainer.exit_signal=SIGKILL"], "choose one of: SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGTERM"),
+        (["optimizer.override_opt_param_scheduler=true", "optimizer.use_checkpoint_opt_param_scheduler=true"],
+         "contradict each other"),
+        (["resume_from=/nowhere/iter_0000010", "resume=false"], "contradict each other"),
+        (["resume_from=/nowhere/iter_0000010"], "resume_from='/nowhere/iter_0000010' cannot be resumed from: does not exist"),
+    ],
+)
+def test_fault_handling_keys_are_checked(capsys, overrides, named):
+    assert named in _fails(capsys, *overrides)
+
+
+def test_resume_from_a_damaged_checkpoint_stops_before_any_work(capsys, tmp_path):
+    import json
+
+    from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_path
+
+    path = checkpoint_path(tmp_path, 20)
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"x" * 100)
+    (path / COMPLETE_FILE).write_text(json.dumps({"files": {"__0_0.distcp": 4096}}))
+    message = _fails(capsys, f"resume_from={path}", f"run_dir={tmp_path / 'new'}")
+    assert f"resume_from='{path}' cannot be resumed from: __0_0.distcp has 100 bytes, 4,096 were written" in message
+    (path / COMPLETE_FILE).unlink()
+    assert f"has no {COMPLETE_FILE}" in _fails(capsys, "resume=true", f"run_dir={tmp_path}")
+
+
+def test_every_config_key_is_documented():
+    """Each key of the schema has a docstring (what ``--help`` shows for the most used ones)."""
+    import dataclasses
+
+    from megatron_lowprec.train import config as schema
+    from megatron_lowprec.train.usage import COMMON_KEYS, field_docs
+
+    for section in (schema.ModelConfig, schema.PrecisionConfig, schema.OptimizerConfig, schema.DataConfig,
+                    schema.TrainerConfig, schema.LoggingConfig):
+        undocumented = set(field.name for field in dataclasses.fields(section)) - set(field_docs(section))
+        assert not undocumented, (section.__name__, undocumented)
+    assert {"run_dir", "resume", "resume_from"} <= set(field_docs(TrainConfig))
+    for key in COMMON_KEYS:
+        section, _, name = key.rpartition(".")
+        owner = type(getattr(TrainConfig(), section)) if section else TrainConfig
+        assert name in field_docs(owner), key

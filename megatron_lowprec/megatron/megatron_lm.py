@@ -1,0 +1,248 @@
+"""Megatron-LM's ``pretrain_gpt.py`` with a precision option: ``--lowprec-option C``.
+
+Either launch Megatron-LM's own script through this module (nothing in Megatron-LM changes)::
+
+    torchrun --nproc-per-node 8 -m megatron_lowprec.megatron.megatron_lm /path/to/Megatron-LM/pretrain_gpt.py \\
+        <Megatron-LM's arguments> --bf16 --lowprec-option C
+
+or add two lines at the top of a copy of ``pretrain_gpt.py``, before its megatron imports::
+
+    from megatron_lowprec.megatron import megatron_lm
+    megatron_lm.install()
+
+:func:`install` changes three functions of ``megatron.training`` (megatron-core 0.16.1 to 0.19;
+Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17):
+
+- ``parse_args`` also adds :func:`add_arguments` (the ``--lowprec-*`` group), whichever entry point
+  asks for the arguments (``initialize_megatron`` until 0.17, ``parse_and_validate_args`` from 0.18)
+  and whatever ``extra_args_provider`` the script passes;
+- ``get_megatron_optimizer``, which ``setup_model_and_optimizer`` calls, builds the precision option
+  with :func:`~megatron_lowprec.megatron.optimizer.build_optimizer` from Megatron-LM's optimizer
+  config, its ``config_overrides`` (weight-decay exemptions, ``--decoupled-lr``, muP) and the
+  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own;
+- ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
+  or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before
+  ``Float16Module`` and DDP wrap it.
+
+Also, megatron's dataset ``compile_helpers`` no longer runs ``make`` where the installed megatron-core
+already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them).
+
+Everything else is Megatron-LM's: checkpoints (``--ckpt-format torch_dist``), the scheduler, logging,
+``--use-distributed-optimizer``. Without CUDA the module's launcher also activates the CPU bridge
+(:func:`activate_cpu_trial`) so that a tiny GPT can be tried on a laptop with gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import runpy
+import sys
+from typing import Any
+
+from megatron_lowprec.optim.strategies import get_strategy, strategy_names
+
+_INSTALLED: list[tuple[Any, str, Any]] = []
+
+PRECISION_FIELDS = (
+    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
+)
+"""The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
+
+
+def _option_name(name: str) -> str:
+    """The canonical name of a precision option given by any of its names, in any case."""
+    try:
+        return get_strategy(name).name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``)."""
+    group = parser.add_argument_group(title="megatron-lowprec precision options")
+    group.add_argument(
+        "--lowprec-option", type=_option_name, default=None, metavar="OPTION",
+        help=f"precision option of the optimizer: {', '.join(strategy_names())}; without it megatron's own optimizer",
+    )
+    group.add_argument("--lowprec-seed", type=int, default=None,
+                       help="seed of stochastic rounding's random stream (default: --seed)")
+    group.add_argument("--lowprec-no-shared-randomness", dest="lowprec_shared_randomness", action="store_false",
+                       help="each rank draws its own stochastic-rounding bits (the SR paper's ablation)")
+    group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
+                       help="compiled optimizer step (default: where it is available)")
+    group.add_argument("--lowprec-track-update-quality", action="store_true",
+                       help="measure EDQ and imprecision every step (optimizer.update_quality())")
+    group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
+                       help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
+    group.add_argument("--lowprec-emulate", type=str, default=None, metavar="EXMY",
+                       help="emulate the linear layers' matmuls in this format, e.g. E8M5")
+    group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest")
+    group.add_argument("--lowprec-emulate-no-clamp-outer-range", dest="lowprec_emulate_clamp_outer_range",
+                       action="store_false")
+    group.add_argument("--lowprec-emulate-no-clamp-inner-range", dest="lowprec_emulate_clamp_inner_range",
+                       action="store_false")
+    group.add_argument("--lowprec-layers-exclude", nargs="*", default=["output_layer"], metavar="MODULE",
+                       help="modules kept in BF16 by the FP8 layers and the emulation (default: output_layer)")
+    return parser
+
+
+def _with_precision_arguments(parse_args):
+    @functools.wraps(parse_args)
+    def parse_args_with_precision(extra_args_provider=None, *args, **kwargs):
+        def providers(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_arguments(parser)
+
+        return parse_args(providers, *args, **kwargs)
+
+    return parse_args_with_precision
+
+
+def precision_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``lowprec_*`` fields of :class:`LowPrecisionOptimizerConfig` from Megatron-LM's ``args``."""
+    settings = {name: getattr(args, name) for name in PRECISION_FIELDS}
+    if settings["lowprec_seed"] is None:
+        settings["lowprec_seed"] = args.seed
+    return settings
+
+
+def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+    """Megatron-LM's ``get_megatron_optimizer``: the precision option when ``--lowprec-option`` is given."""
+    from megatron.training import get_args
+
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+
+    settings = precision_settings(get_args())
+    if settings["lowprec_option"] is None:
+        return _original("megatron.training.training", "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
+    return build_optimizer(LowPrecisionOptimizerConfig.from_optimizer_config(config, **settings), model_chunks, *args, **kwargs)
+
+
+def layer_precision_hook(model_chunks) -> list[str]:
+    """FP8 layers or ExMy emulation in ``model_chunks`` as Megatron-LM's ``args`` ask; converted names."""
+    from megatron.training import get_args
+
+    from megatron_lowprec.layers import EmulationConfig
+    from megatron_lowprec.megatron.layers import apply_layer_precision
+
+    args = get_args()
+    fp8_layers = args.lowprec_fp8_layers if args.lowprec_fp8_layers is not None else args.lowprec_option == "coat"
+    if not fp8_layers and args.lowprec_emulate is None:
+        return []
+    emulation = None
+    if args.lowprec_emulate is not None:
+        emulation = EmulationConfig.parse({
+            "format": args.lowprec_emulate,
+            "rounding": args.lowprec_emulate_rounding,
+            "clamp_outer_range": args.lowprec_emulate_clamp_outer_range,
+            "clamp_inner_range": args.lowprec_emulate_clamp_inner_range,
+        })
+    return apply_layer_precision(model_chunks, fp8_layers=fp8_layers, emulation=emulation, exclude=args.lowprec_layers_exclude)
+
+
+def _original(module_name: str, name: str):
+    for owner, attribute, original in _INSTALLED:
+        if owner.__name__ == module_name and attribute == name:
+            return original
+    return getattr(sys.modules[module_name], name)
+
+
+def _replace(owner: Any, name: str, replacement: Any) -> None:
+    _INSTALLED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, replacement)
+
+
+def install() -> None:
+    """Route Megatron-LM's argument parsing, optimizer construction and model building through the
+    plugin (see the module docstring); idempotent. Call it before ``pretrain`` runs."""
+    from megatron.training import training
+
+    if training.get_megatron_optimizer is get_megatron_optimizer:
+        return
+
+    from megatron_lowprec.megatron import compat
+
+    compat.check_supported_version()
+    for module, name in compat.megatron_lm_argument_parsers():
+        _replace(module, name, _with_precision_arguments(getattr(module, name)))
+    _replace(training, "get_megatron_optimizer", get_megatron_optimizer)
+    _replace(training, "setup_model_and_optimizer",
+             compat.add_model_hook(training.setup_model_and_optimizer, layer_precision_hook))
+    from megatron.core.datasets import utils as dataset_utils
+
+    _replace(dataset_utils, "compile_helpers", _compile_helpers_unless_built(dataset_utils.compile_helpers))
+
+
+def _compile_helpers_unless_built(compile_helpers):
+    """megatron's ``compile_helpers`` runs ``make`` in megatron-core's datasets directory, which an
+    installed megatron-core (0.17+, with ``megatron/training``) has no Makefile for: it ships the
+    helpers built, and then nothing needs compiling."""
+
+    @functools.wraps(compile_helpers)
+    def compile_unless_built():
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            compile_helpers()
+
+    return compile_unless_built
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    while _INSTALLED:
+        owner, name, original = _INSTALLED.pop()
+        setattr(owner, name, original)
+
+
+def activate_cpu_trial() -> bool:
+    """Without CUDA, what a CPU trial of Megatron-LM's training loop needs on top of the CPU bridge:
+    ``initialize_megatron(allow_no_cuda=True)`` (which only drops its CUDA assert), one "device"
+    per local rank (``torch.cuda.device_count``, which ``_initialize_distributed`` requires before it
+    sets up model parallelism) whose ``set_device`` changes nothing, no loading of the CUDA fused
+    kernels (``megatron.legacy.fused_kernels``, which Megatron-LM until 0.16 builds with nvcc at
+    start-up), gloo as ``--distributed-backend`` unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
+    with CUDA)."""
+    import torch
+
+    from megatron_lowprec.megatron.cpu import activate_cpu_bridge
+
+    if torch.cuda.is_available():
+        return False
+    activate_cpu_bridge()
+    from megatron.training import training
+
+    _replace(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    _replace(torch.cuda, "device_count", lambda: local_ranks)
+    _replace(torch.cuda, "set_device", lambda device: None)
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        from megatron.legacy import fused_kernels
+
+        _replace(fused_kernels, "load", lambda args: None)
+    for flag, value in (("--distributed-backend", "gloo"), ("--no-gradient-accumulation-fusion", None)):
+        if flag not in sys.argv:
+            sys.argv.extend([flag] if value is None else [flag, value])
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_lowprec.megatron.megatron_lm SCRIPT [ARGS...]``: run Megatron-LM's
+    ``SCRIPT`` (``pretrain_gpt.py``) as ``__main__`` with :func:`install` in effect."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m megatron_lowprec.megatron.megatron_lm PRETRAIN_SCRIPT [MEGATRON-LM ARGUMENTS]")
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_lm: no script {script}")
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    activate_cpu_trial()
+    install()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Exit signals: every rank finishes its step, saves a checkpoint and exits 0 (preemption, time limits).
+
+As Megatron-LM's ``--exit-signal-handler`` (its ``DistributedSignalHandler``): the handler only
+records the signal; after every step the ranks agree on it with a one-element all-reduce (MAX of the
+signal numbers), so a signal that reached one rank only, or reached the ranks during different
+steps, stops all of them after the same step. SLURM sends SIGTERM to every process of a job step
+before killing it at its time limit or on preemption, and ``--signal=<SIG>@<seconds>`` sends the
+signal of one's choice earlier; under ``torchrun`` both the agent (which forwards SIGTERM) and the
+workers receive it. The same signal arriving twice (directly and forwarded) is one request.
+
+SLURM signals the helper processes of a rank as well; :func:`shield_helper` keeps alive one that the
+checkpoint the signal asks for needs. This module imports only the standard library at the top, so
+that such a helper process starts without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+
+class ExitSignals:
+    """Context manager that records SIGTERM and ``extra`` (a signal name, or None) while training.
+
+    Outside the main thread (a trainer embedding the loop in a thread) Python cannot install signal
+    handlers; nothing is recorded there and the signals keep their previous handlers.
+    """
+
+    def __init__(self, extra: str | None) -> None:
+        names = ["SIGTERM"] + ([extra] if extra and extra != "SIGTERM" else [])
+        self.signals = [signal.Signals[name] for name in names]
+        self.received_number = 0
+        self.previous: dict[signal.Signals, object] = {}
+
+    def _record(self, number: int, frame: FrameType | None) -> None:
+        self.received_number = number
+
+    def __enter__(self) -> "ExitSignals":
+        if threading.current_thread() is threading.main_thread():
+            for number in self.signals:
+                self.previous[number] = signal.signal(number, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous.clear()
+
+    def received(self) -> str | None:
+        """The signal any rank has received so far (its name), or None; collective."""
+        import torch
+
+        flag = torch.tensor([self.received_number], dtype=torch.int32, device=torch.cuda.current_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        number = int(flag.item())
+        return signal.Signals(number).name if number else None
+
+
+def shield_helper(numbers: tuple[int, ...]) -> None:
+    """Initializer of a helper process the run needs to write the checkpoint an exit signal asks for:
+    block the exit signals ``numbers`` in it, and end it once the process that started it is gone
+    (so that a run killed with SIGKILL leaves no helper behind)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    parent = os.getppid()
+
+    def end_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=end_with_parent, name="end-with-parent", daemon=True).start()

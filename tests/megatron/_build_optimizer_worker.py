@@ -1,0 +1,214 @@
+"""One rank of the ``build_optimizer`` call checks: the tiny GPT of the optimizer-hook checks at DP=2,
+its optimizer built as Megatron-LM, megatron-core and Megatron-Bridge call ``get_megatron_optimizer``.
+
+Launched by ``test_build_optimizer.py`` as ``python _build_optimizer_worker.py RESULT_DIR SCENARIO JSON``
+once per rank; writes ``RESULT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _cpu_bridge_worker import _seeded_model, _train_step, _transformer_config
+from _optimizer_hook_worker import _ddp, _optimizer_config, _scheduler
+
+from megatron_lowprec.megatron import cpu as cpu_bridge
+from tests.megatron.launch import init_process_group
+
+GROUP_FIELDS = ("wd_mult", "lr_mult", "max_lr", "min_lr", "is_decoupled_lr", "default_config", "is_expert_parallel")
+
+
+def _model():
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    return _ddp(config, grad_reduce_in_fp32=True)
+
+
+def _precision_config(**fields):
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+
+    return LowPrecisionOptimizerConfig.from_optimizer_config(_optimizer_config(), lowprec_option="C", **fields)
+
+
+def _groups_by_name(model, param_groups) -> dict[str, dict]:
+    """Each parameter's group settings (the megatron fields of its group), by parameter name."""
+    names = {param: name for name, param in model.named_parameters()}
+    return {
+        names[param]: {field: group.get(field) for field in GROUP_FIELDS}
+        for group in param_groups
+        for param in group["params"]
+    }
+
+
+def _stock_groups(model, config_overrides=None, **settings) -> dict[str, dict]:
+    """The groups of megatron's own optimizer for the same call, by model parameter name (its torch
+    optimizer holds FP32 copies, group by group in the order of ``float16_groups``)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = dataclasses.replace(_optimizer_config(), **settings)
+    optimizer = get_megatron_optimizer(config, [model], config_overrides=config_overrides)
+    names = {param: name for name, param in model.named_parameters()}
+    groups = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_params, group in zip(inner.float16_groups, inner.optimizer.param_groups):
+            groups.update({names[param]: {field: group.get(field) for field in GROUP_FIELDS} for param in model_params})
+    return groups
+
+
+def _custom_overrides() -> dict:
+    """The standard overrides plus another learning rate and weight-decay multiplier for fc1's weight."""
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(_optimizer_config())
+    overrides[ParamKey(name="*linear_fc1.weight")] = {"wd_mult": 0.5, "max_lr": 1.0e-2}
+    return overrides
+
+
+def calls_of_each_caller(dump_path: str) -> dict:
+    """``build_optimizer`` called as Megatron-LM's ``setup_model_and_optimizer`` (0.16 to 0.19),
+    megatron-core's default, positionally, and as Megatron-Bridge's ``setup_optimizer``: the
+    parameter groups, compared with stock megatron's ``get_megatron_optimizer`` on the same call."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    model = _model()
+    config = _precision_config()
+    standard = get_standard_config_overrides(config)
+    calls = {
+        "megatron_lm": lambda: build_optimizer(
+            config, [model], config_overrides=standard, use_gloo_process_groups=True,
+            dump_param_to_param_group_map=dump_path,
+        ),
+        "megatron_core_default": lambda: build_optimizer(config, [model]),
+        "positional": lambda: build_optimizer(config, [model], _custom_overrides(), False, None, None),
+        "bridge": lambda: config.provide(
+            model_chunks=model, config_overrides=standard, use_gloo_process_groups=False,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        ),
+        "plugin_form": lambda: build_optimizer("C", [model], _optimizer_config()),
+    }
+    expected = {
+        "megatron_lm": _stock_groups(model, standard),
+        "megatron_core_default": _stock_groups(model),
+        "positional": _stock_groups(model, _custom_overrides()),
+    }
+    expected["bridge"] = expected["plugin_form"] = expected["megatron_lm"]
+    result = {}
+    for name, call in calls.items():
+        optimizer = call()
+        groups = _groups_by_name(model, optimizer.param_groups)
+        scheduler = _scheduler(optimizer, 4)
+        scheduler.step(3)
+        result[name] = {
+            "type": type(optimizer).__name__,
+            "option": optimizer.optimizer.strategy.name,
+            "same_groups_as_stock": groups == expected[name],
+            "no_weight_decay": sorted(n for n, g in groups.items() if g["wd_mult"] == 0.0),
+            "effective": {
+                n: [group["lr"], group["weight_decay"]]
+                for group in optimizer.param_groups
+                for n, p in model.named_parameters()
+                if any(p is q for q in group["params"])
+            },
+        }
+    result["dumped"] = os.path.exists(dump_path) and bool(os.listdir(dump_path))
+    result["parameters"] = {name: list(param.shape) for name, param in model.named_parameters()}
+    return result
+
+
+def provide_trains_as_build_optimizer(steps: int) -> dict:
+    """Megatron-Bridge's call (``provide``) and the plugin's ``build_optimizer("C", ...)`` from the
+    same weights on the same data, with the distributed optimizer: their losses."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    losses = {}
+    for caller in ("provide", "build_optimizer"):
+        model = DistributedDataParallel(
+            config=transformer,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+            module=_seeded_model(transformer),
+        )
+        distributed = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=True)
+        if caller == "provide":
+            config = _precision_config(use_distributed_optimizer=True, lowprec_seed=4)
+            optimizer = config.provide(model_chunks=[model], config_overrides=None, use_gloo_process_groups=True,
+                                       pg_collection=None)
+        else:
+            optimizer = build_optimizer("C", [model], distributed, seed=4)
+        scheduler = _scheduler(optimizer, steps)
+        losses[caller] = []
+        for step in range(steps):
+            scheduler.step(1)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses[caller].extend(_train_step(model, data_seed=100 * step + parallel_state.get_data_parallel_rank()))
+            model.finish_grad_sync()
+            assert optimizer.step()[0]
+    return {"losses": losses, "type": type(optimizer).__name__}
+
+
+def refusals() -> dict:
+    """The message of each call that ``build_optimizer`` cannot honour."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    model = _model()
+
+    def message(call) -> str:
+        try:
+            call()
+        except (ValueError, TypeError) as error:
+            return str(error)
+        return "accepted"
+
+    plain = _optimizer_config()
+    messages = {
+        "sgd": message(lambda: build_optimizer(_precision_config(optimizer="sgd"), [model])),
+        "fp16": message(lambda: build_optimizer(_precision_config(fp16=True, bf16=False), [model])),
+        "cpu_offload": message(lambda: build_optimizer(_precision_config(optimizer_cpu_offload=True), [model])),
+        "no_option": message(lambda: build_optimizer(plain, [model])),
+        "unknown_option": message(lambda: build_optimizer("Z", [model], plain)),
+        "foreign_groups": message(lambda: build_optimizer(
+            _precision_config(), [model], pg_collection=SimpleNamespace(tp=torch.distributed.new_group([0, 1])))),
+    }
+    first = next(model.parameters())
+    first.allreduce = False
+    messages["expert_parallel"] = message(lambda: build_optimizer(_precision_config(), [model]))
+    return messages
+
+
+SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals)}
+
+
+def main(result_dir: Path, scenario: str, arguments: dict) -> None:
+    from megatron.core import parallel_state
+
+    with cpu_bridge.cpu_bridge():
+        init_process_group(timeout_seconds=120)
+        try:
+            result = SCENARIOS[scenario](**arguments)
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,134 @@
+"""One rank of the Megatron-LM entry checks: megatron's own ``megatron.training`` (shipped in the
+megatron-core package from 0.17) with :func:`megatron_lowprec.megatron.megatron_lm.install`.
+
+Launched by ``test_megatron_lm.py`` as ``python _megatron_lm_worker.py RESULT_DIR SCENARIO JSON``; the
+JSON holds the command-line arguments after Megatron-LM's script name. Megatron-LM's
+``initialize_megatron`` parses them (through the installed ``parse_args``) and sets up gloo and model
+parallelism, then its ``setup_model_and_optimizer`` builds a tiny GPT from a model provider written
+here and the optimizer, and its ``train_step`` trains a few iterations. Writes ``RESULT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_lowprec.megatron import megatron_lm
+
+VOCAB_SIZE = 128
+SEQ_LENGTH = 32
+MICRO_BATCH_SIZE = 2
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, **_):
+    """A GPTModel with megatron's local layer spec, configured from Megatron-LM's arguments."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(
+        config=core_transformer_config_from_args(args),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def _forward_step(data_iterator, model):
+    tokens = next(data_iterator)
+    positions = torch.arange(SEQ_LENGTH, device=torch.cuda.current_device()).expand(MICRO_BATCH_SIZE, -1)
+    output = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
+
+    def loss_func(per_token_loss):
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def _batches(step: int) -> list[torch.Tensor]:
+    from megatron.core import parallel_state
+
+    generator = torch.Generator().manual_seed(step * 100 + parallel_state.get_data_parallel_rank())
+    tokens = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH_SIZE, SEQ_LENGTH + 1), generator=generator)
+    return [tokens.to(torch.cuda.current_device())]
+
+
+def _initialize_megatron(args_defaults: dict) -> None:
+    """What ``pretrain_gpt.py`` does before training: from 0.18 ``parse_and_validate_args`` parses the
+    arguments and ``initialize_megatron`` takes none; until 0.17 ``initialize_megatron`` parses them."""
+    from megatron.training import arguments, training
+
+    if hasattr(arguments, "parse_and_validate_args"):
+        arguments.parse_and_validate_args(args_defaults=args_defaults)
+        training.initialize_megatron()
+    else:
+        training.initialize_megatron(args_defaults=args_defaults)
+
+
+def pretrain_routing(argv: list[str], steps: int) -> dict:
+    """Megatron-LM's argument parsing, model and optimizer construction with the plugin installed,
+    then ``steps`` iterations of Megatron-LM's ``train_step``."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args, training
+
+    sys.argv = ["pretrain_gpt.py", *argv]
+    cpu_trial = megatron_lm.activate_cpu_trial()
+    megatron_lm.install()
+    _initialize_megatron({"tokenizer_type": "NullTokenizer"})
+    model, optimizer, scheduler = training.setup_model_and_optimizer(
+        model_provider_func=model_provider, model_type=ModelType.encoder_or_decoder
+    )
+    args = get_args()
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    losses = []
+    for step in range(steps):
+        result = training.train_step(
+            _forward_step, RerunDataIterator(iter(_batches(step))), model, optimizer, scheduler, config,
+            get_forward_backward_func(),
+            iteration=step,
+        )
+        losses.append(float(result[0]["lm loss"]))
+        assert not result[1], "megatron's train_step skipped the iteration"
+    inner = optimizer.optimizer
+    layers = [type(module).__name__ for module in model[0].modules()]
+    return {
+        "cpu_trial": cpu_trial,
+        "lowprec_option": args.lowprec_option,
+        "optimizer": type(optimizer).__name__,
+        "option": getattr(getattr(inner, "strategy", None), "name", None),
+        "seed": getattr(inner, "seed", None),
+        "fp8_linears": sum(name.startswith("FP8") and name.endswith("ParallelLinear") for name in layers),
+        "emulated_linears": sum(name.startswith("Emulated") for name in layers),
+        "losses_finite": all(math.isfinite(loss) for loss in losses),
+        "losses": losses,
+        "weight_decays": sorted({group["weight_decay"] for group in optimizer.param_groups}),
+    }
+
+
+SCENARIOS = {f.__name__: f for f in (pretrain_routing,)}
+
+
+def main(result_dir: Path, scenario: str, arguments: dict) -> None:
+    result = SCENARIOS[scenario](**arguments)
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,103 @@
+"""``build_optimizer`` takes the call of ``get_megatron_optimizer`` on every supported megatron-core
+(0.16.1 to 0.19), builds megatron's own parameter groups there, and implements Megatron-Bridge's
+``provide`` contract; what it cannot honour stops with one clear error. Multi-process checks run at
+DP=2 on CPU with gloo (NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from .launch import run_ranks
+
+WORKER = Path(__file__).with_name("_build_optimizer_worker.py")
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+]
+
+
+def _run(result_dir: Path, scenario: str, **arguments) -> list[dict]:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    return run_ranks(WORKER, result_dir, 2, scenario, json.dumps(arguments))
+
+
+def test_signature_takes_get_megatron_optimizers_parameters_in_its_order():
+    """Every parameter of the installed ``get_megatron_optimizer``, at the same position and with
+    the same default, so that any call of it (positional or by keyword) is a call of ``build_optimizer``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    ours = list(inspect.signature(build_optimizer).parameters.values())
+    theirs = list(inspect.signature(get_megatron_optimizer).parameters.values())
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
+    assert [p.default for p in ours[2 : len(theirs)]] == [p.default for p in theirs[2:]]
+
+
+def test_callers_get_megatrons_groups_and_biases_and_norms_no_weight_decay(tmp_path):
+    """Called as Megatron-LM's ``setup_model_and_optimizer`` calls it (standard overrides, gloo
+    flag, group-map dump), as megatron-core's default (no overrides: megatron 0.18+ applies the
+    standard ones inside ``get_megatron_optimizer``, 0.16/0.17 inside ``_get_param_groups``),
+    positionally with a caller's override, as Megatron-Bridge's ``setup_optimizer`` calls
+    ``provide``, and in the plugin's form: the parameter groups are stock megatron's for the same
+    call; biases and norm weights get no weight decay; the override's wd_mult and max_lr reach the
+    scheduled learning rate and weight decay."""
+    ranks = _run(tmp_path, "calls_of_each_caller", dump_path=str(tmp_path / "group_map"))
+    result = ranks[0]
+    exempt = sorted(name for name, shape in result["parameters"].items() if len(shape) == 1 or name.endswith(".bias"))
+    assert any("layernorm" in name for name in exempt) and any(name.endswith(".bias") for name in exempt)
+    for caller in ("megatron_lm", "megatron_core_default", "positional", "bridge", "plugin_form"):
+        called = result[caller]
+        assert called["type"] == "LowPrecisionOptimizer" and called["option"] == "C", caller
+        assert called["same_groups_as_stock"], caller
+        assert called["no_weight_decay"] == exempt, caller
+        for name, (lr, weight_decay) in called["effective"].items():
+            assert weight_decay == (0.0 if name in exempt else pytest.approx(0.1 * (0.5 if "fc1.weight" in name and caller == "positional" else 1.0))), (caller, name)
+    fc1 = next(name for name in result["parameters"] if name.endswith("linear_fc1.weight"))
+    other = next(name for name in result["parameters"] if name.endswith("linear_fc2.weight"))
+    positional = result["positional"]["effective"]
+    assert positional[fc1][0] > positional[other][0], "the override's max_lr did not reach the learning rate"
+    assert result["dumped"]
+
+
+def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimizer(tmp_path):
+    """Megatron-Bridge's call and the plugin's form of the same option and seed: identical losses."""
+    for rank in _run(tmp_path, "provide_trains_as_build_optimizer", steps=3):
+        assert rank["type"] == "DistributedLowPrecisionOptimizer"
+        assert rank["losses"]["provide"] == rank["losses"]["build_optimizer"]
+        assert len(rank["losses"]["provide"]) == 6
+
+
+def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
+    messages = _run(tmp_path, "refusals")[0]
+    assert "config.optimizer='sgd'" in messages["sgd"] and "optimizer='adam'" in messages["sgd"]
+    assert "config.fp16=True" in messages["fp16"] and "BF16" in messages["fp16"]
+    assert "config.optimizer_cpu_offload=True" in messages["cpu_offload"]
+    assert "without a precision option" in messages["no_option"] and "LowPrecisionOptimizerConfig" in messages["no_option"]
+    assert "unknown precision option 'Z'" in messages["unknown_option"] and "coat" in messages["unknown_option"]
+    assert "pg_collection's tp" in messages["foreign_groups"]
+    assert "expert-parallel" in messages["expert_parallel"]
+
+
+def test_config_names_a_valid_option_and_keeps_megatrons_fields():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+
+    megatron = OptimizerConfig(lr=2e-4, weight_decay=0.05, bf16=True, clip_grad=0.5, use_distributed_optimizer=True)
+    config = LowPrecisionOptimizerConfig.from_optimizer_config(megatron, lowprec_option="sr", lowprec_seed=9)
+    assert isinstance(config, OptimizerConfig)
+    assert {f.name: getattr(config, f.name) for f in dataclasses.fields(OptimizerConfig)} == {
+        f.name: getattr(megatron, f.name) for f in dataclasses.fields(OptimizerConfig)
+    }
+    assert (config.lowprec_option, config.lowprec_seed, config.lowprec_shared_randomness) == ("sr", 9, True)
+    with pytest.raises(ValueError, match="unknown precision option 'E5M3'; valid options: A"):
+        LowPrecisionOptimizerConfig(lowprec_option="E5M3")
+    with pytest.raises(ValueError, match="needs lowprec_option, one of A"):
+        LowPrecisionOptimizerConfig(lr=1e-3)

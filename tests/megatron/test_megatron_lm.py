@@ -1,0 +1,126 @@
+"""The Megatron-LM entry (``megatron_lowprec.megatron.megatron_lm``): the ``--lowprec-*`` arguments,
+the model-build hook on each version's ``setup_model_and_optimizer`` signature, and, where
+megatron-core ships Megatron-LM's ``megatron.training`` (0.17+), megatron's own argument parsing,
+``initialize_megatron`` and ``setup_model_and_optimizer`` with the plugin installed, at DP=2 on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_lowprec.megatron import megatron_lm
+
+from .launch import run_ranks
+
+WORKER = Path(__file__).with_name("_megatron_lm_worker.py")
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--train-iters", "10", "--lr-warmup-iters", "1", "--bf16",
+    "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--seed", "7",
+]
+
+requires_megatron_training = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.training") is None,
+    reason="megatron.training (Megatron-LM's training loop, in the megatron-core package from 0.17) is not installed",
+)
+
+
+def _run(tmp_path: Path, world_size: int, argv: list[str], steps: int = 2) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    arguments = {"argv": [*TINY_GPT, "--global-batch-size", str(2 * world_size), *argv], "steps": steps}
+    return run_ranks(WORKER, tmp_path, world_size, "pretrain_routing", json.dumps(arguments), timeout_seconds=300)
+
+
+def test_arguments_parse_into_the_configs_fields():
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args([
+        "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
+        "--lowprec-track-update-quality", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--lowprec-layers-exclude", "output_layer", "linear_fc2",
+    ])
+    assert megatron_lm.precision_settings(args) == {
+        "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
+        "lowprec_track_update_quality": True,
+    }
+    assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
+        "E8M5", "stochastic", ["output_layer", "linear_fc2"])
+    defaults = parser.parse_args([])
+    defaults.seed = 1234
+    assert megatron_lm.precision_settings(defaults)["lowprec_seed"] == 1234
+    assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
+
+
+def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--lowprec-option", "collage_plus"]).lowprec_option == "C"
+    assert parser.parse_args(["--lowprec-option", "d-mw"]).lowprec_option == "D-MW"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lowprec-option", "E"])
+    assert "unknown precision option 'E'; valid options: A, bf16, B" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["until-0.18", "0.19"])
+def test_the_model_hook_sees_the_built_chunks_on_both_signatures(newer):
+    """Until 0.18 ``setup_model_and_optimizer(model_provider_func, model_type, ...)`` builds through the
+    provider; 0.19 takes the model type first and, from a config container, builds with the model
+    config's ``pre_wrap_hooks``."""
+    from types import SimpleNamespace
+
+    from megatron_lowprec.megatron import compat
+
+    seen = []
+    if newer:
+        def setup(model_type, model_provider_func=None, checkpointing_context=None, *, cfg_container=None, pg_collection=None):
+            chunks = ["chunk0", "chunk1"]
+            for hook in cfg_container.model.pre_wrap_hooks:
+                chunks = hook(chunks)
+            return chunks
+
+        container = SimpleNamespace(model=SimpleNamespace(pre_wrap_hooks=[]))
+        built = compat.add_model_hook(setup, seen.append)("encoder_or_decoder", cfg_container=container)
+    else:
+        def setup(model_provider_func, model_type, checkpointing_context=None):
+            return [model_provider_func(pre_process=True, post_process=True)]
+
+        built = compat.add_model_hook(setup, seen.append)(lambda **kwargs: "chunk0", "encoder_or_decoder")
+    assert seen == [built]
+
+
+def test_the_launcher_names_what_is_missing():
+    with pytest.raises(SystemExit, match="usage: python -m megatron_lowprec.megatron.megatron_lm PRETRAIN_SCRIPT"):
+        megatron_lm.main([])
+    with pytest.raises(SystemExit, match="no script"):
+        megatron_lm.main(["/nonexistent/pretrain_gpt.py"])
+
+
+@requires_megatron_training
+def test_megatron_lm_builds_coat_with_the_distributed_optimizer(tmp_path):
+    """``--lowprec-option coat --use-distributed-optimizer`` through megatron's ``parse_args``,
+    ``initialize_megatron`` and ``setup_model_and_optimizer`` (DP=2): the sharded precision optimizer
+    with the SR seed of ``--seed``, COAT's FP8 linears in the model, biases and norms without weight
+    decay, finite losses."""
+    for rank in _run(tmp_path, 2, ["--lowprec-option", "coat", "--use-distributed-optimizer"]):
+        assert rank["lowprec_option"] == "coat" and rank["option"] == "coat"
+        assert rank["optimizer"] == "DistributedLowPrecisionOptimizer"
+        assert rank["seed"] == 7
+        assert rank["fp8_linears"] > 0 and rank["emulated_linears"] == 0
+        assert rank["weight_decays"] == [0.0, 0.1]
+        assert rank["losses_finite"]
+
+
+@requires_megatron_training
+def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_optimizer(tmp_path):
+    emulated = _run(tmp_path / "emulated", 1, ["--lowprec-option", "C", "--lowprec-emulate", "E8M5", "--lowprec-seed", "3"])[0]
+    assert (emulated["optimizer"], emulated["option"], emulated["seed"]) == ("LowPrecisionOptimizer", "C", 3)
+    assert emulated["emulated_linears"] > 0 and emulated["fp8_linears"] == 0
+    stock = _run(tmp_path / "stock", 1, [])[0]
+    assert stock["lowprec_option"] is None and stock["option"] is None
+    assert stock["optimizer"] in ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
+    assert stock["losses_finite"]

@@ -1,0 +1,225 @@
+"""Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
+torchrun job, damaged checkpoints (truncated, missing, half-written, unreadable), a changed
+learning-rate schedule on resume, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_problem, checkpoints_dir
+from tests.megatron.launch import REPOSITORY_ROOT, run_ranks
+
+WORKER = Path(__file__).with_name("_resume_worker.py")
+LR, MIN_LR, WARMUP, DECAY = 3e-3, 3e-4, 1, 8
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lowprec_cache")
+
+
+def _tiny(cache_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """A 2-layer, 32-wide GPT, 2 micro-batches of 2 per rank and step, a metrics row per step, no
+    evaluation before the end, no wandb, the eager optimizer step (no compilation); the LR schedule
+    decays over 8 steps whatever max_steps is."""
+    return [
+        "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32", "precision.fused=false",
+        "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.log_interval=1",
+        "trainer.eval_interval=1000", "trainer.eval_iters=1",
+        f"optimizer.lr={LR}", f"optimizer.min_lr={MIN_LR}", f"optimizer.lr_warmup_steps={WARMUP}",
+        f"optimizer.lr_decay_steps={DECAY}", "logging.wandb=false", f"data.cache_dir={cache_dir}",
+        f"run_dir={run_dir}", *overrides,
+    ]
+
+
+def _environment() -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH")))),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _start(command: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
+    """A process in its own session (as a terminal's foreground job), its output lines on a queue."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=_environment(), start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    return process, lines
+
+
+def _wait_for(process: subprocess.Popen, lines: queue.Queue, pattern: str, seen: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(pattern in line for line in seen):
+        try:
+            seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
+        except queue.Empty:
+            process.kill()
+            pytest.fail(f"no line with {pattern!r} within {timeout} s:\n{''.join(seen)[-3000:]}")
+
+
+def _finish(process: subprocess.Popen, lines: queue.Queue, seen: list[str], timeout: float) -> str:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the run did not stop within {timeout} s after the signal:\n{''.join(seen)[-3000:]}")
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    return "".join(seen)
+
+
+def _cosine_lr(step: int, decay_steps: int) -> float:
+    """The LR megatron's OptimizerParamScheduler sets after ``step`` steps: linear warmup to LR, then
+    cosine decay to MIN_LR over ``decay_steps`` (Loshchilov & Hutter 2017), MIN_LR after."""
+    if step <= WARMUP:
+        return LR * step / WARMUP
+    if step > decay_steps:
+        return MIN_LR
+    ratio = (step - WARMUP) / (decay_steps - WARMUP)
+    return MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * ratio))
+
+
+def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_skipped(tmp_path, cache_dir):
+    """A real SIGTERM reaches rank 1 of a DP=2 torchrun job and every helper process of both ranks
+    (checkpoint writer service, compiler workers: SLURM signals every process of a job step), but not
+    rank 0: both ranks stop after the same step, save, exit 0 with one line; resuming gives the
+    straight run's parameters bit for bit. Then,
+    on copies of the straight run: a truncated, a missing, a half-written and an unreadable file in the
+    newest checkpoint are each named in one line and the run resumes from the previous one (``latest``
+    pointed back at it), and a changed schedule stops the resume unless a key says which to take."""
+    psutil = pytest.importorskip("psutil")
+    stopped = tmp_path / "stopped"
+    process, lines = _start([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "megatron_lowprec.train", *_tiny(cache_dir, stopped, "trainer.max_steps=1000", "trainer.save_interval=1"),
+    ])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      2/1000", seen, timeout=240)
+    workers = psutil.Process(process.pid).children()
+    rank1 = next(worker for worker in workers if worker.environ().get("RANK") == "1")
+    helpers = [helper for worker in workers for helper in worker.children(recursive=True)]
+    assert helpers, "the ranks started no helper process (dist_checkpointing's writer service)"
+    for receiver in (rank1, *helpers):
+        with contextlib.suppress(ProcessLookupError):  # a save's short-lived writer may be gone
+            os.kill(receiver.pid, signal.SIGTERM)
+    output = _finish(process, lines, seen, timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    stop_lines = [line for line in output.splitlines() if "received" in line]
+    assert len(stop_lines) == 1 and "Traceback" not in output, output[-3000:]
+    match = re.fullmatch(r"lowprec-train: SIGTERM received: stopped after step (\d+)/1000 and saved (\S+); "
+                         r"a rerun with run_dir=(\S+) resumes from it", stop_lines[0])
+    assert match, stop_lines[0]
+    step = int(match.group(1))
+    saved = checkpoints_dir(stopped) / f"iter_{step:07d}"
+    assert match.group(2) == str(saved) and match.group(3) == str(stopped)
+    assert checkpoint_problem(saved) is None
+    marker = json.loads((saved / COMPLETE_FILE).read_text())
+    assert marker["world_size"] == 2 and {"rank0.pt", "rank1.pt", "common.pt"} <= set(marker["files"])
+    assert (checkpoints_dir(stopped) / "latest").read_text() == saved.name
+    rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, step + 1))
+
+    last = step + 2
+    straight = tmp_path / "straight"
+    newest = f"iter_{last:07d}"
+    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "unreadable", "schedule", "kept")}
+    steps = [
+        {"overrides": _tiny(cache_dir, stopped, f"trainer.max_steps={last}", "resume=true")},
+        {"overrides": _tiny(cache_dir, straight, f"trainer.max_steps={last}", "trainer.save_interval=1")},
+        *({"copy": [str(straight), str(copy)]} for copy in copies.values()),
+        {"truncate": [str(checkpoints_dir(copies["truncated"]) / newest / "__0_0.distcp"), 100]},
+        {"overrides": _tiny(cache_dir, copies["truncated"], f"trainer.max_steps={last}")},
+        {"remove": str(checkpoints_dir(copies["missing"]) / newest / "common.pt")},
+        {"overrides": _tiny(cache_dir, copies["missing"], f"trainer.max_steps={last - 1}")},
+        {"remove": str(checkpoints_dir(copies["half"]) / newest / COMPLETE_FILE)},
+        {"remove": str(checkpoints_dir(copies["half"]) / newest / "rank1.pt")},
+        {"overrides": _tiny(cache_dir, copies["half"], f"trainer.max_steps={last}")},
+        {"zero": str(checkpoints_dir(copies["unreadable"]) / newest / "common.pt")},
+        {"overrides": _tiny(cache_dir, copies["unreadable"], f"trainer.max_steps={last - 1}")},
+        # The issue's case: max_steps changed (the decay follows it) and, here, the peak LR too.
+        {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
+                            "optimizer.lr=0.002")},
+        {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
+                            "optimizer.override_opt_param_scheduler=true")},
+        {"overrides": _tiny(cache_dir, copies["kept"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
+                            "optimizer.use_checkpoint_opt_param_scheduler=true")},
+    ]
+    result_dir = tmp_path / "results"
+    result_dir.mkdir()
+    resumed, straight_run, truncated, missing, half, unreadable, changed, overridden, kept = run_ranks(
+        WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=400
+    )[0]
+    log = (result_dir / "rank0.log").read_text()
+    digest = straight_run["summary"]["parameter_digest"]
+    assert resumed["summary"]["parameter_digest"] == digest
+    assert [row["loss"] for row in resumed["train_rows"]][-2:] == [row["loss"] for row in straight_run["train_rows"]][-2:]
+
+    def skipped(run_dir: Path) -> str:
+        found = [line for line in log.splitlines() if f"skipping checkpoint {checkpoints_dir(run_dir) / newest}:" in line]
+        assert len(found) == 1, log[-3000:]
+        return found[0]
+
+    assert "__0_0.distcp has 100 bytes" in skipped(copies["truncated"])
+    assert truncated["summary"]["parameter_digest"] == digest and truncated["latest"] == newest
+    assert "common.pt is missing" in skipped(copies["missing"])
+    assert missing["latest"] == f"iter_{last - 1:07d}"
+    assert f"has no {COMPLETE_FILE}" in skipped(copies["half"])
+    assert half["summary"]["parameter_digest"] == digest
+    assert "fails to load" in skipped(copies["unreadable"])
+    assert unreadable["latest"] == f"iter_{last - 1:07d}"
+
+    assert "error" in changed and "summary" not in changed
+    assert f"trainer.max_steps (the decay steps) {last + 2} here, {DECAY} in the checkpoint" in changed["error"]
+    assert f"optimizer.lr 0.002 here, {LR} in the checkpoint" in changed["error"]
+    assert "override_opt_param_scheduler" in changed["error"]
+    # The row of step t holds the LR of that step, set after t - 1 steps.
+    assert [row["step"] for row in overridden["train_rows"]][-2:] == [last + 1, last + 2]
+    assert [row["lr"] for row in overridden["train_rows"]][-2:] == pytest.approx(
+        [_cosine_lr(last, last + 2), _cosine_lr(last + 1, last + 2)], rel=1e-12)
+    assert [row["lr"] for row in kept["train_rows"]][-2:] == pytest.approx(
+        [_cosine_lr(last, DECAY), _cosine_lr(last + 1, DECAY)], rel=1e-12)
+
+
+def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path, cache_dir):
+    """SIGINT to the process group (what Ctrl-C does): exit 130, one line, no traceback."""
+    run_dir = tmp_path / "run"
+    process, lines = _start([sys.executable, "-m", "megatron_lowprec.train",
+                             *_tiny(cache_dir, run_dir, "trainer.max_steps=1000", "trainer.save_interval=1")])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      3/1000", seen, timeout=240)
+    os.killpg(process.pid, signal.SIGINT)
+    output = _finish(process, lines, seen, timeout=120)
+    assert process.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    last_line = output.splitlines()[-1]
+    match = re.fullmatch(r"lowprec-train: interrupted after step (\d+)/1000; a rerun with run_dir=(\S+) resumes from (\S+)",
+                         last_line)
+    assert match, output[-3000:]
+    assert int(match.group(1)) >= 3 and match.group(2) == str(run_dir)
+    checkpoint = Path(match.group(3))
+    assert checkpoint.parent == checkpoints_dir(run_dir) and checkpoint_problem(checkpoint) is None
+    # A checkpoint is saved after every step (Ctrl-C during a save stops the run once it is written);
+    # Ctrl-C between a step and its save leaves the previous one.
+    assert checkpoint.name in (f"iter_{int(match.group(1)):07d}", f"iter_{int(match.group(1)) - 1:07d}")
