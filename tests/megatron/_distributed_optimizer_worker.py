@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _flat, _seeded_model, _train_step, _transformer_config
 from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
 
-from megatron_lowprec.megatron import cpu as cpu_bridge
-from tests.megatron.launch import init_process_group
+from tests.megatron.launch import run_scenario
 
 
 def _ddp(config, distributed: bool, bucket_size: int | None = None, grad_reduce_in_fp32: bool = False):
@@ -351,18 +347,5 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
 SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs)}
 
 
-def main(result_dir: Path, scenario: str, arguments: dict) -> None:
-    from megatron.core import parallel_state
-
-    with cpu_bridge.cpu_bridge():
-        init_process_group(timeout_seconds=120)
-        try:
-            result = SCENARIOS[scenario](**arguments)
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    run_scenario(SCENARIOS)

@@ -9,17 +9,12 @@ CPU-bridge checks (``_cpu_bridge_worker``).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import sys
-from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config
 
-from megatron_lowprec.megatron import cpu as cpu_bridge
-from tests.megatron.launch import init_process_group
+from tests.megatron.launch import run_scenario
 
 
 def _ddp(config, grad_reduce_in_fp32: bool):
@@ -421,18 +416,5 @@ SCENARIOS = {
 }
 
 
-def main(result_dir: Path, scenario: str, arguments: dict) -> None:
-    from megatron.core import parallel_state
-
-    with cpu_bridge.cpu_bridge():
-        init_process_group(timeout_seconds=120)
-        try:
-            result = SCENARIOS[scenario](**arguments)
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    run_scenario(SCENARIOS)
