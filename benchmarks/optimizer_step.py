@@ -16,7 +16,11 @@ serve every allocation above 64 KiB by mmap during that one step, so that freed 
 resident set at once (and to return its free heap first, ``malloc_trim``). Timed steps run with a 32 MiB threshold (glibc's own dynamic maximum), so that
 they do not pay a page fault per temporary page.
 
+An option may name its master's storage (``D:remainder``, ``D-BF16:fp32``); by default every option
+runs, and each option with an FP32 master also in its other storage, next to it.
+
     python benchmarks/optimizer_step.py --sizes 1M 16M 64M
+    python benchmarks/optimizer_step.py --sizes 16M --options D D:remainder coat coat:remainder D-BF16 D-BF16:fp32
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
+from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies, get_strategy
+from megatron_lowprec.optim.strategies import MASTER_STORAGES
 
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter for the size above which an allocation is its own mmap."""
@@ -44,6 +49,23 @@ def parse_size(text: str) -> int:
     units = {"K": 10**3, "M": 10**6, "G": 10**9}
     suffix = text[-1].upper()
     return int(float(text[:-1]) * units[suffix]) if suffix in units else int(text)
+
+
+def parse_option(text: str) -> PrecisionStrategy:
+    """``NAME`` or ``NAME:MASTER_STORAGE`` (``D:remainder``) as a strategy."""
+    name, _, storage = text.partition(":")
+    strategy = get_strategy(name)
+    return strategy.with_master_storage(storage) if storage else strategy
+
+
+def default_options() -> list[str]:
+    """Every option; each one with an FP32 master also in its other storage, right after it."""
+    options = []
+    for strategy in available_strategies():
+        options.append(strategy.name)
+        if strategy.master_weights:
+            options += [f"{strategy.name}:{storage}" for storage in MASTER_STORAGES if storage != strategy.master_storage]
+    return options
 
 
 def layout(numel: int) -> list[int]:
@@ -134,7 +156,7 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
         f"warmup={warmup} repeats={repeats} path={'fused' if fused else 'eager'}"
     )
     header = (
-        f"{'params':>8} {'option':>8} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
+        f"{'params':>8} {'option':>12} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
         f"{'copy %':>7} {'peak MB':>8} {'bucket MB':>9}"
     )
     for numel in sizes:
@@ -147,9 +169,9 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
         baseline.step()
         baseline_peak = peak_extra_bytes(baseline.step, device)
         for option in options:
-            strategy = get_strategy(option)
+            strategy = parse_option(option)
             params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
-            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=option, fused=fused)
+            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, fused=fused)
             state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
             bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
             traffic = 2 * 2 + 2 + 2 * state_bytes / numel
@@ -157,13 +179,13 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
             peak = peak_extra_bytes(optimizer.step, device)
             largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
             print(_row(numel, "torch32", 16, baseline_time, FP32_ADAMW_TRAFFIC_BYTES, 1.0, bandwidth, baseline_peak, 4 * numel))
-            print(_row(numel, strategy.name, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak, largest_bucket))
+            print(_row(numel, option, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak, largest_bucket))
             del optimizer, params
 
 
 def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak, bucket_bytes) -> str:
     return (
-        f"{numel:>8.2g} {name:>8} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} {numel / seconds / 1e9:>9.3f} "
+        f"{numel:>8.2g} {name:>12} {bytes_per_param:>8.3f} {seconds * 1e3:>9.2f} {numel / seconds / 1e9:>9.3f} "
         f"{traffic * numel / seconds / 1e9:>9.2f} {ratio:>7.2f} {100 * traffic * numel / seconds / bandwidth:>7.1f} "
         f"{peak / 2**20:>8.1f} {bucket_bytes / 2**20:>9.1f}"
     )
@@ -172,7 +194,7 @@ def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1M"], help="parameter counts, e.g. 1M 16M 64M")
-    parser.add_argument("--options", nargs="+", default=[s.name for s in available_strategies()])
+    parser.add_argument("--options", nargs="+", default=default_options(), help="NAME or NAME:MASTER_STORAGE")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

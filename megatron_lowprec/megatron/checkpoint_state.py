@@ -8,6 +8,11 @@ every checkpoint backend stores) and its group's scale and k. Restored at a layo
 hold elements of one saved group each, the payload, scale and k come back exactly, so the moments'
 values are unchanged; a group that gathers elements of several saved groups (another TP layout
 with rows that are not whole groups) is quantized afresh from the saved values (COAT §3).
+
+An FP32 master is saved as the FP32 master under ``master`` whichever its storage: a master stored
+as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``) is joined with the
+parameter when saving and split back into both when loading. So a checkpoint is the same for either
+storage, loads into the other, and reshards like any per-element state.
 """
 
 from __future__ import annotations
@@ -17,20 +22,32 @@ import math
 import torch
 
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS
+from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS, state_dtypes
+from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 
 def checkpoint_state(
-    state: dict[str, torch.Tensor], numel: int, strategy: PrecisionStrategy, is_loading: bool = False
+    state: dict[str, torch.Tensor],
+    numel: int,
+    strategy: PrecisionStrategy,
+    is_loading: bool = False,
+    param: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each state of a run of ``numel`` flattened parameter elements (``state``: per-element
     tensors of ``numel`` values, per-group FP8 parts of one value per group) as a flat tensor of
     ``numel`` values: per-element states as they are (views), FP8 payloads as uint8, per-group
-    parts repeated over their group's elements. ``is_loading``: empty tensors to load into."""
+    parts repeated over their group's elements, a master's remainder joined with ``param`` (the
+    run's 16-bit parameters) into the FP32 master. ``is_loading``: empty tensors to load into."""
     result = {}
     for key, value in state.items():
-        if key.endswith(PER_GROUP_PARTS):
+        if key == MASTER_KEYS["remainder"]:
+            result[MASTER_KEYS["fp32"]] = (
+                torch.empty(numel, dtype=torch.float32, device=value.device)
+                if is_loading
+                else master_value(_flat_param(param, numel), value.reshape(-1))
+            )
+        elif key.endswith(PER_GROUP_PARTS):
             result[key] = (
                 torch.empty(numel, dtype=value.dtype, device=value.device)
                 if is_loading
@@ -43,6 +60,18 @@ def checkpoint_state(
     return result
 
 
+def checkpoint_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each tensor :func:`checkpoint_state` returns for ``strategy`` with 16-bit
+    parameters of ``param_dtype``: FP8 payloads as uint8, a remainder master as the FP32 master."""
+    dtypes = {}
+    for key, dtype in state_dtypes(strategy, param_dtype).items():
+        if key == MASTER_KEYS["remainder"]:
+            dtypes[MASTER_KEYS["fp32"]] = torch.float32
+        else:
+            dtypes[key] = torch.uint8 if dtype.itemsize == 1 else dtype
+    return dtypes
+
+
 def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
     """``values`` as [groups, group_size], the last group padded with its own last value."""
     values = values.reshape(-1)
@@ -51,12 +80,31 @@ def _groups(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.cat([values, values[-1:].expand(padding)]).view(groups, group_size)
 
 
+def _flat_param(param: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """The run's 16-bit parameters as a flat view; ``ValueError`` if the caller gave none."""
+    if param is None or param.numel() != numel:
+        found = None if param is None else param.numel()
+        raise ValueError(
+            f"a master stored as a remainder is saved and loaded with its parameters: pass param= ({numel} "
+            f"elements), got {found}"
+        )
+    return param.detach().view(-1)
+
+
 def restore_checkpoint_state(
-    state: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], numel: int, strategy: PrecisionStrategy
+    state: dict[str, torch.Tensor],
+    loaded: dict[str, torch.Tensor],
+    numel: int,
+    strategy: PrecisionStrategy,
+    param: torch.Tensor | None = None,
 ) -> None:
-    """Write ``loaded`` (:func:`checkpoint_state` form) into ``state`` in place (see the module docstring)."""
+    """Write ``loaded`` (:func:`checkpoint_state` form) into ``state`` in place (see the module
+    docstring); a master stored as a remainder is split into it and ``param`` (the run's 16-bit
+    parameters, written too)."""
     for key, value in state.items():
-        if not key.endswith(PER_GROUP_PARTS) and not (value.dtype.itemsize == 1 and value.dtype.is_floating_point):
+        if key == MASTER_KEYS["remainder"]:
+            store_master_(_flat_param(param, numel), value.view(-1), loaded[MASTER_KEYS["fp32"]].reshape(-1))
+        elif not key.endswith(PER_GROUP_PARTS) and not (value.dtype.itemsize == 1 and value.dtype.is_floating_point):
             value.copy_(loaded[key].reshape(value.shape))
     if strategy.moments != "fp8":
         return

@@ -13,8 +13,8 @@ Reused from megatron-core: the DDP buffers, their bucketing, padding, reduce-sca
 all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_map`` (which
 parameter elements a bucket range holds); the ``MegatronOptimizer`` interface (scheduler, training
 loop, ``dist_checkpointing``). Not reused: megatron's main-parameter groups and its wrapped torch
-optimizer (the precision options keep no hidden FP32 copy except the masters of D and coat, which
-are optimizer state here), and its gradient-norm code, whose FP32 sums depend on how the elements
+optimizer (the precision options keep no hidden FP32 copy except the masters of D, coat and
+D-BF16, which are optimizer state here, whole or as 16-bit remainders below the owned parameters), and its gradient-norm code, whose FP32 sums depend on how the elements
 are split (see :func:`global_grad_norm`).
 
 Bit-identical to the unsharded optimizer: every element goes through the same kernel
@@ -40,15 +40,16 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, grid_random_bits
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value, state_dtypes
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value
 from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
+from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 
@@ -424,12 +425,13 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
         return torch.ones(1, device=self.device)
 
     def reload_model_params(self, state_dict=None) -> None:
-        """The FP32 masters (D, coat) restart from the model's parameters."""
+        """The FP32 masters (D, coat, D-BF16) restart from the model's parameters."""
         for shard in self.optimizer.shards:
             for state_bucket in shard.state_buckets:
-                if "master" in state_bucket.state:
+                stored = stored_master(state_bucket.state)
+                if stored is not None:
                     for index, param in enumerate(state_bucket.entry_params()):
-                        state_bucket.view(state_bucket.state["master"], index).copy_(param)
+                        reset_master_(param, state_bucket.view(stored, index))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients live in DDP's buffer (``zero_grad_buffer``); model ``.grad`` are released."""
@@ -613,11 +615,12 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
         strategy = self.optimizer.strategy
         owned_numel = shard.end - shard.start
         local = {
-            key: torch.zeros(owned_numel, dtype=torch.uint8 if dtype.itemsize == 1 else dtype, device=self.device)
-            for key, dtype in state_dtypes(strategy, shard.bucket.param_data.dtype).items()
+            key: torch.zeros(owned_numel, dtype=dtype, device=self.device)
+            for key, dtype in checkpoint_dtypes(strategy, shard.bucket.param_data.dtype).items()
         }
-        for piece in shard.pieces:
-            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy)
+        params = shard.params()
+        for piece, param in zip(shard.pieces, params):
+            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy, param=param)
             for key, value in form.items():
                 local[key][piece.owned_start : piece.owned_start + piece.numel] = value
         written = [piece for piece in shard.pieces if piece.param_start == 0]
@@ -643,15 +646,27 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
             raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
         for shard in self.optimizer.shards:
-            for piece in shard.pieces:
+            for piece, param in zip(shard.pieces, shard.params()):
                 whole = loaded["state"][param_ids[piece.param]]
                 run = {key: value.reshape(-1)[piece.param_start : piece.param_start + piece.numel] for key, value in whole.items()}
-                restore_checkpoint_state(self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy)
+                restore_checkpoint_state(
+                    self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
+                )
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.step_count = loaded["state"]["common_step"]
         self.optimizer.skipped_steps = extra["skipped_steps"]
         self.optimizer.seed = extra["seed"]
+        if self.optimizer.strategy.master_storage == "remainder":
+            self._sync_params()
+
+    def _sync_params(self) -> None:
+        """All-gather the parameters from their owners now, as after a step: a remainder master
+        loaded from a checkpoint rewrote the owned parameters (its upper halves), which every replica
+        must see before the next forward pass."""
+        self._exchange_group_tails(grads=False)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_distributed_optimizer(

@@ -4,9 +4,11 @@ The hook follows megatron-core's ``FP32Optimizer`` flow, which has no hidden FP3
 the gradients that ``DistributedDataParallel`` reduced into ``param.main_grad`` (BF16 or FP32, as
 its config says) become ``param.grad``, they are clipped by their exact global norm over the
 model-parallel group (the distributed optimizer's, bit for bit) and counted, and
-:class:`megatron_lowprec.optim.AdamW` updates the model's 16-bit parameters in place with the chosen precision option (only ``D`` and ``coat`` keep an FP32
-master, inside the optimizer state). A step whose gradients hold NaN or inf on any rank is skipped
-on every rank and reported as ``(False, None, None)``, as megatron's loss scaler reports an overflow.
+:class:`megatron_lowprec.optim.AdamW` updates the model's 16-bit parameters in place with the chosen
+precision option (only ``D``, ``coat`` and ``D-BF16`` keep an FP32 master, inside the optimizer
+state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). A step whose
+gradients hold NaN or inf on any rank is skipped on every rank and reported as ``(False, None,
+None)``, as megatron's loss scaler reports an overflow.
 
 Stochastic rounding draws from the stateless counter stream of ``AdamW``, with one stream per
 logical tensor named by its layout-independent name (:func:`canonical_parameter_names`) and each
@@ -48,6 +50,7 @@ from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.strategies import strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
+from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 
 class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
@@ -63,6 +66,15 @@ class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
         state_dict = super().state_dict()
         state_dict["lowprec"]["seed"] -= self.seed_offset
         return state_dict
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict=None) -> None:
+        """The FP32 masters (D, coat, D-BF16) restart from the model's parameters, as megatron's
+        mixed-precision optimizers do when a checkpoint's model is loaded without its optimizer."""
+        for param, state in self.optimizer.state.items():
+            stored = stored_master(state)
+            if stored is not None:
+                reset_master_(param.detach(), stored)
 
     @torch.no_grad()
     def step(self):
@@ -139,17 +151,21 @@ class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its
         parameter's shape; FP8 states per element, :func:`checkpoint_state`), which
         ``dist_checkpointing`` reshards across layouts; the distributed optimizer saves and loads
-        the same keys. The shared step is kept also when it is 0 (megatron drops a falsy step, and
-        the state could not load)."""
+        the same keys. An FP32 master is saved as such under ``master`` in either storage (a
+        remainder joined with its parameter), so that either storage loads the other's checkpoints.
+        The shared step is kept also when it is 0 (megatron drops a falsy step, and the state could
+        not load)."""
         state_dict = self.state_dict()
         step = self._extract_common_per_param_step(state_dict)
         params = self.get_parameters()
-        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
         for index, entry in state_dict["state"].items():
             param = params[index]
             tensors = {key: value for key, value in entry.items() if torch.is_tensor(value)}
-            for key, value in checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading).items():
-                entry[key] = value.view(param.shape)
+            form = checkpoint_state(tensors, param.numel(), self.optimizer.strategy, is_loading, param=param)
+            state_dict["state"][index] = {
+                **{key: value for key, value in entry.items() if key not in tensors},
+                **{key: value.view(param.shape) for key, value in form.items()},
+            }
         optim_state_to_sharding_state(
             state_dict, get_param_id_to_sharded_param_map(model_sharded_state_dict, params), exclude_keys="step"
         )
@@ -159,14 +175,19 @@ class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """A :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
-        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups)."""
+        :meth:`sharded_state_dict` (FP8 states per element, restored into the groups; the FP32
+        master into its storage by :meth:`AdamW.load_state_dict`)."""
         params = self.get_parameters()
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
             param = params[index]
             if entry["exp_avg_scale"].numel() == param.numel() and entry["exp_avg_payload"].dtype == torch.uint8:
-                restored = {key: value.clone() for key, value in self.optimizer.state[param].items() if torch.is_tensor(value)}
+                restored = {
+                    key: value.clone()
+                    for key, value in self.optimizer.state[param].items()
+                    if torch.is_tensor(value) and key not in MASTER_KEYS.values()
+                }
                 restore_checkpoint_state(restored, entry, param.numel(), self.optimizer.strategy)
                 entry.update(restored)
         super().load_state_dict(state_dict)
@@ -232,7 +253,9 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
     ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
     it is available); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
-    (``optimizer.update_quality()``). Everything else is megatron's: lr, weight decay, Adam's betas
+    (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
+    the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
+    remainder below the BF16 parameter. Everything else is megatron's: lr, weight decay, Adam's betas
     and eps, ``clip_grad``, ``use_distributed_optimizer``, ``decoupled_lr``.
     """
 
@@ -241,6 +264,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_shared_randomness: bool = True
     lowprec_fused: bool | None = None
     lowprec_track_update_quality: bool = False
+    lowprec_master_storage: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -338,6 +362,7 @@ def build_optimizer(
     shared_randomness: bool | None = None,
     fused: bool | None = None,
     track_update_quality: bool | None = None,
+    master_storage: str | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
 
@@ -348,8 +373,8 @@ def build_optimizer(
 
     with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
-    The keywords ``seed``, ``shared_randomness``, ``fused`` and ``track_update_quality`` override
-    the config's ``lowprec_*`` settings in either form.
+    The keywords ``seed``, ``shared_randomness``, ``fused``, ``track_update_quality`` and
+    ``master_storage`` override the config's ``lowprec_*`` settings in either form.
 
     Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
     installed megatron-core (:func:`~megatron_lowprec.megatron.compat.param_groups`): with
@@ -379,10 +404,12 @@ def build_optimizer(
             "LowPrecisionOptimizerConfig(lowprec_option=..., ...) or build_optimizer(option, model_chunks, config)"
         )
     given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
-             "lowprec_track_update_quality": track_update_quality}
+             "lowprec_track_update_quality": track_update_quality, "lowprec_master_storage": master_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     strategy = get_strategy(config.lowprec_option)
+    if config.lowprec_master_storage is not None:
+        strategy = strategy.with_master_storage(config.lowprec_master_storage)
     _check_config(config)
     _check_process_groups(pg_collection)
     if config.use_distributed_optimizer and not config.lowprec_shared_randomness:

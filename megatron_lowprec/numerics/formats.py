@@ -305,6 +305,63 @@ def round_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rounded | sign).view(torch.float32)
 
 
+_LOW_HALF = 0xFFFF
+_HALF_SIGN = 0x8000
+
+
+def split_bf16_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``x`` as a bfloat16 ``upper`` and an int16 ``remainder`` that hold it exactly:
+    :func:`join_bf16_remainder` gives back every one of the 2^32 bit patterns (a bijection), so an
+    FP32 master weight can be stored as its BF16 parameter plus 2 bytes (Transformer Engine's
+    ``FusedAdam(store_param_remainders=True)`` encodes it the same way).
+
+    The remainder is the low 16 bits read as a signed int16; ``upper`` is the high 16 bits, plus
+    one when the remainder is negative. So ``upper`` is ``x`` rounded to bfloat16 to nearest with
+    ties away from zero (half-up on the magnitude's bit pattern). Round-to-nearest-even cannot
+    serve: it sends 65,537 float32 values to each even bfloat16 (the tie from below and the whole
+    interval above it), one more than a 16-bit remainder can tell apart.
+
+    ``upper`` equals torch's cast ``x.to(torch.bfloat16)`` (round to nearest, ties to even) for every
+    finite ``x`` but the ties whose high half is even (low 16 bits exactly 0x8000, last kept bit 0):
+    those go one bfloat16 step away from zero, where the cast stays. That is one pattern in 131,072;
+    how often a master hits it in training is counted in the README. Non-finite values (never a
+    master, since a step with a non-finite gradient is skipped): ±inf and the NaNs whose high half
+    is a bfloat16 NaN stay so; NaNs just above ±inf's pattern get an infinite ``upper``, and NaNs
+    whose high half is all ones with the next bit set get a zero one (the carry wraps).
+
+    Integer operations on the bit pattern only, none of which can overflow or depends on how a
+    compiler shifts negative numbers: eager and compiled code (Inductor's C++ and Triton) compute
+    the same bits, and no compiler can drop a float round trip here (gpu/FINDINGS.md).
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"split_bf16_remainder takes float32 values, got {x.dtype}")
+    bits = x.view(torch.int32)
+    carry = (bits & _HALF_SIGN) >> 15
+    upper = _signed_low_half((bits >> 16) + carry)
+    return upper.to(torch.int16).view(torch.bfloat16), _signed_low_half(bits).to(torch.int16)
+
+
+def join_bf16_remainder(upper: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The float32 values that :func:`split_bf16_remainder` split into bfloat16 ``upper`` and int16
+    ``remainder``: high half ``upper`` minus the carry (one when the remainder is negative), low half
+    the remainder's bits. Integer operations only, none of which overflows."""
+    if upper.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise TypeError(
+            f"join_bf16_remainder takes a bfloat16 upper half and an int16 remainder, got {upper.dtype} and {remainder.dtype}"
+        )
+    low = remainder.to(torch.int32)
+    carry = (low >> 15) & 1
+    high = (upper.view(torch.int16).to(torch.int32) - carry) & _LOW_HALF
+    return ((high << 16) | (low & _LOW_HALF)).view(torch.float32)
+
+
+def _signed_low_half(bits: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of int32 ``bits`` as a signed value in [-2^15, 2^15), still int32 (so that
+    the conversion to int16 is exact: no backend saturates or wraps)."""
+    low = bits & _LOW_HALF
+    return low - ((low & _HALF_SIGN) << 1)
+
+
 def _round_low_bits_to_nearest_even(magnitude: torch.Tensor, dropped: int) -> torch.Tensor:
     """Float32 magnitude patterns with their low ``dropped`` bits rounded away, ties to even."""
     increment = _nearest_even_increment((magnitude >> dropped) & 1, dropped)

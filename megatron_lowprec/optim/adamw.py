@@ -21,7 +21,8 @@ from megatron_lowprec.optim.kernel import (
     adamw_step_,
     check_param_dtype,
 )
-from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
+from megatron_lowprec.optim.strategies import PrecisionStrategy, available_strategies, get_strategy
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
@@ -82,7 +83,11 @@ class AdamW(torch.optim.Optimizer):
     bit-identical results.
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
-    parameters as the only copy). Stochastic rounding draws its bits from a counter-based stream
+    parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
+    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
+    parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only);
+    ``None`` keeps the strategy's own. The masters are the same bits either way (``optim/master.py``).
+    Stochastic rounding draws its bits from a counter-based stream
     keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
     an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,
     e.g. a fork of a shared RNG tracker) replaces it and implies the eager path.
@@ -115,6 +120,7 @@ class AdamW(torch.optim.Optimizer):
         *,
         option: str | PrecisionStrategy,
         master_weights: bool | None = None,
+        master_storage: str | None = None,
         fused: bool | None = None,
         generator: GeneratorSource | None = None,
         seed: int = 0,
@@ -126,9 +132,14 @@ class AdamW(torch.optim.Optimizer):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         strategy = get_strategy(option)
         if master_weights is False:
+            if master_storage is not None:
+                raise ValueError(f"master_weights=False drops the master, so master_storage={master_storage!r} cannot apply")
             strategy = strategy.without_master_weights()
         elif master_weights and not strategy.master_weights:
-            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; use option 'D' or 'coat'")
+            with_master = ", ".join(repr(s.name) for s in available_strategies() if s.master_weights)
+            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
+        if master_storage is not None:
+            strategy = strategy.with_master_storage(master_storage)
         if fused and generator is not None and strategy.param_update == "stochastic":
             raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
         self.strategy = strategy
@@ -306,11 +317,14 @@ class AdamW(torch.optim.Optimizer):
         return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus a ``lowprec`` section: option, skipped steps, SR seed and generator state."""
+        """torch's state dict plus a ``lowprec`` section: option, master storage, skipped steps, SR seed
+        and generator state. A master stored as a remainder is saved as such: the model's state dict
+        holds its upper half (the BF16 parameters)."""
         state_dict = super().state_dict()
         generator = self._saved_generator()
         state_dict["lowprec"] = {
             "option": self.strategy.name,
+            "master_storage": self.strategy.master_storage,
             "skipped_steps": self.skipped_steps,
             "seed": self.seed,
             "generator_state": None if generator is None else generator.get_state(),
@@ -331,18 +345,37 @@ class AdamW(torch.optim.Optimizer):
             for index, param in zip(saved_group["params"], group["params"]):
                 saved = state_dict["state"].get(index)
                 expected = self.state[param]
-                if saved is None or set(saved) != set(expected):
+                if saved is None or _master_as_one_key(saved) != _master_as_one_key(expected):
                     raise ValueError(f"state of parameter {index} does not hold {sorted(expected)}")
                 for key, value in expected.items():
-                    if torch.is_tensor(value) and (saved[key].shape != value.shape or saved[key].dtype != value.dtype):
+                    if key in MASTER_KEYS.values():
+                        self._check_loaded_master(index, param, saved)
+                    elif torch.is_tensor(value) and (saved[key].shape != value.shape or saved[key].dtype != value.dtype):
                         raise ValueError(
                             f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)}, "
                             f"expected {value.dtype}{tuple(value.shape)}"
                         )
 
+    @staticmethod
+    def _check_loaded_master(index: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
+        """A saved master in either storage fits ``param``: FP32 of its shape, or an int16 remainder
+        of its shape below a BF16 parameter."""
+        key = next(key for key in MASTER_KEYS.values() if key in saved)
+        dtype = torch.float32 if key == MASTER_KEYS["fp32"] else torch.int16
+        if saved[key].shape != param.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
+            raise ValueError(
+                f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "
+                f"{param.dtype} parameter; expected {dtype}{tuple(param.shape)}"
+                + (" below a bfloat16 parameter" if dtype == torch.int16 else "")
+            )
+
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every state component bit-exactly into the existing buckets, in its own dtype.
 
+        The FP32 master loads in either storage: a whole FP32 master into a remainder (the parameter
+        becomes its upper half) and a remainder into a whole master (joined with the parameter, which
+        must hold the saved model's: load the model's state dict first, as torch checkpoints do).
         The whole state dict is validated first; a mismatch raises ``ValueError`` and changes nothing.
         """
         self._check_loaded_state(state_dict)
@@ -353,7 +386,9 @@ class AdamW(torch.optim.Optimizer):
             for index, param in zip(saved_group["params"], group["params"]):
                 state = self.state[param]
                 for key, value in state_dict["state"][index].items():
-                    if torch.is_tensor(value):
+                    if key in MASTER_KEYS.values():
+                        _load_master_(param.detach(), state, key, value)
+                    elif torch.is_tensor(value):
                         state[key].copy_(value)
                     else:
                         state[key] = value
@@ -363,3 +398,19 @@ class AdamW(torch.optim.Optimizer):
         generator = self._saved_generator()
         if generator is not None and extra["generator_state"] is not None:
             generator.set_state(extra["generator_state"])
+
+
+def _master_as_one_key(state: dict[str, Any]) -> set[str]:
+    """The keys of ``state`` with either master key counted as ``master``."""
+    return {MASTER_KEYS["fp32"] if key in MASTER_KEYS.values() else key for key in state}
+
+
+def _load_master_(param: torch.Tensor, state: dict[str, Any], saved_key: str, saved: torch.Tensor) -> None:
+    """Load a saved master (FP32 under ``master``, or a remainder below ``param``) into ``state``'s
+    stored master, whichever its storage; a remainder into a remainder is copied as it is."""
+    stored = stored_master(state)
+    if saved.dtype == stored.dtype:
+        stored.copy_(saved)
+        return
+    value = saved.to(stored.device) if saved_key == MASTER_KEYS["fp32"] else master_value(param, saved.to(param.device))
+    store_master_(param, stored, value)

@@ -28,6 +28,7 @@ import torch
 
 from megatron_lowprec.numerics.quant import quantized_zeros
 from megatron_lowprec.numerics.rounding import StreamLayout
+from megatron_lowprec.optim.master import master_key, new_master, reset_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 ALIGNMENT = 128
@@ -48,7 +49,7 @@ def state_keys(strategy: PrecisionStrategy) -> list[str]:
     else:
         keys = list(MOMENTS)
     if strategy.master_weights:
-        keys.append("master")
+        keys.append(master_key(strategy))
     if strategy.keeps_param_low_component:
         keys.append("param_lo")
     if strategy.second_moment_mcf:
@@ -227,7 +228,8 @@ def state_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> dict[
     """The dtype of each state buffer of ``strategy`` for 16-bit parameters of ``param_dtype``, in
     :func:`state_keys` order."""
     dtypes = {key: value.dtype for key, value in zero_state(strategy, 0, torch.empty(0, dtype=param_dtype)).items()}
-    dtypes["master"] = torch.float32
+    if strategy.master_weights:
+        dtypes[master_key(strategy)] = new_master(strategy, 0, torch.empty(0)).dtype
     return {key: dtypes[key] for key in state_keys(strategy)}
 
 
@@ -244,7 +246,7 @@ def build_bucket(
     """A bucket for ``params`` (same device and dtype) and each entry's state of views into it.
     ``streams`` defaults to a whole stream per parameter, numbered by position. ``runs``: the
     entries are runs (first element, elements) of the parameters' flattened elements rather than
-    whole parameters; their FP32 masters start from ``master_source`` (the runs' 16-bit values).
+    whole parameters; their masters start from ``master_source`` (the runs' 16-bit values).
     ``entry_groups``: each entry's parameter group (default: ``group_index``)."""
     if streams is None:
         streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
@@ -260,11 +262,11 @@ def build_bucket(
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
     )
     if strategy.master_weights:
-        master = params[0].new_zeros(numel, dtype=torch.float32)
+        master = new_master(strategy, numel, params[0])
         sources = master_source or [param.detach().reshape(-1) for param in params]
         for index, source in enumerate(sources):
-            bucket.view(master, index).copy_(source)
-        bucket.state["master"] = master
+            reset_master_(source, bucket.view(master, index))
+        bucket.state[master_key(strategy)] = master
     bucket.state = {key: bucket.state[key] for key in state_keys(strategy)}
     if own_params:
         bucket.param_buffer = params[0].new_zeros(numel)

@@ -63,6 +63,7 @@ from megatron_lowprec.optim.kernel import (
     bucket_kernel_,
     kernel_scalar,
 )
+from megatron_lowprec.optim.master import stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -280,7 +281,7 @@ def _torch_fused_bucket_step_(
         values = hyper[group]
         pieces.append(
             torch_fused_adamw_step_(
-                params[first:end], entry_grads[first:end], state["master"], state["exp_avg"], state["exp_avg_sq"],
+                params[first:end], entry_grads[first:end], stored_master(state), state["exp_avg"], state["exp_avg_sq"],
                 spans, step=step, lr=values["lr"], beta1=values["beta1"], beta2=values["beta2"], eps=values["eps"],
                 weight_decay=values["weight_decay"], track_update_quality=track,
             )

@@ -23,6 +23,10 @@ Rounding points of the reference, for every strategy:
   rounded square root and a correctly rounded division on every backend
   (:mod:`~megatron_lowprec.numerics.elementary`: Triton's own FP32 division is approximate), then
   applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding.
+* An FP32 master is read and written through :func:`~megatron_lowprec.optim.master.master_value`
+  and :func:`~megatron_lowprec.optim.master.store_master_`: stored whole (the 16-bit parameter is
+  its nearest rounding, a cast) or as the BF16 parameter plus an int16 remainder (integer
+  operations on the bit pattern), the same FP32 master either way.
 * FP8 moments are decoded and re-quantized by ``numerics/quant.py``, whose divisions, ``log`` and
   ``pow`` are likewise the same function on every backend.
 * ``adam_kernel="torch_fused"`` (option D) does not run this specification: torch's own fused AdamW
@@ -49,6 +53,13 @@ from megatron_lowprec.numerics.rounding import (
     stochastic_round,
 )
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, BufferRows, build_bucket
+from megatron_lowprec.optim.master import (
+    check_master_param_dtype,
+    master_key,
+    master_value,
+    store_master_,
+    stored_master,
+)
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -142,6 +153,7 @@ def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: s
             f"option {strategy.name!r} keeps the model's parameters in 16 bits; {where} of shape "
             f"{tuple(param.shape)} has dtype {param.dtype}, valid dtypes: {valid}"
         )
+    check_master_param_dtype(param, strategy, where)
 
 
 def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> QuantizedTensor:
@@ -249,9 +261,11 @@ def _collage_second_moment_(
 
 
 def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The exact value the optimizer holds for ``param`` in float64: master, θ + δθ, or θ."""
-    if "master" in state:
-        return state["master"].double()
+    """The exact value the optimizer holds for ``param`` in float64: master (whole, or the parameter
+    joined with its remainder), θ + δθ, or θ."""
+    stored = stored_master(state)
+    if stored is not None:
+        return master_value(param, stored).double()
     if "param_lo" in state:
         return param.double() + state["param_lo"].double()
     return param.double()
@@ -259,16 +273,18 @@ def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tenso
 
 def _decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
-    if "master" in state:
-        return state["master"]
+    stored = stored_master(state)
+    if stored is not None:
+        return master_value(param, stored)
     if "param_lo" in state:
         return param.float() + state["param_lo"].float()
     return param.float()
 
 
 def _apply_nearest(param, state, update, random_source):
-    if "master" in state:
-        state["master"].copy_(state["master"] + update)
+    stored = stored_master(state)
+    if stored is not None:
+        store_master_(param, stored, master_value(param, stored) + update)
     else:
         param.copy_(param.float() + update)
 
@@ -391,15 +407,14 @@ def adamw_kernel_(
     adam_term = _adam_term(exp_avg, exp_avg_sq, scalars)
     update = None
     if strategy.weight_decay == "multiplicative":
-        master = state["master"]
+        stored = state[master_key(strategy)]
+        master = master_value(param, stored)
         if track_update_quality:
             update = master * scalars.neg_lr_weight_decay + adam_term
-        master.copy_(master * scalars.decay_factor + adam_term)
+        store_master_(param, stored, master * scalars.decay_factor + adam_term)
     else:
         update = _decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
         _PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
-    if strategy.master_weights:
-        param.copy_(state["master"])
     _encode_moment(state, "exp_avg", exp_avg, param, strategy)
     if not strategy.second_moment_mcf:
         _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
@@ -438,7 +453,7 @@ def adamw_step_(
     state["step"] += 1
     if strategy.adam_kernel == "torch_fused":
         return torch_fused_adamw_step_(
-            [param.view(-1)], [grad.reshape(-1)], state["master"].view(-1), state["exp_avg"].view(-1),
+            [param.view(-1)], [grad.reshape(-1)], state[master_key(strategy)].view(-1), state["exp_avg"].view(-1),
             state["exp_avg_sq"].view(-1), [(0, param.numel())], step=state["step"], lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )

@@ -5,7 +5,8 @@ so adding a strategy is one :func:`register_strategy` call plus a row in the tes
 
 Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Collage-plus,
 ``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
-(Collage App. C), stochastic rounding (SR paper, Alg. 1) and COAT FP8 optimizer states (COAT §4).
+(Collage App. C), stochastic rounding (SR paper, Alg. 1), COAT FP8 optimizer states (COAT §4) and
+``D-BF16``, an FP32 master with BF16 moments (DeepSeek-V3 report, "Low-Precision Optimizer States").
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ MOMENT_STORAGES = ("low", "fp32", "fp8")
 PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
+MASTER_STORAGES = ("fp32", "remainder")
 
 LOW_PRECISION_BYTES = 2
 FP32_BYTES = 4
 FP8_BYTES = 1
+REMAINDER_BYTES = 2
+"""The int16 remainder that, below the BF16 parameter, stores an FP32 master (``master_storage="remainder"``)."""
 FP8_GROUP_METADATA_BYTES = 8
 """Per FP8 group: one FP32 scale and one FP32 expansion exponent k (COAT §4.2)."""
 
@@ -50,6 +54,14 @@ class PrecisionStrategy:
     master_weights: bool = False
     """Keep an FP32 master copy that AdamW updates; the 16-bit parameter is its nearest rounding
     (Collage option D, COAT)."""
+
+    master_storage: str = "fp32"
+    """How the FP32 master (``master_weights``) is stored: ``"fp32"``, a whole FP32 tensor beside the
+    16-bit parameter (4 bytes), or ``"remainder"``: the BF16 parameter is the master's upper half and
+    an int16 remainder its lower half (2 bytes; :func:`~megatron_lowprec.numerics.formats.split_bf16_remainder`).
+    The masters are the same bits either way; the BF16 parameter then rounds the master to nearest
+    with ties away from zero, where the whole form rounds ties to even (one master pattern in
+    131,072 differs). Needs BF16 parameters."""
 
     param_update: str = "nearest"
     """How the FP32 update Δθ reaches the stored parameter: ``"nearest"`` (θ + Δθ rounded to nearest),
@@ -87,6 +99,12 @@ class PrecisionStrategy:
         _check_choice("param_update", self.param_update, PARAM_UPDATES)
         _check_choice("weight_decay", self.weight_decay, WEIGHT_DECAY_PLACEMENTS)
         _check_choice("adam_kernel", self.adam_kernel, ADAM_KERNELS)
+        _check_choice("master_storage", self.master_storage, MASTER_STORAGES)
+        if self.master_storage != "fp32" and not self.master_weights:
+            raise ValueError(
+                f"strategy {self.name!r}: master_storage={self.master_storage!r} stores an FP32 master, "
+                "which needs master_weights=True"
+            )
         if self.master_weights and self.param_update != "nearest":
             raise ValueError(
                 f"strategy {self.name!r}: master weights are rounded to the parameter by nearest; "
@@ -121,9 +139,29 @@ class PrecisionStrategy:
         if not self.master_weights:
             return self
         return replace(
-            self, name=f"{self.name}-no-master", aliases=(), master_weights=False, weight_decay="in_update",
-            adam_kernel="reference",
+            self, name=f"{self.name}-no-master", aliases=(), master_weights=False, master_storage="fp32",
+            weight_decay="in_update", adam_kernel="reference",
         )
+
+    def with_master_storage(self, master_storage: str) -> PrecisionStrategy:
+        """The same strategy with its FP32 master stored as ``master_storage`` (see the field); the
+        name stays, so that checkpoints of either storage load into the other. ``ValueError`` for a
+        strategy without a master, naming those that have one."""
+        if not self.master_weights:
+            with_master = ", ".join(s.name for s in _CANONICAL if s.master_weights)
+            raise ValueError(
+                f"option {self.name!r} keeps no FP32 master, so master_storage={master_storage!r} cannot apply; "
+                f"options with one: {with_master}"
+            )
+        _check_choice("master_storage", master_storage, MASTER_STORAGES)
+        return replace(self, master_storage=master_storage)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the stored master: 4 (FP32), 2 (remainder below the BF16 parameter) or 0."""
+        if not self.master_weights:
+            return 0
+        return REMAINDER_BYTES if self.master_storage == "remainder" else FP32_BYTES
 
     def moment_bytes(self, numel: int) -> float:
         """Bytes of one moment (m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
@@ -140,7 +178,7 @@ class PrecisionStrategy:
         )
         return (
             2 * self.moment_bytes(numel)
-            + FP32_BYTES * numel * self.master_weights
+            + self.master_bytes * numel
             + LOW_PRECISION_BYTES * numel * extra_components
         )
 
@@ -226,6 +264,16 @@ register_strategy(
         aliases=("fp8_states",),
         moments="fp8",
         master_weights=True,
+        weight_decay="multiplicative",
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "D-BF16",
+        "BF16 model + FP32 master weights (BF16 parameter + 16-bit remainder) + BF16 states (DeepSeek-V3)",
+        aliases=("fp32_master_bf16_states",),
+        master_weights=True,
+        master_storage="remainder",
         weight_decay="multiplicative",
     )
 )

@@ -15,6 +15,10 @@ vector loop. The kernel wants FP32 gradients: 16-bit gradients are converted in 
 so that windows split entries only between whole vectors), which bounds the step's temporaries;
 FP32 gradients are used in place. Gradients and 16-bit parameters may live anywhere (the bucket's
 buffers, or megatron's DDP buffers): each entry's are passed as flat views.
+
+A master stored as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``,
+``optim/master.py``) is joined into FP32 pieces of the same windows, updated there by the same
+kernel call, and split back: the same kernel on the same FP32 values, so the same masters bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import functools
 import torch
 
 from megatron_lowprec.metrics.update_quality import update_quality_pieces
+from megatron_lowprec.optim.master import master_value, store_masters_
 
 WINDOW_ELEMENTS = 1 << 22
 """16-bit gradients are converted to FP32 (and tracked updates computed in FP64) in windows of at most
@@ -64,10 +69,11 @@ def require_torch_fused_adamw(device: torch.device, option: str) -> None:
         )
 
 
-def _windows(numel: int, grads: list[torch.Tensor], track_update_quality: bool) -> list[tuple[int, int]]:
+def _windows(numel: int, grads: list[torch.Tensor], master: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
     """Ranges of the flat state of at most :data:`WINDOW_ELEMENTS` (edges at multiples of
-    :data:`WINDOW_ALIGNMENT`), or the whole state when FP32 gradients are used in place untracked."""
-    if all(grad.dtype == torch.float32 for grad in grads) and not track_update_quality:
+    :data:`WINDOW_ALIGNMENT`), or the whole state when FP32 gradients and an FP32 master are used
+    in place untracked."""
+    if all(grad.dtype == torch.float32 for grad in grads) and master.dtype == torch.float32 and not track_update_quality:
         return [(0, numel)]
     return [(start, min(start + WINDOW_ELEMENTS, numel)) for start in range(0, numel, WINDOW_ELEMENTS)]
 
@@ -107,11 +113,12 @@ def torch_fused_adamw_step_(
     weight_decay: float,
     track_update_quality: bool,
 ) -> torch.Tensor | None:
-    """One AdamW step, in place, of the entries at ``spans`` ((offset, numel) pairs) of the flat FP32
-    ``master``, ``exp_avg`` and ``exp_avg_sq``, with ``grads`` (each entry's flat gradient, wherever
-    it lives) and ``step`` counting this step; each entry's flat 16-bit parameter in ``params``
-    becomes its master rounded to nearest. A handful of launches per window, whatever the number
-    of entries (torch's multi-tensor kernels).
+    """One AdamW step, in place, of the entries at ``spans`` ((offset, numel) pairs) of the flat
+    stored ``master`` (the FP32 master, or the int16 remainder below BF16 parameters:
+    ``optim/master.py``) and the flat FP32 ``exp_avg`` and ``exp_avg_sq``, with ``grads`` (each
+    entry's flat gradient, wherever it lives) and ``step`` counting this step; each entry's flat
+    16-bit parameter in ``params`` becomes its master's 16-bit copy. A handful of launches per
+    window, whatever the number of entries (torch's multi-tensor kernels).
 
     With ``track_update_quality`` the intended update is the same kernel's update computed in
     float64 from the same state, and the effective update the change of the FP32 master; the
@@ -121,7 +128,7 @@ def torch_fused_adamw_step_(
     step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
     quality = master.new_zeros(4, dtype=torch.float64) if track_update_quality else None
-    windows = _windows(master.numel(), grads, track_update_quality)
+    windows = _windows(master.numel(), grads, master, track_update_quality)
     in_place = all(grad.dtype == torch.float32 for grad in grads)
     scratch = None if in_place else torch.empty(windows[0][1] - windows[0][0], dtype=torch.float32, device=device)
     for start, end in windows:
@@ -138,7 +145,9 @@ def torch_fused_adamw_step_(
             converted = list(scratch[: sum(sizes)].split(sizes))
             torch._foreach_copy_(converted, window_grads)
             window_grads = converted
-        masters, exp_avgs, exp_avg_sqs = split(master), split(exp_avg), split(exp_avg_sq)
+        window_params = [params[index][low:high] for index, low, high in pieces]
+        stored, exp_avgs, exp_avg_sqs = split(master), split(exp_avg), split(exp_avg_sq)
+        masters = [master_value(param, piece) for param, piece in zip(window_params, stored)]
         if track_update_quality:
             before = [piece.double() for piece in masters]
             intended = [piece.clone() for piece in before]
@@ -147,7 +156,7 @@ def torch_fused_adamw_step_(
                 [piece.double() for piece in exp_avg_sqs], step_tensor, hyper,
             )
         _fused_adamw(masters, window_grads, exp_avgs, exp_avg_sqs, step_tensor, hyper)
-        torch._foreach_copy_([params[index][low:high] for index, low, high in pieces], masters)
+        store_masters_(window_params, stored, masters)
         if track_update_quality:
             for intended_piece, before_piece, master_piece in zip(intended, before, masters):
                 quality += update_quality_pieces(intended_piece - before_piece, before_piece, master_piece)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_lowprec.data.tokenizer import BYTE_BPE_FILE, TOKENIZER_KINDS
-from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.optim.strategies import MASTER_STORAGES, PrecisionStrategy, get_strategy
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -94,7 +94,11 @@ class PrecisionConfig:
     """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
 
     option: str = "A"
-    """Precision option: A, B, C, D, D-MW, kahan, sr, coat (or an alias)."""
+    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16 (or an alias)."""
+    master_storage: Optional[str] = None
+    """How an option with an FP32 master (D, coat, D-BF16) stores it: ``fp32`` (whole, 4 bytes) or
+    ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,
+    the same masters bit for bit); ``None``: the option's own (``D-BF16``: remainder)."""
     fused: Optional[bool] = None
     """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
     shared_randomness: bool = True
@@ -286,6 +290,15 @@ STOCK_OPTIMIZER_LABEL = "megatron"
 """How runs with ``precision.megatron_optimizer`` name their option in logs, summaries and checkpoints."""
 
 
+def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
+    """The strategy of ``precision.option`` with its ``master_storage`` applied (``ValueError`` if
+    the option keeps no master)."""
+    strategy = get_strategy(precision.option)
+    if precision.master_storage is None:
+        return strategy
+    return strategy.with_master_storage(precision.master_storage)
+
+
 def option_label(precision: PrecisionConfig) -> str:
     """The option's canonical name, or ``megatron`` for megatron-core's own optimizer."""
     return STOCK_OPTIMIZER_LABEL if precision.megatron_optimizer else get_strategy(precision.option).name
@@ -297,9 +310,9 @@ def _validate_megatron_optimizer(precision: PrecisionConfig) -> None:
             f"precision.megatron_optimizer=true runs megatron-core's FP32-master Adam, option D's numerics; "
             f"precision.option={precision.option!r} cannot go with it (use precision=megatron)"
         )
-    if precision.track_update_quality or precision.fused:
+    if precision.track_update_quality or precision.fused or precision.master_storage not in (None, "fp32"):
         raise ConfigError(
-            "precision.track_update_quality and precision.fused belong to this package's AdamW; "
+            "precision.track_update_quality, precision.fused and precision.master_storage belong to this package's AdamW; "
             "megatron-core's optimizer (precision.megatron_optimizer=true) has neither"
         )
 
@@ -408,6 +421,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
         get_strategy(config.precision.option)
     except ValueError as error:
         raise ConfigError(f"precision.option: {error}") from None
+    if config.precision.master_storage is not None:
+        _choice("precision.master_storage", config.precision.master_storage, MASTER_STORAGES)
+        try:
+            precision_strategy(config.precision)
+        except ValueError as error:
+            raise ConfigError(f"precision.master_storage: {error}") from None
     _choice("model.normalization", model.normalization, NORMALIZATIONS)
     _choice("model.activation", model.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)

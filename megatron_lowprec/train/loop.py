@@ -31,9 +31,8 @@ from pathlib import Path
 import numpy
 import torch
 
-from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train import checkpoint
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size
+from megatron_lowprec.train.config import TrainConfig, data_parallel_size, precision_strategy
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
@@ -134,7 +133,7 @@ class Run:
     iteration: int = 0
 
 
-def _build(config: TrainConfig, run_dir: Path) -> Run:
+def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -143,7 +142,7 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
     trainer, optim = config.trainer, config.optimizer
-    strategy = get_strategy(config.precision.option)
+    strategy = precision_strategy(config.precision)
     data = build_training_data(config)
     vocab_size = padded_vocab_size(
         config.model.vocab_size or data.tokenizer.vocab_size,
@@ -185,6 +184,7 @@ def _build(config: TrainConfig, run_dir: Path) -> Run:
             shared_randomness=config.precision.shared_randomness,
             fused=config.precision.fused,
             track_update_quality=config.precision.track_update_quality,
+            master_storage=config.precision.master_storage,
         )
     module.config.finalize_model_grads_func = finalize_model_grads
     module.config.grad_scale_func = optimizer.scale_loss
@@ -355,7 +355,7 @@ def train(config: TrainConfig) -> dict:
     with distributed_environment(config):
         run_dir = _run_dir(config)
         try:
-            run = _build(config, run_dir)
+            run = build_run(config, run_dir)
             resumed = checkpoint.resume_if_present(run)
             logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
         except KeyboardInterrupt:

@@ -25,9 +25,8 @@ from statistics import fmean
 
 import torch
 
-from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train import throughput
-from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label
+from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
@@ -117,7 +116,7 @@ class MetricsLogger:
         self.metrics = (run_dir / config.logging.metrics_file).open("a", encoding="utf-8")
         if config.logging.wandb:
             self.wandb = _open_wandb(config, run_dir)
-        strategy = get_strategy(config.precision.option)
+        strategy = precision_strategy(config.precision)
         optimizer = " with megatron-core's optimizer" if config.precision.megatron_optimizer else ""
         start = f"resumed from step {resumed_from}" if resumed_from is not None else "from scratch"
         print(
@@ -219,7 +218,7 @@ class MetricsLogger:
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Save the summary, close the metrics file and wandb, then print the summary: the run's last
         line. Its train loss is the last step's (the step lines show means over their interval)."""
-        strategy = get_strategy(self.config.precision.option)
+        strategy = precision_strategy(self.config.precision)
         performance = self._performance(tokens_per_second)
         summary = {
             "option": option_label(self.config.precision),

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_lowprec.optim.strategies import get_strategy
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size, option_label
+from megatron_lowprec.train.config import TrainConfig, data_parallel_size, option_label, precision_strategy
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 from megatron_lowprec.train.model_size import parameter_count
 
@@ -20,7 +19,7 @@ def describe(config: TrainConfig, world_size: int, world_size_note: str = "") ->
     """Layout, batch arithmetic, model size and optimizer memory of ``config`` on ``world_size`` ranks;
     ``world_size_note`` says where that world size comes from when it was not launched."""
     trainer, model = config.trainer, config.model
-    strategy = get_strategy(config.precision.option)
+    strategy = precision_strategy(config.precision)
     dp = data_parallel_size(config, world_size)
     microbatches = trainer.global_batch_size // (trainer.micro_batch_size * dp)
     tokens_per_step = trainer.global_batch_size * model.seq_length

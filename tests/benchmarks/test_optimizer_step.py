@@ -17,3 +17,28 @@ def test_the_benchmark_reports_each_option_against_torch_fused_adamw():
     for row in rows:
         assert float(row[3]) > 0 and float(row[6]) > 0
     assert [float(row[2]) for row in rows] == [16.0, 8.0, 16.0, 8.0]
+
+
+def test_the_benchmark_measures_both_master_storages_from_the_state_tensors():
+    """Whole and remainder masters side by side, bytes/param counted from the parameters, their BF16
+    gradients and the optimizer's state tensors: the README's figures."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "D", "D:remainder", "D-BF16", "D-BF16:fp32",
+         "--warmup", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    rows = {line.split()[1]: float(line.split()[2]) for line in result.stdout.splitlines() if line.split()[:1] == ["5e+03"]}
+    assert rows == {"torch32": 16.0, "D": 16.0, "D:remainder": 14.0, "D-BF16": 10.0, "D-BF16:fp32": 12.0}
+
+
+def test_by_default_every_option_with_a_master_runs_in_both_storages():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("optimizer_step", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    options = module.default_options()
+    assert options[options.index("D") + 1] == "D:remainder"
+    assert options[options.index("coat") + 1] == "coat:remainder"
+    assert options[options.index("D-BF16") + 1] == "D-BF16:fp32"
+    assert module.parse_option("coat:remainder").bytes_per_param() == 8.125

@@ -8,17 +8,13 @@ once per rank; writes ``RESULT_DIR/rank<N>.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _seeded_model, _train_step, _transformer_config
 from _optimizer_hook_worker import _ddp, _optimizer_config, _scheduler
 
-from megatron_lowprec.megatron import cpu as cpu_bridge
-from tests.megatron.launch import init_process_group
+from tests.megatron.launch import run_scenario
 
 GROUP_FIELDS = ("wd_mult", "lr_mult", "max_lr", "min_lr", "is_decoupled_lr", "default_config", "is_expert_parallel")
 
@@ -197,18 +193,5 @@ def refusals() -> dict:
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals)}
 
 
-def main(result_dir: Path, scenario: str, arguments: dict) -> None:
-    from megatron.core import parallel_state
-
-    with cpu_bridge.cpu_bridge():
-        init_process_group(timeout_seconds=120)
-        try:
-            result = SCENARIOS[scenario](**arguments)
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result, default=str))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    run_scenario(SCENARIOS)

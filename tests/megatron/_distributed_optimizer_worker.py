@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _flat, _seeded_model, _train_step, _transformer_config
 from _optimizer_hook_worker import _optimizer_config, _scheduler, _train
 
-from megatron_lowprec.megatron import cpu as cpu_bridge
-from tests.megatron.launch import init_process_group
+from tests.megatron.launch import run_scenario
 
 
 def _ddp(config, distributed: bool, bucket_size: int | None = None, grad_reduce_in_fp32: bool = False):
@@ -33,10 +29,12 @@ def _ddp(config, distributed: bool, bucket_size: int | None = None, grad_reduce_
 
 
 def _optimizer(option: str, model, distributed: bool, fused: bool = False, **options):
+    """The optimizer of ``option``: a name, or NAME:MASTER_STORAGE (``D:remainder``)."""
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
+    name, _, master_storage = option.partition(":")
     config = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=distributed)
-    return build_optimizer(option, [model], config, seed=11, fused=fused, **options)
+    return build_optimizer(name, [model], config, seed=11, fused=fused, master_storage=master_storage or None, **options)
 
 
 def _unsharded_state_bytes(optimizer) -> int:
@@ -194,25 +192,44 @@ def _same_state(sharded, sharded_model, unsharded, unsharded_model) -> bool:
     return True
 
 
+def _sharded_masters(optimizer) -> torch.Tensor | None:
+    """The FP32 masters the distributed optimizer holds (remainders joined with their parameters), flat."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
+
+    sharded = optimizer.optimizer
+    if not sharded.strategy.master_weights:
+        return None
+    return torch.cat([
+        checkpoint_state(sharded.piece_state(shard, piece), piece.numel, sharded.strategy, param=param)["master"]
+        for shard in sharded.shards for piece, param in zip(shard.pieces, shard.params())
+    ])
+
+
 def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
     """Another layout loads each option's checkpoint with and without the distributed optimizer:
-    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``."""
+    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``. An
+    option ``LOADED<-SAVED`` loads the checkpoint of option SAVED (another master storage): whether
+    its FP32 masters equal, bit for bit, those that SAVED (listed before it) loaded."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
-    result = {}
-    for option in options:
+    result, masters = {}, {}
+    for entry in options:
+        option, _, saved = entry.partition("<-")
         runs = {
-            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / option), 2 * steps)
+            distributed: _load_checkpoint(option, config, distributed, str(Path(checkpoint_dir) / (saved or option)), 2 * steps)
             for distributed in (True, False)
         }
         same_state = _same_state(runs[True][1], runs[True][0], runs[False][1], runs[False][0])
+        masters[entry] = _sharded_masters(runs[True][1])
         losses = {
             distributed: _train(model, optimizer, steps, scheduler, first_step=steps)["losses"]
             for distributed, (model, optimizer, scheduler) in runs.items()
         }
-        result[option] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
+        result[entry] = {"same_state": same_state, "sharded": losses[True], "unsharded": losses[False]}
+        if saved:
+            result[entry]["same_masters"] = torch.equal(masters[entry].view(torch.int32), masters[saved].view(torch.int32))
     return result
 
 
@@ -330,18 +347,5 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
 SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs)}
 
 
-def main(result_dir: Path, scenario: str, arguments: dict) -> None:
-    from megatron.core import parallel_state
-
-    with cpu_bridge.cpu_bridge():
-        init_process_group(timeout_seconds=120)
-        try:
-            result = SCENARIOS[scenario](**arguments)
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    run_scenario(SCENARIOS)

@@ -9,17 +9,12 @@ CPU-bridge checks (``_cpu_bridge_worker``).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import sys
-from pathlib import Path
 
 import torch
 from _cpu_bridge_worker import _flat, _gather, _seeded_model, _train_step, _transformer_config
 
-from megatron_lowprec.megatron import cpu as cpu_bridge
-from tests.megatron.launch import init_process_group
+from tests.megatron.launch import run_scenario
 
 
 def _ddp(config, grad_reduce_in_fp32: bool):
@@ -246,10 +241,11 @@ def non_finite_gradient_skips_everywhere() -> dict:
     }
 
 
-def resume(options: list[str], steps: int) -> dict:
+def resume(options: list[str], steps: int, master_storage: str | None = None) -> dict:
     """DP=2: ``steps`` straight against ``steps / 2`` + state dicts (model, optimizer, scheduler, RNG
     states, as a checkpoint holds them) + a fresh model and optimizer that load them and run the
-    rest; per option, whether losses and parameters are bit-identical."""
+    rest; per option (its masters stored as ``master_storage``), whether losses and parameters are
+    bit-identical."""
     import copy
 
     from megatron.core import parallel_state, tensor_parallel
@@ -265,7 +261,9 @@ def resume(options: list[str], steps: int) -> dict:
 
         def fresh():
             model = _ddp(config, grad_reduce_in_fp32=False)
-            optimizer = build_optimizer(option, [model], _optimizer_config(), seed=3, fused=False)
+            optimizer = build_optimizer(
+                option, [model], _optimizer_config(), seed=3, fused=False, master_storage=master_storage
+            )
             return model, optimizer, _scheduler(optimizer, steps)
 
         model, optimizer, scheduler = fresh()
@@ -320,23 +318,35 @@ def update_quality(option: str, tensor_parallel: int) -> dict:
 
 
 def _state_norms(model, optimizer) -> dict[str, float]:
-    """Per optimizer-state key, the global sum of squares over the model, each parameter counted once."""
+    """Per optimizer-state key, the global sum of squares over the model, each parameter counted once;
+    the FP32 master under ``master`` whichever its storage."""
     from megatron.core import parallel_state, tensor_parallel
 
-    keys = [key for key, value in optimizer.optimizer.state[next(iter(model.parameters()))].items() if torch.is_tensor(value)]
+    from megatron_lowprec.optim.master import MASTER_KEYS, master_value
+
+    def values(param, state, key):
+        return master_value(param, state[key]) if key in MASTER_KEYS.values() else state[key]
+
+    state = optimizer.optimizer.state[next(iter(model.parameters()))]
+    keys = [key for key, value in state.items() if torch.is_tensor(value)]
     sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=torch.cuda.current_device())
     for param in model.parameters():
         if tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
             state = optimizer.optimizer.state[param]
-            sums[:-1] += torch.stack([state[key].double().square().sum() for key in keys])
+            sums[:-1] += torch.stack([values(param.detach(), state, key).double().square().sum() for key in keys])
             sums[-1] += param.double().square().sum()
     torch.distributed.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
-    return dict(zip([*keys, "param"], sums.tolist()))
+    names = ["master" if key in MASTER_KEYS.values() else key for key in keys]
+    return dict(zip([*names, "param"], sums.tolist()))
 
 
-def dist_checkpoint(option: str, tensor_parallel: int, checkpoint_dir: str, save: bool) -> dict:
+def dist_checkpoint(
+    option: str, tensor_parallel: int, checkpoint_dir: str, save: bool, master_storage: str | None = None,
+    load_from: str | None = None,
+) -> dict:
     """Train and save a megatron dist checkpoint (model + optimizer), or load one saved at another
-    tensor-parallel size; the state norms and the loss on fixed data either way."""
+    tensor-parallel size (and master storage), or (``load_from``) load one and save it again; the
+    state norms and the loss on fixed data either way."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
@@ -344,24 +354,57 @@ def dist_checkpoint(option: str, tensor_parallel: int, checkpoint_dir: str, save
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     model = _ddp(config, grad_reduce_in_fp32=False)
-    optimizer = build_optimizer(option, [model], _optimizer_config(), fused=False)
-    if save:
+    optimizer = build_optimizer(option, [model], _optimizer_config(), fused=False, master_storage=master_storage)
+
+    def sharded(is_loading: bool) -> dict:
+        model_state = model.module.sharded_state_dict()
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+    source = load_from if save else checkpoint_dir
+    if source is None:
         _train(model, optimizer, 3)
-    model_state = model.module.sharded_state_dict()
-    sharded = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=not save)}
-    if save:
-        dist_checkpointing.save(sharded, checkpoint_dir)
     else:
-        loaded = dist_checkpointing.load(sharded, checkpoint_dir)
+        loaded = dist_checkpointing.load(sharded(is_loading=True), source)
         model.module.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
+    if save:
+        dist_checkpointing.save(sharded(is_loading=False), checkpoint_dir)
     model.zero_grad_buffer()
     return {"norms": _state_norms(model, optimizer), "loss": _train_step(model, data_seed=77)}
+
+
+def reload_model_params(option: str, master_storage: str) -> dict:
+    """After 3 steps and new model weights (a checkpoint loaded without its optimizer), megatron's
+    ``reload_model_params`` restarts every FP32 master from the parameters."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+    from megatron_lowprec.optim.master import master_value, stored_master
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(config, grad_reduce_in_fp32=False)
+    optimizer = build_optimizer(option, [model], _optimizer_config(), fused=False, master_storage=master_storage)
+    _train(model, optimizer, 3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+
+    def masters_are_parameters():
+        return all(
+            torch.equal(master_value(p.detach(), stored_master(optimizer.optimizer.state[p])), p.detach().float())
+            for p in model.parameters()
+        )
+
+    before = masters_are_parameters()
+    optimizer.reload_model_params()
+    return {"before": before, "after": masters_are_parameters()}
 
 
 SCENARIOS = {
     f.__name__: f
     for f in (
+        reload_model_params,
         replicas,
         option_d_against_stock_megatron,
         non_finite_gradient_skips_everywhere,
@@ -373,18 +416,5 @@ SCENARIOS = {
 }
 
 
-def main(result_dir: Path, scenario: str, arguments: dict) -> None:
-    from megatron.core import parallel_state
-
-    with cpu_bridge.cpu_bridge():
-        init_process_group(timeout_seconds=120)
-        try:
-            result = SCENARIOS[scenario](**arguments)
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    run_scenario(SCENARIOS)

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,25 @@ def init_process_group(timeout_seconds: float) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl"
     torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
+def run_scenario(scenarios: dict[str, Callable[..., dict]]) -> None:
+    """A scenario worker's entry point, called as ``python WORKER RESULT_DIR SCENARIO ARGUMENTS``
+    (JSON keyword arguments): runs ``scenarios[SCENARIO]`` under the CUDA→CPU bridge in this rank's
+    process group and writes its result to ``RESULT_DIR/rank<N>.json``."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron import cpu as cpu_bridge
+
+    result_dir, scenario, arguments = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    with cpu_bridge.cpu_bridge():
+        init_process_group(timeout_seconds=120)
+        try:
+            result = scenarios[scenario](**arguments)
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    (result_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result, default=str))
 
 
 def _tails(logs: list[Path]) -> str:

@@ -64,3 +64,71 @@ def test_groups_that_gather_two_saved_groups_are_quantized_afresh():
         expected = quantize_fp8(saved_values, COAT.fp8_format, group_size=COAT.fp8_group_size, expand=COAT.fp8_expand)
         assert torch.equal(_bits(restored[f"{moment}_payload"]), _bits(expected.payload)), moment
         assert torch.equal(restored[f"{moment}_scale"], expected.scale), moment
+
+
+def _remainder_state(option: str, numel: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A BF16 parameter and its ``option`` state with the master as a remainder, after 3 steps."""
+    from megatron_lowprec.optim import AdamW
+
+    generator = torch.Generator().manual_seed(seed)
+    param = torch.nn.Parameter(torch.randn(numel, generator=generator).bfloat16())
+    optimizer = AdamW([param], lr=1e-2, option=option, master_storage="remainder", fused=False)
+    for _ in range(3):
+        param.grad = torch.randn(numel, generator=generator).bfloat16()
+        optimizer.step()
+    return param, {key: value for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
+
+
+@pytest.mark.parametrize("option", ["D", "coat", "D-BF16"])
+def test_a_remainder_master_is_saved_as_the_fp32_master_and_loads_into_either_storage(option):
+    """The checkpoint form of a remainder master is the FP32 master under ``master`` (the same tensor a
+    whole master saves), and it loads back exactly into the remainder and its parameter, or into a
+    whole master, and from a whole master into a remainder."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+    from megatron_lowprec.optim.master import master_value
+
+    strategy = get_strategy(option).with_master_storage("remainder")
+    param, state = _remainder_state(option, 300, seed=2)
+    master = master_value(param.detach(), state["master_remainder"]).clone()
+    form = {key: value.clone() for key, value in checkpoint_state(state, 300, strategy, param=param).items()}
+    assert "master_remainder" not in form and torch.equal(form["master"].view(torch.int32), master.view(torch.int32))
+    assert set(form) == set(checkpoint_state(state, 300, strategy, is_loading=True))
+
+    other_param, other = _remainder_state(option, 300, seed=5)
+    restore_checkpoint_state(other, form, 300, strategy, param=other_param)
+    for key, value in state.items():
+        assert torch.equal(_bits(other[key]), _bits(value)), key
+    assert torch.equal(other_param.detach(), param.detach())
+
+    whole_strategy = get_strategy(option).with_master_storage("fp32")
+    whole = {key: value for key, value in init_state(torch.zeros(300, dtype=torch.bfloat16), whole_strategy).items() if torch.is_tensor(value)}
+    restore_checkpoint_state(whole, form, 300, whole_strategy)
+    assert torch.equal(whole["master"].view(torch.int32), master.view(torch.int32))
+    back_param, back = _remainder_state(option, 300, seed=7)
+    restore_checkpoint_state(back, checkpoint_state(whole, 300, whole_strategy), 300, strategy, param=back_param)
+    assert torch.equal(master_value(back_param.detach(), back["master_remainder"]).view(torch.int32), master.view(torch.int32))
+
+
+def test_a_checkpoint_form_that_dropped_one_remainder_bit_is_seen():
+    """Mutation: the saved master loses its lowest bit; the restored remainder differs."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+
+    strategy = get_strategy("D").with_master_storage("remainder")
+    param, state = _remainder_state("D", 300, seed=2)
+    form = {key: value.clone() for key, value in checkpoint_state(state, 300, strategy, param=param).items()}
+    form["master"] = (form["master"].view(torch.int32) & ~1).view(torch.float32)
+    other_param, other = _remainder_state("D", 300, seed=5)
+    restore_checkpoint_state(other, form, 300, strategy, param=other_param)
+    assert not torch.equal(other["master_remainder"], state["master_remainder"])
+
+
+def test_a_remainder_master_needs_its_parameters():
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+
+    strategy = get_strategy("D").with_master_storage("remainder")
+    param, state = _remainder_state("D", 300, seed=2)
+    with pytest.raises(ValueError, match=r"pass param= \(300 elements\), got None"):
+        checkpoint_state(state, 300, strategy)
+    form = checkpoint_state(state, 300, strategy, param=param)
+    with pytest.raises(ValueError, match=r"pass param= \(300 elements\), got 299"):
+        restore_checkpoint_state(state, form, 300, strategy, param=param[:299])

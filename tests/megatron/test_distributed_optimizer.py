@@ -15,6 +15,8 @@ from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
 OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
+REMAINDER_OPTIONS = ["D:remainder", "coat:remainder", "D-BF16"]
+"""The options whose FP32 master is stored as a remainder below the BF16 parameter (NAME:MASTER_STORAGE)."""
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
@@ -30,11 +32,11 @@ def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[
 @pytest.mark.parametrize(
     "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused, grad_reduce_in_fp32",
     [
-        (OPTIONS, 2, 1, 1, 3000, 10, False, False),
+        (OPTIONS + REMAINDER_OPTIONS, 2, 1, 1, 3000, 10, False, False),
         (OPTIONS, 2, 1, 1, 3000, 6, False, True),
-        (OPTIONS, 4, 2, 1, None, 6, False, False),
+        (OPTIONS + ["D-BF16"], 4, 2, 1, None, 6, False, False),
         (["A", "C", "sr", "coat"], 4, 1, 2, None, 4, False, False),
-        (["sr", "coat"], 2, 1, 1, 3000, 3, True, False),
+        (["sr", "coat", "D-BF16"], 2, 1, 1, 3000, 3, True, False),
     ],
     ids=["dp2-small-buckets", "dp2-fp32-reduction", "tp2xdp2", "pp2xdp2", "dp2-fused"],
 )
@@ -45,7 +47,8 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
     data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
     boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
     DP=2 with the embedding tied across stages; the compiled kernel on stochastic rounding's row
-    grids and coat's group-aligned chunks; DP=2 with Megatron-LM's defaults, FP32 gradient
+    grids, coat's group-aligned chunks and remainder masters read below megatron's parameter
+    buffer; masters stored as remainders, D's through torch's fused kernel; DP=2 with Megatron-LM's defaults, FP32 gradient
     reduction and clipping at 1.0, where both find the same gradient norms, which clip). Without
     the zero padding of its state buckets' layout, each rank holds at most its share of the
     unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
@@ -75,24 +78,28 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
 
 
 def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
-    """Every option: a dist checkpoint saved at DP=2 with the distributed optimizer resumes at DP=2
-    bit-identically to a straight run; at DP=4 and at TP=2 x DP=2, the distributed and the
-    unsharded optimizer load the same state bit for bit from it and take the same first step. At
-    TP=2 x DP=2 their later losses are identical too; at DP=4 they agree to 1e-4 (gloo's
-    reduce-scatter and all-reduce add four ranks' BF16 gradients in different orders, which the
-    unsharded run at DP=4 also shows without any checkpoint)."""
+    """Every option, and masters stored as remainders: a dist checkpoint saved at DP=2 with the
+    distributed optimizer resumes at DP=2 bit-identically to a straight run; at DP=4 and at TP=2 x
+    DP=2, the distributed and the unsharded optimizer load the same state bit for bit from it and
+    take the same first step, and a checkpoint of whole FP32 masters loads into remainders (and
+    back) as the same masters bit for bit. At TP=2 x DP=2 their later losses are identical too; at
+    DP=4 they agree to 1e-4 (gloo's reduce-scatter and all-reduce add four ranks' BF16 gradients in
+    different orders, which the unsharded run at DP=4 also shows without any checkpoint)."""
     checkpoint = tmp_path / "checkpoint"
-    saved = _run(tmp_path / "save", 2, "save_and_resume", options=OPTIONS, checkpoint_dir=str(checkpoint), steps=6)
+    saved_options = OPTIONS + ["coat:remainder", "D-BF16"]
+    saved = _run(tmp_path / "save", 2, "save_and_resume", options=saved_options, checkpoint_dir=str(checkpoint), steps=6)
     for rank in saved:
-        for option in OPTIONS:
+        for option in saved_options:
             assert rank[option] == {"losses_identical": True, "params_identical": True}, option
+    across_storages = ["D:remainder<-D", "coat<-coat:remainder"]
     for tensor_parallel in (1, 2):
-        ranks = _run(tmp_path / f"load_tp{tensor_parallel}", 4, "load_elsewhere", options=OPTIONS,
+        ranks = _run(tmp_path / f"load_tp{tensor_parallel}", 4, "load_elsewhere", options=saved_options + across_storages,
                      checkpoint_dir=str(checkpoint), tensor_parallel=tensor_parallel, steps=2)
         for rank in ranks:
-            for option in OPTIONS:
+            for option in saved_options + across_storages:
                 result = rank[option]
                 assert result["same_state"], (tensor_parallel, option)
+                assert result.get("same_masters", True), (tensor_parallel, option)
                 assert result["sharded"][:2] == result["unsharded"][:2], (tensor_parallel, option)
                 if tensor_parallel == 2:
                     assert result["sharded"] == result["unsharded"], option
@@ -103,28 +110,35 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
 @pytest.fixture(scope="module")
 def costs(tmp_path_factory) -> list[dict]:
     return _run(
-        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS, stepped_options=STEPPED_OPTIONS,
+        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS + REMAINDER_OPTIONS, stepped_options=STEPPED_OPTIONS,
         bucket_size=None, hidden_size=128,
     )
 
 
-STEPPED_OPTIONS = ["A", "D", "sr", "coat"]
+STEPPED_OPTIONS = ["A", "D", "sr", "coat", "D:remainder", "D-BF16"]
 """Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
-AdamW, stochastic rounding per bucket, FP8 group grids)."""
+AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either)."""
+
+
+def _strategy(option: str):
+    """The strategy of ``option``: a name, or NAME:MASTER_STORAGE."""
+    from megatron_lowprec.optim import get_strategy
+
+    name, _, master_storage = option.partition(":")
+    strategy = get_strategy(name)
+    return strategy.with_master_storage(master_storage) if master_storage else strategy
 
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
-@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("option", OPTIONS + REMAINDER_OPTIONS)
 def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, layout):
     """Measured with the CPU allocator on each rank of a DP=2 megatron GPT whose tensors are whole
     multiples of the alignment: building the optimizer leaves exactly the state it reports
-    allocated (no second gradient buffer, no FP32 copy beside D's and coat's masters; a few words
+    allocated (no second gradient buffer, no FP32 copy beside the masters of D, coat and D-BF16; a few words
     of tables per parameter); that state is the README's bytes/param (parameter and gradient
     excluded) over the elements the rank updates, plus the zero padding where a shard boundary cuts
     a parameter; a step keeps nothing allocated."""
-    from megatron_lowprec.optim import get_strategy
-
-    per_element = get_strategy(option).bytes_per_param() - 4
+    per_element = _strategy(option).bytes_per_param() - 4
     for rank in costs:
         result = rank[f"{option}-{layout}"]
         assert result["reported_bytes"] <= result["built_bytes"] <= result["reported_bytes"] + 128 * result["entries"]
@@ -140,11 +154,9 @@ def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_
     """A fused step (stochastic rounding as on GPUs, whole buckets) launches one compiled call per
     state bucket, not per parameter (D runs torch's fused kernel: none), and creates no tensor on
     the device from host data (a copy that waits for the device)."""
-    from megatron_lowprec.optim import get_strategy
-
     for rank in costs:
         result = rank[f"{option}-{layout}"]
-        expected = 0 if get_strategy(option).adam_kernel == "torch_fused" else result["state_buckets"]
+        expected = 0 if _strategy(option).adam_kernel == "torch_fused" else result["state_buckets"]
         assert result["compiled_calls"] == expected
         assert result["entries"] > result["state_buckets"]
         assert result["copies"] == []

@@ -131,3 +131,41 @@ def test_dist_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path, option):
                   checkpoint_dir=str(checkpoint), save=False)
     assert loaded[0]["norms"] == pytest.approx(saved[0]["norms"], rel=1e-12)
     assert loaded[0]["loss"] == pytest.approx(saved[0]["loss"], rel=1e-4)
+
+
+def test_remainder_masters_resume_from_state_dicts_bit_identically(tmp_path):
+    """D, coat and D-BF16 with their masters as remainders below the BF16 parameters, at DP=2: resuming
+    from the model's and the optimizer's state dicts continues bit-identically."""
+    options = ["D", "coat", "D-BF16"]
+    ranks = _run(tmp_path, 2, "resume", options=options, steps=6, master_storage="remainder")
+    for rank in ranks:
+        for option in options:
+            assert rank[option] == {"finite": True, "losses_identical": True, "params_identical": True}, option
+
+
+def test_a_whole_master_checkpoint_loads_into_remainders_at_another_layout_and_back(tmp_path):
+    """dist_checkpointing: D with whole FP32 masters saved at TP=2 loads at TP=1 into remainder masters
+    (the FP32 master is the checkpoint form of both), which save again and load at TP=2 into whole
+    masters: every state, the FP32 masters included, keeps its global norm, and the loss agrees."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    saved = _run(tmp_path / "save", 2, "dist_checkpoint", option="D", tensor_parallel=2, checkpoint_dir=str(first),
+                 save=True, master_storage="fp32")
+    loaded = _run(tmp_path / "load", 2, "dist_checkpoint", option="D", tensor_parallel=1, checkpoint_dir=str(second),
+                  save=True, master_storage="remainder", load_from=str(first))
+    back = _run(tmp_path / "back", 2, "dist_checkpoint", option="D", tensor_parallel=2, checkpoint_dir=str(second),
+                save=False, master_storage="fp32")
+    for result in (loaded, back):
+        norms, expected = result[0]["norms"], saved[0]["norms"]
+        assert sorted(norms) == sorted(expected)
+        for key in expected:
+            if key != "param":
+                assert norms[key] == pytest.approx(expected[key], rel=1e-12), key
+        assert result[0]["loss"] == pytest.approx(saved[0]["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("option, master_storage", [("D", "remainder"), ("coat", "fp32")])
+def test_reload_model_params_restarts_the_masters_from_the_model(tmp_path, option, master_storage):
+    (rank,) = _run(tmp_path, 1, "reload_model_params", option=option, master_storage=master_storage)
+    assert rank == {"before": False, "after": True}

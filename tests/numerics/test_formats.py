@@ -14,8 +14,10 @@ from megatron_lowprec.numerics.formats import (
     FloatFormat,
     cast,
     float_format,
+    join_bf16_remainder,
     round_to_16bit,
     round_to_format,
+    split_bf16_remainder,
 )
 
 FLOAT6_E3M2FN = float_format("float6_e3m2fn")
@@ -400,3 +402,127 @@ def test_integer_rounding_rejects_other_dtypes():
         round_to_16bit(torch.ones(2, dtype=torch.float64), torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
         round_to_16bit(torch.ones(2), torch.float8_e4m3fn)
+
+
+REMAINDER_LOW_HALVES = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF]
+"""Low 16 bits at every boundary of the split: none, the smallest, the largest non-negative
+remainder, the tie (the first negative one), past it, and all ones (remainder -1)."""
+
+
+def _remainder_probes() -> torch.Tensor:
+    """Every float32 upper half (both signs, every exponent: subnormals, ±0, the largest finite, ±inf
+    and NaNs) with each low half of :data:`REMAINDER_LOW_HALVES`, then 2^18 random patterns."""
+    words = (torch.arange(2**16, dtype=torch.int64).unsqueeze(1) << 16) + torch.tensor(REMAINDER_LOW_HALVES)
+    random = torch.randint(0, 2**32, (2**18,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
+    words = torch.cat([words.reshape(-1), random])
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(torch.float32)
+
+
+def _nearest_bf16_ties_away(x: np.ndarray) -> np.ndarray:
+    """Finite float32 ``x`` rounded to bfloat16 to nearest, ties away from zero, in float64 (a
+    value past the largest bfloat16 by half a step or more is inf): the two bfloat16 neighbours
+    of |x| and the exact distances to them."""
+    magnitude = np.abs(x).astype(np.float64)
+    below = (np.abs(x).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    exponent = np.maximum((np.abs(x).view(np.uint32) >> 23).astype(np.int64), 1) - 127
+    above = below + np.exp2(exponent - 7.0)
+    rounded = np.where(magnitude - below < above - magnitude, below, above)
+    rounded = np.where(rounded >= 2.0**128, np.inf, rounded)
+    return np.copysign(rounded, x)
+
+
+def test_bf16_remainder_split_is_a_bijection_rounding_half_away_from_zero():
+    """Every upper half with every boundary of the low half, and random patterns: the pair rebuilds
+    the float32 bit pattern; the remainder is the low half as an int16 and the upper half the high
+    half plus the carry (integer arithmetic on the patterns, numpy); for finite values the upper
+    half is the nearest bfloat16 with ties away from zero (float64); it equals torch's cast and
+    ml_dtypes' (ties to even) except exactly at the ties below an even upper half, where it is
+    one step further from zero."""
+    x = _remainder_probes()
+    upper, remainder = split_bf16_remainder(x)
+    assert upper.dtype == torch.bfloat16 and remainder.dtype == torch.int16
+    assert torch.equal(join_bf16_remainder(upper, remainder).view(torch.int32), x.view(torch.int32))
+
+    words = x.view(torch.int32).numpy().view(np.uint32).astype(np.int64)
+    low = words & 0xFFFF
+    assert np.array_equal(remainder.numpy(), low.astype(np.uint16).view(np.int16))
+    expected_upper = ((words + 0x8000) >> 16) & 0xFFFF
+    assert np.array_equal(upper.view(torch.int16).numpy().view(np.uint16), expected_upper.astype(np.uint16))
+
+    values = x.numpy()
+    finite = np.isfinite(values)
+    got = upper[torch.from_numpy(finite)].double().numpy()
+    assert np.array_equal(got, _nearest_bf16_ties_away(values[finite]))
+
+    even_ties = finite & (low == 0x8000) & (((words >> 16) & 1) == 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        by_ml_dtypes = torch.from_numpy(values.astype(ml_dtypes.bfloat16).view(np.int16))
+    for nearest_even in (x.to(torch.bfloat16).view(torch.int16), by_ml_dtypes):
+        nearest_even = nearest_even.numpy().view(np.uint16).astype(np.int64)
+        differs = finite & (nearest_even != expected_upper)
+        assert np.array_equal(differs, even_ties)
+        assert np.array_equal(expected_upper[differs], (nearest_even[differs] + 1) & 0xFFFF)
+    assert even_ties.sum() >= 2**15 - 128
+
+
+@pytest.mark.parametrize(
+    ("pattern", "upper_pattern", "remainder_value"),
+    [
+        (0x00000000, 0x0000, 0),
+        (0x80000000, 0x8000, 0),
+        (0x00000001, 0x0000, 1),
+        (0x80008000, 0x8001, -(2**15)),
+        (0x007FFFFF, 0x0080, -1),
+        (0x3F808000, 0x3F81, -(2**15)),
+        (0x3F818000, 0x3F82, -(2**15)),
+        (0x3F7FFFFF, 0x3F80, -1),
+        (0x7F7F7FFF, 0x7F7F, 0x7FFF),
+        (0x7F7FFFFF, 0x7F80, -1),
+        (0xFF7FFFFF, 0xFF80, -1),
+        (0x7F800000, 0x7F80, 0),
+        (0xFF800000, 0xFF80, 0),
+        (0x7FC00000, 0x7FC0, 0),
+        (0x7FFFFFFF, 0x8000, -1),
+        (0xFFFFFFFF, 0x0000, -1),
+    ],
+    ids=[
+        "zero", "negative zero", "smallest subnormal", "negative subnormal tie", "largest subnormal carries into the normals",
+        "even tie goes up", "odd tie goes up", "carry into the exponent", "below the largest bfloat16",
+        "largest float32 goes to inf", "to -inf", "inf", "-inf", "quiet nan", "all-ones nan wraps", "negative all-ones nan wraps",
+    ],
+)
+def test_bf16_remainder_split_at_the_edges(pattern, upper_pattern, remainder_value):
+    signed = pattern - 2**32 if pattern >= 2**31 else pattern
+    x = torch.tensor([signed], dtype=torch.int32).view(torch.float32)
+    upper, remainder = split_bf16_remainder(x)
+    assert upper.view(torch.int16).item() & 0xFFFF == upper_pattern
+    assert remainder.item() == remainder_value
+    assert join_bf16_remainder(upper, remainder).view(torch.int32).item() == signed
+
+
+def _split_and_join(patterns: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Split and join ``patterns`` as they are, and ``finite`` values computed just before."""
+    results = []
+    for x in (patterns, finite * 1.0):
+        upper, remainder = split_bf16_remainder(x)
+        results += [upper.view(torch.int16), remainder, join_bf16_remainder(upper, remainder).view(torch.int32)]
+    return tuple(results)
+
+
+def test_bf16_remainder_split_compiled_equals_eager(device):
+    """Inductor's code (C++ on the CPU, Triton on CUDA) gives eager's bits on every probe, read from
+    memory or computed in the same kernel."""
+    x = _remainder_probes()
+    arguments = (x.to(device), x[torch.isfinite(x)].to(device))
+    torch._dynamo.reset()
+    compiled = torch.compile(_split_and_join, dynamic=True, fullgraph=True)
+    for eager_result, compiled_result in zip(_split_and_join(*arguments), compiled(*arguments)):
+        assert torch.equal(eager_result, compiled_result)
+    torch._dynamo.reset()
+
+
+def test_bf16_remainder_takes_float32_and_bf16_with_int16():
+    with pytest.raises(TypeError, match="float32"):
+        split_bf16_remainder(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="bfloat16 upper half and an int16 remainder"):
+        join_bf16_remainder(torch.ones(2, dtype=torch.float16), torch.zeros(2, dtype=torch.int16))

@@ -195,8 +195,11 @@ def test_the_stochastic_rounding_step_has_no_64_bit_integer(round_trip_free_kern
     assert torch.int32 in dtypes and torch.int64 not in dtypes
 
 
-@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize(
+    ("option", "param_dtype"),
+    [(option, dtype) for option in OPTIONS for dtype in (torch.bfloat16, torch.float16)
+     if dtype == torch.bfloat16 or get_strategy(option).master_storage != "remainder"],
+)
 def test_the_integer_roundings_of_gpus_and_the_casts_of_cpus_give_the_same_steps(option, param_dtype, monkeypatch):
     """The eager step with GPU roundings (integer) equals the eager step with CPU roundings (casts)."""
     runs = []
@@ -319,6 +322,8 @@ class CapturingCompiler:
 
 COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "reference"] + [
     PrecisionStrategy("sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"),
+    get_strategy("coat").with_master_storage("remainder"),
+    get_strategy("D-BF16").with_master_storage("fp32"),
 ]
 
 
@@ -349,7 +354,9 @@ def _run_fused(strategy, steps=2, track_update_quality=False):
         optimizer.step()
 
 
-@pytest.mark.parametrize("strategy", COMPILED_STRATEGIES, ids=lambda strategy: strategy.name)
+@pytest.mark.parametrize(
+    "strategy", COMPILED_STRATEGIES, ids=lambda s: f"{s.name}:{s.master_storage}" if s.master_weights else s.name
+)
 def test_every_floating_point_operation_of_the_compiled_step_is_exact_on_every_backend(strategy, gpu_formulation):
     """The aten graph that Inductor lowers for a GPU holds no FP32 division, reciprocal or square root
     and no pow, log, exp or other function that backends approximate differently."""

@@ -29,12 +29,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    """One prepared embedded corpus for every run of this module."""
-    return tmp_path_factory.mktemp("lowprec_cache")
-
-
 def _tiny(cache_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """A 2-layer, 32-wide GPT on 32-token sequences, 2 micro-batches of 2 per data-parallel rank
     and step, a metrics row per step, no wandb, no checkpoint unless asked."""

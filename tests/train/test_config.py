@@ -225,6 +225,31 @@ def test_dry_run_plan_shows_the_state_per_rank_with_and_without_sharding(capsys,
     assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in line
 
 
+def test_master_storage_sets_how_the_fp32_master_is_stored(capsys, tmp_path):
+    from megatron_lowprec.train.config import precision_strategy
+
+    assert compose(["precision=D-BF16"]).precision.master_storage == "remainder"
+    assert compose(["precision=D"]).precision.master_storage == "fp32"
+    precision = compose(["precision=D", "precision.master_storage=remainder"]).precision
+    assert precision_strategy(precision).bytes_per_param() == 14
+    assert main(["trainer.dry_run=true", "precision=coat", "precision.master_storage=remainder", f"run_dir={tmp_path}"]) == 0
+    assert "8.125 bytes/param" in capsys.readouterr().out
+
+
+def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
+    assert "precision.master_storage='half' is not valid; choose one of: fp32, remainder" in _fails(
+        capsys, "precision=D", "precision.master_storage=half"
+    )
+    message = _fails(capsys, "precision=A", "precision.master_storage=remainder")
+    assert "option 'A' keeps no FP32 master" in message and "D, coat, D-BF16" in message
+    assert "precision.master_storage belong to this package's AdamW" in _fails(
+        capsys, "precision=megatron", "precision.master_storage=remainder"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["trainer.dry_run=true", "precision=D-BF16", "optimizer.distributed=true"]) == 0
+    assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in capsys.readouterr().out
+
+
 def test_help_lists_the_groups_the_most_used_keys_and_the_readme(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -32,11 +32,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("lowprec_cache")
-
-
 def _tiny(cache_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """A 2-layer, 32-wide GPT, 2 micro-batches of 2 per rank and step, a metrics row per step, no
     evaluation before the end, no wandb, the eager optimizer step (no compilation); the LR schedule

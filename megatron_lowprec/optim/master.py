@@ -1,0 +1,113 @@
+"""Where an FP32 master weight lives: a whole FP32 tensor, or the BF16 parameter plus a 16-bit remainder.
+
+A strategy with ``master_weights`` keeps one stored tensor per parameter under :func:`master_key`:
+
+* ``master_storage="fp32"``: ``"master"``, the FP32 master itself; the 16-bit parameter is its
+  nearest rounding (ties to even), written after every update.
+* ``master_storage="remainder"``: ``"master_remainder"``, an int16 tensor; the master is the BF16
+  parameter (its upper half) joined with it
+  (:func:`~megatron_lowprec.numerics.formats.join_bf16_remainder`), 2 bytes instead of 4. The
+  parameter then rounds the master to nearest with ties away from zero.
+
+Every reader and writer of a master (the reference kernel, torch's fused kernel for option D, the
+update-quality pieces, state dicts and checkpoints) goes through :func:`master_value` and
+:func:`store_master_`, which tell the two forms apart by the stored tensor's dtype, so the masters
+are the same bits in either form, eager and compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
+from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+MASTER_KEYS = {"fp32": "master", "remainder": "master_remainder"}
+"""The state key of the stored master for each ``master_storage``."""
+
+REMAINDER_DTYPE = torch.int16
+
+
+def master_key(strategy: PrecisionStrategy) -> str:
+    """The state key under which ``strategy`` stores its master."""
+    return MASTER_KEYS[strategy.master_storage]
+
+
+def stored_master(state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The stored master of a state (FP32 master or int16 remainder), or ``None`` if it keeps none."""
+    for key in MASTER_KEYS.values():
+        if key in state:
+            return state[key]
+    return None
+
+
+def master_value(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """The FP32 master of ``param``: ``stored`` itself when it is the FP32 master (updated in place
+    by whoever writes it), else ``param`` joined with the remainder ``stored`` (a new tensor)."""
+    if stored.dtype == torch.float32:
+        return stored
+    return join_bf16_remainder(param, stored)
+
+
+def store_master_(param: torch.Tensor, stored: torch.Tensor, value: torch.Tensor) -> None:
+    """Make FP32 ``value`` the master of ``param``: the whole form stores it and rounds the parameter
+    to nearest (a cast); the remainder form splits it into the parameter and the remainder."""
+    if stored.dtype == torch.float32:
+        if value is not stored:
+            stored.copy_(value)
+        param.copy_(stored)
+        return
+    upper, remainder = split_bf16_remainder(value)
+    param.copy_(upper)
+    stored.copy_(remainder)
+
+
+def store_masters_(params: list[torch.Tensor], stored: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """:func:`store_master_` over lists of pieces, ``values`` from :func:`master_value` (whole
+    masters: the stored pieces themselves, copied to the parameters in one multi-tensor call)."""
+    if all(piece.dtype == torch.float32 and value is piece for piece, value in zip(stored, values)):
+        torch._foreach_copy_(params, values)
+        return
+    for param, piece, value in zip(params, stored, values):
+        store_master_(param, piece, value)
+
+
+REMAINDER_TIE = -(1 << 15)
+"""The remainder of an FP32 value exactly halfway between two BF16 values (low 16 bits 0x8000)."""
+
+
+def copies_off_nearest_even(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """How many BF16 copies ``param`` of the remainder masters ``stored`` differ from the masters
+    rounded to nearest even (torch's cast, the whole form's copy): the exact ties, whose copy is
+    rounded away from zero onto an odd last bit where the cast keeps the even one below (a 0-d
+    int64 tensor on the device)."""
+    odd = (param.view(torch.int16) & 1) == 1
+    return ((stored == REMAINDER_TIE) & odd).sum()
+
+
+def new_master(strategy: PrecisionStrategy, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat, zero stored master of ``strategy`` for ``numel`` elements on ``like``'s device: fill
+    it from the parameters with :func:`reset_master_`."""
+    dtype = REMAINDER_DTYPE if strategy.master_storage == "remainder" else torch.float32
+    return like.new_zeros(numel, dtype=dtype)
+
+
+def reset_master_(param: torch.Tensor, stored: torch.Tensor) -> None:
+    """Restart the master from the 16-bit ``param`` (same shape as ``stored``): its exact FP32 value,
+    or a zero remainder (a BF16 value is its own upper half)."""
+    if stored.dtype == torch.float32:
+        stored.copy_(param)
+    else:
+        stored.zero_()
+
+
+def check_master_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str) -> None:
+    """``ValueError`` if ``strategy`` stores its master as a remainder and ``param`` is not BF16."""
+    if strategy.master_weights and strategy.master_storage == "remainder" and param.dtype != torch.bfloat16:
+        raise ValueError(
+            f"option {strategy.name!r} with master_storage='remainder' keeps the FP32 master's upper half in "
+            f"the BF16 parameter; {where} of shape {tuple(param.shape)} has dtype {param.dtype}: use "
+            "bfloat16 parameters or master_storage='fp32'"
+        )
