@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
@@ -270,20 +271,78 @@ def fused_bucket_step_(
     return sum(pieces) if track_update_quality else None
 
 
+def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:
+    """The FP32 masters of a window of a bucket: its 16-bit parameters (a flat window, or rows of
+    another buffer) joined with the remainders ``stored``."""
+    values = param.read(stored.shape) if isinstance(param, BufferRows) else param
+    return join_bf16_remainder(values, stored)
+
+
+def _split_master_window_(param: torch.Tensor | BufferRows, stored: torch.Tensor, masters: torch.Tensor) -> None:
+    """Store a window's FP32 ``masters`` as its 16-bit parameters and remainders ``stored``."""
+    upper, remainder = split_bf16_remainder(masters)
+    stored.copy_(remainder)
+    if isinstance(param, BufferRows):
+        param.write(upper)
+    else:
+        param.copy_(upper)
+
+
+@functools.cache
+def compiled_master_codec() -> tuple[Callable, Callable]:
+    """:func:`_join_master_window` and :func:`_split_master_window_` compiled (integer operations:
+    the same bits as eager on every backend), one pass over a window each."""
+    from torch._inductor import config as inductor_config
+
+    options = dict(INDUCTOR_OPTIONS)
+    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
+    return tuple(
+        torch.compile(function, dynamic=True, fullgraph=True, options=options)
+        for function in (_join_master_window, _split_master_window_)
+    )
+
+
+class BucketMasterWindows:
+    """:class:`~megatron_lowprec.optim.torch_fused.MasterWindows` of a bucket whose remainder master
+    lies below 16-bit parameters in its own flat buffer or in rows of megatron's: one compiled call
+    per window to join, one to split (instead of a dozen integer operations per entry)."""
+
+    def __init__(self, bucket: Bucket, stored: torch.Tensor) -> None:
+        self.param = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1]
+        self.stored = stored
+
+    def join(self, start: int, end: int) -> torch.Tensor:
+        return compiled_master_codec()[0](_window(self.param, start, end), self.stored[start:end])
+
+    def split_(self, start: int, end: int, masters: torch.Tensor) -> None:
+        compiled_master_codec()[1](_window(self.param, start, end), self.stored[start:end], masters)
+
+
+def _master_windows(bucket: Bucket, stored: torch.Tensor) -> BucketMasterWindows | None:
+    """The bucket's compiled master windows, where its master is a remainder, its parameters sit in a
+    buffer of its layout and this device can compile; ``None`` (join and split per entry) otherwise."""
+    laid_out = bucket.param_buffer is not None or bucket.param_rows is not None
+    if stored.dtype == torch.float32 or not laid_out or not fused_available(bucket.device):
+        return None
+    return BucketMasterWindows(bucket, stored)
+
+
 def _torch_fused_bucket_step_(
     bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]], step: int, track: bool
 ) -> torch.Tensor | None:
     """Option D: torch's fused AdamW over each parameter group's entries (one multi-tensor call per
-    window of the bucket's state)."""
+    window of the bucket's state; a remainder master joined and split a window at a time)."""
     params, state, pieces = bucket.entry_params(), bucket.state, []
+    stored = stored_master(state)
+    master_windows = _master_windows(bucket, stored)
     for group, first, end in bucket.group_runs():
         spans = list(zip(bucket.offsets[first:end], bucket.numels[first:end]))
         values = hyper[group]
         pieces.append(
             torch_fused_adamw_step_(
-                params[first:end], entry_grads[first:end], stored_master(state), state["exp_avg"], state["exp_avg_sq"],
+                params[first:end], entry_grads[first:end], stored, state["exp_avg"], state["exp_avg_sq"],
                 spans, step=step, lr=values["lr"], beta1=values["beta1"], beta2=values["beta2"], eps=values["eps"],
-                weight_decay=values["weight_decay"], track_update_quality=track,
+                weight_decay=values["weight_decay"], track_update_quality=track, master_windows=master_windows,
             )
         )
     return sum(pieces) if track else None

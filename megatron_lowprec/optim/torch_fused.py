@@ -24,6 +24,7 @@ kernel call, and split back: the same kernel on the same FP32 values, so the sam
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
@@ -58,6 +59,17 @@ def _kernel_available(device_type: str) -> str | None:
     return None
 
 
+class MasterWindows(Protocol):
+    """A remainder master joined and split a window [start, end) of the flat state at a time (one
+    pass each, where the 16-bit parameters sit in a buffer of the state's layout)."""
+
+    def join(self, start: int, end: int) -> torch.Tensor:
+        """The window's FP32 masters, a new flat tensor."""
+
+    def split_(self, start: int, end: int, masters: torch.Tensor) -> None:
+        """Store the window's FP32 ``masters`` into its parameters and remainders."""
+
+
 def require_torch_fused_adamw(device: torch.device, option: str) -> None:
     """Raise ``RuntimeError`` if torch's fused AdamW kernel cannot run on ``device`` (checked once per device type)."""
     reason = _kernel_available(device.type)
@@ -69,13 +81,17 @@ def require_torch_fused_adamw(device: torch.device, option: str) -> None:
         )
 
 
-def _windows(numel: int, grads: list[torch.Tensor], master: torch.Tensor, track_update_quality: bool) -> list[tuple[int, int]]:
-    """Ranges of the flat state of at most :data:`WINDOW_ELEMENTS` (edges at multiples of
-    :data:`WINDOW_ALIGNMENT`), or the whole state when FP32 gradients and an FP32 master are used
-    in place untracked."""
+def _windows(
+    spans: list[tuple[int, int]], numel: int, grads: list[torch.Tensor], master: torch.Tensor, track_update_quality: bool
+) -> list[tuple[int, int]]:
+    """Ranges of the flat state of at most :data:`WINDOW_ELEMENTS` over the entries at ``spans``
+    (edges at multiples of :data:`WINDOW_ALIGNMENT`, the first at the first entry), or the whole
+    state when FP32 gradients and an FP32 master are used in place untracked."""
     if all(grad.dtype == torch.float32 for grad in grads) and master.dtype == torch.float32 and not track_update_quality:
         return [(0, numel)]
-    return [(start, min(start + WINDOW_ELEMENTS, numel)) for start in range(0, numel, WINDOW_ELEMENTS)]
+    first = spans[0][0] // WINDOW_ALIGNMENT * WINDOW_ALIGNMENT
+    last = min(-(-(spans[-1][0] + spans[-1][1]) // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT, numel)
+    return [(start, min(start + WINDOW_ELEMENTS, last)) for start in range(first, last, WINDOW_ELEMENTS)]
 
 
 def _pieces(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int, int]]:
@@ -112,13 +128,15 @@ def torch_fused_adamw_step_(
     eps: float,
     weight_decay: float,
     track_update_quality: bool,
+    master_windows: MasterWindows | None = None,
 ) -> torch.Tensor | None:
     """One AdamW step, in place, of the entries at ``spans`` ((offset, numel) pairs) of the flat
     stored ``master`` (the FP32 master, or the int16 remainder below BF16 parameters:
     ``optim/master.py``) and the flat FP32 ``exp_avg`` and ``exp_avg_sq``, with ``grads`` (each
     entry's flat gradient, wherever it lives) and ``step`` counting this step; each entry's flat
     16-bit parameter in ``params`` becomes its master's 16-bit copy. A handful of launches per
-    window, whatever the number of entries (torch's multi-tensor kernels).
+    window, whatever the number of entries (torch's multi-tensor kernels). A remainder master is
+    joined and split per entry, or per window by ``master_windows`` where the caller has them.
 
     With ``track_update_quality`` the intended update is the same kernel's update computed in
     float64 from the same state, and the effective update the change of the FP32 master; the
@@ -128,7 +146,7 @@ def torch_fused_adamw_step_(
     step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
     quality = master.new_zeros(4, dtype=torch.float64) if track_update_quality else None
-    windows = _windows(master.numel(), grads, master, track_update_quality)
+    windows = _windows(spans, master.numel(), grads, master, track_update_quality)
     in_place = all(grad.dtype == torch.float32 for grad in grads)
     scratch = None if in_place else torch.empty(windows[0][1] - windows[0][0], dtype=torch.float32, device=device)
     for start, end in windows:
@@ -147,7 +165,11 @@ def torch_fused_adamw_step_(
             window_grads = converted
         window_params = [params[index][low:high] for index, low, high in pieces]
         stored, exp_avgs, exp_avg_sqs = split(master), split(exp_avg), split(exp_avg_sq)
-        masters = [master_value(param, piece) for param, piece in zip(window_params, stored)]
+        if master_windows is None:
+            masters = [master_value(param, piece) for param, piece in zip(window_params, stored)]
+        else:
+            joined = master_windows.join(start, end)
+            masters = [joined[spans[index][0] + low - start : spans[index][0] + high - start] for index, low, high in pieces]
         if track_update_quality:
             before = [piece.double() for piece in masters]
             intended = [piece.clone() for piece in before]
@@ -156,7 +178,10 @@ def torch_fused_adamw_step_(
                 [piece.double() for piece in exp_avg_sqs], step_tensor, hyper,
             )
         _fused_adamw(masters, window_grads, exp_avgs, exp_avg_sqs, step_tensor, hyper)
-        store_masters_(window_params, stored, masters)
+        if master_windows is None:
+            store_masters_(window_params, stored, masters)
+        else:
+            master_windows.split_(start, end, joined)
         if track_update_quality:
             for intended_piece, before_piece, master_piece in zip(intended, before, masters):
                 quality += update_quality_pieces(intended_piece - before_piece, before_piece, master_piece)
