@@ -386,8 +386,6 @@ def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resu
         if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps or stop_signal:
             logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
             interval = []
-        if stop_signal == "SIGINT":
-            raise KeyboardInterrupt
         if stop_signal:
             if trainer.save and saved_at != run.iteration:
                 checkpoint.save(run)

@@ -8,10 +8,6 @@ before killing it at its time limit or on preemption, and ``--signal=<SIG>@<seco
 signal of one's choice earlier; under ``torchrun`` both the agent (which forwards SIGTERM) and the
 workers receive it. The same signal arriving twice (directly and forwarded) is one request.
 
-Ctrl-C (SIGINT) is recorded the same way while training: the ranks stop after the same step and
-raise ``KeyboardInterrupt`` there, between steps, never inside a collective, a lock or a save. A
-second Ctrl-C raises it at once.
-
 SLURM signals the helper processes of a rank as well; :func:`shield_helper` keeps alive one that the
 checkpoint the signal asks for needs. This module imports only the standard library at the top, so
 that such a helper process starts without torch.
@@ -37,24 +33,15 @@ class ExitSignals:
         names = ["SIGTERM"] + ([extra] if extra and extra != "SIGTERM" else [])
         self.signals = [signal.Signals[name] for name in names]
         self.received_number = 0
-        self.ctrl_c_number = 0
         self.previous: dict[signal.Signals, object] = {}
 
     def _record(self, number: int, frame: FrameType | None) -> None:
         self.received_number = number
 
-    def _record_ctrl_c(self, number: int, frame: FrameType | None) -> None:
-        if self.ctrl_c_number:
-            raise KeyboardInterrupt
-        self.ctrl_c_number = number
-        os.write(2, b"lowprec-train: Ctrl-C: stopping after this step (Ctrl-C again to stop at once)\n")
-
     def __enter__(self) -> "ExitSignals":
         if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self.previous[number] = signal.signal(number, self._record)
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._record_ctrl_c)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -63,12 +50,10 @@ class ExitSignals:
         self.previous.clear()
 
     def received(self) -> str | None:
-        """The signal any rank has received so far (its name: an exit signal before ``SIGINT``), or
-        None; collective."""
+        """The signal any rank has received so far (its name), or None; collective."""
         import torch
 
-        number = self.received_number or self.ctrl_c_number
-        flag = torch.tensor([number], dtype=torch.int32, device=torch.cuda.current_device())
+        flag = torch.tensor([self.received_number], dtype=torch.int32, device=torch.cuda.current_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         number = int(flag.item())
         return signal.Signals(number).name if number else None
