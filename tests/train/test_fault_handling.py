@@ -55,9 +55,12 @@ def _environment() -> dict:
 
 
 def _start(command: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
-    """A process in its own session (as a terminal's foreground job), its output lines on a queue."""
+    """A process in its own session, its output lines on a queue, with Ctrl-C's default action as a
+    terminal's foreground job has it (pytest itself may run where SIGINT is ignored: a background
+    job of a non-interactive shell, whose children would inherit that)."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=_environment(), start_new_session=True)
+                               env=_environment(), start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     return process, lines
