@@ -123,8 +123,7 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
     from torch._inductor import config as inductor_config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    options = dict(INDUCTOR_OPTIONS)
-    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
+    options = _inductor_options()
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
     compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
@@ -135,6 +134,15 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
             return compiled(*args)
 
     return call
+
+
+def _inductor_options() -> dict[str, Any]:
+    """:data:`INDUCTOR_OPTIONS` and those of :data:`OPTIONAL_INDUCTOR_OPTIONS` this torch has."""
+    from torch._inductor import config as inductor_config
+
+    options = dict(INDUCTOR_OPTIONS)
+    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
+    return options
 
 
 def _has_option(config: Any, dotted_name: str) -> bool:
@@ -292,10 +300,7 @@ def _split_master_window_(param: torch.Tensor | BufferRows, stored: torch.Tensor
 def compiled_master_codec() -> tuple[Callable, Callable]:
     """:func:`_join_master_window` and :func:`_split_master_window_` compiled (integer operations:
     the same bits as eager on every backend), one pass over a window each."""
-    from torch._inductor import config as inductor_config
-
-    options = dict(INDUCTOR_OPTIONS)
-    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
+    options = _inductor_options()
     return tuple(
         torch.compile(function, dynamic=True, fullgraph=True, options=options)
         for function in (_join_master_window, _split_master_window_)
