@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import re
 import tempfile
@@ -78,6 +79,8 @@ class Kernel:
     sass: str
     launches: int
     """Launches of this kernel in the first step."""
+    elements_per_thread: float
+    """Elements of its block per thread (block sizes over threads) in the compiled config."""
 
 
 @dataclasses.dataclass
@@ -325,8 +328,8 @@ def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
         yield capture
 
 
-def compile_kernel(name: str, source: str, arch: int) -> tuple[str, str]:
-    """PTX and SASS of a generated kernel for ``arch``, through Inductor's own Triton compile options
+def compile_kernel(name: str, source: str, arch: int) -> tuple[str, str, float]:
+    """PTX, SASS and elements per thread of a generated kernel for ``arch``, through Inductor's own Triton compile options
     (the kernel's device properties retargeted to ``arch``). A reduction's first autotuning config
     only: its configs differ in block sizes, not in operations (pointwise kernels have one,
     ``triton.autotune_pointwise`` being off)."""
@@ -346,7 +349,9 @@ def compile_kernel(name: str, source: str, arch: int) -> tuple[str, str]:
         heuristics_log.setLevel(level)
     binary = getattr(result, "kernel", result)
     asm = _private(binary, "asm", "Triton's compiled kernel")
-    return asm["ptx"], asm["sass"]
+    block = math.prod(value for key, value in configs[0].kwargs.items() if key.endswith("BLOCK"))
+    block *= math.prod(int(size) for size in re.findall(r"R0_BLOCK: tl.constexpr = (\d+)", source))
+    return asm["ptx"], asm["sass"], block / (configs[0].num_warps * 32)
 
 
 def _plain_bucket(
@@ -494,13 +499,15 @@ def generate_for(
             for key, (graph, source) in capture.sources.items():
                 name = key.split(":", 1)[1]
                 try:
-                    ptx, sass = compile_kernel(name, source, arch)
+                    ptx, sass, per_thread = compile_kernel(name, source, arch)
                 except CodegenSetupError:
                     raise
                 except Exception as error:
                     errors[key] = _last_line(error)
                     continue
-                kernels.append(Kernel(name, graph, source, ptx, sass, capture.kernel_launches(key, first_step)))
+                kernels.append(Kernel(
+                    name, graph, source, ptx, sass, capture.kernel_launches(key, first_step), per_thread
+                ))
             codes[arch] = StepCode(strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors)
     return codes
 
