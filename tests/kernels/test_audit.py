@@ -25,7 +25,10 @@ SHARD_RECOMPILES = "a shard of two parameter groups (GroupScalars) and a shard o
 SR_GATHERS = "sr's random bits cost a binary search and int32 gathers from small per-entry tables per element"
 SR_RECOMPILES = "sr: a bucket of one entry of 128 elements (one-element stream tables) compiles again"
 COAT_RECOMPILES = "coat: a bucket of one FP8 group ([1, 128]) compiles again"
-COAT_BYTES = "coat's per-group scales and exponents are loaded and stored by every thread of the group (static count)"
+COAT_BYTES = (
+    "coat's kernel counts 16 + 16 B/element against the layout's 8.125 + 8.125: each thread's per-group scale and "
+    "exponent accesses and the payloads read again for the group statistics"
+)
 
 KNOWN_DEFECTS = [
     ("fp32 only", lambda option, storage, kind, arch: option != "D", FP64_DIVISION),
