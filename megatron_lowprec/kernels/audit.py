@@ -22,7 +22,9 @@ Run ``python -m megatron_lowprec.kernels.audit`` for the table (``--help`` for a
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import re
 import sys
 from collections.abc import Iterable
@@ -171,17 +173,34 @@ def audit_step(code: StepCode) -> StepAudit:
     return StepAudit(code, checks, read, written, layout)
 
 
+def audit_configuration(option: str, storage: str, kind: str, arches: tuple[int, ...]) -> list[StepAudit]:
+    """Generate one (option, master storage, kind) for ``arches`` and audit it (compiled binaries
+    dropped, so that the result pickles across processes)."""
+    audits = []
+    for code in generate_for(option, storage, kind, arches).values():
+        for kernel in code.kernels:
+            kernel.asm = None
+        audits.append(audit_step(code))
+    return audits
+
+
 def run_audit(
-    pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = KINDS, arches: tuple[int, ...] = ARCHES
+    pairs: Iterable[tuple[str, str]] | None = None,
+    kinds: Iterable[str] = KINDS,
+    arches: tuple[int, ...] = ARCHES,
+    workers: int = 1,
 ) -> list[StepAudit]:
     """Generate and audit every (option, master storage) of ``pairs`` (default :func:`configurations`)
-    for each kind and arch."""
-    audits = []
-    for option, storage in pairs or configurations():
-        for kind in kinds:
-            for code in generate_for(option, storage, kind, arches).values():
-                audits.append(audit_step(code))
-    return audits
+    for each kind and arch, in ``workers`` processes (each generates whole configurations; results in
+    the order of ``pairs`` and ``kinds``)."""
+    tasks = [(option, storage, kind, tuple(arches)) for option, storage in pairs or configurations() for kind in kinds]
+    if workers <= 1:
+        results = [audit_configuration(*task) for task in tasks]
+    else:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            results = list(pool.map(audit_configuration, *zip(*tasks)))
+    return [audit for result in results for audit in result]
 
 
 def roofline_ms(bytes_per_element: float) -> float:
@@ -223,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
     parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both)")
     parser.add_argument("--arch", action="append", type=int, choices=ARCHES, help="compute capability (default: 90 and 80)")
+    parser.add_argument("--workers", type=int, default=1, help="processes that generate configurations in parallel")
     args = parser.parse_args(argv)
     pairs = configurations()
     if args.option:
         names = {get_strategy(option).name for option in args.option}
         pairs = [pair for pair in pairs if pair[0] in names]
-    audits = run_audit(pairs, args.kind or KINDS, tuple(args.arch or ARCHES))
+    audits = run_audit(pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers)
     print(table(audits))
     failed = failures(audits)
     for check in failed:

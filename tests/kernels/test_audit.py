@@ -7,6 +7,7 @@ xfails that name the defect (:data:`KNOWN_DEFECTS`): they pass, and must then be
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,12 +51,16 @@ def _marks(rule, case):
     return [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
 
 
+WORKERS = 2
+"""Processes that generate the steps (CI's machine has two cores)."""
+
+
 @pytest.fixture(scope="module")
 def audits():
     """Every step generated and audited once: (option, storage, kind, arch) -> StepAudit."""
     return {
         (a.code.option, a.code.master_storage, a.code.kind, a.code.arch): a
-        for a in audit.run_audit(audit.configurations(), codegen.KINDS, codegen.ARCHES)
+        for a in audit.run_audit(audit.configurations(), codegen.KINDS, codegen.ARCHES, workers=WORKERS)
     }
 
 
@@ -146,3 +151,18 @@ def test_a_changed_internal_raises_codegen_setup_error(monkeypatch):
     monkeypatch.delattr(async_compile.AsyncCompile, "triton")
     with pytest.raises(codegen.CodegenSetupError, match="AsyncCompile"):
         codegen.generate("A")
+
+
+def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
+    """The README's audit table: every row's layout bytes and 1.3B roofline time are the audit's."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
+        if line.startswith("| ") and line.count("|") == len(audit.RULES) + 7
+    ]
+    rows = [cells for cells in rows if cells[2] in codegen.KINDS]
+    assert rows
+    for option, storage, _, layout, _, roofline, *_ in rows:
+        read, written = audit.layout_bytes(audit._strategy(option, storage))
+        assert layout == f"{read:g} + {written:g} = {read + written:g}"
+        assert roofline == f"{audit.roofline_ms(read + written):.1f} ms"
