@@ -37,6 +37,7 @@ COAT_BYTES = (
 KNOWN_DEFECTS = [
     ("fp32 only", lambda option, storage, kind, arch: option != "D", FP64_DIVISION),
     ("compiles", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
+    ("instructions", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and (option, storage) != ("D", "fp32"), SHARD_RECOMPILES),
     ("no recompilation", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_RECOMPILES),
