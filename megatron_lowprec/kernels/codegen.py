@@ -6,7 +6,7 @@ fake ``cuda`` tensors under ``FakeTensorMode``, with the device properties of an
 A100 (sm_80). Inductor then generates the Triton kernels a GPU would run; each is compiled with the
 ``ptxas`` shipped in the triton wheel to PTX and cubin (SASS on demand). No kernel runs.
 
-Making Inductor target CUDA on a CPU build of torch touches private internals (:class:`CudaSetup`
+Making Inductor target CUDA on a CPU build of torch touches private internals (:func:`cuda_codegen`
 lists them); every one is restored on exit, and the caches of this process that remember "no
 CUDA" are cleared on entry and exit. Generated code and Triton's compilations go to a temporary
 directory. The pinned versions (``constraints.txt``) are those this was written against: where one
@@ -279,7 +279,21 @@ class _CudaToCpu(torch.utils._python_dispatch.TorchDispatchMode):
 @contextlib.contextmanager
 def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
     """Inductor generates (and does not run) CUDA Triton code for ``arch`` on this machine; the
-    kernels' sources and wrappers are recorded in the yielded capture. Every patch is undone on exit."""
+    kernels' sources and wrappers are recorded in the yielded capture. Every patch is undone on exit;
+    a private internal that is missing or moved raises :class:`CodegenSetupError`."""
+    capture = _Capture()
+    with contextlib.ExitStack() as stack:
+        try:
+            _enter_cuda_setup(stack, arch, cache_dir, capture)
+        except (AttributeError, ImportError, TypeError) as error:
+            raise CodegenSetupError(
+                f"CUDA code generation with torch {torch.__version__} (pinned: constraints.txt): {error}"
+            ) from error
+        yield capture
+
+
+def _enter_cuda_setup(stack: contextlib.ExitStack, arch: int, cache_dir: str, capture: _Capture) -> None:
+    """The patches of :func:`cuda_codegen`, each undone by ``stack``."""
     import triton
     from triton.backends.compiler import GPUTarget
     import torch._inductor.async_compile as async_compile
@@ -290,53 +304,50 @@ def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
     from torch._inductor import config as inductor_config
 
     props = _device_properties(arch)
-    capture = _Capture()
     cuda_interface = _private(device_interface, "CudaInterface", "Dynamo's device interface")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_cuda_device_guard())
-        stack.enter_context(mock.patch.dict(os.environ, {
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
-            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
-        }))
-        for owner in (torch.cuda, cuda_interface):
-            stack.enter_context(mock.patch.object(owner, "get_device_properties", lambda device=None: props))
-        stack.enter_context(mock.patch.object(cuda_interface, "is_available", staticmethod(lambda: True)))
-        stack.enter_context(mock.patch.object(cuda_interface, "is_bf16_supported", staticmethod(lambda *a, **k: True)))
-        stack.enter_context(mock.patch.object(torch.cuda, "device_count", lambda: 1))
-        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
-        stack.enter_context(mock.patch.object(cuda_interface, "device_count", staticmethod(lambda: 1)))
-        stack.enter_context(mock.patch.object(cuda_interface, "current_device", staticmethod(lambda: 0)))
-        stack.enter_context(mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, create=True))
-        stack.enter_context(mock.patch.object(triton_helpers, "set_driver_to_gpu", lambda: None))
-        _private(async_compile.AsyncCompile, "triton", "Inductor's AsyncCompile")
-        stack.enter_context(mock.patch.object(async_compile.AsyncCompile, "triton", lambda self, *a, **k: capture.triton(*a, **k)))
-        original_compile_fx = _private(compile_fx_module, "compile_fx", "Inductor")
-        stack.enter_context(mock.patch.object(compile_fx_module, "compile_fx", capture.compile_fx(original_compile_fx)))
-        folder = _private(constant_folding, "ConstantFolder", "Inductor's constant folding")
-        fold = folder.run
+    stack.enter_context(_cuda_device_guard())
+    stack.enter_context(mock.patch.dict(os.environ, {
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+    }))
+    for owner in (torch.cuda, cuda_interface):
+        stack.enter_context(mock.patch.object(owner, "get_device_properties", lambda device=None: props))
+    stack.enter_context(mock.patch.object(cuda_interface, "is_available", staticmethod(lambda: True)))
+    stack.enter_context(mock.patch.object(cuda_interface, "is_bf16_supported", staticmethod(lambda *a, **k: True)))
+    stack.enter_context(mock.patch.object(torch.cuda, "device_count", lambda: 1))
+    stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+    stack.enter_context(mock.patch.object(cuda_interface, "device_count", staticmethod(lambda: 1)))
+    stack.enter_context(mock.patch.object(cuda_interface, "current_device", staticmethod(lambda: 0)))
+    stack.enter_context(mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, create=True))
+    stack.enter_context(mock.patch.object(triton_helpers, "set_driver_to_gpu", lambda: None))
+    _private(async_compile.AsyncCompile, "triton", "Inductor's AsyncCompile")
+    stack.enter_context(mock.patch.object(async_compile.AsyncCompile, "triton", lambda self, *a, **k: capture.triton(*a, **k)))
+    original_compile_fx = _private(compile_fx_module, "compile_fx", "Inductor")
+    stack.enter_context(mock.patch.object(compile_fx_module, "compile_fx", capture.compile_fx(original_compile_fx)))
+    folder = _private(constant_folding, "ConstantFolder", "Inductor's constant folding")
+    fold = folder.run
 
-        def fold_on_cpu(*args, **kwargs):
-            with _CudaToCpu():
-                return fold(*args, **kwargs)
+    def fold_on_cpu(*args, **kwargs):
+        with _CudaToCpu():
+            return fold(*args, **kwargs)
 
-        stack.enter_context(mock.patch.object(folder, "run", fold_on_cpu))
-        stack.enter_context(inductor_config.patch(
-            {"compile_threads": 1, "force_disable_caches": True, "use_static_triton_launcher": False,
-             "triton.autotune_pointwise": False},
-        ))
-        target = GPUTarget("cuda", arch, 32)
-        driver = triton.runtime.driver
-        previous_driver = _private(driver, "_active", "Triton's driver config")
-        driver.set_active(_TargetDriver(target))
-        stack.callback(setattr, driver, "_active", previous_driver)
-        _clear_no_cuda_caches()
-        stack.callback(_clear_no_cuda_caches)
-        yield capture
+    stack.enter_context(mock.patch.object(folder, "run", fold_on_cpu))
+    stack.enter_context(inductor_config.patch(
+        {"compile_threads": 1, "force_disable_caches": True, "use_static_triton_launcher": False,
+         "triton.autotune_pointwise": False},
+    ))
+    target = GPUTarget("cuda", arch, 32)
+    driver = triton.runtime.driver
+    previous_driver = _private(driver, "_active", "Triton's driver config")
+    driver.set_active(_TargetDriver(target))
+    stack.callback(setattr, driver, "_active", previous_driver)
+    _clear_no_cuda_caches()
+    stack.callback(_clear_no_cuda_caches)
 
 
 def compile_kernel(name: str, source: str, arch: int) -> tuple[Any, float]:
-    """The compiled ``asm`` and the elements per thread of a generated kernel for ``arch``, through Inductor's own Triton compile options
-    (the kernel's device properties retargeted to ``arch``). A reduction's first autotuning config
+    """The compiled ``asm`` and the elements per thread of a generated kernel for ``arch``, through
+    Inductor's own Triton compile options (the kernel's device properties retargeted to ``arch``). A reduction's first autotuning config
     only: its configs differ in block sizes, not in operations (pointwise kernels have one,
     ``triton.autotune_pointwise`` being off)."""
     from torch._inductor.async_compile import _load_triton_kernel_from_source
