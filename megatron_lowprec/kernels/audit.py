@@ -63,7 +63,8 @@ def configurations() -> list[tuple[str, str]]:
     return pairs
 
 
-def _strategy(option: str, master_storage: str) -> PrecisionStrategy:
+def strategy_for(option: str, master_storage: str) -> PrecisionStrategy:
+    """The registered ``option`` with its FP32 master stored as ``master_storage``."""
     strategy = get_strategy(option)
     return strategy if strategy.master_storage == master_storage else strategy.with_master_storage(master_storage)
 
@@ -130,7 +131,7 @@ class StepAudit:
 
 def audit_step(code: StepCode) -> StepAudit:
     """Apply :data:`RULES` to one generated step."""
-    strategy = _strategy(code.option, code.master_storage)
+    strategy = strategy_for(code.option, code.master_storage)
     layout = layout_bytes(strategy)
     kernels = code.first_step_kernels
     torch_kernel = strategy.adam_kernel == "torch_fused"
@@ -222,7 +223,7 @@ def table(audits: list[StepAudit]) -> str:
     for (option, storage, kind), group in rows.items():
         layout = group[0].layout
         measured = next((a for a in group if a.code.arch == 90), group[0])
-        if _strategy(option, storage).adam_kernel == "torch_fused":
+        if strategy_for(option, storage).adam_kernel == "torch_fused":
             ptx = "torch's kernel"
         else:
             ptx = "—" if measured.bytes_read is None else f"{measured.bytes_read:g} + {measured.bytes_written:g}"

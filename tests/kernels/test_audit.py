@@ -110,8 +110,8 @@ def test_global_bytes_equal_the_layout_minimum(audits, option, storage, kind, ar
 def test_layout_bytes_of_option_a_and_coat():
     """A reads θ, g, m, v at 2 bytes and writes θ, m, v (14 B); coat's FP32 master replaces reading
     θ, its FP8 moments carry a scale and an exponent (8 B) per 128 elements each."""
-    assert audit.layout_bytes(audit._strategy("A", "fp32")) == (8, 6)
-    assert audit.layout_bytes(audit._strategy("coat", "fp32")) == (2 + 4 + 2 + 2 * 8 / 128, 2 + 4 + 2 + 2 * 8 / 128)
+    assert audit.layout_bytes(audit.strategy_for("A", "fp32")) == (8, 6)
+    assert audit.layout_bytes(audit.strategy_for("coat", "fp32")) == (2 + 4 + 2 + 2 * 8 / 128, 2 + 4 + 2 + 2 * 8 / 128)
 
 
 def test_access_bytes_counts_vector_widths():
@@ -167,6 +167,6 @@ def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
     rows = [cells for cells in rows if cells[2] in codegen.KINDS]
     assert rows
     for option, storage, _, layout, _, roofline, *_ in rows:
-        read, written = audit.layout_bytes(audit._strategy(option, storage))
+        read, written = audit.layout_bytes(audit.strategy_for(option, storage))
         assert layout == f"{read:g} + {written:g} = {read + written:g}"
         assert roofline == f"{audit.roofline_ms(read + written):.1f} ms"
