@@ -190,13 +190,6 @@ def _compile_helpers_unless_built(compile_helpers):
     return compile_unless_built
 
 
-def uninstall() -> None:
-    """Undo :func:`install`."""
-    while _INSTALLED:
-        owner, name, original = _INSTALLED.pop()
-        setattr(owner, name, original)
-
-
 def activate_cpu_trial() -> bool:
     """Without CUDA, what a CPU trial of Megatron-LM's training loop needs on top of the CPU bridge:
     ``initialize_megatron(allow_no_cuda=True)`` (which only drops its CUDA assert), one "device"

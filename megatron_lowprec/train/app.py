@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, validate
+from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, to_yaml, validate
 from megatron_lowprec.train.usage import help_text, version_text
 
 CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
@@ -88,13 +88,6 @@ def _explain(error: BaseException) -> str:
             break
         error = error.__cause__
     return " ".join(lines)
-
-
-def to_yaml(config: TrainConfig) -> str:
-    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
 def _check_resumable(config: TrainConfig) -> None:

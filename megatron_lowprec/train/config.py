@@ -414,6 +414,13 @@ def _validate_indexed_data(data: DataConfig) -> None:
             raise ConfigError(f"data.{key}={value!r}: {str(path)!r} does not exist")
 
 
+def to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
     model, trainer = config.model, config.trainer

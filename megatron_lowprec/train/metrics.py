@@ -26,7 +26,7 @@ from statistics import fmean
 import torch
 
 from megatron_lowprec.train import throughput
-from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy
+from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy, to_yaml
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
@@ -92,8 +92,6 @@ class MetricsLogger:
     """Writes on global rank 0 only; the other ranks pass through."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, run, resumed_from: int | None) -> None:
-        from megatron_lowprec.train.app import to_yaml
-
         self.config = config
         self.run_dir = run_dir
         self.run = run
