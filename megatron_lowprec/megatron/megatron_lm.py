@@ -130,7 +130,9 @@ def layer_precision_hook(model_chunks) -> list[str]:
     from megatron_lowprec.megatron.layers import apply_layer_precision
 
     args = get_args()
-    fp8_layers = args.lowprec_fp8_layers if args.lowprec_fp8_layers is not None else args.lowprec_option == "coat"
+    fp8_layers = args.lowprec_fp8_layers
+    if fp8_layers is None:
+        fp8_layers = args.lowprec_option is not None and get_strategy(args.lowprec_option).fp8_layers
     if not fp8_layers and args.lowprec_emulate is None:
         return []
     emulation = None

@@ -107,9 +107,10 @@ class PrecisionConfig:
     """Reduce gradients in FP32 (``None``: FP32 for options with FP32 master weights, else BF16)."""
     track_update_quality: bool = False
     """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
-    fp8_layers: bool = False
+    fp8_layers: Optional[bool] = None
     """COAT's FP8 layer flow (§5.2): E4M3 linears with E5M2 output gradients, norms and activations
-    that save their input in FP8 with 1x16 groups (``precision=coat`` turns it on)."""
+    that save their input in FP8 with 1x16 groups; ``None``: the option's own (on with ``coat``,
+    see :func:`uses_fp8_layers`)."""
     emulate: Optional[str] = None
     """Emulate an ExMy format (e.g. ``E8M5``) on the inputs, weights, outputs and gradients of the
     linear layers' matmuls, accumulating in FP32 ("To FP8 and Back Again" §3.2)."""
@@ -299,6 +300,14 @@ def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
     return strategy.with_master_storage(precision.master_storage)
 
 
+def uses_fp8_layers(precision: PrecisionConfig) -> bool:
+    """Whether the model runs COAT's FP8 layer flow: ``precision.fp8_layers`` if given, else the
+    option's own (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.fp8_layers`)."""
+    if precision.fp8_layers is not None:
+        return precision.fp8_layers
+    return get_strategy(precision.option).fp8_layers
+
+
 def option_label(precision: PrecisionConfig) -> str:
     """The option's canonical name, or ``megatron`` for megatron-core's own optimizer."""
     return STOCK_OPTIMIZER_LABEL if precision.megatron_optimizer else get_strategy(precision.option).name
@@ -347,7 +356,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
             float_format(precision.emulate)
         except ValueError as error:
             raise ConfigError(f"precision.emulate={precision.emulate!r}: {error}") from None
-        if precision.fp8_layers:
+        if uses_fp8_layers(precision):
             raise ConfigError("precision.emulate and precision.fp8_layers replace the same matmuls; choose one")
     if precision.te_fp8_recipe is not None:
         _choice("precision.te_fp8_recipe", precision.te_fp8_recipe, TE_FP8_RECIPES)
@@ -356,7 +365,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
                 "precision=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine, which is not installed; "
                 "precision=coat is this package's FP8 flow without it"
             )
-        if precision.fp8_layers or precision.emulate is not None:
+        if uses_fp8_layers(precision) or precision.emulate is not None:
             raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
 
 

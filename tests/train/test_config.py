@@ -14,7 +14,7 @@ from megatron_lowprec.optim.strategies import available_strategies
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed")
 
 from megatron_lowprec.train.app import compose, config_dir, main  # noqa: E402
-from megatron_lowprec.train.config import ConfigError, TrainConfig, validate  # noqa: E402
+from megatron_lowprec.train.config import ConfigError, TrainConfig, uses_fp8_layers, validate  # noqa: E402
 
 OPTIONS = [strategy.name for strategy in available_strategies()]
 
@@ -56,7 +56,11 @@ def test_precision_flag_selects_the_option(option):
 
 def test_coat_turns_on_the_fp8_layer_flow():
     precision = compose(["precision=coat"]).precision
-    assert precision.fp8_layers and precision.emulate is None
+    assert uses_fp8_layers(precision) and precision.emulate is None
+    assert not uses_fp8_layers(compose(["precision=coat", "precision.fp8_layers=false"]).precision)
+    assert uses_fp8_layers(compose(["precision=A", "precision.option=fp8_states"]).precision)
+    assert uses_fp8_layers(compose(["precision=C", "precision.fp8_layers=true"]).precision)
+    assert not any(uses_fp8_layers(compose([f"precision={option}"]).precision) for option in OPTIONS if option != "coat")
 
 
 def test_unknown_option_lists_the_valid_ones(capsys):
