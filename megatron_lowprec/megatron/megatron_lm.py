@@ -203,8 +203,10 @@ def activate_cpu_trial() -> bool:
     per local rank (``torch.cuda.device_count``, which ``_initialize_distributed`` requires before it
     sets up model parallelism) whose ``set_device`` changes nothing, no loading of the CUDA fused
     kernels (``megatron.legacy.fused_kernels``, which Megatron-LM until 0.16 builds with nvcc at
-    start-up), gloo as ``--distributed-backend`` unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
-    with CUDA)."""
+    start-up), gloo as ``--distributed-backend`` unless given, ``--no-gradient-accumulation-fusion``, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set (Megatron-LM requires it with tensor parallelism on a
+    device of compute capability below 10, which the bridge's 0.0 is). Returns whether it is active
+    (never with CUDA)."""
     import torch
 
     from megatron_lowprec.megatron.cpu import activate_cpu_bridge
@@ -212,6 +214,7 @@ def activate_cpu_trial() -> bool:
     if torch.cuda.is_available():
         return False
     activate_cpu_bridge()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.training import training
 
     _replace(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))
