@@ -60,8 +60,33 @@ def _option_name(name: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _emulation_format(spec: str) -> str:
+    """An ExMy format name the emulation accepts (``E8M5``), checked while the arguments are parsed."""
+    from megatron_lowprec.layers import EmulationConfig
+
+    try:
+        EmulationConfig.parse(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return spec
+
+
+def _one_line_errors_for_our_flags(parser: argparse.ArgumentParser) -> None:
+    """A bad value of a ``--lowprec-*`` flag stops with one line naming it and the valid choices, exit
+    2, instead of argparse's usage of all of Megatron-LM's arguments (hundreds of lines) before it."""
+    error = parser.error
+
+    def error_without_usage(message: str) -> None:
+        if message.startswith("argument --lowprec-"):
+            parser.exit(2, f"{parser.prog}: error: {message}\n")
+        error(message)
+
+    parser.error = error_without_usage
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``)."""
+    _one_line_errors_for_our_flags(parser)
     group = parser.add_argument_group(title="megatron-lowprec precision options")
     group.add_argument(
         "--lowprec-option", type=_option_name, default=None, metavar="OPTION",
@@ -77,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
-    group.add_argument("--lowprec-emulate", type=str, default=None, metavar="EXMY",
+    group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
                        help="emulate the linear layers' matmuls in this format, e.g. E8M5")
     group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest")
     group.add_argument("--lowprec-emulate-no-clamp-outer-range", dest="lowprec_emulate_clamp_outer_range",
@@ -198,8 +223,10 @@ def activate_cpu_trial() -> bool:
     per local rank (``torch.cuda.device_count``, which ``_initialize_distributed`` requires before it
     sets up model parallelism) whose ``set_device`` changes nothing, no loading of the CUDA fused
     kernels (``megatron.legacy.fused_kernels``, which Megatron-LM until 0.16 builds with nvcc at
-    start-up), gloo as ``--distributed-backend`` unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
-    with CUDA)."""
+    start-up), gloo as ``--distributed-backend`` unless given, ``--no-gradient-accumulation-fusion``, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set (Megatron-LM requires it with tensor parallelism on a
+    device of compute capability below 10, which the bridge's 0.0 is). Returns whether it is active
+    (never with CUDA)."""
     import torch
 
     from megatron_lowprec.megatron.cpu import activate_cpu_bridge
@@ -207,6 +234,7 @@ def activate_cpu_trial() -> bool:
     if torch.cuda.is_available():
         return False
     activate_cpu_bridge()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.training import training
 
     _replace(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))

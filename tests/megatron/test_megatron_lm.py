@@ -66,6 +66,43 @@ def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(caps
     assert "unknown precision option 'E'; valid options: A, bf16, B" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--lowprec-option", "E"], "argument --lowprec-option: unknown precision option 'E'; valid options: A, bf16, B"),
+    (["--lowprec-seed", "x"], "argument --lowprec-seed: invalid int value: 'x'"),
+    (["--lowprec-emulate", "X9"], "argument --lowprec-emulate: unknown float format 'X9'; valid names: bf16"),
+    (["--lowprec-emulate-rounding", "up"], "argument --lowprec-emulate-rounding: invalid choice: 'up' (choose from"),
+    (["--lowprec-option"], "argument --lowprec-option: expected one argument"),
+], ids=["option", "seed", "emulate", "rounding", "missing"])
+def test_a_bad_value_of_our_flags_stops_with_one_line_and_exit_2(capsys, argv, message):
+    """Megatron-LM's parser holds hundreds of arguments: their usage must not bury the one line."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    for number in range(50):
+        parser.add_argument(f"--megatron-flag-{number}", type=int)
+    megatron_lm.add_arguments(parser)
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args(["--megatron-flag-1", "3", *argv])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--megatron-flag-1", "x"])
+    assert "usage: pretrain_gpt.py" in capsys.readouterr().err, "megatron's own flags keep argparse's usage"
+
+
+@requires_megatron_training
+def test_megatron_lms_parser_refuses_a_bad_option_in_one_line(capsys, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--lowprec-option", "E"])
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(extra_args_provider=megatron_lm.add_arguments)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_gpt.py: error: argument --lowprec-option: unknown precision option 'E'; "
+        f"valid options: {', '.join(megatron_lm.strategy_names())}"
+    ]
+
+
 @pytest.mark.parametrize("newer", [False, True], ids=["until-0.18", "0.19"])
 def test_the_model_hook_sees_the_built_chunks_on_both_signatures(newer):
     """Until 0.18 ``setup_model_and_optimizer(model_provider_func, model_type, ...)`` builds through the
