@@ -192,7 +192,7 @@ class DataConfig:
     split: str = "980,10,10"
     """Train/valid/test split weights (the papers use 980:10:10)."""
     cache_dir: Optional[str] = None
-    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE)."""
+    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE, else $XDG_CACHE_HOME/megatron_lowprec, else ~/.cache/megatron_lowprec)."""
 
 
 @dataclass
