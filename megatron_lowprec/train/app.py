@@ -192,12 +192,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _train(config: TrainConfig) -> int:
-    """Train, turning a checkpoint that cannot be resumed and Ctrl-C into one line each."""
+    """Train, turning a config error found once the data is loaded (a vocabulary smaller than the
+    tokenizer's), a checkpoint that cannot be resumed and Ctrl-C into one line each."""
     from megatron_lowprec.train.checkpoint import ResumeError
     from megatron_lowprec.train.loop import Interrupted, train
 
     try:
         train(config)
+    except ConfigError as error:
+        _print_rank_zero(f"lowprec-train: config error: {error}")
+        return 2
     except ResumeError as error:
         _print_rank_zero(f"lowprec-train: cannot resume: {error}")
         return 2

@@ -314,6 +314,24 @@ def test_fault_handling_keys_are_checked(capsys, overrides, named):
     assert named in _fails(capsys, *overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["trainer.save_interval=-1"], "trainer.save_interval=-1 is not valid; it must be a positive integer, or 0"),
+        (["trainer.eval_interval=0"], "trainer.eval_interval=0 must be a positive integer"),
+        (["trainer.log_interval=-3"], "trainer.log_interval=-3 must be a positive integer"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer"),
+        (["model.seq_length=128", "model.max_position_embeddings=64"],
+         "model.seq_length=128 is above model.max_position_embeddings=64"),
+        (["data.split='100,0,0'"], "data.split='100,0,0' leaves no training or no validation samples"),
+        (["data.split='980,-10,10'"], "data.split='980,-10,10' is not valid; give up to three comma-separated"),
+    ],
+)
+def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overrides, named):
+    message = _fails(capsys, *overrides)
+    assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
+
+
 def test_resume_from_a_damaged_checkpoint_stops_before_any_work(capsys, tmp_path):
     import json
 
