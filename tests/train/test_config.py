@@ -54,6 +54,28 @@ def test_precision_flag_selects_the_option(option):
     assert compose([f"precision={option}"]).precision.option == option
 
 
+def test_precision_accepts_every_name_and_alias_in_any_case_wherever_an_option_is_named():
+    """README: option names are case-insensitive, with aliases. The Hydra group (``precision=c``,
+    ``precision=collage_plus``), ``precision.option``, Megatron-LM's ``--lowprec-option`` and the
+    Python API's ``AdamW(option=...)`` all take them."""
+    import argparse
+
+    from megatron_lowprec.megatron.megatron_lm import add_arguments
+    from megatron_lowprec.optim import AdamW
+
+    parser = add_arguments(argparse.ArgumentParser())
+    parameter = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    for strategy in available_strategies():
+        for name in (strategy.name, *strategy.aliases):
+            spelled = name.swapcase()
+            assert compose([f"precision={spelled}"]).precision.option == strategy.name, spelled
+            assert parser.parse_args(["--lowprec-option", spelled]).lowprec_option == strategy.name
+            assert AdamW([parameter], option=spelled, fused=False).strategy.name == strategy.name
+    assert compose(["precision.option=collage_PLUS"]).precision.option == "collage_PLUS"
+    assert compose(["precision=Megatron"]).precision.megatron_optimizer
+    assert compose(["precision=collage_plus"]) == compose(["precision=C"])
+
+
 def test_coat_turns_on_the_fp8_layer_flow():
     precision = compose(["precision=coat"]).precision
     assert precision.fp8_layers and precision.emulate is None
