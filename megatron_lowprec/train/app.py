@@ -53,13 +53,33 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    directory = config_dir()
+    overrides = [_canonical_precision(override, directory) for override in overrides]
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            composed = hydra_compose(config_name="train", overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
+            composed = hydra_compose(config_name="train", overrides=overrides)
         _reject_unknown_keys(OmegaConf.to_container(composed), TrainConfig, "")
         return OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
+
+
+def _canonical_precision(override: str, directory: Path) -> str:
+    """``precision=<name>`` with ``<name>`` in any case or an alias of an option (``precision=c``,
+    ``precision=collage_plus``) as the name of its file in ``precision/``; other overrides as they are."""
+    from megatron_lowprec.optim.strategies import get_strategy
+
+    key, separator, value = override.partition("=")
+    if key != "precision" or not separator:
+        return override
+    files = {path.stem.lower(): path.stem for path in (directory / "precision").glob("*.yaml")}
+    if value.lower() in files:
+        return f"precision={files[value.lower()]}"
+    try:
+        name = get_strategy(value).name
+    except ValueError:
+        return override  # Hydra names the choices
+    return f"precision={files.get(name.lower(), value)}"
 
 
 def _reject_unknown_keys(values: dict, schema: type, prefix: str) -> None:
@@ -185,12 +205,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _train(config: TrainConfig) -> int:
-    """Train, turning a checkpoint that cannot be resumed and Ctrl-C into one line each."""
+    """Train, turning a config error found once the data is loaded (a vocabulary smaller than the
+    tokenizer's), a checkpoint that cannot be resumed and Ctrl-C into one line each."""
     from megatron_lowprec.train.checkpoint import ResumeError
     from megatron_lowprec.train.loop import Interrupted, train
 
     try:
         train(config)
+    except ConfigError as error:
+        _print_rank_zero(f"lowprec-train: config error: {error}")
+        return 2
     except ResumeError as error:
         _print_rank_zero(f"lowprec-train: cannot resume: {error}")
         return 2

@@ -193,7 +193,7 @@ class DataConfig:
     split: str = "980,10,10"
     """Train/valid/test split weights (the papers use 980:10:10)."""
     cache_dir: Optional[str] = None
-    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE)."""
+    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE, else $XDG_CACHE_HOME/megatron_lowprec, else ~/.cache/megatron_lowprec)."""
 
 
 @dataclass
@@ -387,6 +387,26 @@ def _validate_optimizer(optimizer: OptimizerConfig) -> None:
         raise ConfigError(f"optimizer.lr_decay_steps={optimizer.lr_decay_steps} must be a positive integer or null")
 
 
+def _validate_split(split: str) -> None:
+    """``data.split``: up to three comma-separated non-negative weights (train, valid, test; missing
+    ones are 0, as in Megatron-LM), with training and validation samples."""
+    try:
+        weights = [float(part) for part in split.split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(weight) and weight >= 0 for weight in weights):
+        raise ConfigError(
+            f"data.split={split!r} is not valid; give up to three comma-separated non-negative weights "
+            "train,valid,test such as '980,10,10'"
+        )
+    weights += [0.0] * (3 - len(weights))
+    if weights[0] <= 0 or weights[1] <= 0:
+        raise ConfigError(
+            f"data.split={split!r} leaves no training or no validation samples; the train and valid weights "
+            "must be above 0, such as '980,10,10'"
+        )
+
+
 TOKENIZER_FILES = {
     "byte_bpe": ("tokenizer_dir",),
     "gpt2_bpe": ("vocab_file", "merge_file"),
@@ -460,8 +480,19 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"trainer.sharpness_interval={trainer.sharpness_interval} must be >= 0 and "
             f"trainer.sharpness_eps={trainer.sharpness_eps} > 0"
         )
-    if trainer.max_steps < 0:
-        raise ConfigError(f"trainer.max_steps={trainer.max_steps} must be >= 0")
+    _positive("trainer.max_steps", trainer.max_steps)
+    if trainer.save_interval < 0:
+        raise ConfigError(
+            f"trainer.save_interval={trainer.save_interval} is not valid; it must be a positive integer, or 0 to save at the end only"
+        )
+    if model.max_position_embeddings is not None:
+        _positive("model.max_position_embeddings", model.max_position_embeddings)
+        if model.seq_length > model.max_position_embeddings:
+            raise ConfigError(
+                f"model.seq_length={model.seq_length} is above model.max_position_embeddings={model.max_position_embeddings}, "
+                "the positions the model embeds; set model.seq_length <= max_position_embeddings (or max_position_embeddings=null)"
+            )
+    _validate_split(config.data.split)
     tp, pp = trainer.tensor_model_parallel_size, trainer.pipeline_model_parallel_size
     if model.num_attention_heads % tp:
         raise ConfigError(

@@ -32,7 +32,7 @@ import numpy
 import torch
 
 from megatron_lowprec.train import checkpoint
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size, precision_strategy
+from megatron_lowprec.train.config import ConfigError, TrainConfig, data_parallel_size, precision_strategy
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
@@ -144,6 +144,11 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     trainer, optim = config.trainer, config.optimizer
     strategy = precision_strategy(config.precision)
     data = build_training_data(config)
+    if config.model.vocab_size is not None and config.model.vocab_size < data.tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is below the tokenizer's {data.tokenizer.vocab_size} tokens; "
+            f"set model.vocab_size >= {data.tokenizer.vocab_size}, or null for the tokenizer's"
+        )
     vocab_size = padded_vocab_size(
         config.model.vocab_size or data.tokenizer.vocab_size,
         config.model.make_vocab_size_divisible_by,
