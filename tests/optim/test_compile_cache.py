@@ -1,6 +1,5 @@
 """Inductor's on-disk cache lands where the next run finds it, unless the user chose a directory."""
 
-
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 
 
