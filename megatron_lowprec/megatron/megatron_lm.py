@@ -42,6 +42,7 @@ import runpy
 import sys
 from typing import Any
 
+from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 from megatron_lowprec.optim.strategies import get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_lm: no script {script}")
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
+    keep_inductor_cache()
     activate_cpu_trial()
     install()
     runpy.run_path(script, run_name="__main__")

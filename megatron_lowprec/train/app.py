@@ -177,8 +177,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(version_text())
         return 0
     from megatron_lowprec.megatron.notices import quiet_library_notices
+    from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 
     quiet_library_notices()
+    keep_inductor_cache()
     try:
         options = [argument for argument in arguments if argument.startswith("-")]
         if options:
