@@ -1,5 +1,5 @@
 """Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
-torchrun job, damaged checkpoints (truncated, missing, half-written, unreadable), a changed
+torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
 learning-rate schedule on resume, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     (checkpoint writer service, compiler workers: SLURM signals every process of a job step), but not
     rank 0: both ranks stop after the same step, save, exit 0 with one line; resuming gives the
     straight run's parameters bit for bit. Then,
-    on copies of the straight run: a truncated, a missing, a half-written and an unreadable file in the
-    newest checkpoint are each named in one line and the run resumes from the previous one (``latest``
-    pointed back at it), and a changed schedule stops the resume unless a key says which to take."""
+    on copies of the straight run: a truncated, a missing and a half-written file in the
+    newest checkpoint, and 16 flipped bytes in its ``.metadata`` header or its tensor data, are each
+    named in one line and the run resumes from the previous one (``latest`` pointed back at it), and
+    a changed schedule stops the resume unless a key says which to take."""
     psutil = pytest.importorskip("psutil")
     stopped = tmp_path / "stopped"
     process, lines = _start([
@@ -135,6 +136,9 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert checkpoint_problem(saved) is None
     marker = json.loads((saved / COMPLETE_FILE).read_text())
     assert marker["world_size"] == 2 and {"rank0.pt", "rank1.pt", "common.pt"} <= set(marker["files"])
+    xxhash = pytest.importorskip("xxhash")
+    assert all(entry["xxh3_128"] == xxhash.xxh3_128((saved / name).read_bytes()).hexdigest()
+               for name, entry in marker["files"].items())
     assert (checkpoints_dir(stopped) / "latest").read_text() == saved.name
     rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, step + 1))
@@ -142,7 +146,7 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     last = step + 2
     straight = tmp_path / "straight"
     newest = f"iter_{last:07d}"
-    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "unreadable", "schedule", "kept")}
+    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "header", "flipped", "schedule", "kept")}
     steps = [
         {"overrides": _tiny(cache_dir, stopped, f"trainer.max_steps={last}", "resume=true")},
         {"overrides": _tiny(cache_dir, straight, f"trainer.max_steps={last}", "trainer.save_interval=1")},
@@ -154,8 +158,11 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
         {"remove": str(checkpoints_dir(copies["half"]) / newest / COMPLETE_FILE)},
         {"remove": str(checkpoints_dir(copies["half"]) / newest / "rank1.pt")},
         {"overrides": _tiny(cache_dir, copies["half"], f"trainer.max_steps={last}")},
-        {"zero": str(checkpoints_dir(copies["unreadable"]) / newest / "common.pt")},
-        {"overrides": _tiny(cache_dir, copies["unreadable"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["header"]) / newest / ".metadata")},
+        {"overrides": _tiny(cache_dir, copies["header"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["flipped"]) / newest / "__0_0.distcp")},
+        {"overrides": _tiny(cache_dir, copies["flipped"], f"trainer.max_steps={last}")},
+        {"overrides": _tiny(cache_dir, tmp_path / "vocabulary", "model.vocab_size=10", "trainer.max_steps=1")},
         # The issue's case: max_steps changed (the decay follows it) and, here, the peak LR too.
         {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
                             "optimizer.lr=0.002")},
@@ -166,7 +173,7 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    resumed, straight_run, truncated, missing, half, unreadable, changed, overridden, kept = run_ranks(
+    resumed, straight_run, truncated, missing, half, header, flipped, vocabulary, changed, overridden, kept = run_ranks(
         WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=400
     )[0]
     log = (result_dir / "rank0.log").read_text()
@@ -185,8 +192,13 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert missing["latest"] == f"iter_{last - 1:07d}"
     assert f"has no {COMPLETE_FILE}" in skipped(copies["half"])
     assert half["summary"]["parameter_digest"] == digest
-    assert "fails to load" in skipped(copies["unreadable"])
-    assert unreadable["latest"] == f"iter_{last - 1:07d}"
+    # Same size, other bytes: the checksums recorded at save time catch header and tensor data alike.
+    assert ".metadata does not match its xxh3_128 checksum" in skipped(copies["header"])
+    assert header["latest"] == f"iter_{last - 1:07d}"
+    # Rank 1 checksums __0_0.distcp (the second of the sorted names) and tells rank 0.
+    assert "__0_0.distcp does not match its xxh3_128 checksum" in skipped(copies["flipped"])
+    assert flipped["summary"]["parameter_digest"] == digest and flipped["latest"] == newest
+    assert vocabulary["error"].startswith("model.vocab_size=10 is below the tokenizer's ")
 
     assert "error" in changed and "summary" not in changed
     assert f"trainer.max_steps (the decay steps) {last + 2} here, {DECAY} in the checkpoint" in changed["error"]
