@@ -233,3 +233,47 @@ def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path,
     # A checkpoint is saved after every step (Ctrl-C during a save stops the run once it is written);
     # Ctrl-C between a step and its save leaves the previous one.
     assert checkpoint.name in (f"iter_{int(match.group(1)):07d}", f"iter_{int(match.group(1)) - 1:07d}")
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file, refusing ``NaN`` and ``Infinity`` (not JSON)."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_json(tmp_path, cache_dir):
+    """At lr=1e6 the loss turns NaN within a few steps: the run stops after 2 such steps in a row with
+    one line and exit 3, saving no checkpoint after the last finite step; metrics.jsonl holds null for
+    NaN. A rerun that trains on (max_nonfinite_steps=0) resumes from the last good checkpoint, saves
+    none of its NaN steps and leaves one row per step and a strict summary.json."""
+    run_dir = tmp_path / "run"
+    diverging = _tiny(cache_dir, run_dir, "optimizer.lr=1e6", "optimizer.min_lr=0", "trainer.save_interval=1")
+    first = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, "trainer.max_steps=8",
+                            "trainer.max_nonfinite_steps=2"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    match = re.fullmatch(
+        r"lowprec-train: diverged: the loss or the gradient norm was not finite for 2 steps in a row "
+        r"\(steps (\d+)-(\d+); last: loss nan\); stopped without saving them; the last good checkpoint is (\S+) "
+        r"\(a lower optimizer.lr, or trainer.max_nonfinite_steps=0 to train on\)", first.stderr.strip().splitlines()[-1])
+    assert match, first.stderr[-3000:]
+    first_nan, last_nan = int(match.group(1)), int(match.group(2))
+    good = checkpoints_dir(run_dir) / f"iter_{first_nan - 1:07d}"
+    assert last_nan == first_nan + 1 and match.group(3) == str(good)
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
+    assert checkpoint_problem(good) is None
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, last_nan + 1))
+    assert [row["loss"] for row in rows][-2:] == [None, None] and None not in [row["loss"] for row in rows][:-2]
+
+    second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, f"trainer.max_steps={last_nan + 1}",
+                             "trainer.max_nonfinite_steps=0"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [(row["step"], row["split"]) for row in rows] == [
+        *((step, "train") for step in range(1, last_nan + 2)), (last_nan + 1, "valid")]
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
