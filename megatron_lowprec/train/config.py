@@ -231,6 +231,9 @@ class TrainerConfig:
     exit_signal: Optional[str] = "SIGUSR1"
     """A signal handled like SIGTERM, e.g. the one SLURM's ``--signal`` sends before the time limit
     (SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGTERM; ``null``: SIGTERM alone)."""
+    max_nonfinite_steps: int = 3
+    """Stop the run (exit 3, no checkpoint of the diverged state) once the loss or the gradient norm
+    has been NaN or infinite for this many steps in a row (0: never stop for it)."""
     seed: int = 1234
     """Seed of initialisation, dropout, data order and stochastic rounding."""
     dry_run: bool = False
@@ -481,6 +484,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"trainer.sharpness_eps={trainer.sharpness_eps} > 0"
         )
     _positive("trainer.max_steps", trainer.max_steps)
+    if trainer.max_nonfinite_steps < 0:
+        raise ConfigError(
+            f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps} is not valid; it must be a positive integer, or 0 never to stop"
+        )
     if trainer.save_interval < 0:
         raise ConfigError(
             f"trainer.save_interval={trainer.save_interval} is not valid; it must be a positive integer, or 0 to save at the end only"
