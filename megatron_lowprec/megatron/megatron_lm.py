@@ -43,12 +43,13 @@ import runpy
 import sys
 from typing import Any
 
-from megatron_lowprec.optim.strategies import get_strategy, strategy_names
+from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
     "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
+    "lowprec_master_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -101,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="compiled optimizer step (default: where it is available)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
+    group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
+                       help="FP32 master of D, coat or D-BF16 kept whole or as a 16-bit remainder below the BF16 "
+                            "parameter (default: the option's own)")
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
