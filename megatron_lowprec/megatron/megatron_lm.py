@@ -25,7 +25,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``Float16Module`` and DDP wrap it.
 
 Also, megatron's dataset ``compile_helpers`` no longer runs ``make`` where the installed megatron-core
-already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them).
+already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them), and
+otherwise compiles them for the running Python (:func:`compile_dataset_helpers`).
 
 Everything else is Megatron-LM's: checkpoints (``--ckpt-format torch_dist``), the scheduler, logging,
 ``--use-distributed-optimizer``. Without CUDA the module's launcher also activates the CPU bridge
@@ -43,12 +44,13 @@ import sys
 from typing import Any
 
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
-from megatron_lowprec.optim.strategies import get_strategy, strategy_names
+from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
     "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
+    "lowprec_master_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -101,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="compiled optimizer step (default: where it is available)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
+    group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
+                       help="FP32 master of D, coat or D-BF16 kept whole or as a 16-bit remainder below the BF16 "
+                            "parameter (default: the option's own)")
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
@@ -206,16 +211,40 @@ def install() -> None:
 
 
 def _compile_helpers_unless_built(compile_helpers):
-    """megatron's ``compile_helpers`` runs ``make`` in megatron-core's datasets directory, which an
-    installed megatron-core (0.17+, with ``megatron/training``) has no Makefile for: it ships the
-    helpers built, and then nothing needs compiling."""
+    """megatron's ``compile_helpers``, except that nothing is compiled where the helpers are built
+    already (an installed megatron-core 0.17+ ships them, and has no Makefile for them), and that
+    they are compiled for the running Python (:func:`compile_dataset_helpers`)."""
 
     @functools.wraps(compile_helpers)
     def compile_unless_built():
         if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
-            compile_helpers()
+            compile_dataset_helpers()
 
     return compile_unless_built
+
+
+def compile_dataset_helpers() -> None:
+    """Build megatron's C++ dataset helpers (``helpers_cpp``, which ``--data-path`` needs) in its
+    ``megatron/core/datasets`` for the running Python. megatron's Makefile takes its include paths and
+    file suffix from the ``python3`` and ``python3-config`` found on ``PATH``, which may be another
+    Python than the one training (in a Megatron-LM checkout, pyenv follows its ``.python-version``
+    to 3.12); a C++ compiler, ``make`` and pybind11 are needed."""
+    import subprocess
+    import sysconfig
+
+    from megatron.core import datasets
+
+    try:
+        import pybind11
+    except ImportError:
+        raise SystemExit(
+            "megatron's dataset helpers need pybind11 to compile: pip install 'megatron-lowprec[megatron-lm]'"
+        ) from None
+    includes = f"-I{pybind11.get_include()} -I{sysconfig.get_paths()['include']}"
+    command = ["make", "-C", os.path.dirname(datasets.__file__), f"CPPFLAGS={includes}",
+               f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"megatron's dataset helpers did not compile: {' '.join(command)} failed")
 
 
 def activate_cpu_trial() -> bool:
