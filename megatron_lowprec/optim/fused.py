@@ -32,8 +32,9 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
 * No multiply and add are fused: Inductor compiles C++ with ``-ffp-contract=off`` and Triton without
   FP fusion under ``emulate_precision_casts``.
 * Divisions, square roots, and COAT's ``log`` and ``pow`` are the package's own correctly rounded or
-  fixed-polynomial functions (``numerics/elementary.py``), the same on every backend; FP32 denormals
-  are kept (``disable_ftz`` where this torch's Inductor has it).
+  fixed-polynomial functions (``numerics/elementary.py``), the same on every backend: FP32 ``div.rn``
+  and ``sqrt.rn`` in Triton (``division_rounding``), no FP64 but for divisions by a constant; FP32
+  denormals are kept (``disable_ftz`` where this torch's Inductor has it).
 * Step-dependent scalars and the SR round keys are 0-d host tensors (passed by value, no
   host-to-device copy), and shapes are dynamic, so one compilation per strategy, dtype and kind of
   source serves every step and bucket.
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
@@ -73,9 +75,13 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True
 hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
 on 2 cores)."""
 
-OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True}
+IEEE_DIVISION_OPTION = "eager_numerics.division_rounding"
+OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True, IEEE_DIVISION_OPTION: True}
 """Set where this torch's Inductor has them: ``disable_ftz`` keeps FP32 subnormals in Triton's
-libdevice functions (its default flushes them, eager CUDA does not)."""
+libdevice functions (its default flushes them, eager CUDA does not); ``division_rounding`` compiles
+an FP32 ``/`` in Triton to the IEEE ``div.rn.f32`` (``div.full.f32`` otherwise), so that
+:func:`~megatron_lowprec.numerics.elementary.div_rn` needs no float64 on GPUs (announced to it
+while tracing by :func:`~megatron_lowprec.numerics.elementary.ieee_fp32_division`)."""
 
 GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
@@ -128,9 +134,10 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
     compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
+    division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
     def call(*args):
-        with _low_precision_tiling():
+        with _low_precision_tiling(), division():
             return compiled(*args)
 
     return call
