@@ -48,6 +48,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,22 @@ BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
 a binary search and an integer division per element, which GPUs have). Elsewhere (CPU vector units
 lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
+
+class EagerFallbackWarning(UserWarning):
+    """A fused bucket, or one call of its step, ran the eager reference instead of the compiled kernel:
+    the same bits, but one pass per parameter and several kernels each."""
+
+
+def warn_eager_fallback(what: str, reason: str) -> None:
+    """Warn with :class:`EagerFallbackWarning` that ``what`` (the parameters) stepped eagerly, and why."""
+    warnings.warn(f"{what} took the eager optimizer step instead of the compiled one: {reason}", EagerFallbackWarning, stacklevel=3)
+
+
+def bucket_entries(bucket: Bucket) -> str:
+    """The parameters of a bucket, by group and shape, for messages."""
+    shapes = ", ".join(str(tuple(param.shape)) for param in bucket.params)
+    return f"the bucket of parameter group {bucket.group_index} (parameters of shapes {shapes})"
+
 
 RECOMPILE_LIMIT = 64
 """Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
@@ -278,12 +295,30 @@ def fused_bucket_step_(
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
-        kernel(param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality)
+        _compiled_or_eager(
+            kernel, bucket, param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source,
+            track_update_quality,
+        )
         for param, call_grad, state, call_scalars, random_source in _calls(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
         )
     ]
     return sum(pieces) if track_update_quality else None
+
+
+def _compiled_or_eager(kernel: Callable, bucket: Bucket, *args: Any) -> torch.Tensor | None:
+    """One call of the compiled ``kernel``; the eager :func:`bucket_kernel_` on the same arguments, with
+    an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
+    raised before the call runs, so nothing is stepped twice)."""
+    try:
+        return kernel(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        warn_eager_fallback(
+            bucket_entries(bucket),
+            f"torch.compile hit its recompile limit (torch._dynamo.config.recompile_limit = "
+            f"{torch._dynamo.config.recompile_limit})",
+        )
+        return bucket_kernel_(*args)
 
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:

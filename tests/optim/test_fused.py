@@ -7,7 +7,7 @@ import torch
 
 from megatron_lowprec.optim import AdamW, PrecisionStrategy
 from megatron_lowprec.optim import fused as fused_module
-from megatron_lowprec.optim.fused import fused_available
+from megatron_lowprec.optim.fused import EagerFallbackWarning, fused_available
 
 from ..allocations import measure_allocations
 from .conftest import OPTIONS
@@ -88,7 +88,26 @@ def test_parameters_without_gradient_fall_back_to_the_reference_and_stay_identic
             grad = torch.randn(p.shape, generator=generator).to(device, torch.bfloat16) if (index + step) % 3 else None
             p.grad, q.grad = grad, None if grad is None else grad.clone()
         eager[1].step()
-        fused[1].step()
+        with pytest.warns(EagerFallbackWarning) as caught:
+            fused[1].step()
+        first_without = next(index for index, q in enumerate(fused[0]) if q.grad is None)
+        (message,) = [str(warning.message) for warning in caught]
+        assert message.startswith(f"parameter {first_without} of group 0 (shape {SHAPES[first_without]}) took the eager")
+        assert message.endswith("it has no gradient, and its bucket steps together or not at all")
+    _assert_bit_identical(eager, fused)
+
+
+def test_a_call_past_the_recompile_limit_runs_eagerly_with_a_warning_and_the_same_bits(monkeypatch):
+    def refusing_kernel(group_statistics=False):
+        def call(*args):
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+
+        return call
+
+    monkeypatch.setattr(fused_module, "compiled_kernel", refusing_kernel)
+    eager, fused = _twin_optimizers("B")
+    with pytest.warns(EagerFallbackWarning, match=r"bucket of parameter group 0 .*recompile limit"):
+        _step_twins(eager, fused, steps=2, seed=4)
     _assert_bit_identical(eager, fused)
 
 
