@@ -81,6 +81,20 @@ def test_power_is_within_its_bound_on_coat_s_domain(device):
     assert power(torch.ones(3, device=device), torch.tensor([0.1, 1.0, 15.0], device=device)).eq(1).all()
 
 
+def test_power_is_within_its_bound_for_every_exponent(device):
+    """A sweep of k over [2^-10, 2^24] (log-uniform) with bases chosen so that x^k spans the normal range:
+    the bound holds beyond k = 16 too, where the bases lie close to 1."""
+    generator = torch.Generator().manual_seed(11)
+    exponents = torch.exp2(torch.rand(1_000_000, generator=generator, dtype=torch.float64) * 34 - 10).float()
+    log2_results = -torch.rand(1_000_000, generator=generator, dtype=torch.float64) * 126
+    bases = torch.exp2(log2_results / exponents.double()).float().clamp(max=1.0)
+    got = power(bases.to(device), exponents.to(device)).cpu().double()
+    exact = torch.pow(bases.double(), exponents.double())
+    normal = exact >= torch.finfo(torch.float32).tiny
+    assert ((got - exact).abs() / exact)[normal].max() <= elementary.POWER_MAX_REL_ERROR
+    assert (exponents[normal] > 16).sum() > 500_000
+
+
 def _every_function(numerators, denominators, bases, exponents):
     return (
         div_rn(numerators, denominators),
