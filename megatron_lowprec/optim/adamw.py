@@ -22,7 +22,7 @@ from megatron_lowprec.optim.kernel import (
     check_param_dtype,
 )
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
-from megatron_lowprec.optim.strategies import PrecisionStrategy, available_strategies, get_strategy
+from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
@@ -53,6 +53,28 @@ def _extremes(grads: list[torch.Tensor]) -> torch.Tensor:
     if grads[0].device.type == "cuda":
         return torch.stack(torch._foreach_norm(grads, float("inf")))
     return torch.stack([torch.stack(torch.aminmax(grad)) for grad in grads])
+
+
+def grads_are_finite(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether every gradient of ``param_groups`` is finite: one fused pass per device (:func:`non_finite_flag`)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for group in param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                by_device.setdefault(param.grad.device, []).append(param.grad)
+    return not any(non_finite_flag(grads, device).item() for device, grads in by_device.items())
+
+
+def check_grad_dtypes(param_groups: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming a sparse gradient or one of an unsupported dtype, and the valid dtypes."""
+    for group in param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is not None and (grad.is_sparse or grad.dtype not in SUPPORTED_GRAD_DTYPES):
+                raise ValueError(
+                    f"gradient of dtype {grad.dtype} (sparse={grad.is_sparse}) is not supported; "
+                    f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
+                )
 
 
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -130,16 +152,7 @@ class AdamW(torch.optim.Optimizer):
         bucket_key: Callable[[torch.nn.Parameter], Hashable] | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        strategy = get_strategy(option)
-        if master_weights is False:
-            if master_storage is not None:
-                raise ValueError(f"master_weights=False drops the master, so master_storage={master_storage!r} cannot apply")
-            strategy = strategy.without_master_weights()
-        elif master_weights and not strategy.master_weights:
-            with_master = ", ".join(repr(s.name) for s in available_strategies() if s.master_weights)
-            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
-        if master_storage is not None:
-            strategy = strategy.with_master_storage(master_storage)
+        strategy = resolve_option(option, master_weights, master_storage)
         if fused and generator is not None and strategy.param_update == "stochastic":
             raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
         self.strategy = strategy
@@ -206,25 +219,6 @@ class AdamW(torch.optim.Optimizer):
         if self._generator_source is None or isinstance(self._generator_source, torch.Generator):
             return self._generator_source
         return self._generator_source()
-
-    def _grads_are_finite(self) -> bool:
-        """One fused pass per device (:func:`non_finite_flag`)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    by_device.setdefault(param.grad.device, []).append(param.grad)
-        return not any(non_finite_flag(grads, device).item() for device, grads in by_device.items())
-
-    def _check_grads(self) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is not None and (grad.is_sparse or grad.dtype not in SUPPORTED_GRAD_DTYPES):
-                    raise ValueError(
-                        f"gradient of dtype {grad.dtype} (sparse={grad.is_sparse}) is not supported; "
-                        f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
-                    )
 
     def _random_source(self, bucket: Bucket, index: int, step: int, generator: torch.Generator | None) -> RandomSource:
         if self.strategy.param_update != "stochastic":
@@ -308,8 +302,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_grads()
-        if self.check_grads_finite and not self._grads_are_finite():
+        check_grad_dtypes(self.param_groups)
+        if self.check_grads_finite and not grads_are_finite(self.param_groups):
             self.skipped_steps += 1
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None
