@@ -38,21 +38,19 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron import compat
-from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
+    ExactGradientStatistics,
     build_distributed_optimizer,
-    global_grad_norm,
     skip_if_any_rank_non_finite,
 )
-from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.strategies import strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 
-class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
+class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
 
     def __init__(self, optimizer: AdamW, config: OptimizerConfig, seed_offset: int = 0) -> None:
@@ -116,36 +114,19 @@ class LowPrecisionOptimizer(GradNormInterface, FP32Optimizer):
             and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
         ]
 
-    @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        """The global L2 norm over the model-parallel group, from the exact Σ x²
-        (:func:`~megatron_lowprec.megatron.distributed.global_grad_norm`), which the distributed
-        optimizer finds bit for bit over its shards, for FP32 and 16-bit gradients alike."""
-        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.get_loss_scale().device)
+    @property
+    def statistics_device(self) -> torch.device:
+        return self.get_loss_scale().device
 
-    @torch.no_grad()
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clipping by the global L2 norm (:meth:`get_grad_norm`), as megatron clips: every gradient
-        times ``clip_grad / (norm + 1e-6)`` when that is below 1."""
-        grad_norm = self.get_grad_norm()
-        coefficient = clip_grad / (grad_norm + 1.0e-6)
-        if coefficient < 1.0:
-            torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coefficient)
-        return grad_norm
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
 
-    def update_quality(self) -> UpdateQuality:
-        """EDQ and imprecision pieces of the last step for the whole model (``track_update_quality``).
+    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+        """Per bucket (data-parallel replicas are identical and are not summed)."""
+        return [(bucket.params, pieces) for bucket, pieces in zip(self.optimizer.buckets, self.optimizer.bucket_update_pieces)]
 
-        Pieces are summed over the model-parallel group (tensor and pipeline ranks), counting the
-        copies of a tensor-parallel-replicated parameter once; data-parallel replicas are identical
-        and are not summed.
-        """
-        pieces = torch.zeros(4, dtype=torch.float64, device=self.get_loss_scale().device)
-        for bucket, bucket_pieces in zip(self.optimizer.buckets, self.optimizer.bucket_update_pieces):
-            if tensor_parallel.param_is_not_tensor_parallel_duplicate(bucket.params[0]):
-                pieces += bucket_pieces
-        torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
-        return UpdateQuality.from_tensor(pieces)
+    def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
+        return [parallel_state.get_model_parallel_group()]
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """Megatron's per-parameter sharding of the optimizer state (every state tensor has its

@@ -101,3 +101,14 @@ def test_config_names_a_valid_option_and_keeps_megatrons_fields():
         LowPrecisionOptimizerConfig(lowprec_option="E5M3")
     with pytest.raises(ValueError, match="needs lowprec_option, one of A"):
         LowPrecisionOptimizerConfig(lr=1e-3)
+
+
+def test_both_optimizers_share_one_gradient_norm_clipping_and_update_quality():
+    """The unsharded and the distributed optimizer take the gradient norm, clipping and update quality
+    from one implementation (the existing multi-rank tests check that they find the same bits)."""
+    from megatron_lowprec.megatron.distributed import DistributedLowPrecisionOptimizer, ExactGradientStatistics
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizer
+
+    for name in ("get_grad_norm", "clip_grad_norm", "update_quality"):
+        shared = getattr(ExactGradientStatistics, name)
+        assert getattr(LowPrecisionOptimizer, name) is shared and getattr(DistributedLowPrecisionOptimizer, name) is shared
