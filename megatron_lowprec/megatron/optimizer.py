@@ -375,10 +375,12 @@ def _check_config(config: OptimizerConfig) -> None:
         raise ValueError(f"config.grad_norm_skip_threshold={threshold!r} is not supported by the precision options")
 
 
-def _check_muon_config(config: OptimizerConfig) -> None:
+def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
     """One ``ValueError`` naming the first Muon setting of ``config`` that :class:`Muon` cannot honour."""
     if config.use_distributed_optimizer:
         raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
+    if config.lowprec_track_update_quality:
+        raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
     if config.muon_split_qkv:
         raise ValueError("config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False")
     if config.muon_scale_mode not in MUON_SCALE_MODES:

@@ -182,6 +182,8 @@ def refusals() -> dict:
         "no_option": message(lambda: build_optimizer(plain, [model])),
         "unknown_option": message(lambda: build_optimizer("Z", [model], plain)),
         "muon_split_qkv": message(lambda: build_optimizer(_precision_config(optimizer="muon"), [model])),
+        "muon_update_quality": message(lambda: build_optimizer(
+            _precision_config(optimizer="muon", muon_split_qkv=False, lowprec_track_update_quality=True), [model])),
         "muon_distributed": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, use_distributed_optimizer=True), [model])),
         "foreign_groups": message(lambda: build_optimizer(
@@ -228,11 +230,41 @@ def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
         torch_muon.step()
         agree.append(all(torch.equal(muon.state[param]["master"], reference.detach()) for param, reference in references.items()))
     return {
+        **_muon_resumes_from_its_state_dict(model, optimizer, data_seed=100 * steps + parallel_state.get_data_parallel_rank()),
         "type": type(optimizer).__name__,
         "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
         "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
         "agree": agree,
     }
+
+
+def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
+    """One more step, then the same step again after restoring the model and the chained optimizer's
+    state dict: whether every parameter and state tensor of both optimizers came out the same."""
+    import copy
+
+    from megatron.core import parallel_state
+
+    def step():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, data_seed=data_seed)
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+        return [param.detach().clone() for param in model.parameters()] + [
+            value.clone() for inner in optimizer.chained_optimizers for state in inner.optimizer.state.values()
+            for value in state.values() if torch.is_tensor(value)
+        ]
+
+    saved_params = [param.detach().clone() for param in model.parameters()]
+    saved_state = copy.deepcopy(optimizer.state_dict())
+    first = step()
+    for param, saved in zip(model.parameters(), saved_params):
+        param.data.copy_(saved)
+    optimizer.load_state_dict(saved_state)
+    second = step()
+    assert parallel_state.get_data_parallel_world_size() == 2
+    return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
 
 
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}

@@ -76,13 +76,15 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
 
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
-    the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit."""
+    the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit;
+    a step after reloading the chained state dict repeats the uninterrupted step exactly."""
     for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2):
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
         assert any("embedding" in name for name in rank["adamw"]) and any(name.endswith("bias") for name in rank["adamw"])
         assert rank["agree"] == [True, True]
+        assert rank["resumed"] and rank["compared"] > len(rank["muon"]) + len(rank["adamw"])
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
@@ -95,6 +97,7 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     assert "pg_collection's tp" in messages["foreign_groups"]
     assert "config.muon_split_qkv=True" in messages["muon_split_qkv"] and "muon_split_qkv=False" in messages["muon_split_qkv"]
     assert "config.use_distributed_optimizer=True" in messages["muon_distributed"] and "muon" in messages["muon_distributed"]
+    assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
     assert "expert-parallel" in messages["expert_parallel"]
 
 
