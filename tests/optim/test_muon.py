@@ -77,7 +77,8 @@ EXPECTED_PATH = {
 
 def _constant_updates(option, shape, device):
     """Muon with momentum 0 and no decay under one constant gradient: every step applies the same
-    update Δ = -lr·O, O = torch's Newton-Schulz of the gradient: lr = 1 gives |Δ| <= 0.35 (mean 0.085)
+    update Δ = -lr·O, O = torch's Newton-Schulz of the gradient on the same device (BF16 matmuls
+    round differently on a CPU and a GPU): lr = 1 gives |Δ| <= 0.35 (mean 0.085)
     against ulp(200) = 1."""
     grad = _random(shape, 7)
     param = _param(torch.full(shape, 200.0), device=device)
@@ -85,7 +86,7 @@ def _constant_updates(option, shape, device):
     for _ in range(CONSTANT_STEPS):
         param.grad = grad.to(device, torch.bfloat16)
         optimizer.step()
-    update = -_zeropower_via_newtonschulz(grad.bfloat16().float(), *TORCH_NS).double()
+    update = -_zeropower_via_newtonschulz(grad.to(device).bfloat16().float(), *TORCH_NS).cpu().double()
     return optimizer, param, update
 
 
