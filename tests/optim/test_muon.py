@@ -250,3 +250,21 @@ def test_state_dict_round_trip_continues_bit_identically(option, device):
         if torch.is_tensor(value):
             assert value.dtype == resumed_optimizer.state[resumed][key].dtype
             assert torch.equal(value.view(torch.uint8), resumed_optimizer.state[resumed][key].view(torch.uint8))
+
+
+def test_c_is_b_for_muon(device):
+    """Muon keeps no second moment, so C's expansion of v has nothing to act on: C keeps B's state
+    and takes B's steps, bit for bit."""
+    def trained(option):
+        param = _param(_random((8, 16), 3), device=device)
+        optimizer = Muon([param], lr=0.01, option=option)
+        for step in range(3):
+            param.grad = _random((8, 16), 20 + step).to(device, torch.bfloat16)
+            optimizer.step()
+        return param.detach(), optimizer.state[param]
+
+    b_param, b_state = trained("B")
+    c_param, c_state = trained("C")
+    assert set(c_state) == set(b_state) == {"step", "momentum", "param_lo"}
+    assert torch.equal(c_param, b_param)
+    assert all(torch.equal(c_state[key], b_state[key]) for key in ("momentum", "param_lo"))
