@@ -14,7 +14,7 @@ import torch
 from megatron_lowprec.metrics.update_quality import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
 from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
-from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
+from megatron_lowprec.optim.fused import bucket_entries, fused_available, fused_bucket_step_, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
     RandomSource,
@@ -367,6 +367,8 @@ class AdamW(PrecisionOptimizer):
                 bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
                 {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
             )
+        if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
+            warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))
         quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
         for index, param in enumerate(bucket.params):
             if param.grad is None:
@@ -384,6 +386,23 @@ class AdamW(PrecisionOptimizer):
             if piece is not None:
                 quality += piece
         return quality
+
+    def _fallback_reason(self, bucket: Bucket, several_steps: bool) -> tuple[str, str]:
+        """(the parameter, the reason) why a fused bucket cannot take its compiled step
+        (:func:`~megatron_lowprec.optim.buckets.gather_grads` found no common gradient buffer)."""
+        params = self.param_groups[bucket.group_index]["params"]
+
+        def named(param: torch.nn.Parameter) -> str:
+            index = next(index for index, other in enumerate(params) if other is param)
+            return f"parameter {index} of group {bucket.group_index} (shape {tuple(param.shape)})"
+
+        without = [param for param in bucket.params if param.grad is None]
+        if without:
+            return named(without[0]), "it has no gradient, and its bucket steps together or not at all"
+        if several_steps:
+            return bucket_entries(bucket), "its parameters are at different steps (some had no gradient before)"
+        dtypes = sorted({str(param.grad.dtype) for param in bucket.params})
+        return bucket_entries(bucket), f"its gradients have several dtypes ({', '.join(dtypes)})"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

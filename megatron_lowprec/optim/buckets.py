@@ -110,11 +110,13 @@ class BufferRows(NamedTuple):
     def write(self, values: torch.Tensor) -> None:
         """Store the bucket-shaped ``values`` back into the source. A padding element is written to
         its row's last valid element with that element's value, so that duplicate indices always
-        carry equal values and the result does not depend on the order of the stores."""
+        carry equal values and the result does not depend on the order of the stores. A ``scatter_``,
+        which Inductor compiles to plain stores also under ``torch.use_deterministic_algorithms``
+        (an ``index_put_`` there falls back to ATen's, which sorts its indices on CUDA)."""
         start, last, column = self._rows(values.numel())
         valid_column = torch.minimum(column, last)
         rows = values.reshape(-1, self.width)
-        self.source.index_put_(((start + valid_column).reshape(-1),), rows.gather(1, valid_column).reshape(-1))
+        self.source.scatter_(0, (start + valid_column).reshape(-1), rows.gather(1, valid_column).reshape(-1))
 
 
 @dataclass

@@ -86,6 +86,11 @@ class PrecisionStrategy:
     moments, bit-identically to torch on the same device (option D); it needs ``master_weights``,
     ``moments="fp32"`` and ``weight_decay="multiplicative"``."""
 
+    fp8_layers: bool = False
+    """The option comes with COAT's FP8 layer flow (COAT §5.2: FP8 linears, norms and activations)
+    unless the user turns it off: the one place that decides it for ``lowprec-train``'s
+    ``precision.fp8_layers`` and Megatron-LM's ``--lowprec-fp8-layers``. The optimizer never reads it."""
+
     fp8_format: str = "e4m3"
     """FP8 format of both moments when ``moments == "fp8"``."""
 
@@ -289,6 +294,7 @@ register_strategy(
         moments="fp8",
         master_weights=True,
         weight_decay="multiplicative",
+        fp8_layers=True,
     )
 )
 register_strategy(

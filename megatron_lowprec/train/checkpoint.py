@@ -12,12 +12,14 @@ same model-space optimizer state, so a checkpoint resumes at another TP/PP layou
 size or ``optimizer.distributed`` setting.
 
 A checkpoint counts only once every rank has finished writing it: it is written under
-``iter_<N>.partial``; after a barrier rank 0 writes the completion marker ``complete.json`` last
-(every file of the checkpoint with its size, written to a temporary name and renamed), renames the
-directory and points ``checkpoints/latest`` at it, so an interrupted save leaves the previous
-checkpoint in charge. On resume a checkpoint without the marker, with a file missing or of another
-size than the marker says, or one that fails to load is named in one line and the previous one is
-tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
+``iter_<N>.partial``; after a barrier each rank checksums its share of the files (XXH3-128, while
+they are in the page cache) and rank 0 writes the completion marker ``complete.json`` last (every
+file of the checkpoint with its size and checksum, written to a temporary name and renamed), renames
+the directory and points ``checkpoints/latest`` at it, so an interrupted save leaves the previous
+checkpoint in charge. On resume every rank checksums its share of the files again; a checkpoint
+without the marker, with a file missing, of another size or another checksum than the marker says,
+or one that fails to load (any exception of the checkpoint library, ``BaseException`` subclasses
+included) is named in one line with the file and the previous one is tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
 pointed back at the first intact one before it is loaded. A checkpoint written with another option, or with
 another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
 ``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
@@ -49,6 +51,8 @@ from megatron_lowprec.train.signals import shield_helper
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete.json"
 CHECKPOINT_NAME = re.compile(r"iter_(\d+)")
+CHECKSUM_KEY = "xxh3_128"
+CHECKSUM_CHUNK = 8 << 20
 
 
 class ResumeError(RuntimeError):
@@ -69,9 +73,28 @@ def checkpoint_path(run_dir: Path, iteration: int) -> Path:
     return checkpoints_dir(run_dir) / f"iter_{iteration:07d}"
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint (no completion marker, or a file the marker lists
-    missing or of another size), or None."""
+def file_checksum(path: Path) -> str:
+    """Hex XXH3-128 of a file's bytes (xxHash: about 5 GB/s on one core, against 0.3 GB/s for SHA-256
+    and 0.8 GB/s for zlib's CRC-32), read in 8 MiB chunks."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(CHECKSUM_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The files rank ``rank`` of ``world_size`` checksums: every ``world_size``-th, from its own index."""
+    return names[rank::world_size]
+
+
+def checkpoint_problem(path: Path, share: tuple[int, int] | None = None) -> str | None:
+    """Why ``path`` is not a complete checkpoint (no completion marker, a file the marker lists missing
+    or of another size), or None. With ``share=(rank, world_size)`` the files of that rank's share
+    (:func:`_share`) are also checksummed against the marker, so that all ranks together read every
+    file once."""
     if not path.is_dir():
         return "does not exist"
     marker = path / COMPLETE_FILE
@@ -79,14 +102,28 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"has no {COMPLETE_FILE} (its save did not finish)"
     try:
         files = json.loads(marker.read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
+        entries = {name: entry if isinstance(entry, dict) else {"size": entry} for name, entry in files.items()}
+        sizes = {name: int(entry["size"]) for name, entry in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return f"its {COMPLETE_FILE} is unreadable ({type(error).__name__})"
-    for name, size in files.items():
+    for name, size in sizes.items():
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size:,} bytes, {size:,} were written"
+    if share is None:
+        return None
+    for name in _share(sorted(entries), *share):
+        expected = entries[name].get(CHECKSUM_KEY)
+        if expected is None:
+            continue  # a checkpoint written before checksums were recorded: sizes only
+        try:
+            found = file_checksum(path / name)
+        except OSError as error:
+            return f"{name} cannot be read ({error.strerror or error})"
+        if found != expected:
+            return f"{name} does not match its {CHECKSUM_KEY} checksum (its content changed after it was written)"
     return None
 
 
@@ -229,6 +266,17 @@ def _sharded_state(run, is_loading: bool) -> dict:
     return state
 
 
+def _checksummed_files(directory: Path, rank: int, world_size: int) -> dict[str, dict]:
+    """Every file of the just written checkpoint ``directory`` with its size and checksum (collective):
+    each rank checksums its share while the bytes are still in the page cache, rank 0 gathers them."""
+    names = sorted(str(file.relative_to(directory)) for file in directory.rglob("*") if file.is_file())
+    share = {name: file_checksum(directory / name) for name in _share(names, rank, world_size)}
+    gathered: list[dict[str, str] | None] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, share)
+    checksums = {name: digest for part in gathered for name, digest in part.items()}
+    return {name: {"size": (directory / name).stat().st_size, CHECKSUM_KEY: checksums[name]} for name in names}
+
+
 def save(run) -> Path:
     """Write the checkpoint of ``run.iteration``, mark it complete and point ``latest`` at it
     (collective); Ctrl-C meanwhile stops the run once the checkpoint is complete."""
@@ -250,10 +298,8 @@ def _save(run) -> Path:
     per_rank = {"rng": _rng_states(), "layout": _layout()}
     torch.save(per_rank, partial / f"rank{rank}.pt")
     torch.distributed.barrier()
+    files = _checksummed_files(partial, rank, torch.distributed.get_world_size())
     if rank == 0:
-        files = {
-            str(file.relative_to(partial)): file.stat().st_size for file in sorted(partial.rglob("*")) if file.is_file()
-        }
         marker = {"iteration": run.iteration, "world_size": torch.distributed.get_world_size(), "files": files}
         _write_atomically(partial / COMPLETE_FILE, json.dumps(marker, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -297,10 +343,14 @@ def _check_schedule(run, path: Path, saved: dict) -> None:
 
 
 def _read_on_every_rank(path: Path, read):
-    """``read()``, where a failure on any rank is a :class:`DamagedCheckpoint` on all of them."""
+    """``read()``, where a failure on any rank is a :class:`DamagedCheckpoint` on all of them. Any
+    exception counts, ``BaseException`` subclasses too (torch.distributed.checkpoint's
+    ``CheckpointException`` is one), except Ctrl-C and ``sys.exit``."""
     try:
         value, failure = read(), ""
-    except Exception as error:  # noqa: BLE001 - any failure to read means the checkpoint is damaged
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - any failure to read means the checkpoint is damaged
         value, failure = None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
     failed = torch.tensor([1 if failure else 0], dtype=torch.int32, device=torch.cuda.current_device())
     torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
@@ -334,11 +384,12 @@ def load(run, path: Path) -> None:
 
 
 def _problem_on_any_rank(path: Path) -> str | None:
-    """:func:`checkpoint_problem` as every rank agrees on it (each looks at the file system itself)."""
-    problem = checkpoint_problem(path)
-    seen = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=torch.cuda.current_device())
-    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-    return problem or ("incomplete as another rank sees it" if seen.item() else None)
+    """:func:`checkpoint_problem` as every rank agrees on it (each looks at the file system itself and
+    checksums its share of the files); the first rank's problem, or None."""
+    problem = checkpoint_problem(path, share=(torch.distributed.get_rank(), torch.distributed.get_world_size()))
+    problems: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)
+    return next((found for found in problems if found is not None), None)
 
 
 def _say(message: str) -> None:

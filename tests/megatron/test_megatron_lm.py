@@ -42,12 +42,12 @@ def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
-        "--lowprec-track-update-quality", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
-        "lowprec_track_update_quality": True,
+        "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])
@@ -64,6 +64,43 @@ def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(caps
     with pytest.raises(SystemExit):
         parser.parse_args(["--lowprec-option", "E"])
     assert "unknown precision option 'E'; valid options: A, bf16, B" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lowprec-option", "E"], "argument --lowprec-option: unknown precision option 'E'; valid options: A, bf16, B"),
+    (["--lowprec-seed", "x"], "argument --lowprec-seed: invalid int value: 'x'"),
+    (["--lowprec-emulate", "X9"], "argument --lowprec-emulate: unknown float format 'X9'; valid names: bf16"),
+    (["--lowprec-emulate-rounding", "up"], "argument --lowprec-emulate-rounding: invalid choice: 'up' (choose from"),
+    (["--lowprec-option"], "argument --lowprec-option: expected one argument"),
+], ids=["option", "seed", "emulate", "rounding", "missing"])
+def test_a_bad_value_of_our_flags_stops_with_one_line_and_exit_2(capsys, argv, message):
+    """Megatron-LM's parser holds hundreds of arguments: their usage must not bury the one line."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    for number in range(50):
+        parser.add_argument(f"--megatron-flag-{number}", type=int)
+    megatron_lm.add_arguments(parser)
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args(["--megatron-flag-1", "3", *argv])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--megatron-flag-1", "x"])
+    assert "usage: pretrain_gpt.py" in capsys.readouterr().err, "megatron's own flags keep argparse's usage"
+
+
+@requires_megatron_training
+def test_megatron_lms_parser_refuses_a_bad_option_in_one_line(capsys, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--lowprec-option", "E"])
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(extra_args_provider=megatron_lm.add_arguments)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_gpt.py: error: argument --lowprec-option: unknown precision option 'E'; "
+        f"valid options: {', '.join(megatron_lm.strategy_names())}"
+    ]
 
 
 @pytest.mark.parametrize("newer", [False, True], ids=["until-0.18", "0.19"])
@@ -124,3 +161,54 @@ def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_opt
     assert stock["lowprec_option"] is None and stock["option"] is None
     assert stock["optimizer"] in ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
     assert stock["losses_finite"]
+
+
+def _extras() -> dict[str, list[str]]:
+    """setup.py's ``extras_require``, read by running it with ``setup`` replaced."""
+    import runpy
+    from unittest import mock
+
+    root = Path(__file__).resolve().parents[2]
+    with mock.patch("setuptools.setup") as setup, mock.patch("os.getcwd", return_value=str(root)):
+        runpy.run_path(str(root / "setup.py"), run_name="__main__")
+    return setup.call_args.kwargs["extras_require"]
+
+
+def test_the_megatron_lm_extra_adds_what_pretrain_gpt_needs_to_the_megatron_extra():
+    from packaging.requirements import Requirement
+
+    extras = _extras()
+    names = {Requirement(requirement).name for requirement in extras["megatron-lm"]}
+    assert {Requirement(requirement).name for requirement in extras["megatron"]} <= names
+    assert {"six", "regex", "pyyaml", "pybind11", "triton"} <= names
+
+
+@requires_megatron_training
+def test_every_unconditional_import_of_megatron_training_is_in_the_extra():
+    """The modules ``megatron.training.training`` loads import, outside any ``try``, only the standard
+    library, megatron-core's and torch's requirements and the ``megatron-lm`` extra's packages."""
+    import importlib
+    import importlib.metadata
+    import re
+    import sys
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    importlib.import_module("megatron.training.training")
+    requirements = list(_extras()["megatron-lm"])
+    for distribution in ("torch", "megatron-core", "numpy"):
+        requirements += importlib.metadata.requires(distribution) or []
+    allowed = {canonicalize_name(Requirement(requirement).name) for requirement in requirements}
+    distributions = importlib.metadata.packages_distributions()
+    unlisted = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not name.startswith("megatron.") or not path or not path.endswith(".py"):
+            continue
+        for imported in re.findall(r"^(?:import|from)\s+(\w+)", Path(path).read_text(), re.MULTILINE):
+            if imported in sys.stdlib_module_names or imported in ("megatron", "__future__"):
+                continue
+            if not {canonicalize_name(package) for package in distributions.get(imported, [imported])} & allowed:
+                unlisted.setdefault(imported, name)
+    assert unlisted == {}, f"imported unconditionally, not in the megatron-lm extra: {unlisted}"

@@ -1,5 +1,5 @@
 """Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
-torchrun job, damaged checkpoints (truncated, missing, half-written, unreadable), a changed
+torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
 learning-rate schedule on resume, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     (checkpoint writer service, compiler workers: SLURM signals every process of a job step), but not
     rank 0: both ranks stop after the same step, save, exit 0 with one line; resuming gives the
     straight run's parameters bit for bit. Then,
-    on copies of the straight run: a truncated, a missing, a half-written and an unreadable file in the
-    newest checkpoint are each named in one line and the run resumes from the previous one (``latest``
-    pointed back at it), and a changed schedule stops the resume unless a key says which to take."""
+    on copies of the straight run: a truncated, a missing and a half-written file in the
+    newest checkpoint, and 16 flipped bytes in its ``.metadata`` header or its tensor data, are each
+    named in one line and the run resumes from the previous one (``latest`` pointed back at it), and
+    a changed schedule stops the resume unless a key says which to take."""
     psutil = pytest.importorskip("psutil")
     stopped = tmp_path / "stopped"
     process, lines = _start([
@@ -135,6 +136,9 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert checkpoint_problem(saved) is None
     marker = json.loads((saved / COMPLETE_FILE).read_text())
     assert marker["world_size"] == 2 and {"rank0.pt", "rank1.pt", "common.pt"} <= set(marker["files"])
+    xxhash = pytest.importorskip("xxhash")
+    assert all(entry["xxh3_128"] == xxhash.xxh3_128((saved / name).read_bytes()).hexdigest()
+               for name, entry in marker["files"].items())
     assert (checkpoints_dir(stopped) / "latest").read_text() == saved.name
     rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, step + 1))
@@ -142,7 +146,7 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     last = step + 2
     straight = tmp_path / "straight"
     newest = f"iter_{last:07d}"
-    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "unreadable", "schedule", "kept")}
+    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "header", "flipped", "schedule", "kept")}
     steps = [
         {"overrides": _tiny(cache_dir, stopped, f"trainer.max_steps={last}", "resume=true")},
         {"overrides": _tiny(cache_dir, straight, f"trainer.max_steps={last}", "trainer.save_interval=1")},
@@ -154,8 +158,11 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
         {"remove": str(checkpoints_dir(copies["half"]) / newest / COMPLETE_FILE)},
         {"remove": str(checkpoints_dir(copies["half"]) / newest / "rank1.pt")},
         {"overrides": _tiny(cache_dir, copies["half"], f"trainer.max_steps={last}")},
-        {"zero": str(checkpoints_dir(copies["unreadable"]) / newest / "common.pt")},
-        {"overrides": _tiny(cache_dir, copies["unreadable"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["header"]) / newest / ".metadata")},
+        {"overrides": _tiny(cache_dir, copies["header"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["flipped"]) / newest / "__0_0.distcp")},
+        {"overrides": _tiny(cache_dir, copies["flipped"], f"trainer.max_steps={last}")},
+        {"overrides": _tiny(cache_dir, tmp_path / "vocabulary", "model.vocab_size=10", "trainer.max_steps=1")},
         # The issue's case: max_steps changed (the decay follows it) and, here, the peak LR too.
         {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
                             "optimizer.lr=0.002")},
@@ -166,7 +173,7 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    resumed, straight_run, truncated, missing, half, unreadable, changed, overridden, kept = run_ranks(
+    resumed, straight_run, truncated, missing, half, header, flipped, vocabulary, changed, overridden, kept = run_ranks(
         WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=400
     )[0]
     log = (result_dir / "rank0.log").read_text()
@@ -185,8 +192,13 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert missing["latest"] == f"iter_{last - 1:07d}"
     assert f"has no {COMPLETE_FILE}" in skipped(copies["half"])
     assert half["summary"]["parameter_digest"] == digest
-    assert "fails to load" in skipped(copies["unreadable"])
-    assert unreadable["latest"] == f"iter_{last - 1:07d}"
+    # Same size, other bytes: the checksums recorded at save time catch header and tensor data alike.
+    assert ".metadata does not match its xxh3_128 checksum" in skipped(copies["header"])
+    assert header["latest"] == f"iter_{last - 1:07d}"
+    # Rank 1 checksums __0_0.distcp (the second of the sorted names) and tells rank 0.
+    assert "__0_0.distcp does not match its xxh3_128 checksum" in skipped(copies["flipped"])
+    assert flipped["summary"]["parameter_digest"] == digest and flipped["latest"] == newest
+    assert vocabulary["error"].startswith("model.vocab_size=10 is below the tokenizer's ")
 
     assert "error" in changed and "summary" not in changed
     assert f"trainer.max_steps (the decay steps) {last + 2} here, {DECAY} in the checkpoint" in changed["error"]
@@ -221,3 +233,47 @@ def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path,
     # A checkpoint is saved after every step (Ctrl-C during a save stops the run once it is written);
     # Ctrl-C between a step and its save leaves the previous one.
     assert checkpoint.name in (f"iter_{int(match.group(1)):07d}", f"iter_{int(match.group(1)) - 1:07d}")
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file, refusing ``NaN`` and ``Infinity`` (not JSON)."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_json(tmp_path, cache_dir):
+    """At lr=1e6 the loss turns NaN within a few steps: the run stops after 2 such steps in a row with
+    one line and exit 3, saving no checkpoint after the last finite step; metrics.jsonl holds null for
+    NaN. A rerun that trains on (max_nonfinite_steps=0) resumes from the last good checkpoint, saves
+    none of its NaN steps and leaves one row per step and a strict summary.json."""
+    run_dir = tmp_path / "run"
+    diverging = _tiny(cache_dir, run_dir, "optimizer.lr=1e6", "optimizer.min_lr=0", "trainer.save_interval=1")
+    first = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, "trainer.max_steps=8",
+                            "trainer.max_nonfinite_steps=2"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    match = re.fullmatch(
+        r"lowprec-train: diverged: the loss or the gradient norm was not finite for 2 steps in a row "
+        r"\(steps (\d+)-(\d+); last: loss nan\); stopped without saving them; the last good checkpoint is (\S+) "
+        r"\(a lower optimizer.lr, or trainer.max_nonfinite_steps=0 to train on\)", first.stderr.strip().splitlines()[-1])
+    assert match, first.stderr[-3000:]
+    first_nan, last_nan = int(match.group(1)), int(match.group(2))
+    good = checkpoints_dir(run_dir) / f"iter_{first_nan - 1:07d}"
+    assert last_nan == first_nan + 1 and match.group(3) == str(good)
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
+    assert checkpoint_problem(good) is None
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, last_nan + 1))
+    assert [row["loss"] for row in rows][-2:] == [None, None] and None not in [row["loss"] for row in rows][:-2]
+
+    second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, f"trainer.max_steps={last_nan + 1}",
+                             "trainer.max_nonfinite_steps=0"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [(row["step"], row["split"]) for row in rows] == [
+        *((step, "train") for step in range(1, last_nan + 2)), (last_nan + 1, "valid")]
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
