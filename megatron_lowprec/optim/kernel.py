@@ -3,6 +3,8 @@
 :func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
 (``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
 agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+Muon (``muon.py``) stores its momentum and applies its update with the same pieces
+(:func:`decode_moment`, :func:`encode_moment`, :data:`PARAM_UPDATES`, :func:`decay_base`).
 
 Rounding points of the reference, for every strategy:
 
