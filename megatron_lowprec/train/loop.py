@@ -385,7 +385,9 @@ def evaluate_sharpness(run: Run) -> float:
 def train(config: TrainConfig) -> dict:
     """Run the training of ``config``; returns the summary (also printed and saved by rank 0), or,
     when an exit signal stopped it, where it stopped (``stopped_by``, ``steps``, ``checkpoint``).
-    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``."""
+    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``,
+    one that cannot be written ``checkpoint.SaveError``; a diverged run :class:`Diverged`; a run
+    directory another job holds, or a vocabulary below the tokenizer's, ``ConfigError``."""
     end_with_launcher(launched="TORCHELASTIC_RUN_ID" in os.environ)
     with distributed_environment(config):
         run_dir = _run_dir(config)
