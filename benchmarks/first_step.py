@@ -89,7 +89,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for option, cold, warm in rows:
         label = f"{BASELINE} (torch.optim.AdamW)" if option == BASELINE else option
-        print(f"| `{label}` | {cold:.1f} | {warm:.1f} | {cold / base_cold:.2f} | {warm / base_warm:.2f} |")
+        print(f"| {label} | {cold:.1f} | {warm:.1f} | {cold / base_cold:.2f} | {warm / base_warm:.2f} |")
 
 
 if __name__ == "__main__":
