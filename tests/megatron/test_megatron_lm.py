@@ -218,6 +218,10 @@ def test_every_unconditional_import_of_megatron_training_is_in_the_extra():
 TRAIN_ITERATIONS = 4
 LAYOUTS = {
     "tp2-C": (2, 4, ["--tensor-model-parallel-size", "2"], "C"),
+    "pp2-sr": (2, 4, ["--pipeline-model-parallel-size", "2"], "sr"),
+    "tp2-pp2-D-BF16-remainder": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                        "--lowprec-master-storage", "remainder"], "D-BF16"),
+    "tp2-dp2-distopt-sr": (4, 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "sr"),
 }
 """Layout: ranks, global batch size, Megatron-LM's arguments, the precision option (one per family)."""
 
@@ -269,3 +273,4 @@ def test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_
         option_losses = runs["option"][key]
         assert len(option_losses) == len(stock_losses)
         assert max(abs(a - b) for a, b in zip(option_losses, stock_losses)) < 1e-3, (option_losses, stock_losses)
+
