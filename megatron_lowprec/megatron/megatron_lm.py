@@ -43,6 +43,7 @@ import runpy
 import sys
 from typing import Any
 
+from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
@@ -160,7 +161,9 @@ def layer_precision_hook(model_chunks) -> list[str]:
     from megatron_lowprec.megatron.layers import apply_layer_precision
 
     args = get_args()
-    fp8_layers = args.lowprec_fp8_layers if args.lowprec_fp8_layers is not None else args.lowprec_option == "coat"
+    fp8_layers = args.lowprec_fp8_layers
+    if fp8_layers is None:
+        fp8_layers = args.lowprec_option is not None and get_strategy(args.lowprec_option).fp8_layers
     if not fp8_layers and args.lowprec_emulate is None:
         return []
     emulation = None
@@ -244,13 +247,6 @@ def compile_dataset_helpers() -> None:
         raise SystemExit(f"megatron's dataset helpers did not compile: {' '.join(command)} failed")
 
 
-def uninstall() -> None:
-    """Undo :func:`install`."""
-    while _INSTALLED:
-        owner, name, original = _INSTALLED.pop()
-        setattr(owner, name, original)
-
-
 def activate_cpu_trial() -> bool:
     """Without CUDA, what a CPU trial of Megatron-LM's training loop needs on top of the CPU bridge:
     ``initialize_megatron(allow_no_cuda=True)`` (which only drops its CUDA assert), one "device"
@@ -296,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_lm: no script {script}")
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
+    keep_inductor_cache()
     activate_cpu_trial()
     install()
     runpy.run_path(script, run_name="__main__")

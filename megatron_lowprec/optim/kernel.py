@@ -3,6 +3,8 @@
 :func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
 (``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
 agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+Muon (``muon.py``) stores its momentum and applies its update with the same pieces
+(:func:`decode_moment`, :func:`encode_moment`, :data:`PARAM_UPDATES`, :func:`decay_base`).
 
 Rounding points of the reference, for every strategy:
 
@@ -172,14 +174,14 @@ def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, An
     return build_bucket(strategy, 0, [param], own_params=False)[1][0]
 
 
-def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
+def decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
     """The moment as an FP32 tensor: the stored tensor itself when it is FP32 (updated in place), else a copy."""
     if strategy.moments == "fp8":
         return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
     return state[moment].float()
 
 
-def _encode_moment(
+def encode_moment(
     state: dict[str, Any], moment: str, values: torch.Tensor, param: torch.Tensor, strategy: PrecisionStrategy
 ) -> None:
     """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8."""
@@ -271,7 +273,7 @@ def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tenso
     return param.double()
 
 
-def _decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+def decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
     stored = stored_master(state)
     if stored is not None:
@@ -311,7 +313,7 @@ def _apply_stochastic(param, state, update, random_source: RandomSource):
     param.copy_(stochastic_round(exact, float_format(param.dtype), words))
 
 
-_PARAM_UPDATES = {
+PARAM_UPDATES = {
     "nearest": _apply_nearest,
     "mcf": _apply_mcf,
     "kahan": _apply_kahan,
@@ -397,12 +399,12 @@ def adamw_kernel_(
     """
     before = represented_value(param, state) if track_update_quality else None
     grad = grad.float()
-    exp_avg = _decode_moment(state, "exp_avg", param, strategy)
+    exp_avg = decode_moment(state, "exp_avg", param, strategy)
     exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
     if strategy.second_moment_mcf:
         exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
     else:
-        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
+        decoded = decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
     adam_term = _adam_term(exp_avg, exp_avg_sq, scalars)
     update = None
@@ -413,11 +415,11 @@ def adamw_kernel_(
             update = master * scalars.neg_lr_weight_decay + adam_term
         store_master_(param, stored, master * scalars.decay_factor + adam_term)
     else:
-        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
-        _PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
-    _encode_moment(state, "exp_avg", exp_avg, param, strategy)
+        update = decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
+        PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    encode_moment(state, "exp_avg", exp_avg, param, strategy)
     if not strategy.second_moment_mcf:
-        _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
+        encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
     if not track_update_quality:
         return None
     return update_quality_pieces(update, before, represented_value(param, state))
