@@ -221,6 +221,8 @@ LAYOUTS = {
     "pp2-sr": (2, 4, ["--pipeline-model-parallel-size", "2"], "sr"),
     "tp2-pp2-D-BF16-remainder": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                         "--lowprec-master-storage", "remainder"], "D-BF16"),
+    "pp2-vpp2-coat": (2, 4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "1"], "coat"),
     "tp2-dp2-distopt-sr": (4, 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "sr"),
 }
 """Layout: ranks, global batch size, Megatron-LM's arguments, the precision option (one per family)."""
