@@ -221,6 +221,8 @@ LAYOUTS = {
     "pp2-sr": (2, 4, ["--pipeline-model-parallel-size", "2"], "sr"),
     "tp2-pp2-D-BF16-remainder": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                         "--lowprec-master-storage", "remainder"], "D-BF16"),
+    "pp2-vpp2-coat": (2, 4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "1"], "coat"),
     "tp2-dp2-distopt-sr": (4, 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "sr"),
 }
 """Layout: ranks, global batch size, Megatron-LM's arguments, the precision option (one per family)."""
@@ -274,3 +276,46 @@ def test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_
         assert len(option_losses) == len(stock_losses)
         assert max(abs(a - b) for a, b in zip(option_losses, stock_losses)) < 1e-3, (option_losses, stock_losses)
 
+def _checkpoint_tensors(save_dir: Path) -> dict:
+    """Every tensor of the last ``torch_dist`` checkpoint under ``save_dir``, whole (model space)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    iteration = (save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    whole = save_dir / "whole.pt"
+    dcp_to_torch_save(save_dir / f"iter_{int(iteration):07d}", whole)
+    return {key: value for key, value in torch.load(whole, weights_only=False).items() if isinstance(value, torch.Tensor)}
+
+
+@requires_megatron_training
+@pytest.mark.parametrize("saved_at, resumed_at, option", [
+    ((2, ["--tensor-model-parallel-size", "2"]), (1, []), ["--lowprec-option", "C"]),
+    ((2, ["--use-distributed-optimizer"]), (1, ["--use-distributed-optimizer"]),
+     ["--lowprec-option", "D-BF16", "--lowprec-master-storage", "remainder"]),
+], ids=["tp2-to-tp1-C", "dp2-to-dp1-distopt-D-BF16-remainder"])
+def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit(
+    tmp_path, indexed_corpus, saved_at, resumed_at, option
+):
+    """Megatron-LM trains 2 iterations at one layout and saves (``torch_dist``); a run at another layout
+    loads it and, with nothing left to train, saves again: both checkpoints hold the same tensors, bit
+    for bit (parameters, moments, δθ and δv, FP32 masters from their remainders). The vocabulary is
+    padded to 128 at both tensor-parallel sizes (by default megatron pads to 128 x TP)."""
+    argv = [*TINY_GPT, "--global-batch-size", "4", "--data-path", indexed_corpus, "--split", "90,5,5",
+            "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist",
+            "--make-vocab-size-divisible-by", "64", *option]
+    argv[argv.index("--train-iters") + 1] = "2"
+    checkpoints = {}
+    resume = ["--load", str(tmp_path / "saved" / "ckpt"), "--no-load-rng"]
+    for name, (world_size, layout_argv), load in (("saved", saved_at, []), ("resumed", resumed_at, resume)):
+        (tmp_path / name).mkdir()
+        run_ranks(WORKER, tmp_path / name, world_size, "pretrain_gpt", json.dumps({"argv": [
+            *argv, *layout_argv, *load, "--save", str(tmp_path / name / "ckpt"), "--save-interval", "1000"]}),
+            timeout_seconds=600)
+        checkpoints[name] = _checkpoint_tensors(tmp_path / name / "ckpt")
+    import torch
+
+    saved, resumed = checkpoints["saved"], checkpoints["resumed"]
+    assert sorted(saved) == sorted(resumed)
+    assert any("exp_avg" in key for key in saved), sorted(saved)
+    unequal = [key for key in saved if not torch.equal(saved[key], resumed[key])]
+    assert unequal == []
