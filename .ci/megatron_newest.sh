@@ -3,43 +3,59 @@
 #
 # megatron-core 0.17+ requires Python 3.12; on CI's Python 3.11 its sdist installs with
 # --ignore-requires-python, plus triton (0.18+ imports it at `import megatron.core`). The venv
-# lies under ~/.cache, reuses the main environment's packages (torch, hydra, ...) through
-# --system-site-packages and holds only megatron-core and triton, so the main environment is left
-# alone and a rerun installs nothing. megatron/training (shipped in the sdist since 0.17) imports
-# typing.override, new in 3.12: a .pth file in the venv supplies it on 3.11.
+# lies under ~/.cache and holds only megatron-core, triton and the project (editable); it sees the
+# packages of the python that runs this script (torch, hydra, ...: the README install's) behind its
+# own through a .pth file naming that python's site directories. `venv --system-site-packages` would
+# not do: from inside a venv it exposes the base interpreter's packages, not the active venv's, and
+# torch is lost. Where that python lacks the README install (a fresh shell on a bare python), the
+# venv gets it the README's way, `pip install -e ".[dev]" -c constraints.txt`: the CPU torch on
+# disk, never a CUDA one. The main environment is left alone and a rerun installs nothing.
+# megatron/training (shipped in the sdist since 0.17) imports typing.override, new in 3.12: a .pth
+# file in the venv supplies it on 3.11.
 #
 # Runs there the tests that megatron-core's changes between versions reach: the CPU bridge, the
 # optimizer hook (stock-megatron equality, SR replicas at TP=2, dist checkpoints), build_optimizer's
 # calls and parameter groups, the Megatron-LM entry against megatron.training, the distributed
 # optimizer with FP32 reduction and clipping, the layer converters and one app run (TP x DP). Exits
-# non-zero if any fails or if none ran.
+# non-zero if any fails, if none ran, or if the venv does not hold megatron-core $VERSION.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VERSION="${MEGATRON_CORE_NEWEST:-0.19.2}"
 TRITON="${MEGATRON_CORE_NEWEST_TRITON:-3.9.0}"
-VENV="${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lowprec/megatron-core-$VERSION-py$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+HOST_PYTHON="$(command -v python3)"
+VENV="${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lowprec/megatron-core-$VERSION-py$("$HOST_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 PYTHON="$VENV/bin/python"
+HOST_SITES="$("$HOST_PYTHON" -c 'import site; print(repr([*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]))')"
+STAMP="$VENV/host-sites"
 
 installed_version() {
     "$PYTHON" -c 'from megatron.core import package_info; print(package_info.__version__)' 2>/dev/null || true
 }
 
-if [[ "$(installed_version)" != "$VERSION" ]]; then
+if [[ "$(installed_version)" != "$VERSION" || "$(cat "$STAMP" 2>/dev/null)" != "$HOST_SITES" ]]; then
     rm -rf "$VENV"
-    python3 -m venv --system-site-packages "$VENV"
-    "$PYTHON" -m pip install --quiet --no-deps --ignore-requires-python --no-binary megatron-core \
-        "megatron-core==$VERSION" "triton==$TRITON"
+    "$HOST_PYTHON" -m venv "$VENV"
     site_packages="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import site; list(map(site.addsitedir, $HOST_SITES))" > "$site_packages/host_python_sites.pth"
     echo 'import typing; hasattr(typing, "override") or setattr(typing, "override", lambda method: method)' \
         > "$site_packages/typing_override_py312.pth"
+    "$PYTHON" -m pip install --quiet -e ".[dev]" -c constraints.txt
+    "$PYTHON" -m pip install --quiet --no-deps --ignore-requires-python --no-binary megatron-core \
+        -c constraints.txt "megatron-core==$VERSION" "triton==$TRITON"
+    echo "$HOST_SITES" > "$STAMP"
 fi
-echo "megatron-core $(installed_version) in $VENV"
+if [[ "$(installed_version)" != "$VERSION" ]]; then
+    echo "megatron-core newest: $VENV holds megatron-core '$(installed_version)', not $VERSION" >&2
+    exit 1
+fi
+echo "megatron-core $(installed_version), torch $("$PYTHON" -c 'import torch; print(torch.__version__)') in $VENV (behind it: $HOST_SITES)"
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$VENV/inductor}"
 REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
+status=0
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --junitxml="$REPORT" \
     tests/megatron/test_cpu_bridge.py \
     "tests/megatron/test_optimizer_hook.py::test_option_d_reproduces_stock_megatron_bf16_optimizer" \
@@ -49,14 +65,15 @@ trap 'rm -f "$REPORT"' EXIT
     tests/megatron/test_megatron_lm.py \
     "tests/megatron/test_distributed_optimizer.py::test_sharded_states_train_bit_identically_and_hold_their_share[dp2-fp32-reduction]" \
     tests/megatron/test_layers.py \
-    "tests/train/test_app.py::test_tensor_and_data_parallel_together"
-"$PYTHON" - "$REPORT" <<'EOF'
+    "tests/train/test_app.py::test_tensor_and_data_parallel_together" || status=$?
+"$PYTHON" - "$REPORT" "$status" <<'EOF'
 import sys
 import xml.etree.ElementTree as ElementTree
 
 cases = list(ElementTree.parse(sys.argv[1]).iter("testcase"))
 ran = [case for case in cases if case.find("skipped") is None]
-if not ran:
-    sys.exit(f"megatron-core newest: none of the {len(cases)} collected tests ran")
-print(f"megatron-core newest: {len(ran)} tests ran")
+failed = [case for case in ran if case.find("failure") is not None or case.find("error") is not None]
+print(f"megatron-core newest: {len(ran)} tests ran, {len(failed)} failed, {len(cases) - len(ran)} skipped")
+if not ran or failed or sys.argv[2] != "0":
+    sys.exit(f"megatron-core newest: FAILED (pytest exit status {sys.argv[2]})")
 EOF

@@ -14,17 +14,22 @@ from pathlib import Path
 from typing import Optional, Union
 
 CACHE_ENV_VAR = "MEGATRON_LOWPREC_CACHE"
+XDG_CACHE_ENV_VAR = "XDG_CACHE_HOME"
 _EMBEDDED_CORPUS_NAME = "shakespeare.txt.xz"
 
 
 def default_cache_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """The cache directory: the argument, else ``$MEGATRON_LOWPREC_CACHE``, else ``~/.cache/megatron_lowprec``."""
+    """The cache directory: the argument, else ``$MEGATRON_LOWPREC_CACHE``, else
+    ``$XDG_CACHE_HOME/megatron_lowprec``, else ``~/.cache/megatron_lowprec``. As the XDG Base
+    Directory specification says, an ``XDG_CACHE_HOME`` that is not an absolute path is ignored."""
     if cache_dir is not None:
         return Path(cache_dir)
     from_env = os.environ.get(CACHE_ENV_VAR)
     if from_env:
         return Path(from_env)
-    return Path.home() / ".cache" / "megatron_lowprec"
+    xdg_cache = os.environ.get(XDG_CACHE_ENV_VAR, "")
+    base = Path(xdg_cache) if os.path.isabs(xdg_cache) else Path.home() / ".cache"
+    return base / "megatron_lowprec"
 
 
 def embedded_corpus_path() -> Path:

@@ -19,8 +19,9 @@ the cache holds one byte per weight element while the block runs.
 
 Matmuls run on ``torch._scaled_mm`` where the device has it (CPU in torch 2.13; CUDA with compute
 capability >= 8.9, every dimension a multiple of 16, not both operands E5M2), else they are emulated:
-dequantize to FP32 (payload * scale), FP32 matmul, cast to the output dtype. torch's CPU kernel
-computes exactly that, so on CPU both backends give the same bits (tests/layers/test_fp8_linear.py).
+dequantize to FP32 (payload * scale), FP32 matmul, cast to the output dtype. torch's CPU kernel also
+sums the exact FP8 products in FP32, in an order it picks by instruction set (AVX2, AVX-512, AMX), so
+the two backends agree within FP32 summation error, not bit for bit (tests/layers/test_fp8_linear.py).
 Non-finite inputs give NaN outputs or gradients (the optimizer then skips the step).
 """
 

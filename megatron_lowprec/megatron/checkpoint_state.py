@@ -22,7 +22,7 @@ import math
 import torch
 
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
-from megatron_lowprec.optim.buckets import MOMENTS, PER_GROUP_PARTS, state_dtypes
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, state_dtypes
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -109,7 +109,7 @@ def restore_checkpoint_state(
     if strategy.moments != "fp8":
         return
     group_size = strategy.fp8_group_size
-    for moment in MOMENTS:
+    for moment in strategy.moment_names:
         payload = state[f"{moment}_payload"]
         saved_payload = loaded[f"{moment}_payload"].reshape(-1).view(payload.dtype)
         parts = [f"{moment}_scale"] + ([f"{moment}_expansion_exponent"] if strategy.fp8_expand else [])

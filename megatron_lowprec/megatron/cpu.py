@@ -69,6 +69,18 @@ Streams, events and the device's generator state, which megatron-core 0.17 to 0.
   ``rerun_state_machine.py`` saves and restores the RNG states around every validated step, and
   Megatron-LM's ``megatron/training/checkpointing.py`` stores them in checkpoints.
 
+The device's description, which Megatron-LM's ``megatron/training`` reads while it validates the
+arguments; only callers in ``megatron.*`` get it, torch's own keep torch's error without CUDA (Inductor
+keys its compile cache on that error):
+
+- ``torch.cuda.get_device_properties(...)`` → :class:`CpuDeviceProperties`: compute capability 0.0,
+  the host's memory and cores. ``arguments.py`` ``validate_args`` asks ``get_device_arch_version()``
+  (``utils.py``) for the major version with tensor or context parallelism (below 10 it then requires
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1``) and with Megatron FSDP.
+- ``torch.cuda.get_device_capability(...)`` → ``(0, 0)``: ``arguments.py`` with ``--moe-grouped-gemm``
+  (which then refuses, as it should on a device without GroupedGEMM kernels).
+- ``torch.cuda.get_device_name(...)`` → the properties' name: Megatron-LM's GPU sniff test (0.19).
+
 Not bridged, because torch already makes them harmless without CUDA, or megatron-core reaches them only
 on paths a CPU run does not take: ``torch.cuda.empty_cache`` (a no-op while CUDA is uninitialised),
 CUDA graphs. ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a
@@ -192,6 +204,21 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
         "torch.cuda.set_rng_state",
         "sets the default CPU generator's state",
         "rerun_state_machine.py, Megatron-LM's megatron/training/checkpointing.py",
+    ),
+    BridgedCall(
+        "torch.cuda.get_device_properties",
+        "CpuDeviceProperties: capability 0.0, the host's memory and cores",
+        "Megatron-LM's megatron/training/arguments.py validate_args (get_device_arch_version)",
+    ),
+    BridgedCall(
+        "torch.cuda.get_device_capability",
+        "(0, 0)",
+        "Megatron-LM's megatron/training/arguments.py validate_args (--moe-grouped-gemm)",
+    ),
+    BridgedCall(
+        "torch.cuda.get_device_name",
+        "the CpuDeviceProperties' name",
+        "Megatron-LM's megatron/training/gpu_sniff_test.py (0.19)",
     ),
 )
 
@@ -621,6 +648,42 @@ def _set_device_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None
     torch.set_rng_state(new_state)
 
 
+class CpuDeviceProperties(NamedTuple):
+    """What ``torch.cuda.get_device_properties`` reports for the host: no CUDA compute capability."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+
+
+HOST_PROPERTIES = CpuDeviceProperties(
+    name="cpu (megatron-lowprec CPU bridge)",
+    major=0,
+    minor=0,
+    total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    multi_processor_count=os.cpu_count() or 1,
+)
+"""The host, described as ``torch.cuda.get_device_properties`` describes a GPU."""
+
+
+def _asked_by_megatron() -> bool:
+    """Whether the function calling the bridged call (two frames up) belongs to megatron."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.")
+
+
+def _described_to_megatron(original: Callable, description: Callable[[], Any]) -> Callable:
+    """``original``, except that megatron's calls get ``description()``. torch's own callers keep the
+    original's error without CUDA: Inductor keys its cache on it (``codecache.CacheBase.get_system``)."""
+
+    @functools.wraps(original)
+    def described(*args, **kwargs):
+        return description() if _asked_by_megatron() else original(*args, **kwargs)
+
+    return described
+
+
 class _BridgeState:
     """The active mode and the original value of every attribute the bridge replaced."""
 
@@ -695,6 +758,12 @@ def activate_cpu_bridge(strict: bool | None = None) -> bool:
     _STATE.replace(torch.cuda, "Event", CpuEvent)
     _STATE.replace(torch.cuda, "get_rng_state", _get_device_rng_state)
     _STATE.replace(torch.cuda, "set_rng_state", _set_device_rng_state)
+    for name, description in (
+        ("get_device_properties", lambda: HOST_PROPERTIES),
+        ("get_device_capability", lambda: (HOST_PROPERTIES.major, HOST_PROPERTIES.minor)),
+        ("get_device_name", lambda: HOST_PROPERTIES.name),
+    ):
+        _STATE.replace(torch.cuda, name, _described_to_megatron(getattr(torch.cuda, name), description))
     _STATE.replace(tensor_parallel_random, "CudaRNGStatesTracker", cpu_rng_states_tracker_class())
     _STATE.replace(tensor_parallel_random, "_CUDA_RNG_STATE_TRACKER", None)
     _STATE.replace(tensor_parallel_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)

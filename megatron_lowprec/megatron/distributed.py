@@ -95,6 +95,53 @@ def global_grad_norm(grads: list[torch.Tensor], group: torch.distributed.Process
     return norm_from_bins(bins)
 
 
+class ExactGradientStatistics(GradNormInterface):
+    """Gradient norm, clipping and update quality of both megatron optimizers (unsharded and
+    distributed), one implementation. A subclass says which gradients and pieces are its own:
+    :meth:`grads_for_norm` (counted once over the model), :meth:`grads_to_clip` (every gradient it
+    updates), :meth:`update_pieces` ((parameters, pieces) per bucket of the last step),
+    :meth:`update_quality_groups` (the process groups whose pieces add up) and :attr:`statistics_device`."""
+
+    statistics_device: torch.device
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+        raise NotImplementedError
+
+    def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global L2 norm of :meth:`grads_for_norm` (:func:`global_grad_norm`): the same bits for
+        the unsharded and the distributed optimizer, for FP32 and 16-bit gradients alike."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.statistics_device)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clipping by the global L2 norm (:meth:`get_grad_norm`), as megatron clips: every gradient
+        times ``clip_grad / (norm + 1e-6)`` when that is below 1."""
+        grad_norm = self.get_grad_norm()
+        coefficient = clip_grad / (grad_norm + 1.0e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_(self.grads_to_clip(), coefficient)
+        return grad_norm
+
+    def update_quality(self) -> UpdateQuality:
+        """EDQ and imprecision pieces of the last step for the whole model (``track_update_quality``):
+        summed over the buckets and :meth:`update_quality_groups`, a tensor-parallel-replicated
+        parameter counted once."""
+        pieces = torch.zeros(4, dtype=torch.float64, device=self.statistics_device)
+        for params, bucket_pieces in self.update_pieces():
+            if tensor_parallel.param_is_not_tensor_parallel_duplicate(params[0]):
+                pieces += bucket_pieces
+        for group in self.update_quality_groups():
+            torch.distributed.all_reduce(pieces, group=group)
+        return UpdateQuality.from_tensor(pieces)
+
+
 @dataclass(frozen=True)
 class ShardPiece:
     """The part of one parameter that this rank updates: a contiguous run of its flattened elements."""
@@ -399,7 +446,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.seed = extra["seed"]
 
 
-class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
+class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimizer):
     """megatron-core's ``MegatronOptimizer`` interface around :class:`ShardedAdamW` for DDP
     chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
 
@@ -420,6 +467,10 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
     @property
     def device(self) -> torch.device:
         return self.optimizer.shards[0].bucket.grad_data.device
+
+    @property
+    def statistics_device(self) -> torch.device:
+        return self.device
 
     def get_loss_scale(self) -> torch.Tensor:
         return torch.ones(1, device=self.device)
@@ -449,6 +500,19 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
 
     def grads_for_norm(self) -> list[torch.Tensor]:
         return self._owned_grads(for_norm=True)
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        return self._owned_grads(for_norm=False)
+
+    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+        """Per state bucket of the owned pieces (summed over the data-parallel ranks as well)."""
+        return [(state_bucket.params, pieces) for state_bucket, pieces in self.optimizer.bucket_update_pieces]
+
+    def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
+        return [
+            parallel_state.get_model_parallel_group(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+        ]
 
     def _exchange_group_tails(self, grads: bool) -> None:
         """FP8 groups cut by a megatron shard boundary: before the step, every rank sends the
@@ -487,22 +551,6 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
         return skip_if_any_rank_non_finite(self, self._owned_grads(for_norm=False), self.device)
 
     @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        """The global L2 norm of the owned gradients over all ranks (:func:`global_grad_norm`): the
-        same bits the unsharded hook finds, for FP32 and 16-bit gradients alike."""
-        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.device)
-
-    @torch.no_grad()
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip by the global L2 norm (:meth:`get_grad_norm`), so that clipped steps stay bit-identical
-        to the unsharded optimizer's."""
-        grad_norm = self.get_grad_norm()
-        coefficient = clip_grad / (grad_norm + 1.0e-6)
-        if coefficient < 1.0:
-            torch._foreach_mul_(self._owned_grads(for_norm=False), coefficient)
-        return grad_norm
-
-    @torch.no_grad()
     def count_zeros(self) -> float:
         zeros = torch.zeros(1, dtype=torch.float64, device=self.device)
         for grad in self.grads_for_norm():
@@ -527,18 +575,6 @@ class DistributedLowPrecisionOptimizer(GradNormInterface, MegatronOptimizer):
         grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else None
         zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         return self.step_with_ready_grads(), grad_norm, zeros
-
-    def update_quality(self) -> UpdateQuality:
-        """EDQ and imprecision pieces of the last step for the whole model: summed over the owned
-        pieces, the data-parallel ranks and the model-parallel ranks (a tensor-parallel-replicated
-        parameter counted once)."""
-        pieces = torch.zeros(4, dtype=torch.float64, device=self.device)
-        for state_bucket, bucket_pieces in self.optimizer.bucket_update_pieces:
-            if tensor_parallel.param_is_not_tensor_parallel_duplicate(state_bucket.params[0]):
-                pieces += bucket_pieces
-        torch.distributed.all_reduce(pieces, group=parallel_state.get_model_parallel_group())
-        torch.distributed.all_reduce(pieces, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        return UpdateQuality.from_tensor(pieces)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -25,7 +25,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``Float16Module`` and DDP wrap it.
 
 Also, megatron's dataset ``compile_helpers`` no longer runs ``make`` where the installed megatron-core
-already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them).
+already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them), and
+otherwise compiles them for the running Python (:func:`compile_dataset_helpers`).
 
 Everything else is Megatron-LM's: checkpoints (``--ckpt-format torch_dist``), the scheduler, logging,
 ``--use-distributed-optimizer``. Without CUDA the module's launcher also activates the CPU bridge
@@ -42,12 +43,14 @@ import runpy
 import sys
 from typing import Any
 
-from megatron_lowprec.optim.strategies import get_strategy, strategy_names
+from megatron_lowprec.optim.compile_cache import keep_inductor_cache
+from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
     "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
+    "lowprec_master_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -60,8 +63,33 @@ def _option_name(name: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _emulation_format(spec: str) -> str:
+    """An ExMy format name the emulation accepts (``E8M5``), checked while the arguments are parsed."""
+    from megatron_lowprec.layers import EmulationConfig
+
+    try:
+        EmulationConfig.parse(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return spec
+
+
+def _one_line_errors_for_our_flags(parser: argparse.ArgumentParser) -> None:
+    """A bad value of a ``--lowprec-*`` flag stops with one line naming it and the valid choices, exit
+    2, instead of argparse's usage of all of Megatron-LM's arguments (hundreds of lines) before it."""
+    error = parser.error
+
+    def error_without_usage(message: str) -> None:
+        if message.startswith("argument --lowprec-"):
+            parser.exit(2, f"{parser.prog}: error: {message}\n")
+        error(message)
+
+    parser.error = error_without_usage
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``)."""
+    _one_line_errors_for_our_flags(parser)
     group = parser.add_argument_group(title="megatron-lowprec precision options")
     group.add_argument(
         "--lowprec-option", type=_option_name, default=None, metavar="OPTION",
@@ -75,9 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="compiled optimizer step (default: where it is available)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
+    group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
+                       help="FP32 master of D, coat or D-BF16 kept whole or as a 16-bit remainder below the BF16 "
+                            "parameter (default: the option's own)")
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
-    group.add_argument("--lowprec-emulate", type=str, default=None, metavar="EXMY",
+    group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
                        help="emulate the linear layers' matmuls in this format, e.g. E8M5")
     group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest")
     group.add_argument("--lowprec-emulate-no-clamp-outer-range", dest="lowprec_emulate_clamp_outer_range",
@@ -130,7 +161,9 @@ def layer_precision_hook(model_chunks) -> list[str]:
     from megatron_lowprec.megatron.layers import apply_layer_precision
 
     args = get_args()
-    fp8_layers = args.lowprec_fp8_layers if args.lowprec_fp8_layers is not None else args.lowprec_option == "coat"
+    fp8_layers = args.lowprec_fp8_layers
+    if fp8_layers is None:
+        fp8_layers = args.lowprec_option is not None and get_strategy(args.lowprec_option).fp8_layers
     if not fp8_layers and args.lowprec_emulate is None:
         return []
     emulation = None
@@ -178,23 +211,40 @@ def install() -> None:
 
 
 def _compile_helpers_unless_built(compile_helpers):
-    """megatron's ``compile_helpers`` runs ``make`` in megatron-core's datasets directory, which an
-    installed megatron-core (0.17+, with ``megatron/training``) has no Makefile for: it ships the
-    helpers built, and then nothing needs compiling."""
+    """megatron's ``compile_helpers``, except that nothing is compiled where the helpers are built
+    already (an installed megatron-core 0.17+ ships them, and has no Makefile for them), and that
+    they are compiled for the running Python (:func:`compile_dataset_helpers`)."""
 
     @functools.wraps(compile_helpers)
     def compile_unless_built():
         if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
-            compile_helpers()
+            compile_dataset_helpers()
 
     return compile_unless_built
 
 
-def uninstall() -> None:
-    """Undo :func:`install`."""
-    while _INSTALLED:
-        owner, name, original = _INSTALLED.pop()
-        setattr(owner, name, original)
+def compile_dataset_helpers() -> None:
+    """Build megatron's C++ dataset helpers (``helpers_cpp``, which ``--data-path`` needs) in its
+    ``megatron/core/datasets`` for the running Python. megatron's Makefile takes its include paths and
+    file suffix from the ``python3`` and ``python3-config`` found on ``PATH``, which may be another
+    Python than the one training (in a Megatron-LM checkout, pyenv follows its ``.python-version``
+    to 3.12); a C++ compiler, ``make`` and pybind11 are needed."""
+    import subprocess
+    import sysconfig
+
+    from megatron.core import datasets
+
+    try:
+        import pybind11
+    except ImportError:
+        raise SystemExit(
+            "megatron's dataset helpers need pybind11 to compile: pip install 'megatron-lowprec[megatron-lm]'"
+        ) from None
+    includes = f"-I{pybind11.get_include()} -I{sysconfig.get_paths()['include']}"
+    command = ["make", "-C", os.path.dirname(datasets.__file__), f"CPPFLAGS={includes}",
+               f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"megatron's dataset helpers did not compile: {' '.join(command)} failed")
 
 
 def activate_cpu_trial() -> bool:
@@ -203,8 +253,10 @@ def activate_cpu_trial() -> bool:
     per local rank (``torch.cuda.device_count``, which ``_initialize_distributed`` requires before it
     sets up model parallelism) whose ``set_device`` changes nothing, no loading of the CUDA fused
     kernels (``megatron.legacy.fused_kernels``, which Megatron-LM until 0.16 builds with nvcc at
-    start-up), gloo as ``--distributed-backend`` unless given, and ``--no-gradient-accumulation-fusion``. Returns whether it is active (never
-    with CUDA)."""
+    start-up), gloo as ``--distributed-backend`` unless given, ``--no-gradient-accumulation-fusion``, and
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set (Megatron-LM requires it with tensor parallelism on a
+    device of compute capability below 10, which the bridge's 0.0 is). Returns whether it is active
+    (never with CUDA)."""
     import torch
 
     from megatron_lowprec.megatron.cpu import activate_cpu_bridge
@@ -212,6 +264,7 @@ def activate_cpu_trial() -> bool:
     if torch.cuda.is_available():
         return False
     activate_cpu_bridge()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron.training import training
 
     _replace(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))
@@ -239,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_lm: no script {script}")
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
+    keep_inductor_cache()
     activate_cpu_trial()
     install()
     runpy.run_path(script, run_name="__main__")

@@ -14,17 +14,21 @@ under Triton's default FTZ setting.
 So this module builds everything from operations that are exact by specification, and does the
 two that some compilers approximate in a way no compiler does:
 
-* :func:`div_rn` and :func:`sqrt_rn`: correctly rounded FP32 division and square root. Where a
-  compiled FP32 operation is already correctly rounded (Inductor's C++ code: the IEEE vector
-  instructions, :data:`NATIVE_FP32_DEVICES`), and in eager code (ATen's division; the square root
-  through float64, since SLEEF's is not always correctly rounded), they are that operation. In code
-  compiled for other devices they are computed in float64 and rounded once to FP32, which gives the
-  correctly rounded FP32 result (53 >= 2·24 + 2: double rounding through float64 is innocuous for
-  the four operations and sqrt) and cannot be approximated or flushed (the FP64 operations of
-  PTX and of libdevice are always correctly rounded, subnormal FP32 values are normal in FP64).
-  Inductor turns a division by a constant into a product with its FP64 reciprocal on GPUs; that
-  is harmless here: for FP32 x and d the quotient x/d is either an FP32 midpoint or at least 2^-49
-  (relative) away from every one, and the product is within 2^-52 of x/d.
+* :func:`div_rn` and :func:`sqrt_rn`: correctly rounded FP32 division and square root. In eager code
+  they are ATen's division and the square root through float64 (SLEEF's FP32 square root, and this
+  CPU build's eager FP32 ``torch.sqrt``, are not always correctly rounded). In compiled code they are
+  the FP32 operations wherever the compiler makes those correctly rounded: Inductor's C++ code (the
+  IEEE vector instructions, :data:`NATIVE_FP32_DEVICES`), and Triton code (:data:`IEEE_FP32_DEVICES`:
+  ``sqrt`` compiles to ``sqrt.rn.f32``, ``/`` to ``div.rn.f32`` under Inductor's
+  ``eager_numerics.division_rounding``, which the code that compiles must announce with
+  :func:`ieee_fp32_division`). Otherwise, and for a division by a constant on those devices (which
+  Inductor turns into a product with its reciprocal), they are computed in float64 and rounded
+  once to FP32, which gives the correctly rounded FP32 result (53 >= 2·24 + 2: double rounding
+  through float64 is innocuous for the four operations and sqrt) and cannot be approximated or
+  flushed (the FP64 operations of PTX and of libdevice are always correctly rounded, subnormal FP32
+  values are normal in FP64). A product with the FP64 reciprocal of a constant is harmless: for
+  FP32 x and d the quotient x/d is either an FP32 midpoint or at least 2^-49 (relative) away from
+  every one, and the product is within 2^-52 of x/d.
 * :func:`log2`, :func:`exp2` and :func:`power`: from those, integer operations on the FP32 bit pattern,
   ``round`` (exact), and fixed polynomials evaluated by Horner's rule with every product and sum
   rounded on its own (Inductor keeps them apart: ``-ffp-contract=off`` in C++, no FP fusion in
@@ -42,12 +46,35 @@ machine, and a test can say so without a bound.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
 NATIVE_FP32_DEVICES = ("cpu",)
 """Device types whose compiled FP32 division and square root are correctly rounded as written."""
+
+IEEE_FP32_DEVICES = ("cuda",)
+"""Device types whose compiled FP32 square root is correctly rounded (Triton's ``sqrt_rn``), and whose
+FP32 division is too while :func:`ieee_fp32_division` is in force (Triton's ``div_rn``; ``div.full.f32``,
+within 2 ulp, otherwise)."""
+
+_ieee_fp32_division = False
+
+
+@contextlib.contextmanager
+def ieee_fp32_division() -> Iterator[None]:
+    """Announce, while code is traced, that Inductor compiles it with ``eager_numerics.division_rounding``:
+    :func:`div_rn` is then FP32 division on :data:`IEEE_FP32_DEVICES` (Dynamo cannot read Inductor's
+    config while tracing, and recompiles when this changes)."""
+    global _ieee_fp32_division
+    previous, _ieee_fp32_division = _ieee_fp32_division, True
+    try:
+        yield
+    finally:
+        _ieee_fp32_division = previous
+
 
 _FP32_EXPONENT_SHIFT = 23
 _FP32_BIAS = 127
@@ -75,13 +102,25 @@ LOG2_ERROR_BEYOND_HALF_ULP = 2.0**-23
 log2, on every finite positive FP32 value (2^-23.6 measured on 4M random bit patterns)."""
 EXP2_MAX_REL_ERROR = 2.0**-23
 """:func:`exp2` is within this relative distance of the exact 2^y where the result is normal (2^-23.4 measured)."""
-POWER_MAX_REL_ERROR = 2.0**-16
-""":func:`power` is within this relative distance of the exact x^k for x in (0, 1], k in (0, 16] and a normal
-result: exp2 of a rounded product k·log2(x) up to 2^-24·|k·log2(x)| off (2^-17.2 measured)."""
+POWER_MAX_REL_ERROR = 2.0**-15.5
+""":func:`power` is within this relative distance of the exact x^k for x in (0, 1], every finite k > 0 and a
+normal result. It is exp2 of y = k·log2(x), whose rounded product and log2 are each about 2^-24 relative
+off, so the error grows with |y| = |log2(x^k)| <= 126, not with k: at most (|y| + 1)·2^-22.57 measured,
+2^-17.0 for k <= 16 and 2^-15.85 over k in [2^-10, 2^24] (COAT's exponents reach far beyond 16 for
+groups of nearly equal magnitudes)."""
 
 
-def _compiled_off_native(x: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() and x.device.type not in NATIVE_FP32_DEVICES
+def _fp64_needed(x: torch.Tensor, *, division: bool, constant_denominator: bool = False) -> bool:
+    """Whether the code being traced for ``x``'s device must divide (``division``) or take the square
+    root in float64 to round correctly (see the module's docstring)."""
+    device = x.device.type
+    if not torch.compiler.is_compiling():
+        return not division
+    if device in NATIVE_FP32_DEVICES:
+        return False
+    if device not in IEEE_FP32_DEVICES:
+        return True
+    return division and (constant_denominator or not _ieee_fp32_division)
 
 
 def div_rn(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
@@ -90,22 +129,21 @@ def div_rn(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -
     ``float / tensor`` (torch computes ``reciprocal(tensor) * float``) nor eager CUDA's
     ``tensor / float`` (a product with the FP32 reciprocal) is a correctly rounded division."""
     like = numerator if torch.is_tensor(numerator) else denominator
+    constant_denominator = not torch.is_tensor(denominator)
     numerator, denominator = (
         operand if torch.is_tensor(operand) else like.new_full((), operand) for operand in (numerator, denominator)
     )
-    if _compiled_off_native(like):
+    if _fp64_needed(like, division=True, constant_denominator=constant_denominator):
         return (numerator.double() / denominator.double()).float()
     return numerator / denominator
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of an FP32 tensor, subnormals included, on every backend.
-
-    Compiled on :data:`NATIVE_FP32_DEVICES`: the IEEE instruction. Elsewhere through float64 (eager
-    CPU code would otherwise take SLEEF's, and Triton's FP32 square root flushes subnormals)."""
-    if torch.compiler.is_compiling() and x.device.type in NATIVE_FP32_DEVICES:
-        return torch.sqrt(x)
-    return x.double().sqrt().to(x.dtype)
+    """The correctly rounded square root of an FP32 tensor, subnormals included, on every backend:
+    FP32 ``sqrt`` where it compiles to the IEEE instruction, float64 elsewhere."""
+    if _fp64_needed(x, division=False):
+        return x.double().sqrt().to(x.dtype)
+    return torch.sqrt(x)
 
 
 def _horner(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:

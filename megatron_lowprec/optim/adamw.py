@@ -14,7 +14,7 @@ import torch
 from megatron_lowprec.metrics.update_quality import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
 from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
-from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
+from megatron_lowprec.optim.fused import bucket_entries, fused_available, fused_bucket_step_, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
     RandomSource,
@@ -22,7 +22,7 @@ from megatron_lowprec.optim.kernel import (
     check_param_dtype,
 )
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
-from megatron_lowprec.optim.strategies import PrecisionStrategy, available_strategies, get_strategy
+from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
@@ -55,6 +55,28 @@ def _extremes(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.stack(torch.aminmax(grad)) for grad in grads])
 
 
+def grads_are_finite(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether every gradient of ``param_groups`` is finite: one fused pass per device (:func:`non_finite_flag`)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for group in param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                by_device.setdefault(param.grad.device, []).append(param.grad)
+    return not any(non_finite_flag(grads, device).item() for device, grads in by_device.items())
+
+
+def check_grad_dtypes(param_groups: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming a sparse gradient or one of an unsupported dtype, and the valid dtypes."""
+    for group in param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is not None and (grad.is_sparse or grad.dtype not in SUPPORTED_GRAD_DTYPES):
+                raise ValueError(
+                    f"gradient of dtype {grad.dtype} (sparse={grad.is_sparse}) is not supported; "
+                    f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
+                )
+
+
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     checks = [
         ("lr", lr, lr >= 0, ">= 0"),
@@ -68,122 +90,28 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
             raise ValueError(f"invalid {name}={value!r}; it must be {valid}")
 
 
-class AdamW(torch.optim.Optimizer):
-    """AdamW with a precision strategy (``option``) that decides every storage format and rounding.
+class PrecisionOptimizer(torch.optim.Optimizer):
+    """What the precision-aware optimizers (:class:`AdamW`, :class:`~megatron_lowprec.optim.muon.Muon`)
+    share: a strategy (``self.strategy``), each parameter's place in the stochastic-rounding stream,
+    the gradient checks before a step (:meth:`_grads_ready`), and state dicts that save the option
+    and restore every state component bit-exactly in its own dtype. A subclass sets ``strategy``,
+    ``seed``, ``skipped_steps``, ``check_grads_finite`` and ``_stream_layout`` (a callable or ``None``)
+    before ``super().__init__``."""
 
-    ``option`` is a registered strategy name or alias (case-insensitive; see
-    :func:`megatron_lowprec.optim.strategies.strategy_names`) or a :class:`PrecisionStrategy`.
-    Parameters must be bfloat16 or float16; gradients may be bfloat16, float16 or float32.
-    State is created at construction, in flat buckets, so memory is known before the first step.
+    _stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None
+    _stream_layouts: dict[torch.nn.Parameter, StreamLayout]
 
-    ``fused`` (default: where available) runs one compiled pass per bucket. It re-points each
-    parameter's ``.data`` (and, at the first step, ``.grad``) at views of flat buffers, as
-    megatron-core's DistributedDataParallel does; :meth:`zero_grad` then zeroes the gradient buffer
-    in place and keeps the views. ``fused=False`` runs the eager reference per parameter. Both give
-    bit-identical results.
-
-    ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
-    parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
-    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
-    parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only);
-    ``None`` keeps the strategy's own. The masters are the same bits either way (``optim/master.py``).
-    Stochastic rounding draws its bits from a counter-based stream
-    keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
-    an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,
-    e.g. a fork of a shared RNG tracker) replaces it and implies the eager path.
-    ``stream_layout(param)`` says where a parameter's elements sit in the stream
-    (:class:`~megatron_lowprec.numerics.rounding.StreamLayout`): a distributed caller names each
-    logical tensor and gives a tensor-parallel shard its elements' indices in the whole tensor, so
-    that every replica and every layout draws the same bits for an element. By default each
-    parameter is a whole stream numbered by its position in the optimizer. Parameters go to one
-    bucket per group, device and dtype, and ``bucket_key(param)`` splits buckets further (e.g.
-    tensor-parallel shards apart from replicated parameters, whose metrics are summed differently).
-
-    Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
-    state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step). A
-    caller that has already checked (e.g. across ranks, as the Megatron hook does) passes
-    ``check_grads_finite=False`` to save that pass over the gradients.
-
-    With ``track_update_quality=True`` every step computes the EDQ and imprecision pieces of each
-    bucket on its device (:attr:`bucket_update_pieces`, aligned with :attr:`buckets`), inside the
-    step's kernels and without a host synchronisation; :attr:`update_quality` (per parameter group)
-    and :attr:`bucket_update_quality` read them back. When off it costs no memory or time.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        *,
-        option: str | PrecisionStrategy,
-        master_weights: bool | None = None,
-        master_storage: str | None = None,
-        fused: bool | None = None,
-        generator: GeneratorSource | None = None,
-        seed: int = 0,
-        track_update_quality: bool = False,
-        check_grads_finite: bool = True,
-        stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
-        bucket_key: Callable[[torch.nn.Parameter], Hashable] | None = None,
-    ) -> None:
-        _check_hyperparameters(lr, betas, eps, weight_decay)
-        strategy = get_strategy(option)
-        if master_weights is False:
-            if master_storage is not None:
-                raise ValueError(f"master_weights=False drops the master, so master_storage={master_storage!r} cannot apply")
-            strategy = strategy.without_master_weights()
-        elif master_weights and not strategy.master_weights:
-            with_master = ", ".join(repr(s.name) for s in available_strategies() if s.master_weights)
-            raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
-        if master_storage is not None:
-            strategy = strategy.with_master_storage(master_storage)
-        if fused and generator is not None and strategy.param_update == "stochastic":
-            raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
-        self.strategy = strategy
-        self.track_update_quality = track_update_quality
-        self.check_grads_finite = check_grads_finite
-        self.skipped_steps = 0
-        self.bucket_update_pieces: list[torch.Tensor] = []
-        self.buckets: list[Bucket] = []
-        self.seed = seed
-        self._stream_layout = stream_layout
-        self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
-        self._bucket_key = bucket_key or (lambda param: None)
-        self._fused_request = fused
-        self._generator_source = generator
-        self._own_generator: torch.Generator | None = None
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
-
-    def _wants_fused(self, device: torch.device) -> bool:
-        if self._generator_source is not None and self.strategy.param_update == "stochastic":
+    def _grads_ready(self) -> bool:
+        """Check the gradients' dtypes; ``False`` (one more skipped step) if one is not finite."""
+        check_grad_dtypes(self.param_groups)
+        if self.check_grads_finite and not grads_are_finite(self.param_groups):
+            self.skipped_steps += 1
             return False
-        if self._fused_request is None:
-            return fused_available(device)
-        return self._fused_request
+        return True
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group_index = len(self.param_groups) - 1
-        group = self.param_groups[group_index]
-        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        by_layout: dict[tuple[torch.device, torch.dtype, Hashable], list[torch.nn.Parameter]] = {}
-        for index, param in enumerate(group["params"]):
-            where = f"parameter {index} of group {group_index}"
-            check_param_dtype(param, self.strategy, where)
-            self._stream_layouts[param] = self._checked_stream_layout(param, where)
-            by_layout.setdefault((param.device, param.dtype, self._bucket_key(param)), []).append(param)
-        for (device, _, _), params in by_layout.items():
-            if self.strategy.adam_kernel == "torch_fused":
-                require_torch_fused_adamw(device, self.strategy.name)
-            streams = [self._stream_layouts[param] for param in params]
-            bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
-            self.buckets.append(bucket)
-            for param, state in zip(params, states):
-                self.state[param] = state
+    def _saved_generator(self) -> torch.Generator | None:
+        """The generator whose state the state dict saves (none by default)."""
+        return None
 
     def _checked_stream_layout(self, param: torch.nn.Parameter, where: str) -> StreamLayout:
         if self._stream_layout is None:
@@ -199,122 +127,6 @@ class AdamW(torch.optim.Optimizer):
         """The 32-bit words (int32, ``param``'s shape) that stochastic rounding of ``param`` draws at
         ``step`` from the counter stream."""
         return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        """The generator stochastic rounding draws from in this step, or ``None`` for the counter stream."""
-        if self._generator_source is None or isinstance(self._generator_source, torch.Generator):
-            return self._generator_source
-        return self._generator_source()
-
-    def _grads_are_finite(self) -> bool:
-        """One fused pass per device (:func:`non_finite_flag`)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    by_device.setdefault(param.grad.device, []).append(param.grad)
-        return not any(non_finite_flag(grads, device).item() for device, grads in by_device.items())
-
-    def _check_grads(self) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is not None and (grad.is_sparse or grad.dtype not in SUPPORTED_GRAD_DTYPES):
-                    raise ValueError(
-                        f"gradient of dtype {grad.dtype} (sparse={grad.is_sparse}) is not supported; "
-                        f"valid: dense {', '.join(str(d) for d in SUPPORTED_GRAD_DTYPES)}"
-                    )
-
-    def _random_source(self, bucket: Bucket, index: int, step: int, generator: torch.Generator | None) -> RandomSource:
-        if self.strategy.param_update != "stochastic":
-            return None
-        param = bucket.params[index]
-        if generator is not None:
-            return generator_random_bits(param.shape, generator, param.device)
-        return self.random_bits(param, step)
-
-    @property
-    def bucket_update_quality(self) -> list[UpdateQuality]:
-        """The last step's update-quality pieces of each bucket (``track_update_quality``)."""
-        return [UpdateQuality.from_tensor(pieces) for pieces in self.bucket_update_pieces]
-
-    @property
-    def update_quality(self) -> list[UpdateQuality]:
-        """The last step's update-quality pieces of each parameter group (``track_update_quality``)."""
-        if not self.bucket_update_pieces:
-            return []
-        totals: dict[int, torch.Tensor] = {}
-        for bucket, pieces in zip(self.buckets, self.bucket_update_pieces):
-            totals[bucket.group_index] = totals.get(bucket.group_index, 0) + pieces
-        return [UpdateQuality.from_tensor(totals[index]) if index in totals else UpdateQuality() for index in range(len(self.param_groups))]
-
-    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
-        group = self.param_groups[bucket.group_index]
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        steps = {self.state[p]["step"] for p in bucket.params}
-        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
-        if grad is not None:
-            step = steps.pop() + 1
-            for param in bucket.params:
-                self.state[param]["step"] = step
-            sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
-            return fused_bucket_step_(
-                bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
-                {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
-            )
-        quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
-        for index, param in enumerate(bucket.params):
-            if param.grad is None:
-                continue
-            state = self.state[param]
-            piece = adamw_step_(
-                param,
-                param.grad,
-                state,
-                self.strategy,
-                random_source=self._random_source(bucket, index, state["step"] + 1, generator),
-                track_update_quality=self.track_update_quality,
-                **hyper,
-            )
-            if piece is not None:
-                quality += piece
-        return quality
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One AdamW step for every parameter with a gradient; see the class docstring for skips."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_grads()
-        if self.check_grads_finite and not self._grads_are_finite():
-            self.skipped_steps += 1
-            return loss
-        generator = self.generator if self.strategy.param_update == "stochastic" else None
-        pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]
-        if self.track_update_quality:
-            self.bucket_update_pieces = pieces
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers in place (keeping the gradient views), and the rest as torch does."""
-        pooled = {id(p) for bucket in self.buckets if bucket.grad_buffer is not None for p in bucket.params}
-        for bucket in self.buckets:
-            if bucket.grad_buffer is not None:
-                bucket.grad_buffer.zero_()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if id(param) not in pooled and param.grad is not None:
-                    if set_to_none:
-                        param.grad = None
-                    else:
-                        param.grad.zero_()
-
-    def _saved_generator(self) -> torch.Generator | None:
-        return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus a ``lowprec`` section: option, master storage, skipped steps, SR seed
@@ -399,6 +211,230 @@ class AdamW(torch.optim.Optimizer):
         if generator is not None and extra["generator_state"] is not None:
             generator.set_state(extra["generator_state"])
 
+
+
+
+class AdamW(PrecisionOptimizer):
+    """AdamW with a precision strategy (``option``) that decides every storage format and rounding.
+
+    ``option`` is a registered strategy name or alias (case-insensitive; see
+    :func:`megatron_lowprec.optim.strategies.strategy_names`) or a :class:`PrecisionStrategy`.
+    Parameters must be bfloat16 or float16; gradients may be bfloat16, float16 or float32.
+    State is created at construction, in flat buckets, so memory is known before the first step.
+
+    ``fused`` (default: where available) runs one compiled pass per bucket. It re-points each
+    parameter's ``.data`` (and, at the first step, ``.grad``) at views of flat buffers, as
+    megatron-core's DistributedDataParallel does; :meth:`zero_grad` then zeroes the gradient buffer
+    in place and keeps the views. ``fused=False`` runs the eager reference per parameter. Both give
+    bit-identical results.
+
+    ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
+    parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
+    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
+    parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only);
+    ``None`` keeps the strategy's own. The masters are the same bits either way (``optim/master.py``).
+    Stochastic rounding draws its bits from a counter-based stream
+    keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
+    an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,
+    e.g. a fork of a shared RNG tracker) replaces it and implies the eager path.
+    ``stream_layout(param)`` says where a parameter's elements sit in the stream
+    (:class:`~megatron_lowprec.numerics.rounding.StreamLayout`): a distributed caller names each
+    logical tensor and gives a tensor-parallel shard its elements' indices in the whole tensor, so
+    that every replica and every layout draws the same bits for an element. By default each
+    parameter is a whole stream numbered by its position in the optimizer. Parameters go to one
+    bucket per group, device and dtype, and ``bucket_key(param)`` splits buckets further (e.g.
+    tensor-parallel shards apart from replicated parameters, whose metrics are summed differently).
+
+    Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
+    state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step). A
+    caller that has already checked (e.g. across ranks, as the Megatron hook does) passes
+    ``check_grads_finite=False`` to save that pass over the gradients.
+
+    With ``track_update_quality=True`` every step computes the EDQ and imprecision pieces of each
+    bucket on its device (:attr:`bucket_update_pieces`, aligned with :attr:`buckets`), inside the
+    step's kernels and without a host synchronisation; :attr:`update_quality` (per parameter group)
+    and :attr:`bucket_update_quality` read them back. When off it costs no memory or time.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        option: str | PrecisionStrategy,
+        master_weights: bool | None = None,
+        master_storage: str | None = None,
+        fused: bool | None = None,
+        generator: GeneratorSource | None = None,
+        seed: int = 0,
+        track_update_quality: bool = False,
+        check_grads_finite: bool = True,
+        stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
+        bucket_key: Callable[[torch.nn.Parameter], Hashable] | None = None,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        strategy = resolve_option(option, master_weights, master_storage)
+        if fused and generator is not None and strategy.param_update == "stochastic":
+            raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
+        self.strategy = strategy
+        self.track_update_quality = track_update_quality
+        self.check_grads_finite = check_grads_finite
+        self.skipped_steps = 0
+        self.bucket_update_pieces: list[torch.Tensor] = []
+        self.buckets: list[Bucket] = []
+        self.seed = seed
+        self._stream_layout = stream_layout
+        self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
+        self._bucket_key = bucket_key or (lambda param: None)
+        self._fused_request = fused
+        self._generator_source = generator
+        self._own_generator: torch.Generator | None = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def _wants_fused(self, device: torch.device) -> bool:
+        if self._generator_source is not None and self.strategy.param_update == "stochastic":
+            return False
+        if self._fused_request is None:
+            return fused_available(device)
+        return self._fused_request
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        group = self.param_groups[group_index]
+        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        by_layout: dict[tuple[torch.device, torch.dtype, Hashable], list[torch.nn.Parameter]] = {}
+        for index, param in enumerate(group["params"]):
+            where = f"parameter {index} of group {group_index}"
+            check_param_dtype(param, self.strategy, where)
+            self._stream_layouts[param] = self._checked_stream_layout(param, where)
+            by_layout.setdefault((param.device, param.dtype, self._bucket_key(param)), []).append(param)
+        for (device, _, _), params in by_layout.items():
+            if self.strategy.adam_kernel == "torch_fused":
+                require_torch_fused_adamw(device, self.strategy.name)
+            streams = [self._stream_layouts[param] for param in params]
+            bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
+            self.buckets.append(bucket)
+            for param, state in zip(params, states):
+                self.state[param] = state
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator stochastic rounding draws from in this step, or ``None`` for the counter stream."""
+        if self._generator_source is None or isinstance(self._generator_source, torch.Generator):
+            return self._generator_source
+        return self._generator_source()
+
+    def _random_source(self, bucket: Bucket, index: int, step: int, generator: torch.Generator | None) -> RandomSource:
+        if self.strategy.param_update != "stochastic":
+            return None
+        param = bucket.params[index]
+        if generator is not None:
+            return generator_random_bits(param.shape, generator, param.device)
+        return self.random_bits(param, step)
+
+    @property
+    def bucket_update_quality(self) -> list[UpdateQuality]:
+        """The last step's update-quality pieces of each bucket (``track_update_quality``)."""
+        return [UpdateQuality.from_tensor(pieces) for pieces in self.bucket_update_pieces]
+
+    @property
+    def update_quality(self) -> list[UpdateQuality]:
+        """The last step's update-quality pieces of each parameter group (``track_update_quality``)."""
+        if not self.bucket_update_pieces:
+            return []
+        totals: dict[int, torch.Tensor] = {}
+        for bucket, pieces in zip(self.buckets, self.bucket_update_pieces):
+            totals[bucket.group_index] = totals.get(bucket.group_index, 0) + pieces
+        return [UpdateQuality.from_tensor(totals[index]) if index in totals else UpdateQuality() for index in range(len(self.param_groups))]
+
+    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
+        group = self.param_groups[bucket.group_index]
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        steps = {self.state[p]["step"] for p in bucket.params}
+        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
+        if grad is not None:
+            step = steps.pop() + 1
+            for param in bucket.params:
+                self.state[param]["step"] = step
+            sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
+            return fused_bucket_step_(
+                bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
+                {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+            )
+        if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
+            warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))
+        quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
+        for index, param in enumerate(bucket.params):
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            piece = adamw_step_(
+                param,
+                param.grad,
+                state,
+                self.strategy,
+                random_source=self._random_source(bucket, index, state["step"] + 1, generator),
+                track_update_quality=self.track_update_quality,
+                **hyper,
+            )
+            if piece is not None:
+                quality += piece
+        return quality
+
+    def _fallback_reason(self, bucket: Bucket, several_steps: bool) -> tuple[str, str]:
+        """(the parameter, the reason) why a fused bucket cannot take its compiled step
+        (:func:`~megatron_lowprec.optim.buckets.gather_grads` found no common gradient buffer)."""
+        params = self.param_groups[bucket.group_index]["params"]
+
+        def named(param: torch.nn.Parameter) -> str:
+            index = next(index for index, other in enumerate(params) if other is param)
+            return f"parameter {index} of group {bucket.group_index} (shape {tuple(param.shape)})"
+
+        without = [param for param in bucket.params if param.grad is None]
+        if without:
+            return named(without[0]), "it has no gradient, and its bucket steps together or not at all"
+        if several_steps:
+            return bucket_entries(bucket), "its parameters are at different steps (some had no gradient before)"
+        dtypes = sorted({str(param.grad.dtype) for param in bucket.params})
+        return bucket_entries(bucket), f"its gradients have several dtypes ({', '.join(dtypes)})"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One AdamW step for every parameter with a gradient; see the class docstring for skips."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_ready():
+            return loss
+        generator = self.generator if self.strategy.param_update == "stochastic" else None
+        pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]
+        if self.track_update_quality:
+            self.bucket_update_pieces = pieces
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers in place (keeping the gradient views), and the rest as torch does."""
+        pooled = {id(p) for bucket in self.buckets if bucket.grad_buffer is not None for p in bucket.params}
+        for bucket in self.buckets:
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in pooled and param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.zero_()
+
+    def _saved_generator(self) -> torch.Generator | None:
+        return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
 
 def _master_as_one_key(state: dict[str, Any]) -> set[str]:
     """The keys of ``state`` with either master key counted as ``master``."""

@@ -34,7 +34,6 @@ from megatron_lowprec.optim.strategies import PrecisionStrategy
 ALIGNMENT = 128
 """Elements between parameter starts in a bucket are a multiple of this (and of the FP8 group size)."""
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 FP8_PARTS = ("payload", "scale", "expansion_exponent")
 PER_GROUP_PARTS = ("_scale", "_expansion_exponent")
 """Suffixes of the FP8 state parts that hold one value per group, not per element."""
@@ -45,9 +44,9 @@ def state_keys(strategy: PrecisionStrategy) -> list[str]:
     """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these)."""
     if strategy.moments == "fp8":
         parts = FP8_PARTS if strategy.fp8_expand else FP8_PARTS[:2]
-        keys = [f"{moment}_{part}" for moment in MOMENTS for part in parts]
+        keys = [f"{moment}_{part}" for moment in strategy.moment_names for part in parts]
     else:
-        keys = list(MOMENTS)
+        keys = list(strategy.moment_names)
     if strategy.master_weights:
         keys.append(master_key(strategy))
     if strategy.keeps_param_low_component:
@@ -111,11 +110,13 @@ class BufferRows(NamedTuple):
     def write(self, values: torch.Tensor) -> None:
         """Store the bucket-shaped ``values`` back into the source. A padding element is written to
         its row's last valid element with that element's value, so that duplicate indices always
-        carry equal values and the result does not depend on the order of the stores."""
+        carry equal values and the result does not depend on the order of the stores. A ``scatter_``,
+        which Inductor compiles to plain stores also under ``torch.use_deterministic_algorithms``
+        (an ``index_put_`` there falls back to ATen's, which sorts its indices on CUDA)."""
         start, last, column = self._rows(values.numel())
         valid_column = torch.minimum(column, last)
         rows = values.reshape(-1, self.width)
-        self.source.index_put_(((start + valid_column).reshape(-1),), rows.gather(1, valid_column).reshape(-1))
+        self.source.scatter_(0, (start + valid_column).reshape(-1), rows.gather(1, valid_column).reshape(-1))
 
 
 @dataclass
@@ -208,7 +209,7 @@ def zero_state(
     an all-zero group), for ``numel`` elements of 16-bit parameters like ``like``, on its device.
     ``fp8_groups`` defaults to ``numel`` cut into consecutive groups."""
     state: dict[str, torch.Tensor] = {}
-    for moment in MOMENTS:
+    for moment in strategy.moment_names:
         if strategy.moments == "fp8":
             zeros = quantized_zeros(
                 numel, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand, like.device, fp8_groups

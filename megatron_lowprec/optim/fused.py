@@ -32,8 +32,9 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
 * No multiply and add are fused: Inductor compiles C++ with ``-ffp-contract=off`` and Triton without
   FP fusion under ``emulate_precision_casts``.
 * Divisions, square roots, and COAT's ``log`` and ``pow`` are the package's own correctly rounded or
-  fixed-polynomial functions (``numerics/elementary.py``), the same on every backend; FP32 denormals
-  are kept (``disable_ftz`` where this torch's Inductor has it).
+  fixed-polynomial functions (``numerics/elementary.py``), the same on every backend: FP32 ``div.rn``
+  and ``sqrt.rn`` in Triton (``division_rounding``), no FP64 but for divisions by a constant; FP32
+  denormals are kept (``disable_ftz`` where this torch's Inductor has it).
 * Step-dependent scalars and the SR round keys are 0-d host tensors (passed by value, no
   host-to-device copy), and shapes are dynamic, so one compilation per strategy, dtype and kind of
   source serves every step and bucket.
@@ -47,11 +48,13 @@ import importlib.util
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
@@ -73,9 +76,13 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True
 hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
 on 2 cores)."""
 
-OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True}
+IEEE_DIVISION_OPTION = "eager_numerics.division_rounding"
+OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True, IEEE_DIVISION_OPTION: True}
 """Set where this torch's Inductor has them: ``disable_ftz`` keeps FP32 subnormals in Triton's
-libdevice functions (its default flushes them, eager CUDA does not)."""
+libdevice functions (its default flushes them, eager CUDA does not); ``division_rounding`` compiles
+an FP32 ``/`` in Triton to the IEEE ``div.rn.f32`` (``div.full.f32`` otherwise), so that
+:func:`~megatron_lowprec.numerics.elementary.div_rn` needs no float64 on GPUs (announced to it
+while tracing by :func:`~megatron_lowprec.numerics.elementary.ieee_fp32_division`)."""
 
 GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
@@ -96,6 +103,22 @@ BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
 a binary search and an integer division per element, which GPUs have). Elsewhere (CPU vector units
 lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
+
+class EagerFallbackWarning(UserWarning):
+    """A fused bucket, or one call of its step, ran the eager reference instead of the compiled kernel:
+    the same bits, but one pass per parameter and several kernels each."""
+
+
+def warn_eager_fallback(what: str, reason: str) -> None:
+    """Warn with :class:`EagerFallbackWarning` that ``what`` (the parameters) stepped eagerly, and why."""
+    warnings.warn(f"{what} took the eager optimizer step instead of the compiled one: {reason}", EagerFallbackWarning, stacklevel=3)
+
+
+def bucket_entries(bucket: Bucket) -> str:
+    """The parameters of a bucket, by group and shape, for messages."""
+    shapes = ", ".join(str(tuple(param.shape)) for param in bucket.params)
+    return f"the bucket of parameter group {bucket.group_index} (parameters of shapes {shapes})"
+
 
 RECOMPILE_LIMIT = 64
 """Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
@@ -128,9 +151,10 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
     compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
+    division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
     def call(*args):
-        with _low_precision_tiling():
+        with _low_precision_tiling(), division():
             return compiled(*args)
 
     return call
@@ -271,12 +295,39 @@ def fused_bucket_step_(
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
-        kernel(param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality)
+        _compiled_or_eager(
+            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, param, call_grad, state,
+            strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
+        )
         for param, call_grad, state, call_scalars, random_source in _calls(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
         )
     ]
     return sum(pieces) if track_update_quality else None
+
+
+def _compiled_or_eager(kernel: Callable, bucket: Bucket, *args: Any) -> torch.Tensor | None:
+    """One call of the compiled ``kernel``; the eager :func:`bucket_kernel_` on the same arguments, with
+    an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
+    raised before the call runs, so nothing is stepped twice)."""
+    try:
+        return kernel(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        warn_eager_fallback(
+            bucket_entries(bucket),
+            f"torch.compile hit its recompile limit (torch._dynamo.config.recompile_limit = "
+            f"{torch._dynamo.config.recompile_limit})",
+        )
+        return bucket_kernel_(*args)
+
+
+def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
+    """Whether a call holds exactly one FP8 group (a bucket of one group, or under SR an entry of at
+    most one group's elements). Such a call runs :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`
+    eagerly, the same function uncompiled (so the same bits): compiled, a group count of one
+    specialises the graph (size 1 broadcasts), and one small call would cost a whole second
+    compilation of the FP8 step (minutes on 2 CPU cores)."""
+    return strategy.moments == "fp8" and state["exp_avg_scale"].numel() == 1
 
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:

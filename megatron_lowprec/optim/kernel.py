@@ -3,6 +3,8 @@
 :func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
 (``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
 agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+Muon (``muon.py``) stores its momentum and applies its update with the same pieces
+(:func:`decode_moment`, :func:`encode_moment`, :data:`PARAM_UPDATES`, :func:`decay_base`).
 
 Rounding points of the reference, for every strategy:
 
@@ -172,17 +174,23 @@ def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, An
     return build_bucket(strategy, 0, [param], own_params=False)[1][0]
 
 
-def _decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
+def decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
     """The moment as an FP32 tensor: the stored tensor itself when it is FP32 (updated in place), else a copy."""
     if strategy.moments == "fp8":
         return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
     return state[moment].float()
 
 
-def _encode_moment(
-    state: dict[str, Any], moment: str, values: torch.Tensor, param: torch.Tensor, strategy: PrecisionStrategy
+def encode_moment(
+    state: dict[str, Any],
+    moment: str,
+    values: torch.Tensor,
+    param: torch.Tensor,
+    strategy: PrecisionStrategy,
+    check_finite: bool = True,
 ) -> None:
-    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8."""
+    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8 (which, with
+    ``check_finite`` and not compiling, refuses non-finite values with a host synchronisation)."""
     if strategy.moments == "fp8":
         stored = _fp8_moment(state, moment, param, strategy)
         quantize_fp8_into(
@@ -191,7 +199,7 @@ def _encode_moment(
             stored.scale,
             stored.expansion_exponent,
             strategy.fp8_group_size,
-            check_finite=not torch.compiler.is_compiling(),
+            check_finite=check_finite and not torch.compiler.is_compiling(),
         )
     elif values is not state[moment]:
         state[moment].copy_(values)
@@ -271,7 +279,7 @@ def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tenso
     return param.double()
 
 
-def _decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+def decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
     stored = stored_master(state)
     if stored is not None:
@@ -311,7 +319,7 @@ def _apply_stochastic(param, state, update, random_source: RandomSource):
     param.copy_(stochastic_round(exact, float_format(param.dtype), words))
 
 
-_PARAM_UPDATES = {
+PARAM_UPDATES = {
     "nearest": _apply_nearest,
     "mcf": _apply_mcf,
     "kahan": _apply_kahan,
@@ -362,7 +370,8 @@ def bucket_kernel_(
     """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
     (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
     place) and whose scalars may differ by parameter group (:class:`GroupScalars`). The fused step
-    compiles this function."""
+    compiles this function (and calls it uncompiled where compiling cannot pay); its caller has
+    checked the gradients, so it never synchronises with the host to check the moments again."""
     like = [value for key, value in state.items() if not key.endswith(PER_GROUP_PARTS)][0]
     shape = like.shape
     values = param.read(shape) if isinstance(param, BufferRows) else param
@@ -370,7 +379,9 @@ def bucket_kernel_(
         grad = grad.read(shape)
     if isinstance(scalars, GroupScalars):
         scalars = scalars.resolve(like)
-    pieces = adamw_kernel_(values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
+    pieces = adamw_kernel_(
+        values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality, check_finite=False
+    )
     if isinstance(param, BufferRows):
         param.write(values)
     return pieces
@@ -385,6 +396,7 @@ def adamw_kernel_(
     beta2_expansion: tuple[Any, Any],
     random_source: RandomSource,
     track_update_quality: bool,
+    check_finite: bool = True,
 ) -> torch.Tensor | None:
     """The elementwise body of one step, in place. Every operation is one correctly rounded FP32
     operation (no lerp, addcmul or addcdiv, whose CPU kernels fuse multiply-adds; a correctly rounded
@@ -393,16 +405,17 @@ def adamw_kernel_(
     With ``track_update_quality``, returns the update-quality pieces of the step
     (:func:`~megatron_lowprec.metrics.update_quality.update_quality_pieces`: the intended FP32 update
     against the change of the represented value), reduced inside the step: compiled, it keeps no
-    tensor-sized FP64 temporary.
+    tensor-sized FP64 temporary. ``check_finite=False`` when the caller has checked the gradients:
+    FP8 moments are then stored without the host synchronisation that refuses non-finite values.
     """
     before = represented_value(param, state) if track_update_quality else None
     grad = grad.float()
-    exp_avg = _decode_moment(state, "exp_avg", param, strategy)
+    exp_avg = decode_moment(state, "exp_avg", param, strategy)
     exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
     if strategy.second_moment_mcf:
         exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
     else:
-        decoded = _decode_moment(state, "exp_avg_sq", param, strategy)
+        decoded = decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
     adam_term = _adam_term(exp_avg, exp_avg_sq, scalars)
     update = None
@@ -413,11 +426,11 @@ def adamw_kernel_(
             update = master * scalars.neg_lr_weight_decay + adam_term
         store_master_(param, stored, master * scalars.decay_factor + adam_term)
     else:
-        update = _decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
-        _PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
-    _encode_moment(state, "exp_avg", exp_avg, param, strategy)
+        update = decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
+        PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    encode_moment(state, "exp_avg", exp_avg, param, strategy, check_finite)
     if not strategy.second_moment_mcf:
-        _encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
+        encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy, check_finite)
     if not track_update_quality:
         return None
     return update_quality_pieces(update, before, represented_value(param, state))

@@ -19,6 +19,7 @@ PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
 MASTER_STORAGES = ("fp32", "remainder")
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 LOW_PRECISION_BYTES = 2
 FP32_BYTES = 4
@@ -85,6 +86,11 @@ class PrecisionStrategy:
     moments, bit-identically to torch on the same device (option D); it needs ``master_weights``,
     ``moments="fp32"`` and ``weight_decay="multiplicative"``."""
 
+    fp8_layers: bool = False
+    """The option comes with COAT's FP8 layer flow (COAT §5.2: FP8 linears, norms and activations)
+    unless the user turns it off: the one place that decides it for ``lowprec-train``'s
+    ``precision.fp8_layers`` and Megatron-LM's ``--lowprec-fp8-layers``. The optimizer never reads it."""
+
     fp8_format: str = "e4m3"
     """FP8 format of both moments when ``moments == "fp8"``."""
 
@@ -93,6 +99,10 @@ class PrecisionStrategy:
 
     fp8_expand: bool = True
     """Apply COAT's dynamic range expansion before FP8 quantization (COAT §4.2)."""
+
+    moment_names: tuple[str, ...] = ADAMW_MOMENTS
+    """The optimizer's moments, each stored as ``moments`` says: AdamW's m and v (the registered
+    strategies), or Muon's one momentum (:func:`~megatron_lowprec.optim.muon.muon_strategy`)."""
 
     def __post_init__(self) -> None:
         _check_choice("moments", self.moments, MOMENT_STORAGES)
@@ -164,7 +174,7 @@ class PrecisionStrategy:
         return REMAINDER_BYTES if self.master_storage == "remainder" else FP32_BYTES
 
     def moment_bytes(self, numel: int) -> float:
-        """Bytes of one moment (m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
+        """Bytes of one moment (e.g. m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
         if self.moments == "low":
             return LOW_PRECISION_BYTES * numel
         if self.moments == "fp32":
@@ -177,7 +187,7 @@ class PrecisionStrategy:
             self.keeps_param_low_component + self.second_moment_mcf + (self.param_update == "kahan")
         )
         return (
-            2 * self.moment_bytes(numel)
+            len(self.moment_names) * self.moment_bytes(numel)
             + self.master_bytes * numel
             + LOW_PRECISION_BYTES * numel * extra_components
         )
@@ -228,6 +238,25 @@ def get_strategy(name: str | PrecisionStrategy) -> PrecisionStrategy:
     return strategy
 
 
+def resolve_option(
+    option: str | PrecisionStrategy, master_weights: bool | None = None, master_storage: str | None = None
+) -> PrecisionStrategy:
+    """The strategy an optimizer runs for ``option``: ``master_weights=False`` drops the FP32 master
+    of a strategy that has one, ``master_storage`` stores it as ``"fp32"`` or ``"remainder"``
+    (``None`` keeps both as the strategy has them). ``ValueError`` where they cannot apply."""
+    strategy = get_strategy(option)
+    if master_weights is False:
+        if master_storage is not None:
+            raise ValueError(f"master_weights=False drops the master, so master_storage={master_storage!r} cannot apply")
+        strategy = strategy.without_master_weights()
+    elif master_weights and not strategy.master_weights:
+        with_master = ", ".join(repr(s.name) for s in _CANONICAL if s.master_weights)
+        raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
+    if master_storage is not None:
+        strategy = strategy.with_master_storage(master_storage)
+    return strategy
+
+
 register_strategy(PrecisionStrategy("A", "pure BF16 AdamW", aliases=("bf16",)))
 register_strategy(
     PrecisionStrategy("B", "Collage-light: MCF parameters (θ, δθ)", aliases=("collage_light",), param_update="mcf")
@@ -265,6 +294,7 @@ register_strategy(
         moments="fp8",
         master_weights=True,
         weight_decay="multiplicative",
+        fp8_layers=True,
     )
 )
 register_strategy(

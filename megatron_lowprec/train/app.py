@@ -10,7 +10,8 @@ same config. Errors in the config (an unknown option or key, a layout that does 
 size) are reported in one line, before any process group, dataset or model is created (exit 2), as
 is a checkpoint that cannot be resumed from. ``--help`` lists the config groups and the most used
 keys; ``--version`` the versions of this package, torch and megatron-core. Ctrl-C stops with one
-line naming the step reached and the checkpoint a rerun resumes from (exit 130).
+line naming the step reached and the checkpoint a rerun resumes from (exit 130); a diverged run (loss or
+gradient norm not finite for ``trainer.max_nonfinite_steps`` steps in a row) with one line (exit 3).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, validate
+from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, to_yaml, validate
 from megatron_lowprec.train.usage import help_text, version_text
 
 CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
@@ -53,13 +54,33 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+    directory = config_dir()
+    overrides = [_canonical_precision(override, directory) for override in overrides]
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            composed = hydra_compose(config_name="train", overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
+            composed = hydra_compose(config_name="train", overrides=overrides)
         _reject_unknown_keys(OmegaConf.to_container(composed), TrainConfig, "")
         return OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
+
+
+def _canonical_precision(override: str, directory: Path) -> str:
+    """``precision=<name>`` with ``<name>`` in any case or an alias of an option (``precision=c``,
+    ``precision=collage_plus``) as the name of its file in ``precision/``; other overrides as they are."""
+    from megatron_lowprec.optim.strategies import get_strategy
+
+    key, separator, value = override.partition("=")
+    if key != "precision" or not separator:
+        return override
+    files = {path.stem.lower(): path.stem for path in (directory / "precision").glob("*.yaml")}
+    if value.lower() in files:
+        return f"precision={files[value.lower()]}"
+    try:
+        name = get_strategy(value).name
+    except ValueError:
+        return override  # Hydra names the choices
+    return f"precision={files.get(name.lower(), value)}"
 
 
 def _reject_unknown_keys(values: dict, schema: type, prefix: str) -> None:
@@ -88,13 +109,6 @@ def _explain(error: BaseException) -> str:
             break
         error = error.__cause__
     return " ".join(lines)
-
-
-def to_yaml(config: TrainConfig) -> str:
-    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
 def _check_resumable(config: TrainConfig) -> None:
@@ -144,7 +158,8 @@ def _print_rank_zero(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lowprec-train``: Hydra overrides in, exit status out (0 done or stopped by an
-    exit signal with a checkpoint, 2 config or resume error, 130 Ctrl-C)."""
+    exit signal with a checkpoint, 1 a checkpoint that could not be written, 2 config or resume error,
+    3 diverged, 130 Ctrl-C)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -164,8 +179,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(version_text())
         return 0
     from megatron_lowprec.megatron.notices import quiet_library_notices
+    from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 
     quiet_library_notices()
+    keep_inductor_cache()
     try:
         options = [argument for argument in arguments if argument.startswith("-")]
         if options:
@@ -192,15 +209,26 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _train(config: TrainConfig) -> int:
-    """Train, turning a checkpoint that cannot be resumed and Ctrl-C into one line each."""
-    from megatron_lowprec.train.checkpoint import ResumeError
-    from megatron_lowprec.train.loop import Interrupted, train
+    """Train, turning a config error found once the data is loaded (a vocabulary smaller than the
+    tokenizer's), a checkpoint that cannot be resumed or written, a diverged run and Ctrl-C into one
+    line each."""
+    from megatron_lowprec.train.checkpoint import ResumeError, SaveError
+    from megatron_lowprec.train.loop import DIVERGED_EXIT_CODE, Diverged, Interrupted, train
 
     try:
         train(config)
+    except ConfigError as error:
+        _print_rank_zero(f"lowprec-train: config error: {error}")
+        return 2
     except ResumeError as error:
         _print_rank_zero(f"lowprec-train: cannot resume: {error}")
         return 2
+    except SaveError as error:
+        _print_rank_zero(f"lowprec-train: {error}")
+        return 1
+    except Diverged as diverged:
+        _print_rank_zero(f"lowprec-train: {diverged.report()}")
+        return DIVERGED_EXIT_CODE
     except Interrupted as interrupted:
         _print_rank_zero(f"lowprec-train: {interrupted.report()}")
         return 130

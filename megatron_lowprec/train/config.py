@@ -107,9 +107,10 @@ class PrecisionConfig:
     """Reduce gradients in FP32 (``None``: FP32 for options with FP32 master weights, else BF16)."""
     track_update_quality: bool = False
     """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
-    fp8_layers: bool = False
+    fp8_layers: Optional[bool] = None
     """COAT's FP8 layer flow (§5.2): E4M3 linears with E5M2 output gradients, norms and activations
-    that save their input in FP8 with 1x16 groups (``precision=coat`` turns it on)."""
+    that save their input in FP8 with 1x16 groups; ``None``: the option's own (on with ``coat``,
+    see :func:`uses_fp8_layers`)."""
     emulate: Optional[str] = None
     """Emulate an ExMy format (e.g. ``E8M5``) on the inputs, weights, outputs and gradients of the
     linear layers' matmuls, accumulating in FP32 ("To FP8 and Back Again" §3.2)."""
@@ -192,7 +193,7 @@ class DataConfig:
     split: str = "980,10,10"
     """Train/valid/test split weights (the papers use 980:10:10)."""
     cache_dir: Optional[str] = None
-    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE)."""
+    """Where the embedded corpus and dataset indices are cached (``None``: $MEGATRON_LOWPREC_CACHE, else $XDG_CACHE_HOME/megatron_lowprec, else ~/.cache/megatron_lowprec)."""
 
 
 @dataclass
@@ -230,6 +231,9 @@ class TrainerConfig:
     exit_signal: Optional[str] = "SIGUSR1"
     """A signal handled like SIGTERM, e.g. the one SLURM's ``--signal`` sends before the time limit
     (SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGTERM; ``null``: SIGTERM alone)."""
+    max_nonfinite_steps: int = 3
+    """Stop the run (exit 3, no checkpoint of the diverged state) once the loss or the gradient norm
+    has been NaN or infinite for this many steps in a row (0: never stop for it)."""
     seed: int = 1234
     """Seed of initialisation, dropout, data order and stochastic rounding."""
     dry_run: bool = False
@@ -267,9 +271,41 @@ class TrainConfig:
     """Run directory (config, metrics, checkpoints); ``None``: ``runs/<time>-<model>-<option>``."""
     resume: Optional[bool] = None
     """``None``: resume when run_dir holds a checkpoint; ``true``: require one; ``false``: start fresh."""
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Keys that may differ from the checkpoint's on resume (any of ``trainer.global_batch_size``,
+    ``trainer.micro_batch_size``, ``model.seq_length``, ``model.rotary_base``,
+    ``model.layernorm_epsilon``); any other change of the model's architecture or batch geometry
+    stops the resume (the checkpoint records them)."""
     resume_from: Optional[str] = None
     """A checkpoint directory (``<run_dir>/checkpoints/iter_<N>``, of this run or another) to resume
     from exactly: where it is damaged the run stops instead of falling back to an older one."""
+
+
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "normalization", "activation",
+    "position_embedding_type", "rotary_percent", "rotary_base", "untie_embeddings_and_output_weights",
+    "add_bias_linear", "layernorm_epsilon",
+)
+"""The ``model`` keys that change the parameters' shapes or what they mean."""
+
+RESUME_CHANGEABLE = (
+    "trainer.global_batch_size", "trainer.micro_batch_size", "model.seq_length", "model.rotary_base",
+    "model.layernorm_epsilon",
+)
+"""The recorded keys that ``resume_allow_changes`` may let differ from the checkpoint's."""
+
+
+def run_shape(config: "TrainConfig") -> dict[str, object]:
+    """The architecture (:data:`ARCHITECTURE_FIELDS`, ``max_position_embeddings`` as in effect) and the
+    batch geometry of ``config``, by key: what a checkpoint records and a resume must match."""
+    model = config.model
+    shape = {f"model.{name}": getattr(model, name) for name in ARCHITECTURE_FIELDS}
+    shape["model.max_position_embeddings"] = model.max_position_embeddings or model.seq_length
+    shape["model.seq_length"] = model.seq_length
+    shape["trainer.global_batch_size"] = config.trainer.global_batch_size
+    shape["trainer.micro_batch_size"] = config.trainer.micro_batch_size
+    return shape
 
 
 class ConfigError(ValueError):
@@ -297,6 +333,14 @@ def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
     if precision.master_storage is None:
         return strategy
     return strategy.with_master_storage(precision.master_storage)
+
+
+def uses_fp8_layers(precision: PrecisionConfig) -> bool:
+    """Whether the model runs COAT's FP8 layer flow: ``precision.fp8_layers`` if given, else the
+    option's own (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.fp8_layers`)."""
+    if precision.fp8_layers is not None:
+        return precision.fp8_layers
+    return get_strategy(precision.option).fp8_layers
 
 
 def option_label(precision: PrecisionConfig) -> str:
@@ -347,7 +391,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
             float_format(precision.emulate)
         except ValueError as error:
             raise ConfigError(f"precision.emulate={precision.emulate!r}: {error}") from None
-        if precision.fp8_layers:
+        if uses_fp8_layers(precision):
             raise ConfigError("precision.emulate and precision.fp8_layers replace the same matmuls; choose one")
     if precision.te_fp8_recipe is not None:
         _choice("precision.te_fp8_recipe", precision.te_fp8_recipe, TE_FP8_RECIPES)
@@ -356,7 +400,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
                 "precision=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine, which is not installed; "
                 "precision=coat is this package's FP8 flow without it"
             )
-        if precision.fp8_layers or precision.emulate is not None:
+        if uses_fp8_layers(precision) or precision.emulate is not None:
             raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
 
 
@@ -376,6 +420,26 @@ def _validate_optimizer(optimizer: OptimizerConfig) -> None:
             raise ConfigError(f"optimizer.{name}={value} is not valid; it must be finite and {expected}")
     if optimizer.lr_decay_steps is not None and optimizer.lr_decay_steps < 1:
         raise ConfigError(f"optimizer.lr_decay_steps={optimizer.lr_decay_steps} must be a positive integer or null")
+
+
+def _validate_split(split: str) -> None:
+    """``data.split``: up to three comma-separated non-negative weights (train, valid, test; missing
+    ones are 0, as in Megatron-LM), with training and validation samples."""
+    try:
+        weights = [float(part) for part in split.split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(weight) and weight >= 0 for weight in weights):
+        raise ConfigError(
+            f"data.split={split!r} is not valid; give up to three comma-separated non-negative weights "
+            "train,valid,test such as '980,10,10'"
+        )
+    weights += [0.0] * (3 - len(weights))
+    if weights[0] <= 0 or weights[1] <= 0:
+        raise ConfigError(
+            f"data.split={split!r} leaves no training or no validation samples; the train and valid weights "
+            "must be above 0, such as '980,10,10'"
+        )
 
 
 TOKENIZER_FILES = {
@@ -414,6 +478,13 @@ def _validate_indexed_data(data: DataConfig) -> None:
             raise ConfigError(f"data.{key}={value!r}: {str(path)!r} does not exist")
 
 
+def to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
     model, trainer = config.model, config.trainer
@@ -444,8 +515,23 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"trainer.sharpness_interval={trainer.sharpness_interval} must be >= 0 and "
             f"trainer.sharpness_eps={trainer.sharpness_eps} > 0"
         )
-    if trainer.max_steps < 0:
-        raise ConfigError(f"trainer.max_steps={trainer.max_steps} must be >= 0")
+    _positive("trainer.max_steps", trainer.max_steps)
+    if trainer.max_nonfinite_steps < 0:
+        raise ConfigError(
+            f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps} is not valid; it must be a positive integer, or 0 never to stop"
+        )
+    if trainer.save_interval < 0:
+        raise ConfigError(
+            f"trainer.save_interval={trainer.save_interval} is not valid; it must be a positive integer, or 0 to save at the end only"
+        )
+    if model.max_position_embeddings is not None:
+        _positive("model.max_position_embeddings", model.max_position_embeddings)
+        if model.seq_length > model.max_position_embeddings:
+            raise ConfigError(
+                f"model.seq_length={model.seq_length} is above model.max_position_embeddings={model.max_position_embeddings}, "
+                "the positions the model embeds; set model.seq_length <= max_position_embeddings (or max_position_embeddings=null)"
+            )
+    _validate_split(config.data.split)
     tp, pp = trainer.tensor_model_parallel_size, trainer.pipeline_model_parallel_size
     if model.num_attention_heads % tp:
         raise ConfigError(
@@ -506,7 +592,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
 
 
 def _validate_fault_handling(config: TrainConfig) -> None:
-    """The exit signal, the schedule choice on resume and ``resume_from``."""
+    """The exit signal, the schedule choice on resume, ``resume_allow_changes`` and ``resume_from``."""
     if config.trainer.exit_signal is not None:
         _choice("trainer.exit_signal", config.trainer.exit_signal, EXIT_SIGNALS)
     if config.optimizer.override_opt_param_scheduler and config.optimizer.use_checkpoint_opt_param_scheduler:
@@ -514,5 +600,7 @@ def _validate_fault_handling(config: TrainConfig) -> None:
             "optimizer.override_opt_param_scheduler=true (take the config's schedule) and "
             "optimizer.use_checkpoint_opt_param_scheduler=true (keep the checkpoint's) contradict each other; set one"
         )
+    for key in config.resume_allow_changes:
+        _choice("resume_allow_changes entry", key, RESUME_CHANGEABLE)
     if config.resume_from is not None and config.resume is False:
         raise ConfigError(f"resume_from={config.resume_from!r} and resume=false contradict each other; drop one")

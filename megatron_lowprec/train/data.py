@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from megatron_lowprec.train.config import TrainConfig
+from megatron_lowprec.train.config import ConfigError, TrainConfig
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -67,7 +67,7 @@ def build_training_data(config: TrainConfig) -> TrainingData:
         create_attention_mask=False,
     )
     if train is None or valid is None:
-        raise ValueError(f"data.split={config.data.split!r} leaves no training or no validation samples")
+        raise ConfigError(f"data.split={config.data.split!r} leaves no training or no validation samples")
     return TrainingData(tokenizer, train, valid)
 
 

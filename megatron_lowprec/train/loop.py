@@ -12,7 +12,9 @@ the backend is gloo.
 
 SIGTERM or ``trainer.exit_signal`` on any rank stops every rank after the same step with a
 checkpoint (:mod:`megatron_lowprec.train.signals`); Ctrl-C raises :class:`Interrupted`, which says
-where the run stopped and which checkpoint a rerun resumes from.
+where the run stopped and which checkpoint a rerun resumes from. A loss or gradient norm that is not
+finite for ``trainer.max_nonfinite_steps`` steps in a row raises :class:`Diverged`; no checkpoint is
+saved after a step whose loss or gradient norm is not finite, so the last one saved is a good one.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ import numpy
 import torch
 
 from megatron_lowprec.train import checkpoint
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size, precision_strategy
+from megatron_lowprec.train.config import ConfigError, TrainConfig, data_parallel_size, precision_strategy
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
-from megatron_lowprec.train.signals import ExitSignals
+from megatron_lowprec.train.signals import ExitSignals, end_with_launcher
 
+
+DIVERGED_EXIT_CODE = 3
+"""Exit status of a run stopped by :class:`Diverged`."""
 
 MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
 """Fields of the app's optimizer config that megatron's ``OptimizerConfig`` has under the same name."""
@@ -101,6 +106,30 @@ def _run_dir(config: TrainConfig) -> Path:
     return Path(chosen[0]).absolute()
 
 
+class Diverged(Exception):
+    """The loss or the gradient norm was NaN or infinite for ``trainer.max_nonfinite_steps`` steps in a row."""
+
+    def __init__(self, run_dir: Path, steps: list[int], record: dict) -> None:
+        super().__init__(f"diverged at step {steps[-1]} in {run_dir}")
+        self.run_dir, self.steps, self.record = run_dir, steps, record
+
+    def report(self) -> str:
+        """One line: the steps, the last values, and the checkpoint a rerun resumes from."""
+        path = checkpoint.latest_checkpoint(self.run_dir)
+        kept = f"the last good checkpoint is {path}" if path is not None else "no checkpoint was saved"
+        grad_norm = "" if self.record["grad_norm"] is None else f", grad norm {self.record['grad_norm']:g}"
+        return (
+            f"diverged: the loss or the gradient norm was not finite for {len(self.steps)} steps in a row "
+            f"(steps {self.steps[0]}-{self.steps[-1]}; last: loss {self.record['loss']:g}{grad_norm}); stopped "
+            f"without saving them; {kept} (a lower optimizer.lr, or trainer.max_nonfinite_steps=0 to train on)"
+        )
+
+
+def _finite(record: dict) -> bool:
+    """The step's loss and gradient norm (where the optimizer reports one) are finite."""
+    return math.isfinite(record["loss"]) and (record["grad_norm"] is None or math.isfinite(record["grad_norm"]))
+
+
 class Interrupted(Exception):
     """Ctrl-C (``KeyboardInterrupt``) during a run: the step it reached and where a rerun resumes."""
 
@@ -144,6 +173,11 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     trainer, optim = config.trainer, config.optimizer
     strategy = precision_strategy(config.precision)
     data = build_training_data(config)
+    if config.model.vocab_size is not None and config.model.vocab_size < data.tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is below the tokenizer's {data.tokenizer.vocab_size} tokens; "
+            f"set model.vocab_size >= {data.tokenizer.vocab_size}, or null for the tokenizer's"
+        )
     vocab_size = padded_vocab_size(
         config.model.vocab_size or data.tokenizer.vocab_size,
         config.model.make_vocab_size_divisible_by,
@@ -351,23 +385,32 @@ def evaluate_sharpness(run: Run) -> float:
 def train(config: TrainConfig) -> dict:
     """Run the training of ``config``; returns the summary (also printed and saved by rank 0), or,
     when an exit signal stopped it, where it stopped (``stopped_by``, ``steps``, ``checkpoint``).
-    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``."""
+    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``,
+    one that cannot be written ``checkpoint.SaveError``; a diverged run :class:`Diverged`; a run
+    directory another job holds, or a vocabulary below the tokenizer's, ``ConfigError``."""
+    end_with_launcher(launched="TORCHELASTIC_RUN_ID" in os.environ)
     with distributed_environment(config):
         run_dir = _run_dir(config)
-        try:
-            run = build_run(config, run_dir)
-            resumed = checkpoint.resume_if_present(run)
-            logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
-        except KeyboardInterrupt:
-            raise Interrupted(run_dir, None, config.trainer.max_steps) from None
-        try:
-            with ExitSignals(config.trainer.exit_signal) as exit_signals:
-                if config.trainer.save:
-                    checkpoint.start_writer_service(exit_signals.signals)
-                return _train_loop(run, logger, exit_signals, resumed)
-        except KeyboardInterrupt:
-            logger.close(exit_code=130)
-            raise Interrupted(run_dir, run.iteration, config.trainer.max_steps) from None
+        with checkpoint.run_dir_lock(run_dir):
+            return _train_in(config, run_dir)
+
+
+def _train_in(config: TrainConfig, run_dir: Path) -> dict:
+    """:func:`train` in the locked ``run_dir``."""
+    try:
+        run = build_run(config, run_dir)
+        resumed = checkpoint.resume_if_present(run)
+        logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
+    except KeyboardInterrupt:
+        raise Interrupted(run_dir, None, config.trainer.max_steps) from None
+    try:
+        with ExitSignals(config.trainer.exit_signal) as exit_signals:
+            if config.trainer.save:
+                checkpoint.start_writer_service(exit_signals.signals)
+            return _train_loop(run, logger, exit_signals, resumed)
+    except KeyboardInterrupt:
+        logger.close(exit_code=130)
+        raise Interrupted(run_dir, run.iteration, config.trainer.max_steps) from None
 
 
 def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resumed: int | None) -> dict:
@@ -378,16 +421,22 @@ def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resu
     interval: list[dict] = []
     step_seconds: list[float] = []
     saved_at = None
+    nonfinite_steps: list[int] = []
     while run.iteration < trainer.max_steps:
         started = time.perf_counter()
         interval.append(train_step(run))
         step_seconds.append(time.perf_counter() - started)
+        nonfinite_steps = [] if _finite(interval[-1]) else [*nonfinite_steps, run.iteration]
+        diverged = trainer.max_nonfinite_steps and len(nonfinite_steps) >= trainer.max_nonfinite_steps
         stop_signal = exit_signals.received()
-        if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps or stop_signal:
+        if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps or stop_signal or diverged:
             logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
-            interval = []
+            record, interval = interval[-1], []
+        if diverged:
+            logger.close(exit_code=DIVERGED_EXIT_CODE)
+            raise Diverged(run.run_dir, nonfinite_steps, record)
         if stop_signal:
-            if trainer.save and saved_at != run.iteration:
+            if trainer.save and saved_at != run.iteration and not nonfinite_steps:
                 checkpoint.save(run)
                 saved_at = run.iteration
             saved = checkpoint.checkpoint_path(run.run_dir, run.iteration) if saved_at == run.iteration else None
@@ -396,12 +445,12 @@ def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resu
             logger.valid(run.iteration, evaluate(run))
         if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:
             logger.sharpness(run.iteration, evaluate_sharpness(run))
-        if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0:
+        if trainer.save and trainer.save_interval and run.iteration % trainer.save_interval == 0 and not nonfinite_steps:
             checkpoint.save(run)
             saved_at = run.iteration
     valid_loss = evaluate(run)
     logger.valid(run.iteration, valid_loss)
-    if trainer.save and saved_at != run.iteration and (step_seconds or resumed is None):
+    if trainer.save and saved_at != run.iteration and (step_seconds or resumed is None) and not nonfinite_steps:
         checkpoint.save(run)
     tokens_per_second = tokens_per_step * len(step_seconds) / sum(step_seconds) if step_seconds else math.nan
     return logger.finish(valid_loss, tokens_per_second)

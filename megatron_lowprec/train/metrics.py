@@ -9,7 +9,10 @@ BF16 peak is known), the peak memory so far (``peak_allocated_gib`` and ``peak_r
 GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
 ``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval);
 valid lines hold ``loss`` and ``perplexity``; sharpness lines hold ``sharpness`` and its box
-half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer.
+half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer. The file and
+``summary.json`` are strict JSON: a value that is NaN or infinite is written as ``null``. A resumed
+run first drops the rows after the step it resumes from (a run started over in the same directory,
+``resume=false``, all of them), so the file holds one row per step.
 """
 
 from __future__ import annotations
@@ -26,10 +29,36 @@ from statistics import fmean
 import torch
 
 from megatron_lowprec.train import throughput
-from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy
+from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy, to_yaml
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
+
+
+def strict_json(value):
+    """``value`` with every float that is NaN or infinite replaced by None, so that ``json.dumps``
+    writes strict JSON (Python's default writes ``NaN`` and ``Infinity``, which JSON does not have)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def _keep_rows_up_to(path: Path, step: int) -> None:
+    """Drop the rows of ``path`` after ``step``: a run resumed from the checkpoint of ``step`` (or
+    started over, ``step`` 0) redoes those steps and writes their rows again."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) == len(lines):
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(kept), encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def _mean(records: list[dict], key: str) -> float | None:
@@ -92,8 +121,6 @@ class MetricsLogger:
     """Writes on global rank 0 only; the other ranks pass through."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, run, resumed_from: int | None) -> None:
-        from megatron_lowprec.train.app import to_yaml
-
         self.config = config
         self.run_dir = run_dir
         self.run = run
@@ -113,6 +140,7 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
+        _keep_rows_up_to(run_dir / config.logging.metrics_file, resumed_from or 0)
         self.metrics = (run_dir / config.logging.metrics_file).open("a", encoding="utf-8")
         if config.logging.wandb:
             self.wandb = _open_wandb(config, run_dir)
@@ -147,7 +175,7 @@ class MetricsLogger:
 
     def _write(self, row: dict) -> None:
         row = {"step": row.pop("step"), "split": row.pop("split"), "option": option_label(self.config.precision), **row}
-        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
             split = row["split"]
@@ -238,7 +266,7 @@ class MetricsLogger:
         }
         if not self.active:
             return summary
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         if self.wandb is not None:
             self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
         self.close(exit_code=0)

@@ -1,5 +1,6 @@
 import lzma
 import re
+from pathlib import Path
 
 from megatron_lowprec.data import default_cache_dir, embedded_corpus_path, embedded_corpus_text_file
 from megatron_lowprec.data.corpus import CACHE_ENV_VAR
@@ -20,7 +21,12 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     assert default_cache_dir() == tmp_path / "env"
     assert default_cache_dir(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv(CACHE_ENV_VAR)
-    assert default_cache_dir().parts[-2:] == (".cache", "megatron_lowprec")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "megatron_lowprec"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")
+    assert default_cache_dir() == Path.home() / ".cache" / "megatron_lowprec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "megatron_lowprec"
 
 
 def test_shipped_archive_is_small_xz():

@@ -4,7 +4,8 @@ Each worker gets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and 
 repository root on ``PYTHONPATH``), is called as ``python WORKER RESULT_DIR *ARGS``, creates its process
 group with :func:`init_process_group` and writes ``RESULT_DIR/rank<N>.json``. Without CUDA the ranks
 talk over gloo (the workers run megatron through the CUDA→CPU bridge); with CUDA over NCCL, one GPU
-per rank, and a run needing more GPUs than the machine has is skipped.
+per rank, and a run needing more GPUs than the machine has is skipped. A run ``on_cpu`` hides the GPUs
+from its workers: they take the CPU bridge and gloo on every machine, GPU machines included.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def _tails(logs: list[Path]) -> str:
     return "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
 
 
-def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeout_seconds: float = 240) -> list[dict]:
-    """Launch one ``worker`` per rank, wait (bounded) and return each rank's results."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+def worker_environment(world_size: int, on_cpu: bool) -> dict[str, str]:
+    """The environment of every rank (without ``RANK`` and ``LOCAL_RANK``); skips a GPU run that needs
+    more GPUs than the machine has. ``on_cpu``: no GPU visible to the workers."""
+    if not on_cpu and torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     environment = {
         **os.environ,
@@ -78,6 +80,17 @@ def run_ranks(worker: Path, result_dir: Path, world_size: int, *args: str, timeo
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "ignore",
     }
+    if on_cpu:
+        environment["CUDA_VISIBLE_DEVICES"] = ""
+    return environment
+
+
+def run_ranks(
+    worker: Path, result_dir: Path, world_size: int, *args: str, timeout_seconds: float = 240, on_cpu: bool = False
+) -> list[dict]:
+    """Launch one ``worker`` per rank, wait (bounded) and return each rank's results (``on_cpu``: see
+    :func:`worker_environment`)."""
+    environment = worker_environment(world_size, on_cpu)
     logs = [result_dir / f"rank{rank}.log" for rank in range(world_size)]
     with contextlib.ExitStack() as open_logs:
         workers = [

@@ -15,7 +15,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
 from .launch import run_ranks, scenario_results
 
@@ -26,13 +25,12 @@ BF16_STEP = 2 * BF16_UNIT_ROUNDOFF
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
 ]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_ranks(WORKER, tmp_path_factory.mktemp("attention"), 2, timeout_seconds=180)
+    return run_ranks(WORKER, tmp_path_factory.mktemp("attention"), 2, timeout_seconds=180, on_cpu=True)
 
 
 @pytest.mark.parametrize("scenario", ["equivalence_tp1", "equivalence_tp2"])

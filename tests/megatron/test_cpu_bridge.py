@@ -199,3 +199,33 @@ def test_streams_events_and_rng_state_have_cpu_meanings():
 def test_every_bridged_call_is_documented():
     undocumented = [bridged.call for bridged in cpu.BRIDGED_CALLS if bridged.call not in cpu.__doc__]
     assert undocumented == []
+
+
+@requires_no_cuda
+def test_megatron_sees_the_host_as_a_device_without_cuda_capability_and_torch_sees_no_device():
+    """Megatron-LM's ``validate_args`` asks for the device's compute capability (``get_device_arch_version``
+    with tensor parallelism, ``get_device_capability`` with grouped GEMMs): the host, capability 0.0.
+    Callers outside megatron (Inductor's cache key) keep torch's error without CUDA."""
+    import os
+
+    megatron_module = {"__name__": "megatron.training.utils", "torch": torch}
+    exec(
+        "def describe():\n"
+        "    properties = torch.cuda.get_device_properties(torch.device('cuda:0'))\n"
+        "    return properties, torch.cuda.get_device_capability(), torch.cuda.get_device_name(0)\n",
+        megatron_module,
+    )
+    before = {name: getattr(torch.cuda, name) for name in ("get_device_properties", "get_device_capability")}
+    with cpu.cpu_bridge(strict=False):
+        properties, capability, name = megatron_module["describe"]()
+        assert (properties.major, properties.minor) == (0, 0) == capability
+        assert properties.total_memory == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert properties.multi_processor_count == os.cpu_count()
+        assert name == properties.name
+        with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+            torch.cuda.get_device_properties(0)
+        if importlib.util.find_spec("megatron.training") is not None:
+            from megatron.training import utils as training_utils
+
+            assert training_utils.get_device_arch_version() == 0
+    assert {name: getattr(torch.cuda, name) for name in before} == before

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_lowprec.optim.buckets import ALIGNMENT
 
@@ -20,13 +19,12 @@ REMAINDER_OPTIONS = ["D:remainder", "coat:remainder", "D-BF16"]
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="these runs use the CPU bridge"),
 ]
 
 
 def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
     result_dir.mkdir(parents=True, exist_ok=True)
-    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600)
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600, on_cpu=True)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,12 @@ def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
-        "--lowprec-track-update-quality", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
-        "lowprec_track_update_quality": True,
+        "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])
@@ -64,6 +65,43 @@ def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(caps
     with pytest.raises(SystemExit):
         parser.parse_args(["--lowprec-option", "E"])
     assert "unknown precision option 'E'; valid options: A, bf16, B" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lowprec-option", "E"], "argument --lowprec-option: unknown precision option 'E'; valid options: A, bf16, B"),
+    (["--lowprec-seed", "x"], "argument --lowprec-seed: invalid int value: 'x'"),
+    (["--lowprec-emulate", "X9"], "argument --lowprec-emulate: unknown float format 'X9'; valid names: bf16"),
+    (["--lowprec-emulate-rounding", "up"], "argument --lowprec-emulate-rounding: invalid choice: 'up' (choose from"),
+    (["--lowprec-option"], "argument --lowprec-option: expected one argument"),
+], ids=["option", "seed", "emulate", "rounding", "missing"])
+def test_a_bad_value_of_our_flags_stops_with_one_line_and_exit_2(capsys, argv, message):
+    """Megatron-LM's parser holds hundreds of arguments: their usage must not bury the one line."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    for number in range(50):
+        parser.add_argument(f"--megatron-flag-{number}", type=int)
+    megatron_lm.add_arguments(parser)
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args(["--megatron-flag-1", "3", *argv])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--megatron-flag-1", "x"])
+    assert "usage: pretrain_gpt.py" in capsys.readouterr().err, "megatron's own flags keep argparse's usage"
+
+
+@requires_megatron_training
+def test_megatron_lms_parser_refuses_a_bad_option_in_one_line(capsys, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--lowprec-option", "E"])
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(extra_args_provider=megatron_lm.add_arguments)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_gpt.py: error: argument --lowprec-option: unknown precision option 'E'; "
+        f"valid options: {', '.join(megatron_lm.strategy_names())}"
+    ]
 
 
 @pytest.mark.parametrize("newer", [False, True], ids=["until-0.18", "0.19"])
@@ -124,3 +162,160 @@ def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_opt
     assert stock["lowprec_option"] is None and stock["option"] is None
     assert stock["optimizer"] in ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
     assert stock["losses_finite"]
+
+
+def _extras() -> dict[str, list[str]]:
+    """setup.py's ``extras_require``, read by running it with ``setup`` replaced."""
+    import runpy
+    from unittest import mock
+
+    root = Path(__file__).resolve().parents[2]
+    with mock.patch("setuptools.setup") as setup, mock.patch("os.getcwd", return_value=str(root)):
+        runpy.run_path(str(root / "setup.py"), run_name="__main__")
+    return setup.call_args.kwargs["extras_require"]
+
+
+def test_the_megatron_lm_extra_adds_what_pretrain_gpt_needs_to_the_megatron_extra():
+    from packaging.requirements import Requirement
+
+    extras = _extras()
+    names = {Requirement(requirement).name for requirement in extras["megatron-lm"]}
+    assert {Requirement(requirement).name for requirement in extras["megatron"]} <= names
+    assert {"six", "regex", "pyyaml", "pybind11", "triton"} <= names
+
+
+@requires_megatron_training
+def test_every_unconditional_import_of_megatron_training_is_in_the_extra():
+    """The modules ``megatron.training.training`` loads import, outside any ``try``, only the standard
+    library, megatron-core's and torch's requirements and the ``megatron-lm`` extra's packages."""
+    import importlib
+    import importlib.metadata
+    import re
+    import sys
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    importlib.import_module("megatron.training.training")
+    requirements = list(_extras()["megatron-lm"])
+    for distribution in ("torch", "megatron-core", "numpy"):
+        requirements += importlib.metadata.requires(distribution) or []
+    allowed = {canonicalize_name(Requirement(requirement).name) for requirement in requirements}
+    distributions = importlib.metadata.packages_distributions()
+    unlisted = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not name.startswith("megatron.") or not path or not path.endswith(".py"):
+            continue
+        for imported in re.findall(r"^(?:import|from)\s+(\w+)", Path(path).read_text(), re.MULTILINE):
+            if imported in sys.stdlib_module_names or imported in ("megatron", "__future__"):
+                continue
+            if not {canonicalize_name(package) for package in distributions.get(imported, [imported])} & allowed:
+                unlisted.setdefault(imported, name)
+    assert unlisted == {}, f"imported unconditionally, not in the megatron-lm extra: {unlisted}"
+
+
+TRAIN_ITERATIONS = 4
+LAYOUTS = {
+    "tp2-C": (2, 4, ["--tensor-model-parallel-size", "2"], "C"),
+    "pp2-sr": (2, 4, ["--pipeline-model-parallel-size", "2"], "sr"),
+    "tp2-pp2-D-BF16-remainder": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                        "--lowprec-master-storage", "remainder"], "D-BF16"),
+    "pp2-vpp2-coat": (2, 4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "1"], "coat"),
+    "tp2-dp2-distopt-sr": (4, 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "sr"),
+}
+"""Layout: ranks, global batch size, Megatron-LM's arguments, the precision option (one per family)."""
+
+
+@pytest.fixture(scope="module")
+def indexed_corpus(tmp_path_factory) -> str:
+    """A tiny corpus written by megatron-core's own ``IndexedDatasetBuilder``: 200 documents of 20 to 60
+    random tokens; the ``--data-path`` prefix."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp("corpus") / "corpus_text_document")
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        length = int(torch.randint(20, 61, (), generator=generator))
+        builder.add_document(torch.randint(0, 127, (length,), generator=generator, dtype=torch.int32), [length])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@requires_megatron_training
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer(
+    tmp_path, indexed_corpus, layout
+):
+    """Megatron-LM's own ``pretrain`` (``pretrain_gpt.py``'s calls, on ``--data-path``) trains with the
+    option and with megatron's own optimizer at the same layout; the losses agree as at DP=1
+    (within 1e-3 over 4 iterations: the options differ from AdamW in BF16 rounding only), and the
+    tensor-parallel ranks of the last stage agree exactly."""
+    world_size, global_batch, layout_argv, option = LAYOUTS[layout]
+    argv = [*TINY_GPT, "--global-batch-size", str(global_batch), "--data-path", indexed_corpus, "--split", "90,5,5",
+            "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1", *layout_argv]
+    argv[argv.index("--train-iters") + 1] = str(TRAIN_ITERATIONS)
+    runs = {}
+    for name, extra in (("option", ["--lowprec-option", option]), ("stock", [])):
+        (tmp_path / name).mkdir()
+        ranks = run_ranks(WORKER, tmp_path / name, world_size, "pretrain_gpt",
+                          json.dumps({"argv": [*argv, *extra]}), timeout_seconds=600)
+        last_stage = max(rank["pipeline_rank"] for rank in ranks)
+        losses = {(rank["data_rank"], rank["tensor_rank"]): rank["losses"] for rank in ranks
+                  if rank["pipeline_rank"] == last_stage}
+        for (data_rank, tensor_rank), rank_losses in losses.items():
+            assert rank_losses == losses[(data_rank, 0)], f"{name}: tensor-parallel ranks disagree"
+            assert rank_losses and all(math.isfinite(loss) for loss in rank_losses)
+        runs[name] = losses
+    for key, stock_losses in runs["stock"].items():
+        option_losses = runs["option"][key]
+        assert len(option_losses) == len(stock_losses)
+        assert max(abs(a - b) for a, b in zip(option_losses, stock_losses)) < 1e-3, (option_losses, stock_losses)
+
+def _checkpoint_tensors(save_dir: Path) -> dict:
+    """Every tensor of the last ``torch_dist`` checkpoint under ``save_dir``, whole (model space)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    iteration = (save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    whole = save_dir / "whole.pt"
+    dcp_to_torch_save(save_dir / f"iter_{int(iteration):07d}", whole)
+    return {key: value for key, value in torch.load(whole, weights_only=False).items() if isinstance(value, torch.Tensor)}
+
+
+@requires_megatron_training
+@pytest.mark.parametrize("saved_at, resumed_at, option", [
+    ((2, ["--tensor-model-parallel-size", "2"]), (1, []), ["--lowprec-option", "C"]),
+    ((2, ["--use-distributed-optimizer"]), (1, ["--use-distributed-optimizer"]),
+     ["--lowprec-option", "D-BF16", "--lowprec-master-storage", "remainder"]),
+], ids=["tp2-to-tp1-C", "dp2-to-dp1-distopt-D-BF16-remainder"])
+def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit(
+    tmp_path, indexed_corpus, saved_at, resumed_at, option
+):
+    """Megatron-LM trains 2 iterations at one layout and saves (``torch_dist``); a run at another layout
+    loads it and, with nothing left to train, saves again: both checkpoints hold the same tensors, bit
+    for bit (parameters, moments, δθ and δv, FP32 masters from their remainders). The vocabulary is
+    padded to 128 at both tensor-parallel sizes (by default megatron pads to 128 x TP)."""
+    argv = [*TINY_GPT, "--global-batch-size", "4", "--data-path", indexed_corpus, "--split", "90,5,5",
+            "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist",
+            "--make-vocab-size-divisible-by", "64", *option]
+    argv[argv.index("--train-iters") + 1] = "2"
+    checkpoints = {}
+    resume = ["--load", str(tmp_path / "saved" / "ckpt"), "--no-load-rng"]
+    for name, (world_size, layout_argv), load in (("saved", saved_at, []), ("resumed", resumed_at, resume)):
+        (tmp_path / name).mkdir()
+        run_ranks(WORKER, tmp_path / name, world_size, "pretrain_gpt", json.dumps({"argv": [
+            *argv, *layout_argv, *load, "--save", str(tmp_path / name / "ckpt"), "--save-interval", "1000"]}),
+            timeout_seconds=600)
+        checkpoints[name] = _checkpoint_tensors(tmp_path / name / "ckpt")
+    import torch
+
+    saved, resumed = checkpoints["saved"], checkpoints["resumed"]
+    assert sorted(saved) == sorted(resumed)
+    assert any("exp_avg" in key for key in saved), sorted(saved)
+    unequal = [key for key in saved if not torch.equal(saved[key], resumed[key])]
+    assert unequal == []

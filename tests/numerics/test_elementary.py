@@ -1,6 +1,8 @@
 """The package's own elementary functions against float64 references, and eager against compiled:
 one function on every backend (numerics/elementary.py)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -79,6 +81,20 @@ def test_power_is_within_its_bound_on_coat_s_domain(device):
     assert power(torch.ones(3, device=device), torch.tensor([0.1, 1.0, 15.0], device=device)).eq(1).all()
 
 
+def test_power_is_within_its_bound_for_every_exponent(device):
+    """A sweep of k over [2^-10, 2^24] (log-uniform) with bases chosen so that x^k spans the normal range:
+    the bound holds beyond k = 16 too, where the bases lie close to 1."""
+    generator = torch.Generator().manual_seed(11)
+    exponents = torch.exp2(torch.rand(1_000_000, generator=generator, dtype=torch.float64) * 34 - 10).float()
+    log2_results = -torch.rand(1_000_000, generator=generator, dtype=torch.float64) * 126
+    bases = torch.exp2(log2_results / exponents.double()).float().clamp(max=1.0)
+    got = power(bases.to(device), exponents.to(device)).cpu().double()
+    exact = torch.pow(bases.double(), exponents.double())
+    normal = exact >= torch.finfo(torch.float32).tiny
+    assert ((got - exact).abs() / exact)[normal].max() <= elementary.POWER_MAX_REL_ERROR
+    assert (exponents[normal] > 16).sum() > 500_000
+
+
 def _every_function(numerators, denominators, bases, exponents):
     return (
         div_rn(numerators, denominators),
@@ -91,11 +107,17 @@ def _every_function(numerators, denominators, bases, exponents):
     )
 
 
-@pytest.mark.parametrize("native_devices", [("cpu",), ()], ids=["native", "as-on-gpus"])
-def test_compiled_code_computes_the_same_bits_as_eager_code(native_devices, monkeypatch):
-    """Inductor's C++ code with each formulation (FP32 division and sqrt, as CPUs compile them; and
-    through float64, as other devices compile them) gives eager's bits."""
+@pytest.mark.parametrize(
+    "native_devices, ieee_devices, ieee_division",
+    [(("cpu",), (), False), ((), ("cpu",), True)],
+    ids=["native", "as-on-gpus"],
+)
+def test_compiled_code_computes_the_same_bits_as_eager_code(native_devices, ieee_devices, ieee_division, monkeypatch):
+    """Inductor's C++ code with each formulation (FP32 division and sqrt, as CPUs compile them; FP32 with
+    float64 only for constant divisors, as GPUs compile them under ``division_rounding``) gives eager's
+    bits."""
     monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", native_devices)
+    monkeypatch.setattr(elementary, "IEEE_FP32_DEVICES", ieee_devices)
     generator = torch.Generator().manual_seed(8)
     arguments = (
         _random_floats(50_000, 9) * torch.where(torch.arange(50_000) % 2 == 0, -1.0, 1.0),
@@ -105,7 +127,42 @@ def test_compiled_code_computes_the_same_bits_as_eager_code(native_devices, monk
     )
     torch._dynamo.reset()
     compiled = torch.compile(_every_function, dynamic=True, fullgraph=True)
-    for eager_result, compiled_result in zip(_every_function(*arguments), compiled(*arguments)):
+    with elementary.ieee_fp32_division() if ieee_division else contextlib.nullcontext():
+        compiled_results = compiled(*arguments)
+    for eager_result, compiled_result in zip(_every_function(*arguments), compiled_results):
         assert torch.equal(eager_result.view(torch.int32), compiled_result.view(torch.int32))
     torch._dynamo.reset()
 
+
+def _traced_dtypes(function, *arguments) -> set[torch.dtype]:
+    """The dtypes of every value in the graph that Dynamo traces for ``function``."""
+    dtypes = set()
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            value = node.meta.get("example_value")
+            if torch.is_tensor(value):
+                dtypes.add(value.dtype)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(function, backend=backend, fullgraph=True)(*arguments)
+    torch._dynamo.reset()
+    return dtypes
+
+
+def test_compiled_division_and_sqrt_use_fp32_on_gpus_under_ieee_division(monkeypatch):
+    """As traced for a GPU (IEEE_FP32_DEVICES): FP32 sqrt always, FP32 division under
+    :func:`ieee_fp32_division` (float64 without it, and for constant divisors, which Inductor turns into
+    reciprocal products)."""
+    monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", ())
+    monkeypatch.setattr(elementary, "IEEE_FP32_DEVICES", ("cpu",))
+    x, y = torch.rand(8) + 1, torch.rand(8) + 1
+    assert _traced_dtypes(sqrt_rn, x) == {torch.float32}
+    assert torch.float64 in _traced_dtypes(div_rn, x, y)
+    with elementary.ieee_fp32_division():
+        assert _traced_dtypes(div_rn, x, y) == {torch.float32}
+        assert _traced_dtypes(lambda value: div_rn(17.8, value), y) == {torch.float32}
+        assert torch.float64 in _traced_dtypes(lambda value: div_rn(value, 448.0), x)
+    monkeypatch.setattr(elementary, "IEEE_FP32_DEVICES", ())
+    assert torch.float64 in _traced_dtypes(sqrt_rn, x)

@@ -7,7 +7,7 @@ import torch
 
 from megatron_lowprec.optim import AdamW, PrecisionStrategy
 from megatron_lowprec.optim import fused as fused_module
-from megatron_lowprec.optim.fused import fused_available
+from megatron_lowprec.optim.fused import EagerFallbackWarning, fused_available
 
 from ..allocations import measure_allocations
 from .conftest import OPTIONS
@@ -88,7 +88,50 @@ def test_parameters_without_gradient_fall_back_to_the_reference_and_stay_identic
             grad = torch.randn(p.shape, generator=generator).to(device, torch.bfloat16) if (index + step) % 3 else None
             p.grad, q.grad = grad, None if grad is None else grad.clone()
         eager[1].step()
-        fused[1].step()
+        with pytest.warns(EagerFallbackWarning) as caught:
+            fused[1].step()
+        first_without = next(index for index, q in enumerate(fused[0]) if q.grad is None)
+        (message,) = [str(warning.message) for warning in caught]
+        assert message.startswith(f"parameter {first_without} of group 0 (shape {SHAPES[first_without]}) took the eager")
+        assert message.endswith("it has no gradient, and its bucket steps together or not at all")
+    _assert_bit_identical(eager, fused)
+
+
+def _profiled_step_events(optimizer, params, generator) -> list[str]:
+    """The names of the profiler events of one step on random gradients."""
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.device, param.dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        optimizer.step()
+    return [event.name for event in profile.events()]
+
+
+def test_the_fused_step_runs_the_compiled_kernel_and_no_eager_arithmetic(device):
+    """One compiled region and one compiled graph per bucket call (profiler events that Dynamo and
+    Inductor record), and none of the eager reference's division and square root; the eager step,
+    profiled the same way, shows the opposite."""
+    (eager_params, eager_optimizer), (fused_params, fused_optimizer) = _twin_optimizers("B", device=device)
+    generator = torch.Generator().manual_seed(5)
+    _profiled_step_events(fused_optimizer, fused_params, generator)
+    for optimizer, params, compiled in ((fused_optimizer, fused_params, True), (eager_optimizer, eager_params, False)):
+        names = _profiled_step_events(optimizer, params, generator)
+        regions = [name for name in names if name.startswith("Torch-Compiled Region")]
+        graphs = [name for name in names if name.startswith("## Call CompiledFxGraph")]
+        eager_arithmetic = [name for name in names if name in ("aten::div", "aten::sqrt", "aten::addcmul_", "aten::lerp_")]
+        assert (len(regions), len(graphs), bool(eager_arithmetic)) == ((1, 1, False) if compiled else (0, 0, True))
+
+
+def test_a_call_past_the_recompile_limit_runs_eagerly_with_a_warning_and_the_same_bits(monkeypatch):
+    def refusing_kernel(group_statistics=False):
+        def call(*args):
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+
+        return call
+
+    monkeypatch.setattr(fused_module, "compiled_kernel", refusing_kernel)
+    eager, fused = _twin_optimizers("B")
+    with pytest.warns(EagerFallbackWarning, match=r"bucket of parameter group 0 .*recompile limit"):
+        _step_twins(eager, fused, steps=2, seed=4)
     _assert_bit_identical(eager, fused)
 
 
@@ -230,6 +273,32 @@ def test_a_new_strategy_is_data_only(strategy, device):
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
+
+
+SR_FP8_MOMENTS = PrecisionStrategy(
+    "sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"
+)
+
+
+@pytest.mark.parametrize(
+    "option, shapes", [("coat", [(100,)]), (SR_FP8_MOMENTS, [(3,), (7, 13)])], ids=["coat-bucket", "sr-entries"]
+)
+def test_calls_of_one_fp8_group_compile_nothing_and_stay_identical(option, shapes):
+    """A bucket of one FP8 group (coat), and under SR entries of one group each (one call per entry,
+    one row or several), are stepped by the kernel uncompiled: no compilation (a group count of one
+    recompiled the FP8 step, minutes on 2 cores), the eager reference's bits."""
+    from torch._dynamo.utils import counters
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    twins = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        twins.append((params, AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option, seed=3, fused=fused)))
+    graphs = counters["stats"]["unique_graphs"]
+    _step_twins(*twins, steps=3, seed=6)
+    assert counters["stats"]["unique_graphs"] == graphs
+    _assert_bit_identical(*twins)
 
 
 def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_key():

@@ -330,7 +330,9 @@ COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "re
 @pytest.fixture
 def gpu_formulation(monkeypatch):
     """What the fused step computes where Inductor emits Triton: integer 16-bit roundings, division
-    and square root through float64, stochastic rounding once per bucket."""
+    and square root through float64 (as on a device outside ``elementary.IEEE_FP32_DEVICES``; CUDA's
+    FP32 ``div.rn``/``sqrt.rn`` formulation is checked in its PTX by ``kernels/audit.py``), stochastic
+    rounding once per bucket."""
     monkeypatch.setattr(formats, "CAST_ROUNDING_DEVICES", ())
     monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", ())
     monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))

@@ -4,11 +4,13 @@ Launched by ``test_fault_handling.py`` through ``tests/megatron/launch.run_ranks
 ``python _resume_worker.py RESULT_DIR JSON``, where JSON is a list of steps, run in order:
 
 - ``{"overrides": [...]}``: one ``train(compose(overrides))``; records its result (the summary) or,
-  where it raises :class:`~megatron_lowprec.train.checkpoint.ResumeError`, the error's message, and
+  where it raises :class:`~megatron_lowprec.train.checkpoint.ResumeError` or
+  :class:`~megatron_lowprec.train.config.ConfigError`, the error's message, and
   (rank 0) the run's train metrics rows and what ``checkpoints/latest`` names afterwards;
 - ``{"copy": [FROM, TO]}``: rank 0 copies a run directory;
-- ``{"truncate": [FILE, BYTES]}``, ``{"remove": FILE}``, ``{"zero": FILE}`` (overwrite with as many zero
-  bytes): rank 0 damages a checkpoint file, as a full disk, a lost file or a bad block would.
+- ``{"truncate": [FILE, BYTES]}``, ``{"remove": FILE}``, ``{"flip": FILE}`` (invert 16 bytes in its
+  middle): rank 0 damages a checkpoint file, as a
+  full disk, a lost file or a bad block would.
 
 Writes ``RESULT_DIR/rank<N>.json``: one entry per ``overrides`` step.
 """
@@ -26,6 +28,7 @@ import torch
 from megatron_lowprec.megatron.cpu import cpu_bridge
 from megatron_lowprec.train.app import compose
 from megatron_lowprec.train.checkpoint import LATEST_FILE, ResumeError, checkpoints_dir
+from megatron_lowprec.train.config import ConfigError
 from megatron_lowprec.train.loop import train
 from tests.megatron.launch import init_process_group
 
@@ -37,16 +40,18 @@ def _damage(step: dict) -> None:
         os.truncate(*step["truncate"])
     elif "remove" in step:
         os.remove(step["remove"])
-    elif "zero" in step:
-        path = Path(step["zero"])
-        path.write_bytes(bytes(path.stat().st_size))
+    elif "flip" in step:
+        data = bytearray(Path(step["flip"]).read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 16] = bytes(byte ^ 0xFF for byte in data[middle:middle + 16])
+        Path(step["flip"]).write_bytes(bytes(data))
 
 
 def _train(overrides: list[str]) -> dict:
     config = compose(overrides)
     try:
         result = {"summary": train(config)}
-    except ResumeError as error:
+    except (ResumeError, ConfigError) as error:
         result = {"error": str(error)}
     run_dir = Path(config.run_dir)
     if torch.distributed.get_rank() == 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
+import traceback
 
 import numpy
 import pytest
@@ -70,6 +72,61 @@ def test_a_checkpoint_counts_only_with_its_marker_and_every_file_it_lists(tmp_pa
     half_written = _fake_checkpoint(tmp_path, 40, FILES, complete=False)
     assert "has no complete.json" in checkpoint.checkpoint_problem(half_written)
     assert checkpoint.checkpoint_problem(tmp_path / "nowhere") == "does not exist"
+
+
+def test_a_flipped_byte_is_caught_by_the_rank_whose_share_holds_the_file(tmp_path):
+    """Same size, other content: only the checksum tells. The marker's checksums are xxHash's own
+    XXH3-128 of the bytes written; each rank of two checksums every other file of the sorted list."""
+    xxhash = pytest.importorskip("xxhash")
+    path = _fake_checkpoint(tmp_path, 10, FILES, complete=False)
+    files = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()} for name, data in FILES.items()}
+    (path / checkpoint.COMPLETE_FILE).write_text(json.dumps({"iteration": 10, "world_size": 1, "files": files}))
+    assert checkpoint.checkpoint_problem(path, share=(0, 1)) is None
+    flipped = bytearray(FILES["common.pt"])
+    flipped[20:36] = bytes(byte ^ 0xFF for byte in flipped[20:36])
+    (path / "common.pt").write_bytes(bytes(flipped))
+    assert checkpoint.checkpoint_problem(path) is None  # sizes alone cannot tell
+    expected = "common.pt does not match its xxh3_128 checksum (its content changed after it was written)"
+    assert checkpoint.checkpoint_problem(path, share=(0, 1)) == expected
+    # Sorted: __0_0.distcp, common.pt, rank0.pt: rank 1 of 2 checksums common.pt, rank 0 the others.
+    assert checkpoint.checkpoint_problem(path, share=(1, 2)) == expected
+    assert checkpoint.checkpoint_problem(path, share=(0, 2)) is None
+
+
+def _library_failure():
+    """What torch.distributed.checkpoint raises for a rank's failed read: CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        raise ValueError("bad .metadata")
+    except ValueError as error:
+        failure = (error, traceback.extract_tb(error.__traceback__))
+    raise CheckpointException("read_data", {0: failure})
+
+
+def test_an_exception_from_the_checkpoint_library_names_the_checkpoint_damaged_but_ctrl_c_passes(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint's CheckpointException derives from BaseException (a damaged
+    ``.metadata`` raises it): it marks the checkpoint damaged; KeyboardInterrupt and SystemExit do not."""
+    from megatron_lowprec.megatron.cpu import cpu_bridge
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(checkpoint_port()))
+    with cpu_bridge():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            with pytest.raises(checkpoint.DamagedCheckpoint, match=r"fails to load \(CheckpointException"):
+                checkpoint._read_on_every_rank(tmp_path, _library_failure)
+            for passing in (KeyboardInterrupt, SystemExit):
+                with pytest.raises(passing):
+                    checkpoint._read_on_every_rank(tmp_path, lambda passing=passing: (_ for _ in ()).throw(passing()))
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+def checkpoint_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_resume_tries_latest_then_older_checkpoints_newest_first(tmp_path):

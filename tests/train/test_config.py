@@ -14,7 +14,7 @@ from megatron_lowprec.optim.strategies import available_strategies
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed")
 
 from megatron_lowprec.train.app import compose, config_dir, main  # noqa: E402
-from megatron_lowprec.train.config import ConfigError, TrainConfig, validate  # noqa: E402
+from megatron_lowprec.train.config import ConfigError, TrainConfig, uses_fp8_layers, validate  # noqa: E402
 
 OPTIONS = [strategy.name for strategy in available_strategies()]
 
@@ -54,9 +54,35 @@ def test_precision_flag_selects_the_option(option):
     assert compose([f"precision={option}"]).precision.option == option
 
 
+def test_precision_accepts_every_name_and_alias_in_any_case_wherever_an_option_is_named():
+    """README: option names are case-insensitive, with aliases. The Hydra group (``precision=c``,
+    ``precision=collage_plus``), ``precision.option``, Megatron-LM's ``--lowprec-option`` and the
+    Python API's ``AdamW(option=...)`` all take them."""
+    import argparse
+
+    from megatron_lowprec.megatron.megatron_lm import add_arguments
+    from megatron_lowprec.optim import AdamW
+
+    parser = add_arguments(argparse.ArgumentParser())
+    parameter = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    for strategy in available_strategies():
+        for name in (strategy.name, *strategy.aliases):
+            spelled = name.swapcase()
+            assert compose([f"precision={spelled}"]).precision.option == strategy.name, spelled
+            assert parser.parse_args(["--lowprec-option", spelled]).lowprec_option == strategy.name
+            assert AdamW([parameter], option=spelled, fused=False).strategy.name == strategy.name
+    assert compose(["precision.option=collage_PLUS"]).precision.option == "collage_PLUS"
+    assert compose(["precision=Megatron"]).precision.megatron_optimizer
+    assert compose(["precision=collage_plus"]) == compose(["precision=C"])
+
+
 def test_coat_turns_on_the_fp8_layer_flow():
     precision = compose(["precision=coat"]).precision
-    assert precision.fp8_layers and precision.emulate is None
+    assert uses_fp8_layers(precision) and precision.emulate is None
+    assert not uses_fp8_layers(compose(["precision=coat", "precision.fp8_layers=false"]).precision)
+    assert uses_fp8_layers(compose(["precision=A", "precision.option=fp8_states"]).precision)
+    assert uses_fp8_layers(compose(["precision=C", "precision.fp8_layers=true"]).precision)
+    assert not any(uses_fp8_layers(compose([f"precision={option}"]).precision) for option in OPTIONS if option != "coat")
 
 
 def test_unknown_option_lists_the_valid_ones(capsys):
@@ -307,11 +333,31 @@ def test_a_layout_needing_more_ranks_says_how_to_launch_them(capsys, monkeypatch
         (["optimizer.override_opt_param_scheduler=true", "optimizer.use_checkpoint_opt_param_scheduler=true"],
          "contradict each other"),
         (["resume_from=/nowhere/iter_0000010", "resume=false"], "contradict each other"),
+        (["resume_allow_changes=[model.num_layers]"],
+         "resume_allow_changes entry='model.num_layers' is not valid; choose one of: trainer.global_batch_size, "),
         (["resume_from=/nowhere/iter_0000010"], "resume_from='/nowhere/iter_0000010' cannot be resumed from: does not exist"),
     ],
 )
 def test_fault_handling_keys_are_checked(capsys, overrides, named):
     assert named in _fails(capsys, *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["trainer.save_interval=-1"], "trainer.save_interval=-1 is not valid; it must be a positive integer, or 0"),
+        (["trainer.eval_interval=0"], "trainer.eval_interval=0 must be a positive integer"),
+        (["trainer.log_interval=-3"], "trainer.log_interval=-3 must be a positive integer"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer"),
+        (["model.seq_length=128", "model.max_position_embeddings=64"],
+         "model.seq_length=128 is above model.max_position_embeddings=64"),
+        (["data.split='100,0,0'"], "data.split='100,0,0' leaves no training or no validation samples"),
+        (["data.split='980,-10,10'"], "data.split='980,-10,10' is not valid; give up to three comma-separated"),
+    ],
+)
+def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overrides, named):
+    message = _fails(capsys, *overrides)
+    assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
 
 
 def test_resume_from_a_damaged_checkpoint_stops_before_any_work(capsys, tmp_path):

@@ -1,16 +1,19 @@
 """Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
-torchrun job, damaged checkpoints (truncated, missing, half-written, unreadable), a changed
-learning-rate schedule on resume, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
+torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
+learning-rate schedule, model or batch geometry on resume, a diverging run, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import math
 import os
 import queue
 import re
+import resource
+import socket
 import signal
 import subprocess
 import sys
@@ -104,9 +107,10 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     (checkpoint writer service, compiler workers: SLURM signals every process of a job step), but not
     rank 0: both ranks stop after the same step, save, exit 0 with one line; resuming gives the
     straight run's parameters bit for bit. Then,
-    on copies of the straight run: a truncated, a missing, a half-written and an unreadable file in the
-    newest checkpoint are each named in one line and the run resumes from the previous one (``latest``
-    pointed back at it), and a changed schedule stops the resume unless a key says which to take."""
+    on copies of the straight run: a truncated, a missing and a half-written file in the
+    newest checkpoint, and 16 flipped bytes in its ``.metadata`` header or its tensor data, are each
+    named in one line and the run resumes from the previous one (``latest`` pointed back at it), and
+    a changed schedule stops the resume unless a key says which to take."""
     psutil = pytest.importorskip("psutil")
     stopped = tmp_path / "stopped"
     process, lines = _start([
@@ -135,6 +139,9 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert checkpoint_problem(saved) is None
     marker = json.loads((saved / COMPLETE_FILE).read_text())
     assert marker["world_size"] == 2 and {"rank0.pt", "rank1.pt", "common.pt"} <= set(marker["files"])
+    xxhash = pytest.importorskip("xxhash")
+    assert all(entry["xxh3_128"] == xxhash.xxh3_128((saved / name).read_bytes()).hexdigest()
+               for name, entry in marker["files"].items())
     assert (checkpoints_dir(stopped) / "latest").read_text() == saved.name
     rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, step + 1))
@@ -142,7 +149,8 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     last = step + 2
     straight = tmp_path / "straight"
     newest = f"iter_{last:07d}"
-    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "unreadable", "schedule", "kept")}
+    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "header", "flipped", "schedule", "kept",
+                                                 "batch")}
     steps = [
         {"overrides": _tiny(cache_dir, stopped, f"trainer.max_steps={last}", "resume=true")},
         {"overrides": _tiny(cache_dir, straight, f"trainer.max_steps={last}", "trainer.save_interval=1")},
@@ -154,8 +162,17 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
         {"remove": str(checkpoints_dir(copies["half"]) / newest / COMPLETE_FILE)},
         {"remove": str(checkpoints_dir(copies["half"]) / newest / "rank1.pt")},
         {"overrides": _tiny(cache_dir, copies["half"], f"trainer.max_steps={last}")},
-        {"zero": str(checkpoints_dir(copies["unreadable"]) / newest / "common.pt")},
-        {"overrides": _tiny(cache_dir, copies["unreadable"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["header"]) / newest / ".metadata")},
+        {"overrides": _tiny(cache_dir, copies["header"], f"trainer.max_steps={last - 1}")},
+        {"flip": str(checkpoints_dir(copies["flipped"]) / newest / "__0_0.distcp")},
+        {"overrides": _tiny(cache_dir, copies["flipped"], f"trainer.max_steps={last}")},
+        {"overrides": _tiny(cache_dir, tmp_path / "vocabulary", "model.vocab_size=10", "trainer.max_steps=1")},
+        # The issue's case: heads 4 -> 8 and LayerNorm -> RMSNorm; then a larger global batch.
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last}", "model.num_attention_heads=8",
+                            "model.normalization=RMSNorm", "trainer.global_batch_size=16")},
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last + 1}", "trainer.global_batch_size=16")},
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last + 1}", "trainer.global_batch_size=16",
+                            "resume_allow_changes=[trainer.global_batch_size]")},
         # The issue's case: max_steps changed (the decay follows it) and, here, the peak LR too.
         {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
                             "optimizer.lr=0.002")},
@@ -166,7 +183,8 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    resumed, straight_run, truncated, missing, half, unreadable, changed, overridden, kept = run_ranks(
+    (resumed, straight_run, truncated, missing, half, header, flipped, vocabulary, other_model, other_batch, batch_allowed,
+     changed, overridden, kept) = run_ranks(
         WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=400
     )[0]
     log = (result_dir / "rank0.log").read_text()
@@ -185,8 +203,23 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert missing["latest"] == f"iter_{last - 1:07d}"
     assert f"has no {COMPLETE_FILE}" in skipped(copies["half"])
     assert half["summary"]["parameter_digest"] == digest
-    assert "fails to load" in skipped(copies["unreadable"])
-    assert unreadable["latest"] == f"iter_{last - 1:07d}"
+    # Same size, other bytes: the checksums recorded at save time catch header and tensor data alike.
+    assert ".metadata does not match its xxh3_128 checksum" in skipped(copies["header"])
+    assert header["latest"] == f"iter_{last - 1:07d}"
+    # Rank 1 checksums __0_0.distcp (the second of the sorted names) and tells rank 0.
+    assert "__0_0.distcp does not match its xxh3_128 checksum" in skipped(copies["flipped"])
+    assert flipped["summary"]["parameter_digest"] == digest and flipped["latest"] == newest
+    assert vocabulary["error"].startswith("model.vocab_size=10 is below the tokenizer's ")
+    newest_path = checkpoints_dir(copies["batch"]) / newest
+    assert other_model["error"] == (
+        f"{newest_path} was trained with another model or batch geometry: model.num_attention_heads 8 here, 4 in the "
+        "checkpoint; model.normalization RMSNorm here, LayerNorm in the checkpoint; trainer.global_batch_size 16 here, "
+        "8 in the checkpoint. model.num_attention_heads, model.normalization define the model's parameters: set them as "
+        "the checkpoint has them, or resume=false to start over")
+    assert other_batch["error"].endswith(
+        "trainer.global_batch_size 16 here, 8 in the checkpoint. resume_allow_changes=[trainer.global_batch_size] "
+        "resumes with the new values")
+    assert [row["step"] for row in batch_allowed["train_rows"]][-1] == last + 1 and "error" not in batch_allowed
 
     assert "error" in changed and "summary" not in changed
     assert f"trainer.max_steps (the decay steps) {last + 2} here, {DECAY} in the checkpoint" in changed["error"]
@@ -221,3 +254,106 @@ def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path,
     # A checkpoint is saved after every step (Ctrl-C during a save stops the run once it is written);
     # Ctrl-C between a step and its save leaves the previous one.
     assert checkpoint.name in (f"iter_{int(match.group(1)):07d}", f"iter_{int(match.group(1)) - 1:07d}")
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file, refusing ``NaN`` and ``Infinity`` (not JSON)."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_json(tmp_path, cache_dir):
+    """At lr=1e6 the loss turns NaN within a few steps: the run stops after 2 such steps in a row with
+    one line and exit 3, saving no checkpoint after the last finite step; metrics.jsonl holds null for
+    NaN. A rerun that trains on (max_nonfinite_steps=0) resumes from the last good checkpoint, saves
+    none of its NaN steps and leaves one row per step and a strict summary.json."""
+    run_dir = tmp_path / "run"
+    diverging = _tiny(cache_dir, run_dir, "optimizer.lr=1e6", "optimizer.min_lr=0", "trainer.save_interval=1")
+    first = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, "trainer.max_steps=8",
+                            "trainer.max_nonfinite_steps=2"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    match = re.fullmatch(
+        r"lowprec-train: diverged: the loss or the gradient norm was not finite for 2 steps in a row "
+        r"\(steps (\d+)-(\d+); last: loss nan\); stopped without saving them; the last good checkpoint is (\S+) "
+        r"\(a lower optimizer.lr, or trainer.max_nonfinite_steps=0 to train on\)", first.stderr.strip().splitlines()[-1])
+    assert match, first.stderr[-3000:]
+    first_nan, last_nan = int(match.group(1)), int(match.group(2))
+    good = checkpoints_dir(run_dir) / f"iter_{first_nan - 1:07d}"
+    assert last_nan == first_nan + 1 and match.group(3) == str(good)
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
+    assert checkpoint_problem(good) is None
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, last_nan + 1))
+    assert [row["loss"] for row in rows][-2:] == [None, None] and None not in [row["loss"] for row in rows][:-2]
+
+    second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, f"trainer.max_steps={last_nan + 1}",
+                             "trainer.max_nonfinite_steps=0"], capture_output=True, text=True, env=_environment(), timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rows = _strict_rows(run_dir / "metrics.jsonl")
+    assert [(row["step"], row["split"]) for row in rows] == [
+        *((step, "train") for step in range(1, last_nan + 2)), (last_nan + 1, "valid")]
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1
+    assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
+
+
+def test_one_job_per_run_dir_and_kill_9_of_the_launcher_during_a_save_leaves_no_process(tmp_path, cache_dir):
+    """While a DP=2 torchrun job trains, a second job on its run directory stops with one line naming
+    the holder's host and pid (exit 2). Then ``kill -9`` of the torchrun agent while a rank has a
+    checkpoint writer running: within seconds no process of the job is left (ranks, writers, the
+    writer service); the lock is free again. A rerun under a file-size quota that its checkpoint
+    exceeds stops with one line (exit 1), the partial checkpoint removed, the last one intact."""
+    psutil = pytest.importorskip("psutil")
+    run_dir = tmp_path / "run"
+    process, lines = _start([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, "trainer.max_steps=1000", "trainer.save_interval=1"),
+    ])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      2/1000", seen, timeout=240)
+    agent = psutil.Process(process.pid)
+    rank0 = next(worker for worker in agent.children() if worker.environ().get("RANK") == "0")
+    second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, "trainer.max_steps=3")],
+                            capture_output=True, text=True, env=_environment(), timeout=240)
+    while not lines.empty():
+        seen.append(lines.get())
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:] + "".join(seen)[-5000:]
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"lowprec-train: config error: run_dir={str(run_dir)!r} is in use by another job (host {socket.gethostname()} "
+        f"pid {rank0.pid}, which holds {run_dir / 'lock'}); wait for it to end, or choose another run_dir")
+
+    deadline = time.monotonic() + 120
+    while True:  # a rank with more than its writer service as children is writing a checkpoint
+        job = agent.children(recursive=True)
+        if any(len(worker.children()) > 1 for worker in agent.children()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert time.monotonic() <= deadline, "no checkpoint writer seen within 120 s"
+    os.kill(process.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(job, timeout=20)
+    assert not alive, [(left.pid, left.cmdline()[:4]) for left in alive]
+    # Writers forked after the snapshot carry the rank's command line.
+    left = [found.pid for found in psutil.process_iter(["cmdline"]) if f"run_dir={run_dir}" in (found.info["cmdline"] or [])]
+    assert not left, left
+    with (run_dir / "lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def file_size_quota() -> None:
+        """Writes past 500 kB fail in the file-system call (EFBIG), as on a full disk or quota."""
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    latest = checkpoints_dir(run_dir) / (checkpoints_dir(run_dir) / "latest").read_text()
+    next_step = int(latest.name.removeprefix("iter_")) + 1
+    quota = subprocess.run(
+        [sys.executable, "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, f"trainer.max_steps={next_step}")],
+        capture_output=True, text=True, env=_environment(), timeout=240, preexec_fn=file_size_quota)
+    assert quota.returncode == 1 and "Traceback" not in quota.stderr, quota.stderr[-3000:]
+    unwritten = checkpoints_dir(run_dir) / f"iter_{next_step:07d}"
+    assert re.fullmatch(rf"lowprec-train: checkpoint {re.escape(str(unwritten))} could not be written \(.+\); its partial "
+                        rf"files were removed, {re.escape(str(latest))} is intact", quota.stderr.strip().splitlines()[-1])
+    assert not unwritten.exists() and not unwritten.with_name(unwritten.name + ".partial").exists()
+    assert (checkpoints_dir(run_dir) / "latest").read_text() == latest.name and checkpoint_problem(latest) is None

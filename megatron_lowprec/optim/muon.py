@@ -1,0 +1,267 @@
+"""Muon with a precision strategy: the same options as AdamW decide its momentum's storage and how
+its update reaches the parameter.
+
+Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; scaled to LLMs in
+"Muon is Scalable for LLM Training", arXiv 2502.16982) updates a 2-D weight θ (m x n) as
+``torch.optim.Muon`` does:
+
+    B ← μB + (1-μ)g   (EMA momentum, torch's ``lerp``),   M = g + μ(B - g) with Nesterov, else B,
+    O = NS₅(M),   θ ← θ - lr·λ·θ - lr·s(m, n)·O   (decoupled weight decay),
+
+where NS₅ is five quintic Newton-Schulz iterations with coefficients (3.4445, -4.775, 2.0315) on
+BF16 matrices, after normalising M by its Frobenius norm (:func:`newton_schulz`), and s(m, n) is the
+scale mode (:data:`SCALE_MODES`).
+
+Every registered option applies (:func:`muon_strategy`), with the fields read as for AdamW:
+
+* ``moments``: the momentum B is stored in the parameter's 16-bit dtype (A, B, C, kahan, sr), FP32
+  (D, D-MW) or FP8 E4M3 per 1x128 group with COAT's range expansion (coat). It is decoded to FP32,
+  updated there and rounded once when stored (``kernel.decode_moment`` / ``kernel.encode_moment``);
+  the Nesterov direction uses the FP32 value before that rounding.
+* ``param_update`` and ``master_weights``: the FP32 update Δθ = -lr·λ·θ - lr·s·O reaches the 16-bit
+  parameter by nearest rounding, MCF Grow into (θ, δθ), Kahan, or stochastic rounding with the
+  counter-based words shared by every replica (``kernel.PARAM_UPDATES``), or updates an FP32 master
+  stored whole or as a remainder below the BF16 parameter (``optim/master.py``).
+* ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ), then θ ← θ - lr·s·O on the
+  FP32 master, operation for operation as ``torch.optim.Muon`` (so D is torch's Muon on the master).
+* ``second_moment_mcf`` (C): Muon keeps no second moment, so C's expansion of v has nothing to act
+  on and **C is B for Muon** (MCF parameters (θ, δθ), 16-bit momentum); the name stays C.
+* ``adam_kernel`` is AdamW's: Muon always runs the reference below.
+
+The step is eager, one parameter at a time; there is no fused (compiled) Muon step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megatron_lowprec.numerics.rounding import StreamLayout
+from megatron_lowprec.optim.adamw import PrecisionOptimizer
+from megatron_lowprec.optim.buckets import Bucket, build_bucket
+from megatron_lowprec.optim.kernel import (
+    PARAM_UPDATES,
+    check_param_dtype,
+    decay_base,
+    decode_moment,
+    encode_moment,
+)
+from megatron_lowprec.optim.master import master_key, master_value, store_master_
+from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
+
+MUON_MOMENTS = ("momentum",)
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c), as torch and megatron-core use them."""
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+SCALE_MODES: dict[str, Callable[[int, int], float]] = {
+    "original": lambda rows, columns: math.sqrt(max(1, rows / columns)),
+    "match_rms_adamw": lambda rows, columns: 0.2 * math.sqrt(max(rows, columns)),
+    "spectral": lambda rows, columns: math.sqrt(max(rows, columns)),
+    "unit_rms_norm": lambda rows, columns: math.sqrt(rows / columns),
+}
+"""s(m, n) for an m x n weight: torch's ``adjust_lr_fn`` choices ``"original"`` (Keller Jordan's
+√max(1, m/n), megatron-core's ``"shape_scaling"``) and ``"match_rms_adamw"`` (Moonshot's 0.2·√max(m, n),
+arXiv 2502.16982 §2.2), and megatron-core's ``"spectral"`` (√max(m, n), its default) and
+``"unit_rms_norm"`` (√(m/n))."""
+
+
+def muon_strategy(option: str | PrecisionStrategy) -> PrecisionStrategy:
+    """``option`` as Muon runs it: one momentum instead of m and v, no second-moment expansion (so C
+    is B), the reference update (see the module docstring). The name stays."""
+    strategy = resolve_option(option)
+    return replace(strategy, moment_names=MUON_MOMENTS, second_moment_mcf=False, adam_kernel="reference")
+
+
+def update_scale(shape: torch.Size | tuple[int, int], scale_mode: str) -> float:
+    """s(m, n) of :data:`SCALE_MODES` for a weight of ``shape`` (m, n)."""
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode={scale_mode!r} is not valid; choose one of {', '.join(SCALE_MODES)}")
+    rows, columns = shape
+    return SCALE_MODES[scale_mode](rows, columns)
+
+
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
+) -> torch.Tensor:
+    """The approximate orthogonalization U S' Vᵀ of ``matrix`` = U S Vᵀ, as a BF16 tensor: the matrix
+    in BF16, transposed to be wide, divided by max(‖·‖_F, eps) so that its spectral norm is at most 1,
+    then ``steps`` quintic iterations X ← aX + (bA + cA²)X with A = XXᵀ, every matmul in BF16
+    (``torch.optim.Muon``'s ``_zeropower_via_newtonschulz``, operation for operation)."""
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    orthogonal = matrix.bfloat16()
+    if tall:
+        orthogonal = orthogonal.T
+    orthogonal.div_(orthogonal.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = orthogonal @ orthogonal.T
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        orthogonal = torch.addmm(orthogonal, polynomial, orthogonal, beta=a)
+    return orthogonal.T if tall else orthogonal
+
+
+def check_muon_param(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
+    """``ValueError`` if ``param`` is not a 2-D weight that ``strategy`` can store."""
+    if param.ndim != 2:
+        raise ValueError(
+            f"Muon orthogonalizes 2-D weights; {where} has shape {tuple(param.shape)} ({param.ndim}-D): "
+            "optimize it with AdamW (megatron_lowprec.optim.AdamW, the same option)"
+        )
+    check_param_dtype(param, strategy, where)
+
+
+@torch.no_grad()
+def muon_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+    scale_mode: str = "original",
+    extra_scale_factor: float = 1.0,
+    random_source: torch.Tensor | None = None,
+) -> None:
+    """One Muon step on the 2-D ``param``, in place, following ``strategy`` (a :func:`muon_strategy`;
+    see the module docstring). ``grad`` must be finite. ``random_source``: the 32-bit words of
+    ``param``'s shape that stochastic rounding draws."""
+    state["step"] += 1
+    grad = grad.float()
+    buffer = decode_moment(state, "momentum", param, strategy)
+    buffer.lerp_(grad, 1 - momentum)
+    direction = grad.lerp(buffer, momentum) if nesterov else buffer
+    orthogonal = newton_schulz(direction, ns_coefficients, ns_steps, eps)
+    step_size = lr * update_scale(param.shape, scale_mode) * extra_scale_factor
+    if strategy.weight_decay == "multiplicative":
+        stored = state[master_key(strategy)]
+        master = master_value(param, stored)
+        master.mul_(1 - lr * weight_decay)
+        store_master_(param, stored, master.add_(orthogonal, alpha=-step_size))
+    else:
+        update = decay_base(param, state) * (-lr * weight_decay) + orthogonal.float() * -step_size
+        PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    encode_moment(state, "momentum", buffer, param, strategy)
+
+
+HYPERPARAMETERS = (
+    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "scale_mode", "extra_scale_factor",
+)
+"""The keys of a parameter group that :func:`muon_step_` takes."""
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    checks = [
+        ("lr", group["lr"] >= 0, ">= 0"),
+        ("weight_decay", group["weight_decay"] >= 0, ">= 0"),
+        ("momentum", 0 <= group["momentum"] < 1, "in [0, 1)"),
+        ("eps", group["eps"] > 0, "> 0"),
+        ("ns_steps", isinstance(group["ns_steps"], int) and 1 <= group["ns_steps"] < 100, "an int in [1, 100)"),
+        ("ns_coefficients", len(group["ns_coefficients"]) == 3, "three floats (a, b, c)"),
+        ("scale_mode", group["scale_mode"] in SCALE_MODES, f"one of {', '.join(SCALE_MODES)}"),
+    ]
+    for name, ok, valid in checks:
+        if not ok:
+            raise ValueError(f"invalid {name}={group[name]!r}; it must be {valid}")
+
+
+class Muon(PrecisionOptimizer):
+    """Muon for 2-D weights with a precision strategy (``option``: any registered name, see
+    :func:`megatron_lowprec.optim.strategies.strategy_names`) that decides the momentum's storage and
+    how the update is rounded into the parameter (module docstring; C is B for Muon).
+
+    Hyperparameters and defaults are ``torch.optim.Muon``'s; ``scale_mode`` is torch's
+    ``adjust_lr_fn`` (``"original"``, ``"match_rms_adamw"``) or megatron-core's ``"spectral"`` and
+    ``"unit_rms_norm"``, times ``extra_scale_factor`` (megatron-core's ``muon_extra_scale_factor``).
+    Parameters must be 2-D and bfloat16 or float16 (others: :class:`~megatron_lowprec.optim.AdamW`
+    with the same option). ``master_weights`` and ``master_storage`` act as for AdamW. Stochastic
+    rounding draws the counter-based words of (``seed``, step, stream, element): every replica of an
+    element draws the same; ``stream_layout(param)`` places a parameter in the stream (default: a
+    whole stream per parameter, numbered by its position). A step with a non-finite gradient is
+    skipped before any state changes (:attr:`skipped_steps`), unless ``check_grads_finite=False``.
+    ``state_dict`` and ``load_state_dict`` are AdamW's (every state component restored bit-exactly,
+    the master in either storage). Eager only: one parameter at a time, no fused (compiled) step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        scale_mode: str = "original",
+        extra_scale_factor: float = 1.0,
+        *,
+        option: str | PrecisionStrategy,
+        master_weights: bool | None = None,
+        master_storage: str | None = None,
+        seed: int = 0,
+        check_grads_finite: bool = True,
+        stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
+    ) -> None:
+        self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage))
+        self.seed = seed
+        self.check_grads_finite = check_grads_finite
+        self.skipped_steps = 0
+        self.buckets: list[Bucket] = []
+        self._stream_layout = stream_layout
+        self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        group = self.param_groups[group_index]
+        _check_hyperparameters(group)
+        by_layout: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        for index, param in enumerate(group["params"]):
+            where = f"parameter {index} of group {group_index}"
+            check_muon_param(param, self.strategy, where)
+            self._stream_layouts[param] = self._checked_stream_layout(param, where)
+            by_layout.setdefault((param.device, param.dtype), []).append(param)
+        for params in by_layout.values():
+            streams = [self._stream_layouts[param] for param in params]
+            bucket, states = build_bucket(self.strategy, group_index, params, False, streams)
+            self.buckets.append(bucket)
+            for param, state in zip(params, states):
+                self.state[param] = state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One Muon step for every parameter with a gradient (see the class docstring for skips)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_ready():
+            return loss
+        stochastic = self.strategy.param_update == "stochastic"
+        for group in self.param_groups:
+            hyper = {key: group[key] for key in HYPERPARAMETERS}
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                words = self.random_bits(param, state["step"] + 1) if stochastic else None
+                muon_step_(param, param.grad, state, self.strategy, random_source=words, **hyper)
+        return loss
