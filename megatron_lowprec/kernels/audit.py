@@ -31,7 +31,6 @@ from collections.abc import Iterable
 
 from megatron_lowprec.kernels.codegen import ARCHES, KINDS, StepCode, generate_for
 from megatron_lowprec.optim.strategies import (
-    FP8_GROUP_METADATA_BYTES,
     LOW_PRECISION_BYTES,
     PrecisionStrategy,
     available_strategies,
