@@ -52,6 +52,11 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
+_FP8_MAX_DIVISORS = {dtype: torch.tensor(fp8_max(dtype)) for dtype in _FORMATS.values()}
+""":func:`fp8_max` as 0-d host tensors, the divisor of :func:`div_rn` where it divides by it: a compiled
+division by a Python constant becomes a product with its reciprocal, which GPUs would compute in FP64."""
+
+
 def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
     """R_fmt = Delta_max / Delta_min, Delta_min the smallest positive subnormal (COAT section 4.1)."""
     info = torch.finfo(fp8_dtype)
@@ -154,7 +159,7 @@ def quantize_fp8_into(
         raise ValueError("cannot quantize a tensor holding NaN or infinity")
     nonzero_group = group_max > 0
     group_scale = torch.where(
-        nonzero_group, div_rn(group_max, format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0
+        nonzero_group, div_rn(group_max, _FP8_MAX_DIVISORS[fp8_dtype]).clamp_min(torch.finfo(torch.float32).tiny), 1.0
     )
     if expansion_exponent is None:
         scaled = div_rn(groups, group_scale)
@@ -236,6 +241,6 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     else:
         format_max = fp8_max(q.fp8_dtype)
         values = (group_scale * format_max) * contract_dynamic_range(
-            div_rn(groups, format_max), q.expansion_exponent.view(-1, 1)
+            div_rn(groups, _FP8_MAX_DIVISORS[q.fp8_dtype]), q.expansion_exponent.view(-1, 1)
         )
     return _ungrouped(values, q.payload).view(q.shape)

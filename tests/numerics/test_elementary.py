@@ -36,6 +36,8 @@ def test_div_rn_rounds_a_python_float_to_fp32_and_divides_by_it(device):
     third = float(torch.tensor(1 / 3, dtype=torch.float32))
     assert torch.equal(div_rn(values, 1 / 3).cpu(), _correctly_rounded(values.cpu().double() / third))
     assert torch.equal(div_rn(1 / 3, values).cpu(), _correctly_rounded(third / values.cpu().double()))
+    host_third = torch.tensor(third)
+    assert torch.equal(div_rn(values, host_third).cpu(), _correctly_rounded(values.cpu().double() / third))
 
 
 def test_sqrt_rn_is_correctly_rounded_subnormals_included(device):
@@ -164,5 +166,6 @@ def test_compiled_division_and_sqrt_use_fp32_on_gpus_under_ieee_division(monkeyp
         assert _traced_dtypes(div_rn, x, y) == {torch.float32}
         assert _traced_dtypes(lambda value: div_rn(17.8, value), y) == {torch.float32}
         assert torch.float64 in _traced_dtypes(lambda value: div_rn(value, 448.0), x)
+        assert _traced_dtypes(lambda value, divisor: div_rn(value, divisor), x, torch.tensor(448.0)) == {torch.float32}
     monkeypatch.setattr(elementary, "IEEE_FP32_DEVICES", ())
     assert torch.float64 in _traced_dtypes(sqrt_rn, x)
