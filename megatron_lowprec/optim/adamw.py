@@ -90,7 +90,131 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
             raise ValueError(f"invalid {name}={value!r}; it must be {valid}")
 
 
-class AdamW(torch.optim.Optimizer):
+class PrecisionOptimizer(torch.optim.Optimizer):
+    """What the precision-aware optimizers (:class:`AdamW`, :class:`~megatron_lowprec.optim.muon.Muon`)
+    share: a strategy (``self.strategy``), each parameter's place in the stochastic-rounding stream,
+    the gradient checks before a step (:meth:`_grads_ready`), and state dicts that save the option
+    and restore every state component bit-exactly in its own dtype. A subclass sets ``strategy``,
+    ``seed``, ``skipped_steps``, ``check_grads_finite`` and ``_stream_layout`` (a callable or ``None``)
+    before ``super().__init__``."""
+
+    _stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None
+    _stream_layouts: dict[torch.nn.Parameter, StreamLayout]
+
+    def _grads_ready(self) -> bool:
+        """Check the gradients' dtypes; ``False`` (one more skipped step) if one is not finite."""
+        check_grad_dtypes(self.param_groups)
+        if self.check_grads_finite and not grads_are_finite(self.param_groups):
+            self.skipped_steps += 1
+            return False
+        return True
+
+    def _saved_generator(self) -> torch.Generator | None:
+        """The generator whose state the state dict saves (none by default)."""
+        return None
+
+    def _checked_stream_layout(self, param: torch.nn.Parameter, where: str) -> StreamLayout:
+        if self._stream_layout is None:
+            return StreamLayout.whole(len(self._stream_layouts), param.numel())
+        layout = self._stream_layout(param)
+        try:
+            layout.rows(param.numel())
+        except ValueError as error:
+            raise ValueError(f"stream_layout of {where} (shape {tuple(param.shape)}): {error}") from None
+        return layout
+
+    def random_bits(self, param: torch.nn.Parameter, step: int) -> torch.Tensor:
+        """The 32-bit words (int32, ``param``'s shape) that stochastic rounding of ``param`` draws at
+        ``step`` from the counter stream."""
+        return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus a ``lowprec`` section: option, master storage, skipped steps, SR seed
+        and generator state. A master stored as a remainder is saved as such: the model's state dict
+        holds its upper half (the BF16 parameters)."""
+        state_dict = super().state_dict()
+        generator = self._saved_generator()
+        state_dict["lowprec"] = {
+            "option": self.strategy.name,
+            "master_storage": self.strategy.master_storage,
+            "skipped_steps": self.skipped_steps,
+            "seed": self.seed,
+            "generator_state": None if generator is None else generator.get_state(),
+        }
+        return state_dict
+
+    def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
+        extra = state_dict.get("lowprec")
+        if extra is None or extra["option"] != self.strategy.name:
+            found = None if extra is None else extra["option"]
+            raise ValueError(f"state dict was saved for option {found!r}, this optimizer runs {self.strategy.name!r}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            if len(saved_group["params"]) != len(group["params"]):
+                raise ValueError("state dict and optimizer differ in the number of parameters of a group")
+            for index, param in zip(saved_group["params"], group["params"]):
+                saved = state_dict["state"].get(index)
+                expected = self.state[param]
+                if saved is None or _master_as_one_key(saved) != _master_as_one_key(expected):
+                    raise ValueError(f"state of parameter {index} does not hold {sorted(expected)}")
+                for key, value in expected.items():
+                    if key in MASTER_KEYS.values():
+                        self._check_loaded_master(index, param, saved)
+                    elif torch.is_tensor(value) and (saved[key].shape != value.shape or saved[key].dtype != value.dtype):
+                        raise ValueError(
+                            f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)}, "
+                            f"expected {value.dtype}{tuple(value.shape)}"
+                        )
+
+    @staticmethod
+    def _check_loaded_master(index: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
+        """A saved master in either storage fits ``param``: FP32 of its shape, or an int16 remainder
+        of its shape below a BF16 parameter."""
+        key = next(key for key in MASTER_KEYS.values() if key in saved)
+        dtype = torch.float32 if key == MASTER_KEYS["fp32"] else torch.int16
+        if saved[key].shape != param.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
+            raise ValueError(
+                f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "
+                f"{param.dtype} parameter; expected {dtype}{tuple(param.shape)}"
+                + (" below a bfloat16 parameter" if dtype == torch.int16 else "")
+            )
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore every state component bit-exactly into the existing buckets, in its own dtype.
+
+        The FP32 master loads in either storage: a whole FP32 master into a remainder (the parameter
+        becomes its upper half) and a remainder into a whole master (joined with the parameter, which
+        must hold the saved model's: load the model's state dict first, as torch checkpoints do).
+        The whole state dict is validated first; a mismatch raises ``ValueError`` and changes nothing.
+        """
+        self._check_loaded_state(state_dict)
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, value in saved_group.items():
+                if key != "params":
+                    group[key] = value
+            for index, param in zip(saved_group["params"], group["params"]):
+                state = self.state[param]
+                for key, value in state_dict["state"][index].items():
+                    if key in MASTER_KEYS.values():
+                        _load_master_(param.detach(), state, key, value)
+                    elif torch.is_tensor(value):
+                        state[key].copy_(value)
+                    else:
+                        state[key] = value
+        extra = state_dict["lowprec"]
+        self.skipped_steps = extra["skipped_steps"]
+        self.seed = extra["seed"]
+        generator = self._saved_generator()
+        if generator is not None and extra["generator_state"] is not None:
+            generator.set_state(extra["generator_state"])
+
+
+
+
+class AdamW(PrecisionOptimizer):
     """AdamW with a precision strategy (``option``) that decides every storage format and rounding.
 
     ``option`` is a registered strategy name or alias (case-insensitive; see
@@ -198,21 +322,6 @@ class AdamW(torch.optim.Optimizer):
             for param, state in zip(params, states):
                 self.state[param] = state
 
-    def _checked_stream_layout(self, param: torch.nn.Parameter, where: str) -> StreamLayout:
-        if self._stream_layout is None:
-            return StreamLayout.whole(len(self._stream_layouts), param.numel())
-        layout = self._stream_layout(param)
-        try:
-            layout.rows(param.numel())
-        except ValueError as error:
-            raise ValueError(f"stream_layout of {where} (shape {tuple(param.shape)}): {error}") from None
-        return layout
-
-    def random_bits(self, param: torch.nn.Parameter, step: int) -> torch.Tensor:
-        """The 32-bit words (int32, ``param``'s shape) that stochastic rounding of ``param`` draws at
-        ``step`` from the counter stream."""
-        return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
-
     @property
     def generator(self) -> torch.Generator | None:
         """The generator stochastic rounding draws from in this step, or ``None`` for the counter stream."""
@@ -302,9 +411,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        check_grad_dtypes(self.param_groups)
-        if self.check_grads_finite and not grads_are_finite(self.param_groups):
-            self.skipped_steps += 1
+        if not self._grads_ready():
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None
         pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]
@@ -328,90 +435,6 @@ class AdamW(torch.optim.Optimizer):
 
     def _saved_generator(self) -> torch.Generator | None:
         return self._generator_source if isinstance(self._generator_source, torch.Generator) else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus a ``lowprec`` section: option, master storage, skipped steps, SR seed
-        and generator state. A master stored as a remainder is saved as such: the model's state dict
-        holds its upper half (the BF16 parameters)."""
-        state_dict = super().state_dict()
-        generator = self._saved_generator()
-        state_dict["lowprec"] = {
-            "option": self.strategy.name,
-            "master_storage": self.strategy.master_storage,
-            "skipped_steps": self.skipped_steps,
-            "seed": self.seed,
-            "generator_state": None if generator is None else generator.get_state(),
-        }
-        return state_dict
-
-    def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
-        extra = state_dict.get("lowprec")
-        if extra is None or extra["option"] != self.strategy.name:
-            found = None if extra is None else extra["option"]
-            raise ValueError(f"state dict was saved for option {found!r}, this optimizer runs {self.strategy.name!r}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")
-        for saved_group, group in zip(saved_groups, self.param_groups):
-            if len(saved_group["params"]) != len(group["params"]):
-                raise ValueError("state dict and optimizer differ in the number of parameters of a group")
-            for index, param in zip(saved_group["params"], group["params"]):
-                saved = state_dict["state"].get(index)
-                expected = self.state[param]
-                if saved is None or _master_as_one_key(saved) != _master_as_one_key(expected):
-                    raise ValueError(f"state of parameter {index} does not hold {sorted(expected)}")
-                for key, value in expected.items():
-                    if key in MASTER_KEYS.values():
-                        self._check_loaded_master(index, param, saved)
-                    elif torch.is_tensor(value) and (saved[key].shape != value.shape or saved[key].dtype != value.dtype):
-                        raise ValueError(
-                            f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)}, "
-                            f"expected {value.dtype}{tuple(value.shape)}"
-                        )
-
-    @staticmethod
-    def _check_loaded_master(index: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
-        """A saved master in either storage fits ``param``: FP32 of its shape, or an int16 remainder
-        of its shape below a BF16 parameter."""
-        key = next(key for key in MASTER_KEYS.values() if key in saved)
-        dtype = torch.float32 if key == MASTER_KEYS["fp32"] else torch.int16
-        if saved[key].shape != param.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
-            raise ValueError(
-                f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "
-                f"{param.dtype} parameter; expected {dtype}{tuple(param.shape)}"
-                + (" below a bfloat16 parameter" if dtype == torch.int16 else "")
-            )
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore every state component bit-exactly into the existing buckets, in its own dtype.
-
-        The FP32 master loads in either storage: a whole FP32 master into a remainder (the parameter
-        becomes its upper half) and a remainder into a whole master (joined with the parameter, which
-        must hold the saved model's: load the model's state dict first, as torch checkpoints do).
-        The whole state dict is validated first; a mismatch raises ``ValueError`` and changes nothing.
-        """
-        self._check_loaded_state(state_dict)
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            for key, value in saved_group.items():
-                if key != "params":
-                    group[key] = value
-            for index, param in zip(saved_group["params"], group["params"]):
-                state = self.state[param]
-                for key, value in state_dict["state"][index].items():
-                    if key in MASTER_KEYS.values():
-                        _load_master_(param.detach(), state, key, value)
-                    elif torch.is_tensor(value):
-                        state[key].copy_(value)
-                    else:
-                        state[key] = value
-        extra = state_dict["lowprec"]
-        self.skipped_steps = extra["skipped_steps"]
-        self.seed = extra["seed"]
-        generator = self._saved_generator()
-        if generator is not None and extra["generator_state"] is not None:
-            generator.set_state(extra["generator_state"])
-
 
 def _master_as_one_key(state: dict[str, Any]) -> set[str]:
     """The keys of ``state`` with either master key counted as ``master``."""

@@ -296,8 +296,8 @@ def fused_bucket_step_(
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
         _compiled_or_eager(
-            kernel, bucket, param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source,
-            track_update_quality,
+            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, param, call_grad, state,
+            strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
         )
         for param, call_grad, state, call_scalars, random_source in _calls(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
@@ -319,6 +319,15 @@ def _compiled_or_eager(kernel: Callable, bucket: Bucket, *args: Any) -> torch.Te
             f"{torch._dynamo.config.recompile_limit})",
         )
         return bucket_kernel_(*args)
+
+
+def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
+    """Whether a call holds exactly one FP8 group (a bucket of one group, or under SR an entry of at
+    most one group's elements). Such a call runs :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`
+    eagerly, the same function uncompiled (so the same bits): compiled, a group count of one
+    specialises the graph (size 1 broadcasts), and one small call would cost a whole second
+    compilation of the FP8 step (minutes on 2 CPU cores)."""
+    return strategy.moments == "fp8" and state["exp_avg_scale"].numel() == 1
 
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:

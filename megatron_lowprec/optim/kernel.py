@@ -3,6 +3,8 @@
 :func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
 (``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
 agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+Muon (``muon.py``) stores its momentum and applies its update with the same pieces
+(:func:`decode_moment`, :func:`encode_moment`, :data:`PARAM_UPDATES`, :func:`decay_base`).
 
 Rounding points of the reference, for every strategy:
 
@@ -180,9 +182,15 @@ def decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strat
 
 
 def encode_moment(
-    state: dict[str, Any], moment: str, values: torch.Tensor, param: torch.Tensor, strategy: PrecisionStrategy
+    state: dict[str, Any],
+    moment: str,
+    values: torch.Tensor,
+    param: torch.Tensor,
+    strategy: PrecisionStrategy,
+    check_finite: bool = True,
 ) -> None:
-    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8."""
+    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8 (which, with
+    ``check_finite`` and not compiling, refuses non-finite values with a host synchronisation)."""
     if strategy.moments == "fp8":
         stored = _fp8_moment(state, moment, param, strategy)
         quantize_fp8_into(
@@ -191,7 +199,7 @@ def encode_moment(
             stored.scale,
             stored.expansion_exponent,
             strategy.fp8_group_size,
-            check_finite=not torch.compiler.is_compiling(),
+            check_finite=check_finite and not torch.compiler.is_compiling(),
         )
     elif values is not state[moment]:
         state[moment].copy_(values)
@@ -362,7 +370,8 @@ def bucket_kernel_(
     """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
     (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
     place) and whose scalars may differ by parameter group (:class:`GroupScalars`). The fused step
-    compiles this function."""
+    compiles this function (and calls it uncompiled where compiling cannot pay); its caller has
+    checked the gradients, so it never synchronises with the host to check the moments again."""
     like = [value for key, value in state.items() if not key.endswith(PER_GROUP_PARTS)][0]
     shape = like.shape
     values = param.read(shape) if isinstance(param, BufferRows) else param
@@ -370,7 +379,9 @@ def bucket_kernel_(
         grad = grad.read(shape)
     if isinstance(scalars, GroupScalars):
         scalars = scalars.resolve(like)
-    pieces = adamw_kernel_(values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality)
+    pieces = adamw_kernel_(
+        values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality, check_finite=False
+    )
     if isinstance(param, BufferRows):
         param.write(values)
     return pieces
@@ -385,6 +396,7 @@ def adamw_kernel_(
     beta2_expansion: tuple[Any, Any],
     random_source: RandomSource,
     track_update_quality: bool,
+    check_finite: bool = True,
 ) -> torch.Tensor | None:
     """The elementwise body of one step, in place. Every operation is one correctly rounded FP32
     operation (no lerp, addcmul or addcdiv, whose CPU kernels fuse multiply-adds; a correctly rounded
@@ -393,7 +405,8 @@ def adamw_kernel_(
     With ``track_update_quality``, returns the update-quality pieces of the step
     (:func:`~megatron_lowprec.metrics.update_quality.update_quality_pieces`: the intended FP32 update
     against the change of the represented value), reduced inside the step: compiled, it keeps no
-    tensor-sized FP64 temporary.
+    tensor-sized FP64 temporary. ``check_finite=False`` when the caller has checked the gradients:
+    FP8 moments are then stored without the host synchronisation that refuses non-finite values.
     """
     before = represented_value(param, state) if track_update_quality else None
     grad = grad.float()
@@ -415,9 +428,9 @@ def adamw_kernel_(
     else:
         update = decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
         PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
-    encode_moment(state, "exp_avg", exp_avg, param, strategy)
+    encode_moment(state, "exp_avg", exp_avg, param, strategy, check_finite)
     if not strategy.second_moment_mcf:
-        encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy)
+        encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy, check_finite)
     if not track_update_quality:
         return None
     return update_quality_pieces(update, before, represented_value(param, state))

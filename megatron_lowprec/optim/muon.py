@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.rounding import StreamLayout, layout_random_bits
-from megatron_lowprec.optim.adamw import check_grad_dtypes, grads_are_finite
+from megatron_lowprec.numerics.rounding import StreamLayout
+from megatron_lowprec.optim.adamw import PrecisionOptimizer
 from megatron_lowprec.optim.buckets import Bucket, build_bucket
 from megatron_lowprec.optim.kernel import (
     PARAM_UPDATES,
@@ -176,7 +176,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
             raise ValueError(f"invalid {name}={group[name]!r}; it must be {valid}")
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(PrecisionOptimizer):
     """Muon for 2-D weights with a precision strategy (``option``: any registered name, see
     :func:`megatron_lowprec.optim.strategies.strategy_names`) that decides the momentum's storage and
     how the update is rounded into the parameter (module docstring; C is B for Muon).
@@ -190,7 +190,8 @@ class Muon(torch.optim.Optimizer):
     element draws the same; ``stream_layout(param)`` places a parameter in the stream (default: a
     whole stream per parameter, numbered by its position). A step with a non-finite gradient is
     skipped before any state changes (:attr:`skipped_steps`), unless ``check_grads_finite=False``.
-    Eager only: one parameter at a time, no fused (compiled) step.
+    ``state_dict`` and ``load_state_dict`` are AdamW's (every state component restored bit-exactly,
+    the master in either storage). Eager only: one parameter at a time, no fused (compiled) step.
     """
 
     def __init__(
@@ -234,9 +235,9 @@ class Muon(torch.optim.Optimizer):
         _check_hyperparameters(group)
         by_layout: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):
-            check_muon_param(param, self.strategy, f"parameter {index} of group {group_index}")
-            layout = StreamLayout.whole(len(self._stream_layouts), param.numel())
-            self._stream_layouts[param] = layout if self._stream_layout is None else self._stream_layout(param)
+            where = f"parameter {index} of group {group_index}"
+            check_muon_param(param, self.strategy, where)
+            self._stream_layouts[param] = self._checked_stream_layout(param, where)
             by_layout.setdefault((param.device, param.dtype), []).append(param)
         for params in by_layout.values():
             streams = [self._stream_layouts[param] for param in params]
@@ -245,10 +246,6 @@ class Muon(torch.optim.Optimizer):
             for param, state in zip(params, states):
                 self.state[param] = state
 
-    def random_bits(self, param: torch.nn.Parameter, step: int) -> torch.Tensor:
-        """The 32-bit words (int32, ``param``'s shape) that stochastic rounding of ``param`` draws at ``step``."""
-        return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Muon step for every parameter with a gradient (see the class docstring for skips)."""
@@ -256,9 +253,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        check_grad_dtypes(self.param_groups)
-        if self.check_grads_finite and not grads_are_finite(self.param_groups):
-            self.skipped_steps += 1
+        if not self._grads_ready():
             return loss
         stochastic = self.strategy.param_update == "stochastic"
         for group in self.param_groups:

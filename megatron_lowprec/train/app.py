@@ -158,7 +158,8 @@ def _print_rank_zero(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lowprec-train``: Hydra overrides in, exit status out (0 done or stopped by an
-    exit signal with a checkpoint, 2 config or resume error, 3 diverged, 130 Ctrl-C)."""
+    exit signal with a checkpoint, 1 a checkpoint that could not be written, 2 config or resume error,
+    3 diverged, 130 Ctrl-C)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -209,8 +210,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 def _train(config: TrainConfig) -> int:
     """Train, turning a config error found once the data is loaded (a vocabulary smaller than the
-    tokenizer's), a checkpoint that cannot be resumed, a diverged run and Ctrl-C into one line each."""
-    from megatron_lowprec.train.checkpoint import ResumeError
+    tokenizer's), a checkpoint that cannot be resumed or written, a diverged run and Ctrl-C into one
+    line each."""
+    from megatron_lowprec.train.checkpoint import ResumeError, SaveError
     from megatron_lowprec.train.loop import DIVERGED_EXIT_CODE, Diverged, Interrupted, train
 
     try:
@@ -221,6 +223,9 @@ def _train(config: TrainConfig) -> int:
     except ResumeError as error:
         _print_rank_zero(f"lowprec-train: cannot resume: {error}")
         return 2
+    except SaveError as error:
+        _print_rank_zero(f"lowprec-train: {error}")
+        return 1
     except Diverged as diverged:
         _print_rank_zero(f"lowprec-train: {diverged.report()}")
         return DIVERGED_EXIT_CODE

@@ -271,9 +271,41 @@ class TrainConfig:
     """Run directory (config, metrics, checkpoints); ``None``: ``runs/<time>-<model>-<option>``."""
     resume: Optional[bool] = None
     """``None``: resume when run_dir holds a checkpoint; ``true``: require one; ``false``: start fresh."""
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Keys that may differ from the checkpoint's on resume (any of ``trainer.global_batch_size``,
+    ``trainer.micro_batch_size``, ``model.seq_length``, ``model.rotary_base``,
+    ``model.layernorm_epsilon``); any other change of the model's architecture or batch geometry
+    stops the resume (the checkpoint records them)."""
     resume_from: Optional[str] = None
     """A checkpoint directory (``<run_dir>/checkpoints/iter_<N>``, of this run or another) to resume
     from exactly: where it is damaged the run stops instead of falling back to an older one."""
+
+
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "normalization", "activation",
+    "position_embedding_type", "rotary_percent", "rotary_base", "untie_embeddings_and_output_weights",
+    "add_bias_linear", "layernorm_epsilon",
+)
+"""The ``model`` keys that change the parameters' shapes or what they mean."""
+
+RESUME_CHANGEABLE = (
+    "trainer.global_batch_size", "trainer.micro_batch_size", "model.seq_length", "model.rotary_base",
+    "model.layernorm_epsilon",
+)
+"""The recorded keys that ``resume_allow_changes`` may let differ from the checkpoint's."""
+
+
+def run_shape(config: "TrainConfig") -> dict[str, object]:
+    """The architecture (:data:`ARCHITECTURE_FIELDS`, ``max_position_embeddings`` as in effect) and the
+    batch geometry of ``config``, by key: what a checkpoint records and a resume must match."""
+    model = config.model
+    shape = {f"model.{name}": getattr(model, name) for name in ARCHITECTURE_FIELDS}
+    shape["model.max_position_embeddings"] = model.max_position_embeddings or model.seq_length
+    shape["model.seq_length"] = model.seq_length
+    shape["trainer.global_batch_size"] = config.trainer.global_batch_size
+    shape["trainer.micro_batch_size"] = config.trainer.micro_batch_size
+    return shape
 
 
 class ConfigError(ValueError):
@@ -560,7 +592,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
 
 
 def _validate_fault_handling(config: TrainConfig) -> None:
-    """The exit signal, the schedule choice on resume and ``resume_from``."""
+    """The exit signal, the schedule choice on resume, ``resume_allow_changes`` and ``resume_from``."""
     if config.trainer.exit_signal is not None:
         _choice("trainer.exit_signal", config.trainer.exit_signal, EXIT_SIGNALS)
     if config.optimizer.override_opt_param_scheduler and config.optimizer.use_checkpoint_opt_param_scheduler:
@@ -568,5 +600,7 @@ def _validate_fault_handling(config: TrainConfig) -> None:
             "optimizer.override_opt_param_scheduler=true (take the config's schedule) and "
             "optimizer.use_checkpoint_opt_param_scheduler=true (keep the checkpoint's) contradict each other; set one"
         )
+    for key in config.resume_allow_changes:
+        _choice("resume_allow_changes entry", key, RESUME_CHANGEABLE)
     if config.resume_from is not None and config.resume is False:
         raise ConfigError(f"resume_from={config.resume_from!r} and resume=false contradict each other; drop one")

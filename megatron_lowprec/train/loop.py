@@ -39,7 +39,7 @@ from megatron_lowprec.train.data import TrainingData, batches, build_training_da
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
-from megatron_lowprec.train.signals import ExitSignals
+from megatron_lowprec.train.signals import ExitSignals, end_with_launcher
 
 
 DIVERGED_EXIT_CODE = 3
@@ -385,23 +385,32 @@ def evaluate_sharpness(run: Run) -> float:
 def train(config: TrainConfig) -> dict:
     """Run the training of ``config``; returns the summary (also printed and saved by rank 0), or,
     when an exit signal stopped it, where it stopped (``stopped_by``, ``steps``, ``checkpoint``).
-    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``."""
+    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``,
+    one that cannot be written ``checkpoint.SaveError``; a diverged run :class:`Diverged`; a run
+    directory another job holds, or a vocabulary below the tokenizer's, ``ConfigError``."""
+    end_with_launcher(launched="TORCHELASTIC_RUN_ID" in os.environ)
     with distributed_environment(config):
         run_dir = _run_dir(config)
-        try:
-            run = build_run(config, run_dir)
-            resumed = checkpoint.resume_if_present(run)
-            logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
-        except KeyboardInterrupt:
-            raise Interrupted(run_dir, None, config.trainer.max_steps) from None
-        try:
-            with ExitSignals(config.trainer.exit_signal) as exit_signals:
-                if config.trainer.save:
-                    checkpoint.start_writer_service(exit_signals.signals)
-                return _train_loop(run, logger, exit_signals, resumed)
-        except KeyboardInterrupt:
-            logger.close(exit_code=130)
-            raise Interrupted(run_dir, run.iteration, config.trainer.max_steps) from None
+        with checkpoint.run_dir_lock(run_dir):
+            return _train_in(config, run_dir)
+
+
+def _train_in(config: TrainConfig, run_dir: Path) -> dict:
+    """:func:`train` in the locked ``run_dir``."""
+    try:
+        run = build_run(config, run_dir)
+        resumed = checkpoint.resume_if_present(run)
+        logger = MetricsLogger(config, run_dir, run, resumed_from=resumed)
+    except KeyboardInterrupt:
+        raise Interrupted(run_dir, None, config.trainer.max_steps) from None
+    try:
+        with ExitSignals(config.trainer.exit_signal) as exit_signals:
+            if config.trainer.save:
+                checkpoint.start_writer_service(exit_signals.signals)
+            return _train_loop(run, logger, exit_signals, resumed)
+    except KeyboardInterrupt:
+        logger.close(exit_code=130)
+        raise Interrupted(run_dir, run.iteration, config.trainer.max_steps) from None
 
 
 def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resumed: int | None) -> dict:

@@ -11,7 +11,8 @@ GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
 valid lines hold ``loss`` and ``perplexity``; sharpness lines hold ``sharpness`` and its box
 half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer. The file and
 ``summary.json`` are strict JSON: a value that is NaN or infinite is written as ``null``. A resumed
-run first drops the rows after the step it resumes from, so the file holds one row per step.
+run first drops the rows after the step it resumes from (a run started over in the same directory,
+``resume=false``, all of them), so the file holds one row per step.
 """
 
 from __future__ import annotations

@@ -9,14 +9,18 @@ signal of one's choice earlier; under ``torchrun`` both the agent (which forward
 workers receive it. The same signal arriving twice (directly and forwarded) is one request.
 
 SLURM signals the helper processes of a rank as well; :func:`shield_helper` keeps alive one that the
-checkpoint the signal asks for needs. This module imports only the standard library at the top, so
+checkpoint the signal asks for needs. :func:`end_with_launcher` makes a rank and the processes it forks
+(megatron's checkpoint writers) die with their parent, so that ``kill -9`` of the launcher leaves no
+process behind. This module imports only the standard library at the top, so
 that such a helper process starts without torch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -72,3 +76,38 @@ def shield_helper(numbers: tuple[int, ...]) -> None:
         os._exit(0)
 
     threading.Thread(target=end_with_parent, name="end-with-parent", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option of Linux: the signal a process gets when the thread that started it exits."""
+
+
+def _kill_when_parent_dies(parent: int) -> None:
+    """SIGKILL this process once ``parent`` is gone (Linux ``PR_SET_PDEATHSIG``); if it is gone
+    already (it died before the call), exit now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def end_with_launcher(launched: bool) -> None:
+    """Make every process this one forks from now on (megatron's checkpoint writers, ``multiprocessing``
+    workers) die when this one does, and, where ``launched`` by torchrun, this one die with its agent:
+    each a parent-death signal (Linux; a no-op elsewhere). A plain ``lowprec-train`` keeps its own
+    lifetime, so that a run started with ``nohup`` outlives its shell."""
+    if not sys.platform.startswith("linux"):
+        return
+    if launched:
+        _kill_when_parent_dies(os.getppid())
+    if not _FORKER:
+        _FORKER.append(os.getpid())
+        os.register_at_fork(
+            before=lambda: _FORKER.__setitem__(0, os.getpid()),
+            after_in_child=lambda: _kill_when_parent_dies(_FORKER[0]),
+        )
+
+
+_FORKER: list[int] = []
+"""The process that forks (set just before each fork); empty until :func:`end_with_launcher` runs."""

@@ -181,6 +181,11 @@ def refusals() -> dict:
         "cpu_offload": message(lambda: build_optimizer(_precision_config(optimizer_cpu_offload=True), [model])),
         "no_option": message(lambda: build_optimizer(plain, [model])),
         "unknown_option": message(lambda: build_optimizer("Z", [model], plain)),
+        "muon_split_qkv": message(lambda: build_optimizer(_precision_config(optimizer="muon"), [model])),
+        "muon_update_quality": message(lambda: build_optimizer(
+            _precision_config(optimizer="muon", muon_split_qkv=False, lowprec_track_update_quality=True), [model])),
+        "muon_distributed": message(lambda: build_optimizer(
+            _precision_config(optimizer="muon", muon_split_qkv=False, use_distributed_optimizer=True), [model])),
         "foreign_groups": message(lambda: build_optimizer(
             _precision_config(), [model], pg_collection=SimpleNamespace(tp=torch.distributed.new_group([0, 1])))),
     }
@@ -190,7 +195,79 @@ def refusals() -> dict:
     return messages
 
 
-SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals)}
+def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
+    """``optimizer="muon"`` with option D at DP=2: which parameters each chained optimizer holds, and
+    whether each hidden weight's FP32 master after every step is ``torch.optim.Muon``'s step on the
+    previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+
+    parallel_state.initialize_model_parallel()
+    model = _model()
+    config = LowPrecisionOptimizerConfig.from_optimizer_config(
+        _optimizer_config(), optimizer="muon", lowprec_option="D", clip_grad=0.0, muon_split_qkv=False,
+        muon_use_nesterov=True, muon_scale_mode="shape_scaling",
+    )
+    optimizer = build_optimizer(config, [model])
+    muon, adamw = (inner.optimizer for inner in optimizer.chained_optimizers)
+    names = {param: name for name, param in model.named_parameters()}
+    masters = {param: muon.state[param]["master"].clone() for group in muon.param_groups for param in group["params"]}
+    references = {param: torch.nn.Parameter(master.clone()) for param, master in masters.items()}
+    torch_muon = torch.optim.Muon(
+        list(references.values()), lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        nesterov=True, adjust_lr_fn="original",
+    )
+    agree = []
+    for step in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, data_seed=100 * step + parallel_state.get_data_parallel_rank())
+        model.finish_grad_sync()
+        for param, reference in references.items():
+            reference.grad = param.main_grad.clone()
+        assert optimizer.step()[0]
+        torch_muon.step()
+        agree.append(all(torch.equal(muon.state[param]["master"], reference.detach()) for param, reference in references.items()))
+    return {
+        **_muon_resumes_from_its_state_dict(model, optimizer, data_seed=100 * steps + parallel_state.get_data_parallel_rank()),
+        "type": type(optimizer).__name__,
+        "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
+        "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
+        "agree": agree,
+    }
+
+
+def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
+    """One more step, then the same step again after restoring the model and the chained optimizer's
+    state dict: whether every parameter and state tensor of both optimizers came out the same."""
+    import copy
+
+    from megatron.core import parallel_state
+
+    def step():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, data_seed=data_seed)
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+        return [param.detach().clone() for param in model.parameters()] + [
+            value.clone() for inner in optimizer.chained_optimizers for state in inner.optimizer.state.values()
+            for value in state.values() if torch.is_tensor(value)
+        ]
+
+    saved_params = [param.detach().clone() for param in model.parameters()]
+    saved_state = copy.deepcopy(optimizer.state_dict())
+    first = step()
+    for param, saved in zip(model.parameters(), saved_params):
+        param.data.copy_(saved)
+    optimizer.load_state_dict(saved_state)
+    second = step()
+    assert parallel_state.get_data_parallel_world_size() == 2
+    return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
+
+
+SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}
 
 
 if __name__ == "__main__":

@@ -121,7 +121,80 @@ def pretrain_routing(argv: list[str], steps: int) -> dict:
     }
 
 
-SCENARIOS = {f.__name__: f for f in (pretrain_routing,)}
+LOSSES: list[float] = []
+"""The loss of every micro-batch this rank computed the loss of (last pipeline stage)."""
+
+
+def _gpt_datasets_provider(train_valid_test_num_samples, vp_stage=None):
+    """``pretrain_gpt.py``'s dataset provider, built on every rank (``is_distributed``): the indexed
+    dataset of ``--data-path``, else ``--mock-data``'s. Tensor-parallel ranks read the same samples."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=None if args.mock_data else (args.data_path, None), split=args.split,
+        tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+    )
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset if args.mock_data else GPTDataset, train_valid_test_num_samples, lambda: True, config
+    ).build()
+
+
+_gpt_datasets_provider.is_distributed = True
+
+
+def _gpt_forward_step(data_iterator, model):
+    """``pretrain_gpt.py``'s forward step on a batch every rank reads itself; the loss per token."""
+    batch = next(data_iterator)
+    device = torch.cuda.current_device()
+    loss_mask = batch["loss_mask"].to(device)
+    output = model(
+        batch["tokens"].to(device), batch["position_ids"].to(device), None,
+        labels=batch["labels"].to(device), loss_mask=loss_mask,
+    )
+
+    def loss_func(per_token_loss):
+        loss_sum = (per_token_loss.float().view(-1) * loss_mask.view(-1)).sum()
+        tokens = loss_mask.sum().to(torch.int)
+        LOSSES.append(float(loss_sum / tokens))
+        return loss_sum, tokens, {"lm loss": torch.cat([loss_sum.detach().view(1), tokens.float().view(1)])}
+
+    return output, loss_func
+
+
+def pretrain_gpt(argv: list[str]) -> dict:
+    """Megatron-LM's own ``pretrain`` (initialisation, model, optimizer, training loop, evaluation,
+    checkpoints), as its ``pretrain_gpt.py`` calls it at the installed version, with the plugin."""
+    from megatron.core.enums import ModelType
+    from megatron.training import arguments, training
+
+    sys.argv = ["pretrain_gpt.py", *argv]
+    megatron_lm.activate_cpu_trial()
+    megatron_lm.install()
+    defaults = {"tokenizer_type": "NullTokenizer"}
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    except ImportError:
+        training.pretrain(_gpt_datasets_provider, model_provider, ModelType.encoder_or_decoder, _gpt_forward_step,
+                          args_defaults=defaults)
+    else:
+        args = arguments.parse_and_validate_args(args_defaults=defaults)
+        container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        training.pretrain(container, _gpt_datasets_provider, ModelType.encoder_or_decoder, _gpt_forward_step)
+    from megatron.core import parallel_state
+
+    return {
+        "losses": LOSSES,
+        "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "data_rank": parallel_state.get_data_parallel_rank(),
+    }
+
+
+SCENARIOS = {f.__name__: f for f in (pretrain_routing, pretrain_gpt)}
 
 
 def main(result_dir: Path, scenario: str, arguments: dict) -> None:

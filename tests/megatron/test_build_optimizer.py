@@ -74,14 +74,30 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
         assert len(rank["losses"]["provide"]) == 6
 
 
+def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
+    """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
+    the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit;
+    a step after reloading the chained state dict repeats the uninterrupted step exactly."""
+    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2):
+        assert rank["type"] == "LowPrecisionMuonOptimizer"
+        assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
+        assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
+        assert any("embedding" in name for name in rank["adamw"]) and any(name.endswith("bias") for name in rank["adamw"])
+        assert rank["agree"] == [True, True]
+        assert rank["resumed"] and rank["compared"] > len(rank["muon"]) + len(rank["adamw"])
+
+
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     messages = _run(tmp_path, "refusals")[0]
-    assert "config.optimizer='sgd'" in messages["sgd"] and "optimizer='adam'" in messages["sgd"]
+    assert "config.optimizer='sgd'" in messages["sgd"] and "optimizer='adam' or 'muon'" in messages["sgd"]
     assert "config.fp16=True" in messages["fp16"] and "BF16" in messages["fp16"]
     assert "config.optimizer_cpu_offload=True" in messages["cpu_offload"]
     assert "without a precision option" in messages["no_option"] and "LowPrecisionOptimizerConfig" in messages["no_option"]
     assert "unknown precision option 'Z'" in messages["unknown_option"] and "coat" in messages["unknown_option"]
     assert "pg_collection's tp" in messages["foreign_groups"]
+    assert "config.muon_split_qkv=True" in messages["muon_split_qkv"] and "muon_split_qkv=False" in messages["muon_split_qkv"]
+    assert "config.use_distributed_optimizer=True" in messages["muon_distributed"] and "muon" in messages["muon_distributed"]
+    assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
     assert "expert-parallel" in messages["expert_parallel"]
 
 

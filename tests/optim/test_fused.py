@@ -275,6 +275,32 @@ def test_a_new_strategy_is_data_only(strategy, device):
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
 
 
+SR_FP8_MOMENTS = PrecisionStrategy(
+    "sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"
+)
+
+
+@pytest.mark.parametrize(
+    "option, shapes", [("coat", [(100,)]), (SR_FP8_MOMENTS, [(3,), (7, 13)])], ids=["coat-bucket", "sr-entries"]
+)
+def test_calls_of_one_fp8_group_compile_nothing_and_stay_identical(option, shapes):
+    """A bucket of one FP8 group (coat), and under SR entries of one group each (one call per entry,
+    one row or several), are stepped by the kernel uncompiled: no compilation (a group count of one
+    recompiled the FP8 step, minutes on 2 cores), the eager reference's bits."""
+    from torch._dynamo.utils import counters
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    twins = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        twins.append((params, AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option, seed=3, fused=fused)))
+    graphs = counters["stats"]["unique_graphs"]
+    _step_twins(*twins, steps=3, seed=6)
+    assert counters["stats"]["unique_graphs"] == graphs
+    _assert_bit_identical(*twins)
+
+
 def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_key():
     from torch._inductor.codegen import cpp
 

@@ -333,6 +333,8 @@ def test_a_layout_needing_more_ranks_says_how_to_launch_them(capsys, monkeypatch
         (["optimizer.override_opt_param_scheduler=true", "optimizer.use_checkpoint_opt_param_scheduler=true"],
          "contradict each other"),
         (["resume_from=/nowhere/iter_0000010", "resume=false"], "contradict each other"),
+        (["resume_allow_changes=[model.num_layers]"],
+         "resume_allow_changes entry='model.num_layers' is not valid; choose one of: trainer.global_batch_size, "),
         (["resume_from=/nowhere/iter_0000010"], "resume_from='/nowhere/iter_0000010' cannot be resumed from: does not exist"),
     ],
 )

@@ -1,16 +1,19 @@
 """Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
 torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
-learning-rate schedule on resume, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
+learning-rate schedule, model or batch geometry on resume, a diverging run, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import math
 import os
 import queue
 import re
+import resource
+import socket
 import signal
 import subprocess
 import sys
@@ -146,7 +149,8 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     last = step + 2
     straight = tmp_path / "straight"
     newest = f"iter_{last:07d}"
-    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "header", "flipped", "schedule", "kept")}
+    copies = {name: tmp_path / name for name in ("truncated", "missing", "half", "header", "flipped", "schedule", "kept",
+                                                 "batch")}
     steps = [
         {"overrides": _tiny(cache_dir, stopped, f"trainer.max_steps={last}", "resume=true")},
         {"overrides": _tiny(cache_dir, straight, f"trainer.max_steps={last}", "trainer.save_interval=1")},
@@ -163,6 +167,12 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
         {"flip": str(checkpoints_dir(copies["flipped"]) / newest / "__0_0.distcp")},
         {"overrides": _tiny(cache_dir, copies["flipped"], f"trainer.max_steps={last}")},
         {"overrides": _tiny(cache_dir, tmp_path / "vocabulary", "model.vocab_size=10", "trainer.max_steps=1")},
+        # The issue's case: heads 4 -> 8 and LayerNorm -> RMSNorm; then a larger global batch.
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last}", "model.num_attention_heads=8",
+                            "model.normalization=RMSNorm", "trainer.global_batch_size=16")},
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last + 1}", "trainer.global_batch_size=16")},
+        {"overrides": _tiny(cache_dir, copies["batch"], f"trainer.max_steps={last + 1}", "trainer.global_batch_size=16",
+                            "resume_allow_changes=[trainer.global_batch_size]")},
         # The issue's case: max_steps changed (the decay follows it) and, here, the peak LR too.
         {"overrides": _tiny(cache_dir, copies["schedule"], f"trainer.max_steps={last + 2}", "optimizer.lr_decay_steps=null",
                             "optimizer.lr=0.002")},
@@ -173,7 +183,8 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    resumed, straight_run, truncated, missing, half, header, flipped, vocabulary, changed, overridden, kept = run_ranks(
+    (resumed, straight_run, truncated, missing, half, header, flipped, vocabulary, other_model, other_batch, batch_allowed,
+     changed, overridden, kept) = run_ranks(
         WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=400
     )[0]
     log = (result_dir / "rank0.log").read_text()
@@ -199,6 +210,16 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert "__0_0.distcp does not match its xxh3_128 checksum" in skipped(copies["flipped"])
     assert flipped["summary"]["parameter_digest"] == digest and flipped["latest"] == newest
     assert vocabulary["error"].startswith("model.vocab_size=10 is below the tokenizer's ")
+    newest_path = checkpoints_dir(copies["batch"]) / newest
+    assert other_model["error"] == (
+        f"{newest_path} was trained with another model or batch geometry: model.num_attention_heads 8 here, 4 in the "
+        "checkpoint; model.normalization RMSNorm here, LayerNorm in the checkpoint; trainer.global_batch_size 16 here, "
+        "8 in the checkpoint. model.num_attention_heads, model.normalization define the model's parameters: set them as "
+        "the checkpoint has them, or resume=false to start over")
+    assert other_batch["error"].endswith(
+        "trainer.global_batch_size 16 here, 8 in the checkpoint. resume_allow_changes=[trainer.global_batch_size] "
+        "resumes with the new values")
+    assert [row["step"] for row in batch_allowed["train_rows"]][-1] == last + 1 and "error" not in batch_allowed
 
     assert "error" in changed and "summary" not in changed
     assert f"trainer.max_steps (the decay steps) {last + 2} here, {DECAY} in the checkpoint" in changed["error"]
@@ -277,3 +298,62 @@ def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_
     summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
     assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1
     assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
+
+
+def test_one_job_per_run_dir_and_kill_9_of_the_launcher_during_a_save_leaves_no_process(tmp_path, cache_dir):
+    """While a DP=2 torchrun job trains, a second job on its run directory stops with one line naming
+    the holder's host and pid (exit 2). Then ``kill -9`` of the torchrun agent while a rank has a
+    checkpoint writer running: within seconds no process of the job is left (ranks, writers, the
+    writer service); the lock is free again. A rerun under a file-size quota that its checkpoint
+    exceeds stops with one line (exit 1), the partial checkpoint removed, the last one intact."""
+    psutil = pytest.importorskip("psutil")
+    run_dir = tmp_path / "run"
+    process, lines = _start([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, "trainer.max_steps=1000", "trainer.save_interval=1"),
+    ])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      2/1000", seen, timeout=240)
+    agent = psutil.Process(process.pid)
+    rank0 = next(worker for worker in agent.children() if worker.environ().get("RANK") == "0")
+    second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, "trainer.max_steps=3")],
+                            capture_output=True, text=True, env=_environment(), timeout=240)
+    while not lines.empty():
+        seen.append(lines.get())
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:] + "".join(seen)[-5000:]
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"lowprec-train: config error: run_dir={str(run_dir)!r} is in use by another job (host {socket.gethostname()} "
+        f"pid {rank0.pid}, which holds {run_dir / 'lock'}); wait for it to end, or choose another run_dir")
+
+    deadline = time.monotonic() + 120
+    while True:  # a rank with more than its writer service as children is writing a checkpoint
+        job = agent.children(recursive=True)
+        if any(len(worker.children()) > 1 for worker in agent.children()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert time.monotonic() <= deadline, "no checkpoint writer seen within 120 s"
+    os.kill(process.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(job, timeout=20)
+    assert not alive, [(left.pid, left.cmdline()[:4]) for left in alive]
+    # Writers forked after the snapshot carry the rank's command line.
+    left = [found.pid for found in psutil.process_iter(["cmdline"]) if f"run_dir={run_dir}" in (found.info["cmdline"] or [])]
+    assert not left, left
+    with (run_dir / "lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def file_size_quota() -> None:
+        """Writes past 500 kB fail in the file-system call (EFBIG), as on a full disk or quota."""
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    latest = checkpoints_dir(run_dir) / (checkpoints_dir(run_dir) / "latest").read_text()
+    next_step = int(latest.name.removeprefix("iter_")) + 1
+    quota = subprocess.run(
+        [sys.executable, "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, f"trainer.max_steps={next_step}")],
+        capture_output=True, text=True, env=_environment(), timeout=240, preexec_fn=file_size_quota)
+    assert quota.returncode == 1 and "Traceback" not in quota.stderr, quota.stderr[-3000:]
+    unwritten = checkpoints_dir(run_dir) / f"iter_{next_step:07d}"
+    assert re.fullmatch(rf"lowprec-train: checkpoint {re.escape(str(unwritten))} could not be written \(.+\); its partial "
+                        rf"files were removed, {re.escape(str(latest))} is intact", quota.stderr.strip().splitlines()[-1])
+    assert not unwritten.exists() and not unwritten.with_name(unwritten.name + ".partial").exists()
+    assert (checkpoints_dir(run_dir) / "latest").read_text() == latest.name and checkpoint_problem(latest) is None

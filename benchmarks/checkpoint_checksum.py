@@ -1,0 +1,64 @@
+"""What the checkpoint checksums cost: the XXH3-128 of every file at save and its verification at
+resume, against the save and the load themselves, in one process.
+
+The run is built as ``lowprec-train`` builds it (the model preset, option A, one rank), then, for
+``--repeats`` rounds: ``checkpoint.save`` timed whole (its checksums included) and the checksums
+alone (each file hashed again, as the save does, right after it is written); the resume's
+verification (sizes and checksums, :func:`checkpoint_problem` with the rank's share) and
+``checkpoint.load``. The figures are medians; the ratio is checksum time over save (or load) time.
+
+    python benchmarks/checkpoint_checksum.py                      # the embedded default (tiny)
+    python benchmarks/checkpoint_checksum.py --model gpt_125m
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def _timed(function) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="model preset (configs/model/)")
+    parser.add_argument("--repeats", type=int, default=5)
+    arguments = parser.parse_args()
+
+    from megatron_lowprec.train import checkpoint
+    from megatron_lowprec.train.app import compose
+    from megatron_lowprec.train.loop import build_run, distributed_environment
+
+    with tempfile.TemporaryDirectory() as directory:
+        run_dir = Path(directory) / "run"
+        config = compose([f"model={arguments.model}", "logging.wandb=false", f"run_dir={run_dir}", "precision.fused=false",
+                          f"data.cache_dir={Path(directory) / 'cache'}"])
+        with distributed_environment(config):
+            run = build_run(config, run_dir)
+            rows = {"save": [], "save checksums": [], "load": [], "load verification": []}
+            for round_ in range(arguments.repeats):
+                run.iteration = round_ + 1
+                path = checkpoint.checkpoint_path(run_dir, run.iteration)
+                rows["save"].append(_timed(lambda: checkpoint.save(run)))
+                rows["save checksums"].append(_timed(lambda: checkpoint._checksummed_files(path, 0, 1)))
+                rows["load verification"].append(_timed(lambda: checkpoint.checkpoint_problem(path, share=(0, 1))))
+                rows["load"].append(_timed(lambda: checkpoint.load(run, path)))
+            size = sum(file.stat().st_size for file in path.iterdir())
+    median = {name: statistics.median(values) for name, values in rows.items()}
+    print(f"model {arguments.model}: {run.model.module.config.num_layers} layers, checkpoint {size / 2**20:.1f} MiB, "
+          f"median of {arguments.repeats}")
+    for name, seconds in median.items():
+        print(f"  {name:<18} {seconds * 1e3:9.1f} ms")
+    print(f"  checksums / save   {median['save checksums'] / median['save']:.1%}")
+    print(f"  verification / load {median['load verification'] / median['load']:.1%}")
+
+
+if __name__ == "__main__":
+    main()

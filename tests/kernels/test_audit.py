@@ -1,0 +1,148 @@
+"""The audit of the fused step's CUDA kernels (issue 27 item 1), generated on this CPU-only machine.
+
+The module generates every step once (:func:`audits`, the slow part) and each test reads one rule of
+one (option, master storage, kind, arch). Defects of the kernels as they are today are strict
+xfails that name the defect (:data:`KNOWN_DEFECTS`): they pass, and must then be removed, once fixed.
+"""
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from megatron_lowprec.kernels import audit, codegen
+
+CASES = [
+    (option, storage, kind, arch)
+    for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
+]
+
+FP64_DIVISION = "division and square root through FP64: numerics/elementary.py's div_rn/sqrt_rn compile to div.rn.f64/sqrt.rn.f64"
+COAT_SM80 = "coat's FP8 E4M3 store is Triton's fp8e4nv, which needs sm_89: coat does not compile for sm_80 (A100)"
+SHARD_KERNELS = "a shard's BufferRows row lookups (searchsorted), gathers and scatters compile to kernels of their own: 6 launches"
+SHARD_RECOMPILES = "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again"
+SR_GATHERS = "sr's random bits cost a binary search and int32 gathers from small per-entry tables per element"
+SR_RECOMPILES = "sr: a bucket of one entry of 128 elements (one-element stream tables) compiles again"
+COAT_RECOMPILES = "coat: a bucket of one FP8 group ([1, 128]) compiles again"
+COAT_BYTES = (
+    "coat's kernel counts 16 + 16 B/element against the layout's 8.125 + 8.125: each thread's per-group scale and "
+    "exponent accesses and the payloads read again for the group statistics"
+)
+
+KNOWN_DEFECTS = [
+    ("fp32 only", lambda option, storage, kind, arch: option != "D", FP64_DIVISION),
+    ("compiles", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
+    ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
+    ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_RECOMPILES),
+    ("no recompilation", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_RECOMPILES),
+    ("no recompilation", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_RECOMPILES),
+    ("bytes", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
+    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_GATHERS),
+    ("bytes", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
+    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "coat" and arch == 90, COAT_BYTES),
+]
+"""(rule, the cases it fails in today, the defect) of the kernels on main (issue 27 items 1 and 4)."""
+
+
+def _marks(rule, case):
+    reasons = [defect for rule_, applies, defect in KNOWN_DEFECTS if rule_ == rule and applies(*case)]
+    return [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
+
+
+@pytest.fixture(scope="module")
+def audits():
+    """Every step generated and audited once: (option, storage, kind, arch) -> StepAudit."""
+    return {
+        (a.code.option, a.code.master_storage, a.code.kind, a.code.arch): a
+        for a in audit.run_audit(audit.configurations(), codegen.KINDS, codegen.ARCHES)
+    }
+
+
+def _params(rule):
+    return [pytest.param(*case, marks=_marks(rule, case), id="-".join(map(str, case))) for case in CASES]
+
+
+def _assert_rule(audits, rule, case):
+    check = audits[case].check(rule)
+    assert check.passed, f"{rule}: {check.detail}"
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("compiles"))
+def test_every_kernel_compiles(audits, option, storage, kind, arch):
+    _assert_rule(audits, "compiles", (option, storage, kind, arch))
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("instructions"))
+def test_no_approximate_flushing_or_contracted_instruction(audits, option, storage, kind, arch):
+    _assert_rule(audits, "instructions", (option, storage, kind, arch))
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("fp32 only"))
+def test_no_fp64_arithmetic(audits, option, storage, kind, arch):
+    _assert_rule(audits, "fp32 only", (option, storage, kind, arch))
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("one launch"))
+def test_one_launch_per_bucket(audits, option, storage, kind, arch):
+    _assert_rule(audits, "one launch", (option, storage, kind, arch))
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("no recompilation"))
+def test_no_recompilation_across_steps_scalars_and_buckets(audits, option, storage, kind, arch):
+    _assert_rule(audits, "no recompilation", (option, storage, kind, arch))
+
+
+@pytest.mark.parametrize("option,storage,kind,arch", _params("bytes"))
+def test_global_bytes_equal_the_layout_minimum(audits, option, storage, kind, arch):
+    _assert_rule(audits, "bytes", (option, storage, kind, arch))
+
+
+def test_layout_bytes_of_option_a_and_coat():
+    """A reads θ, g, m, v at 2 bytes and writes θ, m, v (14 B); coat's FP32 master replaces reading
+    θ, its FP8 moments carry a scale and an exponent (8 B) per 128 elements each."""
+    assert audit.layout_bytes(audit._strategy("A", "fp32")) == (8, 6)
+    assert audit.layout_bytes(audit._strategy("coat", "fp32")) == (2 + 4 + 2 + 2 * 8 / 128, 2 + 4 + 2 + 2 * 8 / 128)
+
+
+def test_access_bytes_counts_vector_widths():
+    ptx = "\tld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];\n\t@%p1 st.global.b16 [%rd2], %rs1;\n\tld.global.L1::evict_last.v2.b16 {%rs2, %rs3}, [%rd3];"
+    assert audit.access_bytes(ptx) == (16 + 4, 2)
+
+
+def test_audit_rejects_a_plain_fp32_division():
+    """The audit can fail: Inductor's FP32 ``/`` is ``div.full.f32`` (approximate) on CUDA."""
+    kernels = codegen.generate_function(lambda a, b: a / b, ((64,), (64,)), torch.float32, arch=90)
+    assert [fragment for kernel in kernels for fragment in audit.forbidden_instructions(kernel.ptx)] == ["div.full"]
+
+
+def test_codegen_restores_what_it_patches():
+    import triton
+
+    from torch._dynamo import device_interface
+
+    before = (
+        torch.cuda.get_device_properties, torch.cuda.device_count, device_interface.CudaInterface.is_available,
+        triton.runtime.driver._active, os.environ.get("TRITON_CACHE_DIR"), torch._C.__dict__.get("_cuda_getCurrentRawStream"),
+    )
+    with codegen.cuda_codegen(90, "/nonexistent"):
+        assert torch.cuda.get_device_properties(0).major == 9
+    after = (
+        torch.cuda.get_device_properties, torch.cuda.device_count, device_interface.CudaInterface.is_available,
+        triton.runtime.driver._active, os.environ.get("TRITON_CACHE_DIR"), torch._C.__dict__.get("_cuda_getCurrentRawStream"),
+    )
+    assert after == before
+    registry = (ctypes.c_void_p * 2).in_dll(
+        ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")),
+        "_ZN3c104impl26device_guard_impl_registryE",
+    )
+    assert registry[codegen.CUDA_DEVICE_TYPE] is None
+    assert not torch.cuda.is_available()
+
+
+def test_a_changed_internal_raises_codegen_setup_error(monkeypatch):
+    from torch._inductor import async_compile
+
+    monkeypatch.delattr(async_compile.AsyncCompile, "triton")
+    with pytest.raises(codegen.CodegenSetupError, match="AsyncCompile"):
+        codegen.generate("A")

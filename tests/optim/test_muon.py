@@ -1,0 +1,270 @@
+"""The precision-aware Muon, tested against torch.optim.Muon and fp64 references, option by option."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from megatron_lowprec.numerics.rounding import counter_random_bits
+from megatron_lowprec.optim.muon import Muon, muon_strategy, update_scale
+
+from .conftest import OPTIONS
+
+TORCH_NS = ((3.4445, -4.775, 2.0315), 5, 1e-7)
+
+
+def _param(values, dtype=torch.bfloat16, device=None):
+    return torch.nn.Parameter(torch.as_tensor(values, dtype=torch.float32, device=device).to(dtype))
+
+
+def _random(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("master_storage", ["fp32", "remainder"])
+@pytest.mark.parametrize("shape", [(16, 24), (40, 8)])
+@pytest.mark.parametrize(("scale_mode", "adjust_lr_fn", "nesterov"), [("original", None, True), ("match_rms_adamw", "match_rms_adamw", False)])
+def test_option_d_is_torch_muon_on_the_fp32_master(master_storage, shape, scale_mode, adjust_lr_fn, nesterov):
+    """D keeps an FP32 master and FP32 momentum and runs torch's operations on them (lerp momentum,
+    BF16 Newton-Schulz, multiplicative decay, add with alpha), so master and momentum are torch's
+    bit for bit, whichever way the master is stored."""
+    start = _random(shape, 0).bfloat16().float()
+    reference = torch.nn.Parameter(start.clone())
+    param = _param(start)
+    param.grad_dtype = torch.float32
+    hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    torch_muon = torch.optim.Muon([reference], adjust_lr_fn=adjust_lr_fn, **hyper)
+    ours = Muon([param], scale_mode=scale_mode, option="D", master_storage=master_storage, **hyper)
+    for step in range(4):
+        grad = _random(shape, step + 1)
+        reference.grad, param.grad = grad.clone(), grad.clone()
+        torch_muon.step()
+        ours.step()
+        state = ours.state[param]
+        master = state["master"] if master_storage == "fp32" else _joined(param, state["master_remainder"])
+        assert torch.equal(master, reference.detach())
+        assert torch.equal(state["momentum"], torch_muon.state[reference]["momentum_buffer"])
+    if master_storage == "fp32":
+        assert torch.equal(param.detach(), reference.detach().bfloat16())
+
+
+def _joined(param, remainder):
+    """The FP32 master whose upper 16 bits are the BF16 ``param`` and lower 16 bits ``remainder``, by
+    integer arithmetic independent of the package (the remainder is the signed distance below or
+    above the BF16 value rounded to nearest, ties away)."""
+    upper = param.detach().view(torch.int16).to(torch.int32) << 16
+    return (upper + remainder.to(torch.int32)).view(torch.float32)
+
+
+def test_scale_modes_match_torch_and_megatron_core_formulas():
+    """torch's adjust_lr_fn: "original" √max(1, m/n), "match_rms_adamw" 0.2√max(m, n); megatron-core's
+    "spectral" √max(m, n), "unit_rms_norm" √(m/n)."""
+    assert update_scale((64, 16), "original") == 2.0
+    assert update_scale((16, 64), "original") == 1.0
+    assert update_scale((16, 64), "match_rms_adamw") == pytest.approx(1.6, rel=1e-15)
+    assert update_scale((16, 64), "spectral") == 8.0
+    assert update_scale((16, 64), "unit_rms_norm") == 0.5
+
+
+CONSTANT_STEPS = 20
+EXPECTED_PATH = {
+    "A": "lost", "D-MW": "lost", "B": "mcf", "C": "mcf", "kahan": "kahan", "sr": "stochastic",
+    "D": "master", "coat": "master", "D-BF16": "master",
+}
+
+
+def _constant_updates(option, shape, device):
+    """Muon with momentum 0 and no decay under one constant gradient: every step applies the same
+    update Δ = -lr·O, O = torch's Newton-Schulz of the gradient on the same device (BF16 matmuls
+    round differently on a CPU and a GPU): lr = 1 gives |Δ| <= 0.35 (mean 0.085)
+    against ulp(200) = 1."""
+    grad = _random(shape, 7)
+    param = _param(torch.full(shape, 200.0), device=device)
+    optimizer = Muon([param], lr=1.0, weight_decay=0.0, momentum=0.0, option=option, seed=11)
+    for _ in range(CONSTANT_STEPS):
+        param.grad = grad.to(device, torch.bfloat16)
+        optimizer.step()
+    update = -_zeropower_via_newtonschulz(grad.to(device).bfloat16().float(), *TORCH_NS).cpu().double()
+    return optimizer, param, update
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_rounding_path_against_the_fp64_sum_of_the_updates(option, device):
+    """20 updates well under half a BF16 ulp: nearest loses them all (A, D-MW); MCF holds θ + δθ at the
+    sum of the BF16-rounded updates within 2^-10 per step (Grow rounds δθ < 0.5); Kahan holds θ + c
+    within half an ulp of Δ + c (< 1) per step, 2^-9; an FP32 master within 2^-16 per step; SR
+    moves every element in expectation (mean over 2048 elements of the error, signed by the
+    update, within 5 standard deviations of 0: variance <= steps x ulp²/4 per element; nearest
+    rounding would leave it at -20 x mean|Δ| = -1.7)."""
+    optimizer, param, update = _constant_updates(option, (32, 64), device)
+    state = {key: value.cpu() for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
+    values = param.detach().cpu().double()
+    path = EXPECTED_PATH[option]
+    if path == "lost":
+        assert torch.equal(values, torch.full_like(values, 200.0))
+        return
+    if path == "stochastic":
+        error = (values - 200 - CONSTANT_STEPS * update) * update.sign()
+        assert abs(error.mean().item()) <= 5 * math.sqrt(CONSTANT_STEPS / 4 / values.numel())
+        return
+    if path == "mcf":
+        represented, exact = values + state["param_lo"].double(), 200 + CONSTANT_STEPS * update.float().bfloat16().double()
+        bound = CONSTANT_STEPS * 2**-10
+    elif path == "kahan":
+        represented, exact = values + state["kahan_compensation"].double(), 200 + CONSTANT_STEPS * update
+        bound = CONSTANT_STEPS * 2**-9
+    else:
+        master = state["master"] if "master" in state else _joined(param.cpu(), state["master_remainder"])
+        represented, exact = master.double(), 200 + CONSTANT_STEPS * update
+        bound = CONSTANT_STEPS * 2**-16
+    assert (represented - exact).abs().max().item() <= bound
+    assert (values - exact).abs().max().item() > bound
+
+
+def test_stochastic_rounding_bits_are_the_counter_stream_shared_by_replicas(device):
+    """Two optimizers with one seed (two replicas) round identically, with the words of the counter
+    stream at (seed, step, parameter position, element); another seed rounds otherwise."""
+    def trained(seed):
+        params = [_param(_random((8, 32), index), device=device) for index in range(2)]
+        optimizer = Muon(params, lr=0.01, option="sr", seed=seed)
+        for step in range(3):
+            for index, param in enumerate(params):
+                param.grad = _random((8, 32), 10 * step + index).to(device, torch.bfloat16)
+            optimizer.step()
+        return optimizer, params
+
+    optimizer, first = trained(5)
+    _, replica = trained(5)
+    _, other = trained(6)
+    assert all(torch.equal(a, b) for a, b in zip(first, replica))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+    expected = counter_random_bits(5, 2, torch.arange(8 * 32), stream=1).view(8, 32)
+    assert torch.equal(optimizer.random_bits(first[1], 2).cpu(), expected)
+
+
+MUON_BYTES_PER_PARAM = {
+    "A": 6, "B": 8, "C": 8, "D": 12, "D-MW": 8, "kahan": 8, "sr": 6, "coat": 2 + 2 + 4 + 1 + 8 / 128, "D-BF16": 8,
+}
+"""BF16 parameter + BF16 gradient + Muon's state: one momentum (2, 4, or 1 + 8/128 bytes for FP8 with
+its per-group scale and exponent), the FP32 master (4) or its remainder (2), and δθ or the Kahan
+compensation (2)."""
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_bytes_per_param_measured_from_the_allocated_state(option, device):
+    params = [_param(_random(shape, 0), device=device) for shape in [(64, 128), (128, 256)]]
+    optimizer = Muon(params, option=option)
+    numel = sum(param.numel() for param in params)
+    state = sum(buffer.nbytes for bucket in optimizer.buckets for buffer in bucket.state.values())
+    measured = (state + 2 * numel + 2 * numel) / numel
+    assert measured == MUON_BYTES_PER_PARAM[option]
+    assert muon_strategy(option).bytes_per_param() == MUON_BYTES_PER_PARAM[option]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_option_fits_a_small_linear_map(option, device):
+    """Least squares for a 16 x 32 map: 30 steps of Muon bring the loss below a tenth of its start."""
+    inputs, target = _random((64, 32), 1), _random((16, 32), 2) / 4
+    outputs = inputs @ target.T
+    weight = _param(torch.zeros(16, 32), device=device)
+    optimizer = Muon([weight], lr=0.05, weight_decay=0.0, option=option)
+    inputs, outputs = inputs.to(device), outputs.to(device)
+
+    def loss():
+        return ((inputs.bfloat16() @ weight.T).float() - outputs).square().mean()
+
+    start = loss().item()
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    assert loss().item() < start / 10
+
+
+def test_non_finite_gradient_skips_the_step_and_leaves_state_untouched(device):
+    param = _param(_random((8, 16), 0), device=device)
+    optimizer = Muon([param], lr=0.01, option="B")
+    param.grad = _random((8, 16), 1).to(device, torch.bfloat16)
+    optimizer.step()
+    before = [param.detach().clone()] + [value.clone() for value in optimizer.state[param].values() if torch.is_tensor(value)]
+    param.grad[3, 5] = float("nan")
+    optimizer.step()
+    after = [param.detach()] + [value for value in optimizer.state[param].values() if torch.is_tensor(value)]
+    assert optimizer.skipped_steps == 1
+    assert optimizer.state[param]["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_parameter_that_is_not_2d_is_sent_to_adamw():
+    with pytest.raises(ValueError, match=r"parameter 1 of group 0 has shape \(16,\) \(1-D\).*AdamW"):
+        Muon([_param(torch.zeros(4, 4)), _param(torch.zeros(16))], option="A")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(option="A", scale_mode="rms"), r"scale_mode='rms'.*original, match_rms_adamw, spectral, unit_rms_norm"),
+        (dict(option="A", momentum=1.0), r"momentum=1.0.*\[0, 1\)"),
+        (dict(option="A", ns_steps=0), r"ns_steps=0"),
+        (dict(option="A", lr=-1.0), r"lr=-1.0"),
+        (dict(option="E"), r"unknown precision option 'E'; valid options: A, bf16, B"),
+        (dict(option="A", master_storage="remainder"), r"option 'A' keeps no FP32 master"),
+    ],
+)
+def test_bad_input_is_named_with_the_valid_choices(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Muon([_param(torch.zeros(4, 4))], **kwargs)
+
+
+def test_fp32_parameters_are_refused_with_the_valid_dtypes():
+    with pytest.raises(ValueError, match=r"dtype torch.float32, valid dtypes: torch.bfloat16, torch.float16"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], option="D")
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_state_dict_round_trip_continues_bit_identically(option, device):
+    """A run resumed from (model, optimizer) state dicts after 2 steps ends bit-identical to the
+    uninterrupted run, every state component in its own dtype (torch's default loading would cast
+    the FP32 master and momentum to the BF16 parameter's dtype)."""
+    grads = [_random((8, 16), seed) for seed in range(4)]
+
+    def run(param, optimizer, steps):
+        for grad in steps:
+            param.grad = grad.to(device, torch.bfloat16)
+            optimizer.step()
+
+    param = _param(_random((8, 16), 9), device=device)
+    optimizer = Muon([param], lr=0.01, option=option)
+    run(param, optimizer, grads[:2])
+    saved_param, saved_state = param.detach().clone(), copy.deepcopy(optimizer.state_dict())
+    run(param, optimizer, grads[2:])
+    resumed = _param(torch.zeros(8, 16), device=device)
+    resumed_optimizer = Muon([resumed], lr=0.01, option=option)
+    resumed.data.copy_(saved_param)
+    resumed_optimizer.load_state_dict(saved_state)
+    run(resumed, resumed_optimizer, grads[2:])
+    assert torch.equal(resumed.detach(), param.detach())
+    for key, value in optimizer.state[param].items():
+        if torch.is_tensor(value):
+            assert value.dtype == resumed_optimizer.state[resumed][key].dtype
+            assert torch.equal(value.view(torch.uint8), resumed_optimizer.state[resumed][key].view(torch.uint8))
+
+
+def test_c_is_b_for_muon(device):
+    """Muon keeps no second moment, so C's expansion of v has nothing to act on: C keeps B's state
+    and takes B's steps, bit for bit."""
+    def trained(option):
+        param = _param(_random((8, 16), 3), device=device)
+        optimizer = Muon([param], lr=0.01, option=option)
+        for step in range(3):
+            param.grad = _random((8, 16), 20 + step).to(device, torch.bfloat16)
+            optimizer.step()
+        return param.detach(), optimizer.state[param]
+
+    b_param, b_state = trained("B")
+    c_param, c_state = trained("C")
+    assert set(c_state) == set(b_state) == {"step", "momentum", "param_lo"}
+    assert torch.equal(c_param, b_param)
+    assert all(torch.equal(c_state[key], b_state[key]) for key in ("momentum", "param_lo"))
