@@ -128,26 +128,17 @@ def div_rn(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -
     """The correctly rounded FP32 quotient, on every backend. One operand may be a Python float: it
     is rounded to FP32 first and divides as a tensor on the other's device, since neither
     ``float / tensor`` (torch computes ``reciprocal(tensor) * float``) nor eager CUDA's
-    ``tensor / float`` (a product with the FP32 reciprocal) is a correctly rounded division. A
-    constant divisor that compiled GPU code should divide by in FP32 is a 0-d FP32 host tensor."""
+    ``tensor / float`` (a product with the FP32 reciprocal) is a correctly rounded division. In
+    compiled code, a constant divisor passed as a 0-d FP32 host tensor is divided by in FP32 on GPUs
+    too (Inductor passes it by value, while a Python constant becomes a reciprocal product)."""
     like = numerator if torch.is_tensor(numerator) else denominator
     constant_denominator = not torch.is_tensor(denominator)
     numerator, denominator = (
         operand if torch.is_tensor(operand) else like.new_full((), operand) for operand in (numerator, denominator)
     )
-    if _host_scalar_of_device_tensor(denominator, like) and not torch.compiler.is_compiling():
-        denominator = like.new_full((), denominator.item())
     if _fp64_needed(like, division=True, constant_denominator=constant_denominator):
         return (numerator.double() / denominator.double()).float()
     return numerator / denominator
-
-
-def _host_scalar_of_device_tensor(denominator: torch.Tensor, like: torch.Tensor) -> bool:
-    """Whether ``denominator`` is a 0-d host tensor dividing a tensor on another device: eager CUDA
-    multiplies by its FP32 reciprocal (so it is filled in on the device first, without a copy),
-    compiled code passes it by value and divides by it (a divisor that, unlike a Python constant,
-    Inductor does not turn into a reciprocal)."""
-    return denominator.dim() == 0 and denominator.device.type == "cpu" and like.device.type != "cpu"
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:

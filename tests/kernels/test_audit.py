@@ -18,7 +18,6 @@ CASES = [
     for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
 ]
 
-FP64_DIVISION = "division and square root through FP64: numerics/elementary.py's div_rn/sqrt_rn compile to div.rn.f64/sqrt.rn.f64"
 COAT_SM80 = "coat's FP8 E4M3 store is Triton's fp8e4nv, which needs sm_89: coat does not compile for sm_80 (A100)"
 SHARD_KERNELS = "a shard's BufferRows row lookups (searchsorted), gathers and scatters compile to kernels of their own: 6 launches"
 SHARD_RECOMPILES = "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again"
@@ -31,7 +30,6 @@ COAT_BYTES = (
 )
 
 KNOWN_DEFECTS = [
-    ("fp32 only", lambda option, storage, kind, arch: option != "D", FP64_DIVISION),
     ("compiles", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_RECOMPILES),
