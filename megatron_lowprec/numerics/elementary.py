@@ -21,8 +21,9 @@ two that some compilers approximate in a way no compiler does:
   IEEE vector instructions, :data:`NATIVE_FP32_DEVICES`), and Triton code (:data:`IEEE_FP32_DEVICES`:
   ``sqrt`` compiles to ``sqrt.rn.f32``, ``/`` to ``div.rn.f32`` under Inductor's
   ``eager_numerics.division_rounding``, which the code that compiles must announce with
-  :func:`ieee_fp32_division`). Otherwise, and for a division by a constant on those devices (which
-  Inductor turns into a product with its reciprocal), they are computed in float64 and rounded
+  :func:`ieee_fp32_division`). Otherwise, and for a division by a Python constant on those devices
+  (which Inductor turns into a product with its reciprocal; a constant passed as a 0-d host tensor
+  is divided by in FP32, as COAT's format maximum is), they are computed in float64 and rounded
   once to FP32, which gives the correctly rounded FP32 result (53 >= 2·24 + 2: double rounding
   through float64 is innocuous for the four operations and sqrt) and cannot be approximated or
   flushed (the FP64 operations of PTX and of libdevice are always correctly rounded, subnormal FP32
@@ -127,7 +128,9 @@ def div_rn(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -
     """The correctly rounded FP32 quotient, on every backend. One operand may be a Python float: it
     is rounded to FP32 first and divides as a tensor on the other's device, since neither
     ``float / tensor`` (torch computes ``reciprocal(tensor) * float``) nor eager CUDA's
-    ``tensor / float`` (a product with the FP32 reciprocal) is a correctly rounded division."""
+    ``tensor / float`` (a product with the FP32 reciprocal) is a correctly rounded division. In
+    compiled code, a constant divisor passed as a 0-d FP32 host tensor is divided by in FP32 on GPUs
+    too (Inductor passes it by value, while a Python constant becomes a reciprocal product)."""
     like = numerator if torch.is_tensor(numerator) else denominator
     constant_denominator = not torch.is_tensor(denominator)
     numerator, denominator = (

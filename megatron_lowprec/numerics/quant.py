@@ -52,6 +52,16 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
+_FP8_MAX_DIVISORS = {dtype: torch.tensor(fp8_max(dtype)) for dtype in _FORMATS.values()}
+
+
+def _fp8_max_divisor(fp8_dtype: torch.dtype) -> "torch.Tensor | float":
+    """:func:`fp8_max` as :func:`div_rn`'s divisor: a 0-d host tensor in compiled code (a compiled
+    division by a Python constant becomes a product with its reciprocal, which GPUs would compute in
+    FP64), the number in eager code (which :func:`div_rn` fills in on the device)."""
+    return _FP8_MAX_DIVISORS[fp8_dtype] if torch.compiler.is_compiling() else fp8_max(fp8_dtype)
+
+
 def fp8_dynamic_range(fp8_dtype: torch.dtype) -> float:
     """R_fmt = Delta_max / Delta_min, Delta_min the smallest positive subnormal (COAT section 4.1)."""
     info = torch.finfo(fp8_dtype)
@@ -154,7 +164,7 @@ def quantize_fp8_into(
         raise ValueError("cannot quantize a tensor holding NaN or infinity")
     nonzero_group = group_max > 0
     group_scale = torch.where(
-        nonzero_group, div_rn(group_max, format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0
+        nonzero_group, div_rn(group_max, _fp8_max_divisor(fp8_dtype)).clamp_min(torch.finfo(torch.float32).tiny), 1.0
     )
     if expansion_exponent is None:
         scaled = div_rn(groups, group_scale)
@@ -236,6 +246,6 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     else:
         format_max = fp8_max(q.fp8_dtype)
         values = (group_scale * format_max) * contract_dynamic_range(
-            div_rn(groups, format_max), q.expansion_exponent.view(-1, 1)
+            div_rn(groups, _fp8_max_divisor(q.fp8_dtype)), q.expansion_exponent.view(-1, 1)
         )
     return _ungrouped(values, q.payload).view(q.shape)

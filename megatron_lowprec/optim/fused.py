@@ -33,8 +33,8 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
   FP fusion under ``emulate_precision_casts``.
 * Divisions, square roots, and COAT's ``log`` and ``pow`` are the package's own correctly rounded or
   fixed-polynomial functions (``numerics/elementary.py``), the same on every backend: FP32 ``div.rn``
-  and ``sqrt.rn`` in Triton (``division_rounding``), no FP64 but for divisions by a constant; FP32
-  denormals are kept (``disable_ftz`` where this torch's Inductor has it).
+  and ``sqrt.rn`` in Triton (``division_rounding``), no FP64 (constant divisors are 0-d host
+  tensors); FP32 denormals are kept (``disable_ftz`` where this torch's Inductor has it).
 * Step-dependent scalars and the SR round keys are 0-d host tensors (passed by value, no
   host-to-device copy), and shapes are dynamic, so one compilation per strategy, dtype and kind of
   source serves every step and bucket.

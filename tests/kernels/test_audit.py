@@ -19,7 +19,6 @@ CASES = [
     for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
 ]
 
-COAT_FP64 = "coat's step multiplies in FP64 (mul.rn.f64) on GPUs"
 COAT_SM80 = "coat's FP8 E4M3 store is Triton's fp8e4nv, which needs sm_89: coat does not compile for sm_80 (A100)"
 SHARD_KERNELS = "a shard's BufferRows row lookups (searchsorted), gathers and scatters compile to kernels of their own: 4 to 9 launches"
 SHARD_RECOMPILES = (
@@ -31,7 +30,6 @@ SR_RECOMPILES = "sr: a bucket of one entry of 128 elements (one-element stream t
 COAT_KERNELS = "coat's plain step is 3 kernels"
 
 KNOWN_DEFECTS = [
-    ("fp32 only", lambda option, storage, kind, arch: option == "coat", COAT_FP64),
     ("compiles", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("instructions", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),

@@ -164,5 +164,6 @@ def test_compiled_division_and_sqrt_use_fp32_on_gpus_under_ieee_division(monkeyp
         assert _traced_dtypes(div_rn, x, y) == {torch.float32}
         assert _traced_dtypes(lambda value: div_rn(17.8, value), y) == {torch.float32}
         assert torch.float64 in _traced_dtypes(lambda value: div_rn(value, 448.0), x)
+        assert _traced_dtypes(lambda value, divisor: div_rn(value, divisor), x, torch.tensor(448.0)) == {torch.float32}
     monkeypatch.setattr(elementary, "IEEE_FP32_DEVICES", ())
     assert torch.float64 in _traced_dtypes(sqrt_rn, x)
