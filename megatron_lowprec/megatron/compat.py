@@ -28,6 +28,7 @@ The CPU bridge (:mod:`megatron_lowprec.megatron.cpu`) covers the CUDA calls of e
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 from collections.abc import Callable
@@ -73,13 +74,14 @@ def param_groups(
     return _get_param_groups(model_chunks, config, config_overrides)
 
 
-class GradNormInterface:
+class GradNormInterface(abc.ABC):
     """Both names under which megatron-core asks a ``MegatronOptimizer`` for the gradients of its
     norm (``get_main_grads_for_grad_norm`` until 0.18, ``get_grads_for_grad_norm`` from 0.19); a
     subclass implements :meth:`grads_for_norm`."""
 
+    @abc.abstractmethod
     def grads_for_norm(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The gradients counted in the norm, each once over the model."""
 
     def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
         if grad_norm_group is not None:

@@ -29,6 +29,7 @@ all-gather (another).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -104,14 +105,17 @@ class ExactGradientStatistics(GradNormInterface):
 
     statistics_device: torch.device
 
+    @abc.abstractmethod
     def grads_to_clip(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Every gradient this optimizer updates with."""
 
+    @abc.abstractmethod
     def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
-        raise NotImplementedError
+        """(parameters, update-quality pieces) of each bucket of the last step."""
 
+    @abc.abstractmethod
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
-        raise NotImplementedError
+        """The process groups over which the update-quality pieces add up."""
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:

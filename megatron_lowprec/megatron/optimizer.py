@@ -202,6 +202,12 @@ class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
     def grads_to_clip(self) -> list[torch.Tensor]:
         return [grad for optimizer in self.chained_optimizers for grad in optimizer.grads_to_clip()]
 
+    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+        return [piece for optimizer in self.chained_optimizers for piece in optimizer.update_pieces()]
+
+    def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
+        return self.chained_optimizers[0].update_quality_groups()
+
     @torch.no_grad()
     def step(self):
         """Megatron's chained step with this class's norm: prepare both, clip both by the norm, update
