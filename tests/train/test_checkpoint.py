@@ -12,6 +12,7 @@ import traceback
 import numpy
 import pytest
 import torch
+import xxhash
 
 from megatron_lowprec.optim import AdamW
 from megatron_lowprec.train import checkpoint
@@ -77,7 +78,6 @@ def test_a_checkpoint_counts_only_with_its_marker_and_every_file_it_lists(tmp_pa
 def test_a_flipped_byte_is_caught_by_the_rank_whose_share_holds_the_file(tmp_path):
     """Same size, other content: only the checksum tells. The marker's checksums are xxHash's own
     XXH3-128 of the bytes written; each rank of two checksums every other file of the sorted list."""
-    xxhash = pytest.importorskip("xxhash")
     path = _fake_checkpoint(tmp_path, 10, FILES, complete=False)
     files = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()} for name, data in FILES.items()}
     (path / checkpoint.COMPLETE_FILE).write_text(json.dumps({"iteration": 10, "world_size": 1, "files": files}))

@@ -21,7 +21,9 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import xxhash
 
 from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_problem, checkpoints_dir
 from tests.megatron.launch import REPOSITORY_ROOT, run_ranks
@@ -111,7 +113,6 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     newest checkpoint, and 16 flipped bytes in its ``.metadata`` header or its tensor data, are each
     named in one line and the run resumes from the previous one (``latest`` pointed back at it), and
     a changed schedule stops the resume unless a key says which to take."""
-    psutil = pytest.importorskip("psutil")
     stopped = tmp_path / "stopped"
     process, lines = _start([
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -139,7 +140,6 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert checkpoint_problem(saved) is None
     marker = json.loads((saved / COMPLETE_FILE).read_text())
     assert marker["world_size"] == 2 and {"rank0.pt", "rank1.pt", "common.pt"} <= set(marker["files"])
-    xxhash = pytest.importorskip("xxhash")
     assert all(entry["xxh3_128"] == xxhash.xxh3_128((saved / name).read_bytes()).hexdigest()
                for name, entry in marker["files"].items())
     assert (checkpoints_dir(stopped) / "latest").read_text() == saved.name
@@ -306,7 +306,6 @@ def test_one_job_per_run_dir_and_kill_9_of_the_launcher_during_a_save_leaves_no_
     checkpoint writer running: within seconds no process of the job is left (ranks, writers, the
     writer service); the lock is free again. A rerun under a file-size quota that its checkpoint
     exceeds stops with one line (exit 1), the partial checkpoint removed, the last one intact."""
-    psutil = pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
     process, lines = _start([
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
