@@ -48,7 +48,7 @@ from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys,
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value
-from megatron_lowprec.optim.fused import fused_available, fused_bucket_step_
+from megatron_lowprec.optim.fused import fused_bucket_step_, resolve_fused
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
 from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
@@ -275,7 +275,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._build_shard(buffer, bucket, group_of) for buffer in buffers for bucket in buffer.buckets
         ]
         device = self.shards[0].bucket.param_data.device if self.shards else torch.device("cpu")
-        self.fused = fused_available(device) if fused is None else fused
+        self.fused = resolve_fused(device, strategy, fused)
 
     @property
     def group_size(self) -> int:

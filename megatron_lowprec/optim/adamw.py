@@ -14,7 +14,7 @@ import torch
 from megatron_lowprec.metrics.update_quality import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
 from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
-from megatron_lowprec.optim.fused import bucket_entries, fused_available, fused_bucket_step_, warn_eager_fallback
+from megatron_lowprec.optim.fused import bucket_entries, fused_bucket_step_, resolve_fused, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
     RandomSource,
@@ -298,9 +298,7 @@ class AdamW(PrecisionOptimizer):
     def _wants_fused(self, device: torch.device) -> bool:
         if self._generator_source is not None and self.strategy.param_update == "stochastic":
             return False
-        if self._fused_request is None:
-            return fused_available(device)
-        return self._fused_request
+        return resolve_fused(device, self.strategy, self._fused_request)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

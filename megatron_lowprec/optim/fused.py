@@ -125,13 +125,48 @@ RECOMPILE_LIMIT = 64
 (flat buckets; [rows, row_length] grids under SR, with one row or more) is one compilation."""
 
 
-def fused_available(device: torch.device) -> bool:
-    """Whether ``torch.compile`` can build the fused step here: a C++ compiler on CPU, Triton on GPU."""
+FP8_CONVERSION_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which Triton converts to FP8 E4M3 (its ``fp8e4nv``: Ada, Hopper and
+later); below it (A100, V100, T4) the fused step of a strategy with FP8 moments does not compile."""
+
+
+def fused_unavailable_reason(device: torch.device, strategy: PrecisionStrategy | None = None) -> str | None:
+    """Why ``torch.compile`` cannot build the fused step of ``strategy`` on ``device`` (``None``: it can).
+    It needs a C++ compiler on CPU; Triton on GPUs, and for FP8 moments a compute capability of at
+    least :data:`FP8_CONVERSION_CAPABILITY`."""
     if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed"
+        if strategy is not None and strategy.moments == "fp8":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_CONVERSION_CAPABILITY:
+                return (
+                    f"option {strategy.name!r} stores FP8 moments, which Triton converts only from compute capability "
+                    f"{'.'.join(map(str, FP8_CONVERSION_CAPABILITY))}; {device} has {'.'.join(map(str, capability))}"
+                )
+        return None
     if device.type == "cpu":
-        return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
-    return False
+        compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
+        return None if any(shutil.which(name) for name in compilers if name) else "no C++ compiler for Inductor"
+    return f"no fused step for device type {device.type!r}"
+
+
+def fused_available(device: torch.device, strategy: PrecisionStrategy | None = None) -> bool:
+    """Whether ``torch.compile`` can build the fused step (of ``strategy``, when given) on ``device``;
+    see :func:`fused_unavailable_reason`."""
+    return fused_unavailable_reason(device, strategy) is None
+
+
+def resolve_fused(device: torch.device, strategy: PrecisionStrategy, requested: bool | None) -> bool:
+    """Whether the optimizer's buckets on ``device`` take the fused step. ``requested=None``: where
+    available, and on a GPU where it is not, the eager step with an :class:`EagerFallbackWarning`
+    naming why; ``True`` where unavailable: ``ValueError`` naming why."""
+    reason = None if requested is False else fused_unavailable_reason(device, strategy)
+    if requested and reason is not None:
+        raise ValueError(f"fused=True cannot compile the step on {device}: {reason}; use fused=False or None")
+    if requested is None and reason is not None and device.type == "cuda":
+        warn_eager_fallback(f"every bucket on {device}", reason)
+    return reason is None if requested is None else requested
 
 
 @functools.cache

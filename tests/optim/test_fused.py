@@ -5,7 +5,7 @@ Inductor's C++ code generator and are CPU-only."""
 import pytest
 import torch
 
-from megatron_lowprec.optim import AdamW, PrecisionStrategy
+from megatron_lowprec.optim import AdamW, PrecisionStrategy, get_strategy
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim.fused import EagerFallbackWarning, fused_available
 
@@ -410,3 +410,22 @@ def _recording(function, calls):
         return function(*args)
 
     return recorded
+
+
+def test_the_fused_step_of_fp8_moments_needs_a_gpu_that_converts_to_fp8(monkeypatch):
+    """Triton converts to FP8 E4M3 from compute capability 8.9: below it (an A100's 8.0) coat's buckets
+    take the eager step with a warning naming why, fused=True is refused, and BF16 options still fuse."""
+    cuda = torch.device("cuda", 0)
+    coat, option_a = get_strategy("coat"), get_strategy("A")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fused_module.fused_unavailable_reason(cuda, option_a) is None
+    assert fused_module.resolve_fused(cuda, option_a, None)
+    reason = fused_module.fused_unavailable_reason(cuda, coat)
+    assert "'coat'" in reason and "8.9" in reason and "8.0" in reason
+    with pytest.warns(EagerFallbackWarning, match="compute capability 8.9"):
+        assert not fused_module.resolve_fused(cuda, coat, None)
+    with pytest.raises(ValueError, match=r"fused=True .* 8\.0"):
+        fused_module.resolve_fused(cuda, coat, True)
+    assert not fused_module.resolve_fused(cuda, coat, False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fused_module.resolve_fused(cuda, coat, None)
