@@ -462,10 +462,13 @@ def _check_shape(run, path: Path, saved: dict | None) -> None:
     differences = "; ".join(f"{key} {current[key]} here, {saved[key]} in the checkpoint" for key in refused)
     fixed = [key for key in refused if key not in RESUME_CHANGEABLE]
     if fixed:
-        advice = f"{', '.join(fixed)} define the model's parameters: set them as the checkpoint has them, or resume=false to start over"
+        advice = (
+            f"{', '.join(fixed)} define the model's parameters or the optimizer's state: set them as the checkpoint "
+            "has them, or resume=false to start over"
+        )
     else:
         advice = f"resume_allow_changes=[{','.join(refused)}] resumes with the new values"
-    raise ResumeError(f"{path} was trained with another model or batch geometry: {differences}. {advice}")
+    raise ResumeError(f"{path} was trained with another model, batch geometry or optimizer: {differences}. {advice}")
 
 
 def _read_on_every_rank(path: Path, read):

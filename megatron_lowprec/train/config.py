@@ -25,6 +25,8 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 ATTENTION_BACKENDS = ("auto", "sdpa", "unfused", "te")
 DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "muon")
+MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
 TE_FP8_RECIPES = ("delayed", "current")
 EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
@@ -135,8 +137,12 @@ class PrecisionConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW hyper-parameters and the learning-rate schedule (megatron's ``OptimizerParamScheduler``)."""
+    """The optimizer, its hyper-parameters and the learning-rate schedule (megatron's ``OptimizerParamScheduler``)."""
 
+    name: str = "adamw"
+    """``adamw``, or ``muon``: Muon (momentum orthogonalised by Newton-Schulz) for the 2-D hidden weights
+    and AdamW for the embedding, the output layer, norms and biases, both with ``precision``'s option
+    (megatron-core's ``optimizer="muon"``; ``optimizer=muon`` selects the preset)."""
     lr: float = 3.0e-3
     """Peak learning rate."""
     min_lr: float = 3.0e-4
@@ -157,6 +163,18 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (0 disables)."""
+    muon_momentum: float = 0.95
+    """Muon: momentum coefficient (an EMA of the gradients, as torch's and megatron-core's Muon)."""
+    muon_use_nesterov: bool = True
+    """Muon: Nesterov momentum (orthogonalise g + momentum x buffer)."""
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+    muon_scale_mode: str = "spectral"
+    """Muon: the update's scale per m x n weight, megatron-core's names: ``spectral`` (√max(m, n)),
+    ``shape_scaling`` (√max(1, m/n)) or ``unit_rms_norm`` (√(m/n))."""
+    muon_extra_scale_factor: float = 0.2
+    """Muon: a factor on that scale. ``spectral`` with 0.2 is Moonshot's 0.2·√max(m, n) (arXiv
+    2502.16982), which matches AdamW's update RMS so that AdamW's ``lr`` and ``weight_decay`` carry over."""
     distributed: bool = False
     """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps and updates only its
     shard of every optimizer state (gradients reduce-scattered, parameters all-gathered); needs a
@@ -297,14 +315,15 @@ RESUME_CHANGEABLE = (
 
 
 def run_shape(config: "TrainConfig") -> dict[str, object]:
-    """The architecture (:data:`ARCHITECTURE_FIELDS`, ``max_position_embeddings`` as in effect) and the
-    batch geometry of ``config``, by key: what a checkpoint records and a resume must match."""
+    """The architecture (:data:`ARCHITECTURE_FIELDS`, ``max_position_embeddings`` as in effect), the
+    batch geometry and the optimizer of ``config``, by key: what a checkpoint records and a resume must match."""
     model = config.model
     shape = {f"model.{name}": getattr(model, name) for name in ARCHITECTURE_FIELDS}
     shape["model.max_position_embeddings"] = model.max_position_embeddings or model.seq_length
     shape["model.seq_length"] = model.seq_length
     shape["trainer.global_batch_size"] = config.trainer.global_batch_size
     shape["trainer.micro_batch_size"] = config.trainer.micro_batch_size
+    shape["optimizer.name"] = config.optimizer.name
     return shape
 
 
@@ -402,6 +421,24 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
             )
         if uses_fp8_layers(precision) or precision.emulate is not None:
             raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
+
+
+def _validate_muon(config: TrainConfig) -> None:
+    optimizer = config.optimizer
+    _choice("optimizer.muon_scale_mode", optimizer.muon_scale_mode, MUON_SCALE_MODES)
+    if not 0 <= optimizer.muon_momentum < 1 or optimizer.muon_num_ns_steps < 1 or not optimizer.muon_extra_scale_factor > 0:
+        raise ConfigError(
+            f"optimizer.muon_momentum={optimizer.muon_momentum} must be in [0, 1), optimizer.muon_num_ns_steps="
+            f"{optimizer.muon_num_ns_steps} >= 1 and optimizer.muon_extra_scale_factor={optimizer.muon_extra_scale_factor} > 0"
+        )
+    refused = [
+        (config.precision.megatron_optimizer, "precision=megatron (megatron-core's own Muon needs emerging-optimizers)"),
+        (optimizer.distributed, "optimizer.distributed=true (Muon orthogonalises whole weights)"),
+        (config.precision.track_update_quality, "precision.track_update_quality=true (Muon measures no update quality)"),
+    ]
+    for refused_setting, why in refused:
+        if refused_setting:
+            raise ConfigError(f"optimizer.name=muon cannot run with {why}; use optimizer=adamw")
 
 
 def _validate_optimizer(optimizer: OptimizerConfig) -> None:
@@ -505,6 +542,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     _choice("data.kind", config.data.kind, DATA_KINDS)
     _choice("optimizer.lr_decay_style", config.optimizer.lr_decay_style, LR_DECAY_STYLES)
+    _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)
+    if config.optimizer.name == "muon":
+        _validate_muon(config)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                  "global_batch_size", "log_interval", "eval_interval", "eval_iters", "sharpness_sequences"):
         _positive(f"trainer.{name}", getattr(trainer, name))

@@ -47,6 +47,10 @@ DIVERGED_EXIT_CODE = 3
 
 MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
 """Fields of the app's optimizer config that megatron's ``OptimizerConfig`` has under the same name."""
+MEGATRON_MUON_FIELDS = (
+    "muon_momentum", "muon_use_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
+)
+"""The same for Muon's (``optimizer.name=muon``; megatron's ``muon_split_qkv`` is off: QKV is one weight)."""
 
 
 def _free_port() -> int:
@@ -200,12 +204,14 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
         ),
         module=module,
     )
+    muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS} if optim.name == "muon" else {}
     optimizer_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer="muon" if muon else "adam",
         bf16=True,
         params_dtype=torch.bfloat16,
         use_distributed_optimizer=optim.distributed,
         **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
+        **({**muon, "muon_split_qkv": False} if muon else {}),
     )
     if config.precision.megatron_optimizer:
         optimizer = get_megatron_optimizer(optimizer_config, [model])

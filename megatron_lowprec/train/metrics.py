@@ -146,10 +146,11 @@ class MetricsLogger:
             self.wandb = _open_wandb(config, run_dir)
         strategy = precision_strategy(config.precision)
         optimizer = " with megatron-core's optimizer" if config.precision.megatron_optimizer else ""
+        optimizer += " with Muon" if config.optimizer.name == "muon" else ""
         start = f"resumed from step {resumed_from}" if resumed_from is not None else "from scratch"
         print(
             f"lowprec-train: {config.model.name} ({self.parameters / 1e6:.2f}M parameters), "
-            f"option {strategy.name}{optimizer} ({strategy.bytes_per_param():g} bytes/param), "
+            f"option {strategy.name}{optimizer} ({self._bytes_per_param():g} bytes/param), "
             f"attention {attention_backend(config)}, "
             f"world size {torch.distributed.get_world_size()} (TP {config.trainer.tensor_model_parallel_size}, "
             f"PP {config.trainer.pipeline_model_parallel_size}), {config.trainer.max_steps} steps {start}; "
@@ -241,16 +242,33 @@ class MetricsLogger:
         success, counted over the steps logged by this process."""
         if self.config.precision.megatron_optimizer:
             return self.skipped_steps_logged
-        return self.run.optimizer.optimizer.skipped_steps
+        optimizer = self.run.optimizer
+        if self.config.optimizer.name == "muon":
+            optimizer = optimizer.chained_optimizers[0]
+        return optimizer.optimizer.skipped_steps
+
+    def _bytes_per_param(self) -> float:
+        """Bytes per parameter of the option (parameter, gradient and optimizer state); with Muon,
+        its one momentum for the hidden weights and AdamW's two moments for the rest, by element count."""
+        strategy = precision_strategy(self.config.precision)
+        if self.config.optimizer.name != "muon":
+            return strategy.bytes_per_param()
+        from megatron_lowprec.megatron.optimizer import is_muon_param
+        from megatron_lowprec.optim.muon import muon_strategy
+
+        hidden = sum(p.numel() for p in self.run.model.parameters() if is_muon_param(p))
+        total = sum(p.numel() for p in self.run.model.parameters())
+        muon_bytes = muon_strategy(strategy).bytes_per_param()
+        return (hidden * muon_bytes + (total - hidden) * strategy.bytes_per_param()) / total
 
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Save the summary, close the metrics file and wandb, then print the summary: the run's last
         line. Its train loss is the last step's (the step lines show means over their interval)."""
-        strategy = precision_strategy(self.config.precision)
         performance = self._performance(tokens_per_second)
         summary = {
             "option": option_label(self.config.precision),
-            "bytes_per_param": strategy.bytes_per_param(),
+            "optimizer": self.config.optimizer.name,
+            "bytes_per_param": self._bytes_per_param(),
             "model": self.config.model.name,
             "parameters": self.parameters,
             "steps": self.run.iteration,

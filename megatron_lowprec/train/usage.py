@@ -132,7 +132,7 @@ def help_text(directory: Path) -> str:
     members and one-line summaries (a preset's: the paper table it reproduces), the most used keys
     with their defaults, and where the README is."""
     lines = [USAGE, "", f"config groups (GROUP=MEMBER; in {directory}):"]
-    for group in ("precision", "model", "data"):
+    for group in ("precision", "optimizer", "model", "data"):
         lines.append(f"  {group}=")
         lines += _rows([(path.stem, _summary(path)) for path in sorted((directory / group).glob("*.yaml"))], 4)
     lines.append("  +experiment=   (paper presets; every key stays overridable)")

@@ -62,12 +62,28 @@ def _train_losses(result: dict) -> list[float]:
     return [row["loss"] for row in result["rows"] if row["split"] == "train"]
 
 
+MUON_OPTIONS = ("C", "sr")
+"""Options also run with ``optimizer=muon`` (Muon for the hidden weights, AdamW for the rest)."""
+
+
 def test_every_option_trains_in_one_process(tmp_path, cache_dir):
     steps = [
         {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=3")}
         for option in OPTIONS_AND_STOCK
+    ] + [
+        {"overrides": _tiny(cache_dir, tmp_path / f"muon-{option}", f"precision={option}", "optimizer=muon",
+                            "trainer.max_steps=3")}
+        for option in MUON_OPTIONS
     ]
     results = _run(tmp_path, 1, steps)
+    muon_results = dict(zip(MUON_OPTIONS, results[len(OPTIONS_AND_STOCK):]))
+    for option, result in muon_results.items():
+        adamw = results[OPTIONS_AND_STOCK.index(option)]
+        losses = _train_losses(result)
+        assert result["summary"]["optimizer"] == "muon" and adamw["summary"]["optimizer"] == "adamw"
+        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (option, losses)
+        assert losses[0] == _train_losses(adamw)[0] and losses[1:] != _train_losses(adamw)[1:]
+        assert result["summary"]["bytes_per_param"] < adamw["summary"]["bytes_per_param"]
     for option, result in zip(OPTIONS_AND_STOCK, results):
         losses = _train_losses(result)
         assert result["summary"]["option"] == option

@@ -14,7 +14,7 @@ from megatron_lowprec.optim.strategies import available_strategies
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed")
 
 from megatron_lowprec.train.app import compose, config_dir, main  # noqa: E402
-from megatron_lowprec.train.config import ConfigError, TrainConfig, uses_fp8_layers, validate  # noqa: E402
+from megatron_lowprec.train.config import ConfigError, TrainConfig, run_shape, uses_fp8_layers, validate  # noqa: E402
 
 OPTIONS = [strategy.name for strategy in available_strategies()]
 
@@ -358,6 +358,32 @@ def test_fault_handling_keys_are_checked(capsys, overrides, named):
 def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overrides, named):
     message = _fails(capsys, *overrides)
     assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["optimizer.name=lion"], "optimizer.name='lion' is not valid; choose one of: adamw, muon"),
+        (["optimizer=muon", "optimizer.muon_scale_mode=original"],
+         "optimizer.muon_scale_mode='original' is not valid; choose one of: spectral, shape_scaling, unit_rms_norm"),
+        (["optimizer=muon", "optimizer.muon_momentum=1.0"], "optimizer.muon_momentum=1.0 must be in [0, 1)"),
+        (["optimizer=muon", "precision=megatron"], "optimizer.name=muon cannot run with precision=megatron"),
+        (["optimizer=muon", "precision.track_update_quality=true"],
+         "optimizer.name=muon cannot run with precision.track_update_quality=true"),
+    ],
+)
+def test_muon_settings_are_checked_before_any_work(capsys, overrides, named):
+    message = _fails(capsys, *overrides)
+    assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
+
+
+def test_optimizer_muon_selects_moonshots_recipe_and_adamw_stays_the_default():
+    default, muon = compose(), compose(["optimizer=muon", "precision=C"])
+    assert default.optimizer.name == "adamw" and muon.optimizer.name == "muon"
+    assert (muon.optimizer.muon_scale_mode, muon.optimizer.muon_extra_scale_factor) == ("spectral", 0.2)
+    assert muon.optimizer.muon_use_nesterov and muon.optimizer.muon_momentum == 0.95
+    assert muon.optimizer.lr == default.optimizer.lr and muon.precision.option == "C"
+    assert run_shape(muon)["optimizer.name"] == "muon"
 
 
 def test_resume_from_a_damaged_checkpoint_stops_before_any_work(capsys, tmp_path):

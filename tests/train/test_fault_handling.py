@@ -212,10 +212,10 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
     assert vocabulary["error"].startswith("model.vocab_size=10 is below the tokenizer's ")
     newest_path = checkpoints_dir(copies["batch"]) / newest
     assert other_model["error"] == (
-        f"{newest_path} was trained with another model or batch geometry: model.num_attention_heads 8 here, 4 in the "
-        "checkpoint; model.normalization RMSNorm here, LayerNorm in the checkpoint; trainer.global_batch_size 16 here, "
-        "8 in the checkpoint. model.num_attention_heads, model.normalization define the model's parameters: set them as "
-        "the checkpoint has them, or resume=false to start over")
+        f"{newest_path} was trained with another model, batch geometry or optimizer: model.num_attention_heads 8 here, "
+        "4 in the checkpoint; model.normalization RMSNorm here, LayerNorm in the checkpoint; trainer.global_batch_size "
+        "16 here, 8 in the checkpoint. model.num_attention_heads, model.normalization define the model's parameters or "
+        "the optimizer's state: set them as the checkpoint has them, or resume=false to start over")
     assert other_batch["error"].endswith(
         "trainer.global_batch_size 16 here, 8 in the checkpoint. resume_allow_changes=[trainer.global_batch_size] "
         "resumes with the new values")
