@@ -184,6 +184,33 @@ def test_the_megatron_lm_extra_adds_what_pretrain_gpt_needs_to_the_megatron_extr
     assert {"six", "regex", "pyyaml", "pybind11", "triton"} <= names
 
 
+def test_dataset_helpers_compile_for_the_running_python_or_name_what_is_missing(monkeypatch):
+    """megatron's Makefile is given the running Python's include directory and extension suffix (not
+    those of whatever python3-config PATH finds) and pybind11's headers; a missing pybind11 or a failed
+    build stops with one line naming the extra or the command."""
+    import subprocess
+    import sys
+    import sysconfig
+    import types
+
+    pytest.importorskip("megatron.core.datasets")
+    monkeypatch.setitem(sys.modules, "pybind11", None)
+    with pytest.raises(SystemExit, match=r"need pybind11 .*megatron-lowprec\[megatron-lm\]"):
+        megatron_lm.compile_dataset_helpers()
+    monkeypatch.setitem(sys.modules, "pybind11", types.SimpleNamespace(get_include=lambda: "/pybind11/include"))
+    commands = []
+    returncode = 0
+    monkeypatch.setattr(subprocess, "run", lambda command: commands.append(command) or types.SimpleNamespace(returncode=returncode))
+    megatron_lm.compile_dataset_helpers()
+    make, directory_flag, directory, cppflags, libext = commands[0]
+    assert (make, directory_flag) == ("make", "-C") and directory.endswith("datasets")
+    assert cppflags == f"CPPFLAGS=-I/pybind11/include -I{sysconfig.get_paths()['include']}"
+    assert libext == f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"
+    returncode = 2
+    with pytest.raises(SystemExit, match="did not compile: make -C"):
+        megatron_lm.compile_dataset_helpers()
+
+
 @requires_megatron_training
 def test_every_unconditional_import_of_megatron_training_is_in_the_extra():
     """The modules ``megatron.training.training`` loads import, outside any ``try``, only the standard
