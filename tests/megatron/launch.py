@@ -85,34 +85,55 @@ def worker_environment(world_size: int, on_cpu: bool) -> dict[str, str]:
     return environment
 
 
+PORT_ATTEMPTS = 3
+"""Launches of one run: the free port :func:`_free_port` finds is free only until rank 0 binds it, and
+another process (a parallel test run, an outgoing connection) can take it in between."""
+
+
+def _port_taken(logs: list[Path]) -> bool:
+    return any("EADDRINUSE" in log.read_text(errors="replace") for log in logs if log.exists())
+
+
+def _wait(workers: list[subprocess.Popen], logs: list[Path], deadline: float, timeout_seconds: float) -> bool:
+    """Wait for every worker; ``False`` as soon as one has exited because the rendezvous port was taken
+    (the others are killed), ``pytest.fail`` after ``timeout_seconds``."""
+    while any(worker_process.poll() is None for worker_process in workers):
+        if any(worker_process.returncode not in (None, 0) for worker_process in workers) and _port_taken(logs):
+            return False
+        if time.monotonic() > deadline:
+            pytest.fail(f"the ranks did not finish within {timeout_seconds} s:\n{_tails(logs)}")
+        time.sleep(0.2)
+    return not _port_taken(logs)
+
+
 def run_ranks(
     worker: Path, result_dir: Path, world_size: int, *args: str, timeout_seconds: float = 240, on_cpu: bool = False
 ) -> list[dict]:
     """Launch one ``worker`` per rank, wait (bounded) and return each rank's results (``on_cpu``: see
-    :func:`worker_environment`)."""
-    environment = worker_environment(world_size, on_cpu)
+    :func:`worker_environment`); a launch whose rendezvous port was taken is repeated on another port."""
     logs = [result_dir / f"rank{rank}.log" for rank in range(world_size)]
-    with contextlib.ExitStack() as open_logs:
-        workers = [
-            subprocess.Popen(
-                [sys.executable, str(worker), str(result_dir), *args],
-                env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=open_logs.enter_context(log.open("w")),
-                stderr=subprocess.STDOUT,
-            )
-            for rank, log in enumerate(logs)
-        ]
-        deadline = time.monotonic() + timeout_seconds
-        try:
-            for worker_process in workers:
-                worker_process.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the ranks did not finish within {timeout_seconds} s:\n{_tails(logs)}")
-        finally:
-            for worker_process in workers:
-                if worker_process.poll() is None:
-                    worker_process.kill()
-                    worker_process.wait()
+    deadline = time.monotonic() + timeout_seconds
+    for _ in range(PORT_ATTEMPTS):
+        environment = worker_environment(world_size, on_cpu)
+        with contextlib.ExitStack() as open_logs:
+            workers = [
+                subprocess.Popen(
+                    [sys.executable, str(worker), str(result_dir), *args],
+                    env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=open_logs.enter_context(log.open("w")),
+                    stderr=subprocess.STDOUT,
+                )
+                for rank, log in enumerate(logs)
+            ]
+            try:
+                launched = _wait(workers, logs, deadline, timeout_seconds)
+            finally:
+                for worker_process in workers:
+                    if worker_process.poll() is None:
+                        worker_process.kill()
+                        worker_process.wait()
+        if launched:
+            break
     result_files = [result_dir / f"rank{rank}.json" for rank in range(world_size)]
     if not all(result_file.exists() for result_file in result_files):
         pytest.fail(f"a rank wrote no results:\n{_tails(logs)}")
