@@ -109,6 +109,14 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             return False
         return True
 
+    def _begin_step(self, closure: Callable[[], float] | None) -> tuple[float | None, bool]:
+        """The loss of ``closure`` (run with gradients on), and whether to step (:meth:`_grads_ready`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        return loss, self._grads_ready()
+
     def _saved_generator(self) -> torch.Generator | None:
         """The generator whose state the state dict saves (none by default)."""
         return None
@@ -405,11 +413,8 @@ class AdamW(PrecisionOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One AdamW step for every parameter with a gradient; see the class docstring for skips."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._grads_ready():
+        loss, ready = self._begin_step(closure)
+        if not ready:
             return loss
         generator = self.generator if self.strategy.param_update == "stochastic" else None
         pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]

@@ -249,11 +249,8 @@ class Muon(PrecisionOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Muon step for every parameter with a gradient (see the class docstring for skips)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._grads_ready():
+        loss, ready = self._begin_step(closure)
+        if not ready:
             return loss
         stochastic = self.strategy.param_update == "stochastic"
         for group in self.param_groups:
