@@ -197,6 +197,25 @@ def test_non_finite_gradient_skips_the_step_and_leaves_state_untouched(device):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_step_runs_the_closure_with_gradients_and_returns_its_loss(device):
+    """As torch's optimizers: ``step(closure)`` evaluates the closure with autograd on (even inside
+    ``no_grad``), steps on the gradients it left, and returns its loss."""
+    param = _param(_random((8, 16), 0), device=device)
+    optimizer = Muon([param], lr=0.01, option="D")
+    before = param.detach().clone()
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (param.float() ** 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = optimizer.step(closure)
+    assert torch.equal(loss.detach(), (before.float() ** 2).sum()) and loss.requires_grad
+    assert optimizer.state[param]["step"] == 1 and not torch.equal(param.detach(), before)
+
+
 def test_a_parameter_that_is_not_2d_is_sent_to_adamw():
     with pytest.raises(ValueError, match=r"parameter 1 of group 0 has shape \(16,\) \(1-D\).*AdamW"):
         Muon([_param(torch.zeros(4, 4)), _param(torch.zeros(16))], option="A")
