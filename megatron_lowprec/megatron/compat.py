@@ -29,6 +29,7 @@ The CPU bridge (:mod:`megatron_lowprec.megatron.cpu`) covers the CUDA calls of e
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -58,6 +59,15 @@ def check_supported_version() -> Version:
             f"pip install 'megatron-core{SUPPORTED_RANGE}'"
         )
     return version
+
+
+def muon_nesterov_field() -> str:
+    """The name of megatron's ``OptimizerConfig`` field that turns Nesterov momentum on for Muon:
+    ``muon_use_nesterov`` until 0.18, ``muon_nesterov`` from 0.19."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    names = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    return "muon_nesterov" if "muon_nesterov" in names else "muon_use_nesterov"
 
 
 def param_groups(

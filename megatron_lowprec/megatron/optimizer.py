@@ -542,7 +542,7 @@ def _build_muon(
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
-        nesterov=config.muon_use_nesterov,
+        nesterov=getattr(config, compat.muon_nesterov_field()),
         ns_steps=config.muon_num_ns_steps,
         scale_mode=MUON_SCALE_MODES[config.muon_scale_mode],
         extra_scale_factor=config.muon_extra_scale_factor,

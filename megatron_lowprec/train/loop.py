@@ -50,7 +50,8 @@ MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam
 MEGATRON_MUON_FIELDS = (
     "muon_momentum", "muon_use_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
 )
-"""The same for Muon's (``optimizer.name=muon``; megatron's ``muon_split_qkv`` is off: QKV is one weight)."""
+"""The same for Muon's (``optimizer.name=muon``; ``muon_use_nesterov`` is ``muon_nesterov`` from megatron-core
+0.19; megatron's ``muon_split_qkv`` is off: QKV is one weight)."""
 
 
 def _free_port() -> int:
@@ -172,6 +173,7 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_lowprec.megatron import compat
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
     trainer, optim = config.trainer, config.optimizer
@@ -205,6 +207,8 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
         module=module,
     )
     muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS} if optim.name == "muon" else {}
+    if muon:
+        muon[compat.muon_nesterov_field()] = muon.pop("muon_use_nesterov")
     optimizer_config = OptimizerConfig(
         optimizer="muon" if muon else "adam",
         bf16=True,

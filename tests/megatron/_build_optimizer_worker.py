@@ -201,13 +201,14 @@ def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
     previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
     from megatron.core import parallel_state
 
+    from megatron_lowprec.megatron import compat
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
 
     parallel_state.initialize_model_parallel()
     model = _model()
     config = LowPrecisionOptimizerConfig.from_optimizer_config(
         _optimizer_config(), optimizer="muon", lowprec_option="D", clip_grad=0.0, muon_split_qkv=False,
-        muon_use_nesterov=True, muon_scale_mode="shape_scaling",
+        muon_scale_mode="shape_scaling", **{compat.muon_nesterov_field(): True},
     )
     optimizer = build_optimizer(config, [model])
     muon, adamw = (inner.optimizer for inner in optimizer.chained_optimizers)
