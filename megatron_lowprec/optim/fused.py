@@ -362,7 +362,7 @@ def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
     eagerly, the same function uncompiled (so the same bits): compiled, a group count of one
     specialises the graph (size 1 broadcasts), and one small call would cost a whole second
     compilation of the FP8 step (minutes on 2 CPU cores)."""
-    return strategy.moments == "fp8" and state["exp_avg_scale"].numel() == 1
+    return strategy.moments == "fp8" and state[f"{strategy.moment_names[0]}_scale"].numel() == 1
 
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:
