@@ -63,43 +63,21 @@ def audits():
     }
 
 
-def _params(rule):
-    return [pytest.param(*case, marks=_marks(rule, case), id="-".join(map(str, case))) for case in CASES]
+def _params():
+    return [
+        pytest.param(rule, *case, marks=_marks(rule, case), id="-".join(map(str, (rule, *case))))
+        for rule in audit.RULES
+        for case in CASES
+    ]
 
 
-def _assert_rule(audits, rule, case):
-    check = audits[case].check(rule)
+@pytest.mark.parametrize("rule,option,storage,kind,arch", _params())
+def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage, kind, arch):
+    """Each rule of :data:`~megatron_lowprec.kernels.audit.RULES` (compiles; no approximate, flushing or
+    contracted instruction; no FP64; one launch per bucket; no recompilation; global bytes equal to
+    the layout's minimum) for each option, storage, kind and architecture."""
+    check = audits[(option, storage, kind, arch)].check(rule)
     assert check.passed, f"{rule}: {check.detail}"
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("compiles"))
-def test_every_kernel_compiles(audits, option, storage, kind, arch):
-    _assert_rule(audits, "compiles", (option, storage, kind, arch))
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("instructions"))
-def test_no_approximate_flushing_or_contracted_instruction(audits, option, storage, kind, arch):
-    _assert_rule(audits, "instructions", (option, storage, kind, arch))
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("fp32 only"))
-def test_no_fp64_arithmetic(audits, option, storage, kind, arch):
-    _assert_rule(audits, "fp32 only", (option, storage, kind, arch))
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("one launch"))
-def test_one_launch_per_bucket(audits, option, storage, kind, arch):
-    _assert_rule(audits, "one launch", (option, storage, kind, arch))
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("no recompilation"))
-def test_no_recompilation_across_steps_scalars_and_buckets(audits, option, storage, kind, arch):
-    _assert_rule(audits, "no recompilation", (option, storage, kind, arch))
-
-
-@pytest.mark.parametrize("option,storage,kind,arch", _params("bytes"))
-def test_global_bytes_equal_the_layout_minimum(audits, option, storage, kind, arch):
-    _assert_rule(audits, "bytes", (option, storage, kind, arch))
 
 
 def test_layout_bytes_of_option_a_and_coat():
