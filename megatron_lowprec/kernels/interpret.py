@@ -19,6 +19,8 @@ changed:
 * FP32 -> FP8 E4M3 (``tl.float8e4nv``): the interpreter misrounds (a carry out of the significand is
   dropped, ties round up, subnormals truncate); a GPU rounds to nearest even and saturates finite
   values at ±448 (``cvt.rn.satfinite.e4m3x2.f32``).
+* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales): the interpreter has
+  no libdevice; :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy).
 
 What needs no shim: ``div_rn`` and ``sqrt_rn`` are numpy's correctly rounded FP32 division and square
 root, as ``div.rn.f32``/``sqrt.rn.f32``; the kernels are generated without FP fusion (Inductor's
@@ -73,6 +75,8 @@ class Comparison:
     kind: str
     kernels: list[str]
     """The generated kernels that ran (names), in the order of their first launch."""
+    sources: dict[str, str]
+    """Name -> the Triton source Inductor wrote, of every generated kernel."""
     launches: int
     """Kernel launches over all steps."""
     mismatches: dict[str, str]
@@ -108,10 +112,34 @@ SHIMS = {
 """The interpreter's conversions replaced by the GPU's: description -> (source type, target type, bits)."""
 
 
+LIBDEVICE_SHIMS = {
+    "nearbyint": ("cvt.rni: rounds to the nearest integer, ties to even", np.rint),
+    "copysign": ("exact: the magnitude of the first operand with the sign bit of the second", np.copysign),
+}
+"""libdevice functions the generated kernels call (the interpreter runs no libdevice: each call gives
+``None``), as numpy functions that compute what the GPU's does: name -> (the GPU's result, numpy)."""
+
+
+def _libdevice_shim(function: Callable) -> Callable:
+    """A libdevice function of interpreted tensors (or Python numbers) computed by numpy ``function``."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def shim(*args, _semantic=None, **kwargs):
+        tensors = [arg for arg in args if isinstance(arg, tl.tensor)]
+        widest = max(tensors, key=lambda tensor: tensor.handle.data.size)
+        dtype = widest.handle.data.dtype
+        values = [arg.handle.data if isinstance(arg, tl.tensor) else np.asarray(arg, dtype=dtype) for arg in args]
+        result = np.asarray(function(*np.broadcast_arrays(*values)), dtype=dtype)
+        return tl.tensor(interpreter.TensorHandle(result, widest.dtype.scalar), widest.type)
+
+    return shim
+
+
 @contextlib.contextmanager
 def gpu_conversions() -> Iterator[None]:
-    """The interpreter's builder converts as a GPU does where :data:`SHIMS` says (its ``cast_impl``
-    for ``.to()`` and stores, ``create_fp_to_fp`` for FP8)."""
+    """The interpreter converts as a GPU does where :data:`SHIMS` says (its builder's ``cast_impl`` for
+    ``.to()`` and stores, ``create_fp_to_fp`` for FP8), and computes :data:`LIBDEVICE_SHIMS`."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -127,9 +155,13 @@ def gpu_conversions() -> Iterator[None]:
 
         return convert
 
+    from torch._inductor.runtime.triton_helpers import libdevice
+
     with contextlib.ExitStack() as stack:
         for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc"):
             stack.enter_context(mock.patch.object(builder, name, shimmed(getattr(builder, name))))
+        for name, (_, function) in LIBDEVICE_SHIMS.items():
+            stack.enter_context(mock.patch.object(libdevice, name, _libdevice_shim(function)))
         yield
 
 
@@ -157,10 +189,12 @@ class _Launches:
 
     def __init__(self) -> None:
         self.kernels: list[str] = []
+        self.sources: dict[str, str] = {}
         self.launches = 0
 
     def load(self, original: Callable) -> Callable:
         def triton(async_compile, kernel_name, source_code, device_str="cuda"):
+            self.sources[kernel_name] = source_code
             kernel = original(async_compile, kernel_name, source_code, device_str)
             run = kernel.run
 
@@ -293,7 +327,8 @@ def compare(option: str, master_storage: str = "fp32", kind: str = "plain", step
     tensors.update({key: (value, eager.state[key]) for key, value in interpreted.state.items() if torch.is_tensor(value)})
     mismatches = {name: found for name, (got, expected) in tensors.items() if (found := _first_mismatch(got, expected))}
     return Comparison(
-        strategy.name, master_storage, kind, launches.kernels, launches.launches, mismatches, time.perf_counter() - started
+        strategy.name, master_storage, kind, launches.kernels, launches.sources, launches.launches, mismatches,
+        time.perf_counter() - started,
     )
 
 
@@ -306,7 +341,7 @@ def _compare_in_worker(option: str, master_storage: str, kind: str) -> Compariso
         frames = traceback.extract_tb(error.__traceback__)
         where = next((f"{frame.line} ({os.path.basename(frame.filename)})" for frame in reversed(frames)), "")
         return Comparison(
-            option, master_storage, kind, [], 0, {}, time.perf_counter() - started,
+            option, master_storage, kind, [], {}, 0, {}, time.perf_counter() - started,
             f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''} at {where}",
         )
 

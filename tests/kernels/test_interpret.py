@@ -5,6 +5,8 @@ The module compares every option once (:func:`comparisons`, in processes started
 (option, master storage, kind). Kernels that cannot agree today are strict xfails naming why.
 """
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -80,3 +82,18 @@ def test_the_interpreter_without_shims_truncates_bf16():
     value = np.array([1 + 3 * 2**-9], dtype=np.float32)
     truncated = interpreter._convert_float(value, tl.float32, tl.bfloat16, None)
     assert truncated[0] == 0x3F80 and interpret._bf16_rne(value)[0] == 0x3F81
+
+
+def _without_size_hints(source):
+    """A kernel's source without what the traced sizes set: its size hints and tiling scores."""
+    return re.sub(r"(size_hints=|'tiling_scores': )\{[^}]*\}", r"\1...", source)
+
+
+def test_the_interpreted_kernels_are_those_the_audit_compiles(comparisons):
+    """Option B's interpreted kernel is the one generated on fake CUDA tensors for the audit: the same
+    Triton source but for the hints taken from the traced sizes (the CPU twin traces the GPU's code path)."""
+    generated = {kernel.name: kernel.source for kernel in codegen.generate("B", arch=interpret.ARCH).first_step_kernels}
+    interpreted = comparisons[("B", "fp32", "plain")].sources
+    assert list(interpreted) == list(generated)
+    for name, source in interpreted.items():
+        assert _without_size_hints(source) == _without_size_hints(generated[name])
