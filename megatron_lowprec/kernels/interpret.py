@@ -6,13 +6,16 @@ Triton's interpreter (``TRITON_INTERPRET=1``), the other through the eager step 
 :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, laid out in calls as on a CPU). Every
 parameter and state bit must agree. The interpreted twin takes the GPU's path through
 :func:`~megatron_lowprec.optim.fused.fused_bucket_step_` (one call per bucket, stochastic rounding's
-:class:`~megatron_lowprec.optim.kernel.BucketStream`), and Dynamo's graph is compiled for CUDA from
-its CPU inputs: tensors move to a fake ``cuda`` device, 0-d tensors (the step's host scalars) stay on
-the host, as on a GPU.
+:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too),
+and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
+``cuda:0`` tensor (0-d tensors are the step's host scalars, on the host on a GPU too), so that
+Inductor writes the kernels of :mod:`~megatron_lowprec.kernels.codegen`'s audit (a test compares their
+sources). The wrapper Inductor writes around them runs on the host: its ``empty_strided_cuda``
+allocates CPU tensors, its device guard does nothing.
 
 The interpreter runs each Triton operation with numpy, which differs from a GPU in a few known
-places. Each :data:`SHIMS` entry makes it do what the GPU's instruction does; nothing else is
-changed:
+places. Each shim (:data:`SHIMS`, :data:`LIBDEVICE_SHIMS`) makes it do what the GPU's instruction
+does; nothing else of the arithmetic is changed:
 
 * FP32 -> BF16 conversions (``.to(tl.bfloat16)`` and the implicit one of a BF16 store): the
   interpreter truncates; a GPU rounds to nearest even (``cvt.rn.bf16.f32``), NaN to 0x7FFF.
@@ -40,7 +43,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import os
 import sys
