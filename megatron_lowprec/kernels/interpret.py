@@ -143,6 +143,7 @@ def gpu_conversions() -> Iterator[None]:
     """The interpreter converts as a GPU does where :data:`SHIMS` says (its builder's ``cast_impl`` for
     ``.to()`` and stores, ``create_fp_to_fp`` for FP8), and computes :data:`LIBDEVICE_SHIMS`."""
     import triton.language as tl
+    from torch._inductor.runtime.triton_helpers import libdevice
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
@@ -156,8 +157,6 @@ def gpu_conversions() -> Iterator[None]:
             return original(self, src, dst_type, *args)
 
         return convert
-
-    from torch._inductor.runtime.triton_helpers import libdevice
 
     with contextlib.ExitStack() as stack:
         for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc"):
@@ -228,7 +227,9 @@ class _NoDeviceGuard:
 @contextlib.contextmanager
 def interpreted_cuda_kernels(cache_dir: str) -> Iterator[_Launches]:
     """Compiled steps on CPU tensors run the CUDA kernels generated for :data:`ARCH`, interpreted
-    with :func:`gpu_conversions`, on the GPU's path through the fused step."""
+    with :func:`gpu_conversions`, on the GPU's path through the fused step. Inside
+    :func:`~megatron_lowprec.kernels.codegen.cuda_codegen` (the device's properties, Triton's target),
+    with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the interpreted kernels need TRITON_INTERPRET=1 set before triton is imported")
     import torch._inductor.compile_fx as compile_fx_module
