@@ -26,7 +26,6 @@ SHARD_RECOMPILES = (
     "(D with remainders: its compiled master windows over the shard's rows)"
 )
 SR_GATHERS = "sr's random bits cost a binary search and int32 gathers from small per-entry tables per element"
-SR_RECOMPILES = "sr: a bucket of one entry of 128 elements (one-element stream tables) compiles again"
 COAT_KERNELS = "coat's plain step is 3 kernels"
 
 KNOWN_DEFECTS = [
@@ -35,7 +34,6 @@ KNOWN_DEFECTS = [
     ("fp32 only", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and (option, storage) != ("D", "fp32"), SHARD_RECOMPILES),
-    ("no recompilation", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_RECOMPILES),
     ("one launch", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
     ("bytes", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_GATHERS),
