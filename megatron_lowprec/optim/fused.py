@@ -546,17 +546,19 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
         layout = bucket.streams[index]
         skipped = max(start - bucket.offsets[index], 0)
         first_row, column = divmod(bucket.element_starts[index] + skipped, layout.row_length)
-        if column + min(bucket.numels[index], end - bucket.offsets[index]) - skipped > INT32_GRID_MAX_ROW:
-            raise ValueError(
-                f"entry {index} of the bucket has SR stream rows of {layout.row_length} elements; the fused step "
-                f"counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
-            )
         padded_end = bucket.offsets[index + 1] if index + 1 < len(bucket.offsets) else bucket.numel
-        group_entries += [position] * ((min(padded_end, end) - max(bucket.offsets[index], start)) // SR_GROUP_SIZE)
+        extent = min(padded_end, end) - max(bucket.offsets[index], start)
+        if column + extent - 1 > INT32_GRID_MAX_ROW:
+            raise ValueError(
+                f"entry {index} of the bucket reaches column {column + extent - 1} of its SR stream rows of "
+                f"{layout.row_length} elements; the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): "
+                "use fused=False"
+            )
+        group_entries += [position] * (extent // SR_GROUP_SIZE)
         shifts.append(column - (bucket.offsets[index] + skipped - start))
         row_lengths.append(layout.row_length)
-        row_starts.append(signed_int64(layout.offset + first_row * layout.row_stride))
-        row_strides.append(signed_int64(layout.row_stride))
+        row_starts.append(_signed_int64(layout.offset + first_row * layout.row_stride))
+        row_strides.append(_signed_int64(layout.row_stride))
     if len(entries) > len(shifts):
         shifts, row_lengths, row_starts, row_strides = (values * 2 for values in (shifts, row_lengths, row_starts, row_strides))
     if len(group_entries) == 1:
@@ -568,7 +570,7 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
     )
 
 
-def signed_int64(value: int) -> int:
+def _signed_int64(value: int) -> int:
     """The representative of ``value`` mod 2^64 in [-2^63, 2^63) (an int64's two's complement)."""
     value %= 2**64
     return value - 2**64 if value >= 2**63 else value
