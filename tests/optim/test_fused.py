@@ -404,6 +404,18 @@ def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_d
     assert len(calls) == 10 * -(-fused[1].buckets[0].numel // max_call_elements)
 
 
+def test_stochastic_rounding_in_one_call_refuses_columns_beyond_int32(monkeypatch):
+    """The per-bucket stream counts an element's column in its stream row in int32: a parameter whose
+    columns would pass the limit (here lowered to 299) is refused with the column and the way out."""
+    from megatron_lowprec.optim.buckets import build_bucket
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16)) for shape in ((64,), (300,))]
+    bucket, _ = build_bucket(get_strategy("sr"), 0, params, own_params=True)
+    monkeypatch.setattr(fused_module, "INT32_GRID_MAX_ROW", 299)
+    with pytest.raises(ValueError, match=r"entry 1 .*column 383 .*at most 299.*fused=False"):
+        fused_module._stream_tables(bucket, [0, 1], 0, bucket.numel)
+
+
 def _recording(function, calls):
     def recorded(*args):
         calls.append(args)
