@@ -371,9 +371,16 @@ def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
     if config.lowprec_track_update_quality:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
     if config.muon_split_qkv:
-        raise ValueError("config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False")
+        raise ValueError(
+            "config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False "
+            "(Megatron-LM: --muon-no-split-qkv)"
+        )
     if config.muon_scale_mode not in MUON_SCALE_MODES:
         raise ValueError(f"config.muon_scale_mode={config.muon_scale_mode!r} is not valid; choose one of {', '.join(MUON_SCALE_MODES)}")
+    for name, supported in (("muon_coefficient_type", "quintic"), ("muon_scalar_optimizer", "adam")):
+        value = getattr(config, name, supported)
+        if value != supported:
+            raise ValueError(f"config.{name}={value!r} is not supported by the precision options' Muon; set {name}={supported!r}")
     if parallel_state.get_tensor_model_parallel_world_size() > 1 and config.muon_tp_mode != "blockwise":
         raise ValueError(
             f"config.muon_tp_mode={config.muon_tp_mode!r}: the precision options' Muon orthogonalizes each "

@@ -189,6 +189,12 @@ def refusals() -> dict:
         "foreign_groups": message(lambda: build_optimizer(
             _precision_config(), [model], pg_collection=SimpleNamespace(tp=torch.distributed.new_group([0, 1])))),
     }
+    from megatron.core.optimizer import OptimizerConfig
+
+    for name, value in (("muon_coefficient_type", "polar_express"), ("muon_scalar_optimizer", "lion")):
+        if name in {field.name for field in dataclasses.fields(OptimizerConfig)}:
+            messages[name] = message(lambda: build_optimizer(
+                _precision_config(optimizer="muon", muon_split_qkv=False, **{name: value}), [model]))
     first = next(model.parameters())
     first.allreduce = False
     messages["expert_parallel"] = message(lambda: build_optimizer(_precision_config(), [model]))

@@ -95,7 +95,13 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     assert "without a precision option" in messages["no_option"] and "LowPrecisionOptimizerConfig" in messages["no_option"]
     assert "unknown precision option 'Z'" in messages["unknown_option"] and "coat" in messages["unknown_option"]
     assert "pg_collection's tp" in messages["foreign_groups"]
-    assert "config.muon_split_qkv=True" in messages["muon_split_qkv"] and "muon_split_qkv=False" in messages["muon_split_qkv"]
+    assert "config.muon_split_qkv=True" in messages["muon_split_qkv"] and "--muon-no-split-qkv" in messages["muon_split_qkv"]
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    for name, supported in (("muon_coefficient_type", "'quintic'"), ("muon_scalar_optimizer", "'adam'")):
+        if name in fields:
+            assert f"set {name}={supported}" in messages[name]
     assert "config.use_distributed_optimizer=True" in messages["muon_distributed"] and "muon" in messages["muon_distributed"]
     assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
     assert "expert-parallel" in messages["expert_parallel"]
