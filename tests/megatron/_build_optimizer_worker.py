@@ -201,7 +201,7 @@ def refusals() -> dict:
     return messages
 
 
-def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
+def muon_is_torch_muon_on_hidden_weights(steps: int, checkpoint_dir: str, checkpoint_options: list[str]) -> dict:
     """``optimizer="muon"`` with option D at DP=2: which parameters each chained optimizer holds, and
     whether each hidden weight's FP32 master after every step is ``torch.optim.Muon``'s step on the
     previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
@@ -238,6 +238,10 @@ def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
         agree.append(all(torch.equal(muon.state[param]["master"], reference.detach()) for param, reference in references.items()))
     return {
         **_muon_resumes_from_its_state_dict(model, optimizer, data_seed=100 * steps + parallel_state.get_data_parallel_rank()),
+        "dist_checkpoint": {
+            option: _muon_resumes_from_a_dist_checkpoint(option, steps, f"{checkpoint_dir}/{option}")
+            for option in checkpoint_options
+        },
         "type": type(optimizer).__name__,
         "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
         "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
@@ -272,6 +276,65 @@ def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
     second = step()
     assert parallel_state.get_data_parallel_world_size() == 2
     return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
+
+
+def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir: str) -> dict:
+    """``optimizer="muon"`` with ``option``: ``steps`` steps, a megatron dist checkpoint of the model and
+    the chained optimizer (``sharded_state_dict``), one more step; then a fresh model and chain, moved
+    off by a step on other data, load the checkpoint and take that step: the state keys compared, and
+    those of the parameters and state tensors of both optimizers that did not come out the same, bit
+    for bit."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+
+    config = LowPrecisionOptimizerConfig.from_optimizer_config(
+        _optimizer_config(), optimizer="muon", lowprec_option=option, muon_split_qkv=False, lowprec_seed=5,
+    )
+    data_rank = parallel_state.get_data_parallel_rank()
+
+    def fresh():
+        model = _model()
+        return model, build_optimizer(config, [model])
+
+    def step(model, optimizer, index: int) -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, data_seed=100 * index + data_rank)
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+
+    def sharded(model, optimizer, is_loading: bool) -> dict:
+        model_state = model.module.sharded_state_dict()
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+    def everything(model, optimizer) -> dict[str, torch.Tensor]:
+        tensors = {f"param {name}": param.detach().clone() for name, param in model.named_parameters()}
+        names = {param: name for name, param in model.named_parameters()}
+        for inner in optimizer.chained_optimizers:
+            for param, state in inner.optimizer.state.items():
+                tensors.update({f"{key} {names[param]}": value.clone() for key, value in state.items() if torch.is_tensor(value)})
+        return tensors
+
+    model, optimizer = fresh()
+    for index in range(steps):
+        step(model, optimizer, index)
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    dist_checkpointing.save(sharded(model, optimizer, is_loading=False), checkpoint_dir)
+    step(model, optimizer, steps)
+    straight = everything(model, optimizer)
+
+    model, optimizer = fresh()
+    step(model, optimizer, steps + 1)
+    loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), checkpoint_dir)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    step(model, optimizer, steps)
+    resumed = everything(model, optimizer)
+    return {
+        "keys": sorted({key.split(" ")[0] for key in straight}),
+        "unequal": sorted(key for key in straight if not torch.equal(straight[key], resumed[key])),
+    }
 
 
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}

@@ -74,17 +74,29 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
         assert len(rank["losses"]["provide"]) == 6
 
 
+MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
+"""The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
+
+
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
     the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit;
-    a step after reloading the chained state dict repeats the uninterrupted step exactly."""
-    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2):
+    a step after reloading the chained state dict repeats the uninterrupted step exactly. Options sr
+    and C (MCF's δθ) save the model and the chain as a megatron dist checkpoint
+    (``sharded_state_dict``) after 2 steps, and a fresh chain that loads it takes the third step bit
+    for bit as the uninterrupted run."""
+    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
+                     checkpoint_options=list(MUON_CHECKPOINT_STATES)):
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
         assert any("embedding" in name for name in rank["adamw"]) and any(name.endswith("bias") for name in rank["adamw"])
         assert rank["agree"] == [True, True]
         assert rank["resumed"] and rank["compared"] > len(rank["muon"]) + len(rank["adamw"])
+        for option, states in MUON_CHECKPOINT_STATES.items():
+            resumed = rank["dist_checkpoint"][option]
+            assert set(states) <= set(resumed["keys"]), (option, resumed["keys"])
+            assert resumed["unequal"] == [], option
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
