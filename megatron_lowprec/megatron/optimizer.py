@@ -48,6 +48,7 @@ from megatron_lowprec.megatron.distributed import (
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
+from megatron_lowprec.optim.muon import ShardedMatrix
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
@@ -231,6 +232,30 @@ def is_muon_param(param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
+MUON_TP_MODES = ("blockwise", "duplicated")
+"""megatron-core's ``muon_tp_mode`` values that :class:`Muon` runs: ``"blockwise"`` orthogonalizes
+each tensor-parallel shard on its own (scaled by the shard's shape), ``"duplicated"`` the whole
+matrix, all-gathered on every rank, keeping the rank's shard (:class:`ShardedMatrix`). megatron's
+``"distributed"`` (Newton-Schulz with sharded matmuls) is refused with TP > 1; at TP = 1 all three
+are the same."""
+
+
+def sharded_matrices(model_chunks: list[torch.nn.Module], tp_mode: str) -> dict[torch.nn.Parameter, ShardedMatrix]:
+    """With ``tp_mode="duplicated"`` and tensor parallelism, the :class:`ShardedMatrix` of each
+    tensor-parallel shard (``tensor_model_parallel``, cut along ``partition_dim``); else none."""
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_mode != "duplicated" or world_size == 1:
+        return {}
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return {
+        param: ShardedMatrix(group, param.partition_dim, rank, world_size)
+        for chunk in model_chunks
+        for param in chunk.parameters()
+        if getattr(param, "tensor_model_parallel", False)
+    }
+
+
 MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
 """megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
 
@@ -381,10 +406,12 @@ def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
         value = getattr(config, name, supported)
         if value != supported:
             raise ValueError(f"config.{name}={value!r} is not supported by the precision options' Muon; set {name}={supported!r}")
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 and config.muon_tp_mode != "blockwise":
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    if config.muon_tp_mode not in MUON_TP_MODES and (tensor_parallel or config.muon_tp_mode != "distributed"):
         raise ValueError(
-            f"config.muon_tp_mode={config.muon_tp_mode!r}: the precision options' Muon orthogonalizes each "
-            "tensor-parallel shard on its own (megatron-core's 'blockwise'); set muon_tp_mode='blockwise'"
+            f"config.muon_tp_mode={config.muon_tp_mode!r} is not supported by the precision options' Muon; choose "
+            f"{' or '.join(repr(mode) for mode in MUON_TP_MODES)} (each tensor-parallel shard orthogonalized on its own, "
+            "or the whole matrix gathered on every rank)"
         )
 
 
@@ -457,8 +484,8 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv=False`` and no distributed optimizer; tensor-parallel shards
-    orthogonalized each on its own, megatron's ``blockwise``). What cannot be honoured (another
+    ``unit_rms_norm``; ``muon_split_qkv=False`` and no distributed optimizer; ``muon_tp_mode``
+    ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -557,6 +584,7 @@ def _build_muon(
         seed=config.lowprec_seed + seed_offset,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,
+        sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
     )
     adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
     return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])

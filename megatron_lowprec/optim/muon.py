@@ -28,6 +28,12 @@ Every registered option applies (:func:`muon_strategy`), with the fields read as
   on and **C is B for Muon** (MCF parameters (θ, δθ), 16-bit momentum); the name stays C.
 * ``adam_kernel`` is AdamW's: Muon always runs the reference below.
 
+A parameter may be one shard of a matrix split across a process group (tensor parallelism,
+:class:`ShardedMatrix`): then the step orthogonalizes the whole matrix, gathered from every shard,
+and keeps this shard of the result, with s(m, n) of the whole shape, so that each shard gets the
+update of the unsplit matrix (megatron-core's ``muon_tp_mode="duplicated"``). Without it every
+parameter is orthogonalized on its own (a shard by itself: megatron-core's ``"blockwise"``).
+
 The step is eager, one parameter at a time; there is no fused (compiled) Muon step.
 """
 
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,6 +112,33 @@ def newton_schulz(
     return orthogonal.T if tall else orthogonal
 
 
+@dataclass(frozen=True)
+class ShardedMatrix:
+    """A parameter that is block ``rank`` of ``world_size`` equal blocks of a matrix cut along ``dim``,
+    one block on each rank of ``group`` in rank order (a tensor-parallel shard)."""
+
+    group: Any
+    dim: int
+    rank: int
+    world_size: int
+
+    def whole_shape(self, shape: torch.Size) -> tuple[int, int]:
+        """The shape of the whole matrix of which a block has ``shape``."""
+        whole = list(shape)
+        whole[self.dim] *= self.world_size
+        return tuple(whole)
+
+    def gather(self, block: torch.Tensor) -> torch.Tensor:
+        """The whole matrix: every rank's ``block`` joined along ``dim`` (collective over ``group``)."""
+        blocks = [torch.empty_like(block) for _ in range(self.world_size)]
+        torch.distributed.all_gather(blocks, block.contiguous(), group=self.group)
+        return torch.cat(blocks, dim=self.dim)
+
+    def block(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``whole``."""
+        return whole.chunk(self.world_size, dim=self.dim)[self.rank].contiguous()
+
+
 def check_muon_param(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
     """``ValueError`` if ``param`` is not a 2-D weight that ``strategy`` can store."""
     if param.ndim != 2:
@@ -133,17 +166,24 @@ def muon_step_(
     scale_mode: str = "original",
     extra_scale_factor: float = 1.0,
     random_source: torch.Tensor | None = None,
+    sharded: ShardedMatrix | None = None,
 ) -> None:
     """One Muon step on the 2-D ``param``, in place, following ``strategy`` (a :func:`muon_strategy`;
     see the module docstring). ``grad`` must be finite. ``random_source``: the 32-bit words of
-    ``param``'s shape that stochastic rounding draws."""
+    ``param``'s shape that stochastic rounding draws. ``sharded``: ``param`` is that block of a
+    matrix, which is orthogonalized whole (collective over its group)."""
     state["step"] += 1
     grad = grad.float()
     buffer = decode_moment(state, "momentum", param, strategy)
     buffer.lerp_(grad, 1 - momentum)
     direction = grad.lerp(buffer, momentum) if nesterov else buffer
-    orthogonal = newton_schulz(direction, ns_coefficients, ns_steps, eps)
-    step_size = lr * update_scale(param.shape, scale_mode) * extra_scale_factor
+    if sharded is None:
+        orthogonal = newton_schulz(direction, ns_coefficients, ns_steps, eps)
+        shape = param.shape
+    else:
+        orthogonal = sharded.block(newton_schulz(sharded.gather(direction), ns_coefficients, ns_steps, eps))
+        shape = sharded.whole_shape(param.shape)
+    step_size = lr * update_scale(shape, scale_mode) * extra_scale_factor
     if strategy.weight_decay == "multiplicative":
         stored = state[master_key(strategy)]
         master = master_value(param, stored)
@@ -191,7 +231,9 @@ class Muon(PrecisionOptimizer):
     whole stream per parameter, numbered by its position). A step with a non-finite gradient is
     skipped before any state changes (:attr:`skipped_steps`), unless ``check_grads_finite=False``.
     ``state_dict`` and ``load_state_dict`` are AdamW's (every state component restored bit-exactly,
-    the master in either storage). Eager only: one parameter at a time, no fused (compiled) step.
+    the master in either storage). ``sharded_matrix(param)``: the :class:`ShardedMatrix` of which
+    ``param`` is a block, orthogonalized whole, or None (default: every parameter on its own).
+    Eager only: one parameter at a time, no fused (compiled) step.
     """
 
     def __init__(
@@ -213,8 +255,10 @@ class Muon(PrecisionOptimizer):
         seed: int = 0,
         check_grads_finite: bool = True,
         stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
+        sharded_matrix: Callable[[torch.nn.Parameter], ShardedMatrix | None] | None = None,
     ) -> None:
         self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage))
+        self.sharded_matrix = sharded_matrix or (lambda param: None)
         self.seed = seed
         self.check_grads_finite = check_grads_finite
         self.skipped_steps = 0
@@ -260,5 +304,7 @@ class Muon(PrecisionOptimizer):
                     continue
                 state = self.state[param]
                 words = self.random_bits(param, state["step"] + 1) if stochastic else None
-                muon_step_(param, param.grad, state, self.strategy, random_source=words, **hyper)
+                muon_step_(
+                    param, param.grad, state, self.strategy, random_source=words, sharded=self.sharded_matrix(param), **hyper
+                )
         return loss

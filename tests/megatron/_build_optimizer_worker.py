@@ -184,6 +184,8 @@ def refusals() -> dict:
         "muon_split_qkv": message(lambda: build_optimizer(_precision_config(optimizer="muon"), [model])),
         "muon_update_quality": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, lowprec_track_update_quality=True), [model])),
+        "muon_tp_mode": message(lambda: build_optimizer(
+            _precision_config(optimizer="muon", muon_split_qkv=False, muon_tp_mode="sharded"), [model])),
         "muon_distributed": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, use_distributed_optimizer=True), [model])),
         "foreign_groups": message(lambda: build_optimizer(
@@ -201,7 +203,9 @@ def refusals() -> dict:
     return messages
 
 
-def muon_is_torch_muon_on_hidden_weights(steps: int, checkpoint_dir: str, checkpoint_options: list[str]) -> dict:
+def muon_is_torch_muon_on_hidden_weights(
+    steps: int, checkpoint_dir: str, checkpoint_options: list[str], tensor_parallel_option: str
+) -> dict:
     """``optimizer="muon"`` with option D at DP=2: which parameters each chained optimizer holds, and
     whether each hidden weight's FP32 master after every step is ``torch.optim.Muon``'s step on the
     previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
@@ -242,6 +246,7 @@ def muon_is_torch_muon_on_hidden_weights(steps: int, checkpoint_dir: str, checkp
             option: _muon_resumes_from_a_dist_checkpoint(option, steps, f"{checkpoint_dir}/{option}")
             for option in checkpoint_options
         },
+        "tensor_parallel": _muon_at_tensor_parallel_two(tensor_parallel_option, steps + 1),
         "type": type(optimizer).__name__,
         "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
         "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
@@ -335,6 +340,91 @@ def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir
         "keys": sorted({key.split(" ")[0] for key in straight}),
         "unequal": sorted(key for key in straight if not torch.equal(straight[key], resumed[key])),
     }
+
+
+def _muon_config(option: str, **fields):
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+
+    return LowPrecisionOptimizerConfig.from_optimizer_config(
+        _optimizer_config(), optimizer="muon", lowprec_option=option, muon_split_qkv=False, lowprec_seed=5, **fields
+    )
+
+
+def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) -> list[float]:
+    """The losses of ``steps`` steps of the Muon chain from the seeded model at this tensor-parallel
+    size, on data the same on every rank (so DP=2 at TP=1 trains as one rank would)."""
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    transformer = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(transformer, grad_reduce_in_fp32=True)
+    optimizer = build_optimizer(_muon_config(option, muon_tp_mode=tp_mode), [model])
+    losses = []
+    for step in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.extend(_train_step(model, data_seed=100 * step))
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+    return losses
+
+
+def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
+    """The Muon chain's losses at TP=1 (DP=2), then at TP=2 in each ``muon_tp_mode``; and at TP=2
+    ``"duplicated"``, two steps of the chain's Muon on given whole-matrix gradients, shards gathered,
+    against our Muon on the whole matrices (TP=1) with the same option and SR stream: whether each
+    parameter and momentum is the same bit for bit."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron import compat
+    from megatron_lowprec.megatron.optimizer import build_optimizer, canonical_parameter_names
+    from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
+    from megatron_lowprec.optim import Muon
+
+    losses = {"tp1": _muon_losses(option, 1, "blockwise", steps)}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    for tp_mode in ("blockwise", "duplicated"):
+        losses[f"tp2-{tp_mode}"] = _muon_losses(option, 2, tp_mode, steps)
+
+    model = _ddp(_transformer_config(tensor_parallel=2, hidden_dropout=0.0, attention_dropout=0.0), grad_reduce_in_fp32=True)
+    config = _muon_config(option, muon_tp_mode="duplicated")
+    muon = build_optimizer(config, [model]).chained_optimizers[0].optimizer
+    params = [param for group in muon.param_groups for param in group["params"]]
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def whole(param, tensor):
+        if not getattr(param, "tensor_model_parallel", False):
+            return tensor.clone()
+        blocks = [torch.empty_like(tensor) for _ in range(2)]
+        torch.distributed.all_gather(blocks, tensor.contiguous(), group=group)
+        return torch.cat(blocks, dim=param.partition_dim)
+
+    wholes = {param: torch.nn.Parameter(whole(param, param.detach())) for param in params}
+    names = canonical_parameter_names([model])
+    layouts = {copy: StreamLayout.whole(stream_id(names[param]), copy.numel()) for param, copy in wholes.items()}
+    reference = Muon(
+        list(wholes.values()), lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        nesterov=getattr(config, compat.muon_nesterov_field()), scale_mode="spectral", option=option, seed=5,
+        stream_layout=layouts.__getitem__,
+    )
+    same = []
+    for step in range(2):
+        for index, (param, copy) in enumerate(wholes.items()):
+            generator = torch.Generator().manual_seed(10 * step + index)
+            gradient = torch.randn(copy.shape, generator=generator).to(torch.cuda.current_device())
+            copy.grad = gradient.to(copy.dtype)
+            shard = gradient.chunk(2, dim=param.partition_dim)[rank] if getattr(param, "tensor_model_parallel", False) else gradient
+            param.grad = shard.to(param.dtype).contiguous()
+        muon.step()
+        reference.step()
+        same.append(all(
+            torch.equal(whole(param, param.detach()), copy.detach())
+            and torch.equal(whole(param, muon.state[param]["momentum"]), reference.state[copy]["momentum"])
+            for param, copy in wholes.items()
+        ))
+    sharded = sum(getattr(param, "tensor_model_parallel", False) for param in params)
+    return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params)}
 
 
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}
