@@ -22,8 +22,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own. With ``--optimizer
   muon`` it is our Muon for the 2-D hidden weights chained with AdamW for the rest, both with the
   option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
-  ``--muon-scale-mode``, ``--muon-extra-scale-factor`` and ``--muon-tp-mode`` (``blockwise`` or
-  ``duplicated``); ``--muon-no-split-qkv`` is required, and
+  ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv`` and
+  ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
   ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon) is refused;
 - ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
   or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before

@@ -181,7 +181,6 @@ def refusals() -> dict:
         "cpu_offload": message(lambda: build_optimizer(_precision_config(optimizer_cpu_offload=True), [model])),
         "no_option": message(lambda: build_optimizer(plain, [model])),
         "unknown_option": message(lambda: build_optimizer("Z", [model], plain)),
-        "muon_split_qkv": message(lambda: build_optimizer(_precision_config(optimizer="muon"), [model])),
         "muon_update_quality": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, lowprec_track_update_quality=True), [model])),
         "muon_tp_mode": message(lambda: build_optimizer(
@@ -291,11 +290,9 @@ def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir
     for bit."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+    from megatron_lowprec.megatron.optimizer import build_optimizer
 
-    config = LowPrecisionOptimizerConfig.from_optimizer_config(
-        _optimizer_config(), optimizer="muon", lowprec_option=option, muon_split_qkv=False, lowprec_seed=5,
-    )
+    config = _muon_config(option)
     data_rank = parallel_state.get_data_parallel_rank()
 
     def fresh():
@@ -346,7 +343,7 @@ def _muon_config(option: str, **fields):
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
 
     return LowPrecisionOptimizerConfig.from_optimizer_config(
-        _optimizer_config(), optimizer="muon", lowprec_option=option, muon_split_qkv=False, lowprec_seed=5, **fields
+        _optimizer_config(), optimizer="muon", lowprec_option=option, lowprec_seed=5, **{"muon_split_qkv": False, **fields}
     )
 
 
@@ -370,9 +367,10 @@ def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) ->
 
 def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     """The Muon chain's losses at TP=1 (DP=2), then at TP=2 in each ``muon_tp_mode``; and at TP=2
-    ``"duplicated"``, two steps of the chain's Muon on given whole-matrix gradients, shards gathered,
-    against our Muon on the whole matrices (TP=1) with the same option and SR stream: whether each
-    parameter and momentum is the same bit for bit."""
+    ``"duplicated"`` with QKV split, two steps of the chain's Muon on given whole-matrix gradients,
+    shards gathered, against our Muon on the whole matrices (TP=1) with the same option, SR stream
+    and split (4 query groups of 8 query, 8 key, 8 value rows): whether each parameter and
+    momentum is the same bit for bit."""
     from megatron.core import parallel_state
 
     from megatron_lowprec.megatron import compat
@@ -387,7 +385,7 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
         losses[f"tp2-{tp_mode}"] = _muon_losses(option, 2, tp_mode, steps)
 
     model = _ddp(_transformer_config(tensor_parallel=2, hidden_dropout=0.0, attention_dropout=0.0), grad_reduce_in_fp32=True)
-    config = _muon_config(option, muon_tp_mode="duplicated")
+    config = _muon_config(option, muon_tp_mode="duplicated", muon_split_qkv=True)
     muon = build_optimizer(config, [model]).chained_optimizers[0].optimizer
     params = [param for group in muon.param_groups for param in group["params"]]
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -407,6 +405,7 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
         list(wholes.values()), lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
         nesterov=getattr(config, compat.muon_nesterov_field()), scale_mode="spectral", option=option, seed=5,
         stream_layout=layouts.__getitem__,
+        split_rows={copy: (8, 8, 8) for param, copy in wholes.items() if names[param].endswith("linear_qkv.weight")}.get,
     )
     same = []
     for step in range(2):
@@ -424,7 +423,8 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
             for param, copy in wholes.items()
         ))
     sharded = sum(getattr(param, "tensor_model_parallel", False) for param in params)
-    return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params)}
+    split = sorted({names[param]: list(muon.split_rows(param)) for param in params if muon.split_rows(param)}.items())
+    return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params), "split": split}
 
 
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}

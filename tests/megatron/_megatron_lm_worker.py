@@ -137,6 +137,7 @@ def _muon_settings(model, chained) -> dict:
         "chained": [type(inner.optimizer).__name__ for inner in chained],
         "muon_group": {key: group[key] for key in ("momentum", "nesterov", "ns_steps", "scale_mode", "extra_scale_factor")},
         "muon_params": sorted(names[param] for group in muon[0].param_groups for param in group["params"]),
+        "split_rows": {names[param]: list(rows) for param in names if (rows := muon[0].split_rows(param))},
     }
 
 
