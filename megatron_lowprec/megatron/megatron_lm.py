@@ -19,7 +19,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
 - ``get_megatron_optimizer``, which ``setup_model_and_optimizer`` calls, builds the precision option
   with :func:`~megatron_lowprec.megatron.optimizer.build_optimizer` from Megatron-LM's optimizer
   config, its ``config_overrides`` (weight-decay exemptions, ``--decoupled-lr``, muP) and the
-  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own;
+  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own. With ``--optimizer
+  muon`` it is our Muon for the 2-D hidden weights chained with AdamW for the rest, both with the
+  option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
+  ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv`` and
+  ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
+  ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon) is refused;
 - ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
   or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before
   ``Float16Module`` and DDP wrap it.

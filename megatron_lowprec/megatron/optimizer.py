@@ -48,6 +48,7 @@ from megatron_lowprec.megatron.distributed import (
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
+from megatron_lowprec.optim.muon import ShardedMatrix
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
@@ -231,6 +232,50 @@ def is_muon_param(param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
+MUON_TP_MODES = ("blockwise", "duplicated")
+"""megatron-core's ``muon_tp_mode`` values that :class:`Muon` runs: ``"blockwise"`` orthogonalizes
+each tensor-parallel shard on its own (scaled by the shard's shape), ``"duplicated"`` the whole
+matrix, all-gathered on every rank, keeping the rank's shard (:class:`ShardedMatrix`). megatron's
+``"distributed"`` (Newton-Schulz with sharded matmuls) is refused with TP > 1; at TP = 1 all three
+are the same."""
+
+
+def sharded_matrices(model_chunks: list[torch.nn.Module], tp_mode: str) -> dict[torch.nn.Parameter, ShardedMatrix]:
+    """With ``tp_mode="duplicated"`` and tensor parallelism, the :class:`ShardedMatrix` of each
+    tensor-parallel shard (``tensor_model_parallel``, cut along ``partition_dim``); else none."""
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_mode != "duplicated" or world_size == 1:
+        return {}
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return {
+        param: ShardedMatrix(group, param.partition_dim, rank, world_size)
+        for chunk in model_chunks
+        for param in chunk.parameters()
+        if getattr(param, "tensor_model_parallel", False)
+    }
+
+
+def qkv_split_rows(model_chunks: list[torch.nn.Module], split_qkv: bool) -> dict[torch.nn.Parameter, tuple[int, ...]]:
+    """With ``split_qkv``, the rows of each query group's query, key and value blocks in every fused
+    QKV weight (``linear_qkv.weight``), from the model's ``num_attention_heads``,
+    ``num_query_groups`` and ``kv_channels``, as megatron-core's Muon splits them; else none."""
+    from megatron.core.utils import get_model_config
+
+    if not split_qkv:
+        return {}
+    rows = {}
+    for chunk in model_chunks:
+        model_config = get_model_config(chunk)
+        query_groups = model_config.num_query_groups or model_config.num_attention_heads
+        kv_channels = model_config.kv_channels
+        split = (model_config.num_attention_heads // query_groups * kv_channels, kv_channels, kv_channels)
+        rows.update({
+            param: split for name, param in chunk.named_parameters() if name.endswith("linear_qkv.weight") and param.ndim == 2
+        })
+    return rows
+
+
 MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
 """megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
 
@@ -370,14 +415,18 @@ def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
         raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
     if config.lowprec_track_update_quality:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
-    if config.muon_split_qkv:
-        raise ValueError("config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False")
     if config.muon_scale_mode not in MUON_SCALE_MODES:
         raise ValueError(f"config.muon_scale_mode={config.muon_scale_mode!r} is not valid; choose one of {', '.join(MUON_SCALE_MODES)}")
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 and config.muon_tp_mode != "blockwise":
+    for name, supported in (("muon_coefficient_type", "quintic"), ("muon_scalar_optimizer", "adam")):
+        value = getattr(config, name, supported)
+        if value != supported:
+            raise ValueError(f"config.{name}={value!r} is not supported by the precision options' Muon; set {name}={supported!r}")
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    if config.muon_tp_mode not in MUON_TP_MODES and (tensor_parallel or config.muon_tp_mode != "distributed"):
         raise ValueError(
-            f"config.muon_tp_mode={config.muon_tp_mode!r}: the precision options' Muon orthogonalizes each "
-            "tensor-parallel shard on its own (megatron-core's 'blockwise'); set muon_tp_mode='blockwise'"
+            f"config.muon_tp_mode={config.muon_tp_mode!r} is not supported by the precision options' Muon; choose "
+            f"{' or '.join(repr(mode) for mode in MUON_TP_MODES)} (each tensor-parallel shard orthogonalized on its own, "
+            "or the whole matrix gathered on every rank)"
         )
 
 
@@ -450,8 +499,8 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv=False`` and no distributed optimizer; tensor-parallel shards
-    orthogonalized each on its own, megatron's ``blockwise``). What cannot be honoured (another
+    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart; no
+    distributed optimizer; ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -550,6 +599,8 @@ def _build_muon(
         seed=config.lowprec_seed + seed_offset,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,
+        sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
+        split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
     adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
     return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])

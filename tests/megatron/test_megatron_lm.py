@@ -164,6 +164,32 @@ def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_opt
     assert stock["losses_finite"]
 
 
+@requires_megatron_training
+def test_megatron_lm_builds_muon_with_its_own_muon_flags_and_the_option(tmp_path):
+    """``--optimizer muon --lowprec-option sr`` with Megatron-LM's ``--muon-*`` flags: our Muon for the
+    2-D weights that megatron-core's Muon takes (the transformer layers' and, untagged as embedding
+    there, the learned position embeddings), with each flag's value, chained with AdamW for the
+    rest, its fused QKV weights split into query, key and value rows (Megatron-LM's default); the
+    iterations train (finite losses, none skipped)."""
+    rank = _run(tmp_path, 1, [
+        "--optimizer", "muon", "--lowprec-option", "sr", "--muon-nesterov",
+        "--muon-momentum", "0.9", "--muon-scale-mode", "shape_scaling", "--muon-num-ns-steps", "4",
+        "--muon-extra-scale-factor", "0.5",
+    ])[0]
+    assert (rank["optimizer"], rank["chained"], rank["option"]) == ("LowPrecisionMuonOptimizer", ["Muon", "AdamW"], "sr")
+    assert rank["muon_group"] == {"momentum": 0.9, "nesterov": True, "ns_steps": 4, "scale_mode": "original",
+                                  "extra_scale_factor": 0.5}
+    assert rank["muon_params"] == sorted([
+        *(f"module.module.decoder.layers.{layer}.{module}.weight" for layer in range(2)
+          for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")),
+        "module.module.embedding.position_embeddings.weight",
+    ])
+    assert rank["split_rows"] == {
+        f"module.module.decoder.layers.{layer}.self_attention.linear_qkv.weight": [8, 8, 8] for layer in range(2)
+    }, "Megatron-LM splits QKV by default: 4 heads of 8 channels, a query group per head"
+    assert rank["losses_finite"] and rank["weight_decays"] == [0.0, 0.1]
+
+
 def _extras() -> dict[str, list[str]]:
     """setup.py's ``extras_require``, read by running it with ``setup`` replaced."""
     import runpy
