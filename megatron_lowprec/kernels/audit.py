@@ -20,7 +20,8 @@ the rules (issue 27):
 
 Option D runs torch's own fused AdamW (no generated kernel): its bytes are its layout's.
 
-Run ``python -m megatron_lowprec.kernels.audit`` for the table (``--help`` for a subset).
+Run ``python -m megatron_lowprec.kernels.audit`` for the table (``--help`` for a subset;
+``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
 """
 
 from __future__ import annotations
@@ -341,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both)")
     parser.add_argument("--arch", action="append", type=int, choices=ARCHES, help="compute capability (default: 90 and 80)")
     parser.add_argument("--workers", type=int, default=1, help="processes that generate configurations in parallel")
+    parser.add_argument(
+        "--interpret", action="store_true",
+        help="also run the generated kernels under Triton's interpreter against the eager step (kernels/interpret.py)",
+    )
     args = parser.parse_args(argv)
     pairs = configurations()
     if args.option:
@@ -351,7 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = failures(audits)
     for check in failed:
         print(f"FAIL {check.option} ({check.master_storage}, {check.kind}, sm_{check.arch}) {check.rule}: {check.detail}")
-    return 1 if failed else 0
+    differing = []
+    if args.interpret:
+        from megatron_lowprec.kernels import interpret
+
+        comparisons = interpret.run_comparisons(pairs, args.kind or KINDS, args.workers)
+        print(interpret.report(comparisons))
+        differing = [result for result in comparisons if not result.identical]
+    return 1 if failed or differing else 0
 
 
 if __name__ == "__main__":

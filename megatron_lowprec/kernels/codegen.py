@@ -372,27 +372,36 @@ def compile_kernel(name: str, source: str, arch: int) -> tuple[Any, float]:
 
 
 def _plain_bucket(
-    strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int
-) -> tuple[Bucket, Any, list[torch.Tensor]]:
+    strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int,
+    device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
     """A bucket of parameter group ``group`` that owns its parameters and gradient buffer, as
-    :class:`~megatron_lowprec.optim.AdamW` builds it."""
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device="cuda")) for shape in shapes]
+    :class:`~megatron_lowprec.optim.AdamW` builds it; its gradient buffer last. ``fill`` sets the
+    parameters' values before the bucket is built (zeros otherwise)."""
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device)) for shape in shapes]
+    for param in params if fill else ():
+        fill(param.data)
     bucket, _ = build_bucket(strategy, group, params, own_params=True)
-    grad = torch.zeros(bucket.numel, dtype=torch.bfloat16, device="cuda")
-    return bucket, grad, [bucket.view(grad, index) for index in range(len(params))]
+    grad = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=device)
+    return bucket, grad, [bucket.view(grad, index) for index in range(len(params))], grad
 
 
 def _shard_bucket(
-    strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], groups: list[int]
-) -> tuple[Bucket, Any, list[torch.Tensor]]:
+    strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], groups: list[int],
+    device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
     """A distributed optimizer's state bucket for the second half of a DDP buffer that holds
     parameters of ``shapes`` back to back (runs of them; entry ``i`` in parameter group ``groups[i]``),
-    laid out as ``megatron/distributed.py`` does: parameters and gradients stay rows of the buffers."""
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device="cuda")) for shape in shapes]
+    laid out as ``megatron/distributed.py`` does: parameters and gradients stay rows of the buffers;
+    the whole gradient buffer last. ``fill`` sets the parameter buffer's values before the bucket is
+    built (zeros otherwise)."""
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device)) for shape in shapes]
     numels = [param.numel() for param in params]
     total = sum(numels)
-    param_data = torch.zeros(total, dtype=torch.bfloat16, device="cuda")
-    grad_data = torch.zeros(total, dtype=torch.bfloat16, device="cuda")
+    param_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    grad_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    if fill:
+        fill(param_data)
     shard_start, runs, starts, members = total // 2, [], [], []
     param_start = 0
     for param, numel in zip(params, numels):
@@ -410,7 +419,7 @@ def _shard_bucket(
     )
     bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
     entry_grads = [grad_data[start : start + numel] for start, (_, numel) in zip(starts, runs)]
-    return bucket, bucket.rows_in(grad_data, starts), entry_grads
+    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,7 +475,7 @@ def _run_cases(strategy: PrecisionStrategy, kind: str, capture: _Capture) -> tup
     """Run :func:`step_cases` on fake tensors; what each launched, and the graphs the first step called."""
     from megatron_lowprec.optim.fused import fused_bucket_step_
 
-    buckets: dict[str, tuple[Bucket, Any, list[torch.Tensor]]] = {}
+    buckets: dict[str, tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]] = {}
     records, first_step = [], None
     for case in step_cases(kind):
         if case.bucket not in buckets:
@@ -474,7 +483,7 @@ def _run_cases(strategy: PrecisionStrategy, kind: str, capture: _Capture) -> tup
             buckets[case.bucket] = (
                 _plain_bucket(strategy, shapes, groups[0]) if kind == "plain" else _shard_bucket(strategy, shapes, groups)
             )
-        bucket, grad, entry_grads = buckets[case.bucket]
+        bucket, grad, entry_grads, _ = buckets[case.bucket]
         graphs, calls = len(capture.wrappers), len(capture.calls)
         fused_bucket_step_(
             bucket, strategy, grad, entry_grads, case.hyper, step=case.step,

@@ -1,0 +1,398 @@
+"""The fused step's CUDA kernels run bit for bit under Triton's interpreter, on CPU tensors.
+
+:func:`compare` steps two twin buckets of small CPU tensors three times with the same gradients:
+one through the CUDA Triton kernels that Inductor generates for an H100 (``codegen.py``), run by
+Triton's interpreter (``TRITON_INTERPRET=1``), the other through the eager step (the uncompiled
+:func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, laid out in calls as on a CPU). Every
+parameter and state bit must agree. The interpreted twin takes the GPU's path through
+:func:`~megatron_lowprec.optim.fused.fused_bucket_step_` (one call per bucket, stochastic rounding's
+:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too),
+and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
+``cuda:0`` tensor (0-d tensors are the step's host scalars, on the host on a GPU too), so that
+Inductor writes the kernels of :mod:`~megatron_lowprec.kernels.codegen`'s audit (a test compares their
+sources). The wrapper Inductor writes around them runs on the host: its ``empty_strided_cuda``
+allocates CPU tensors, its device guard does nothing.
+
+The interpreter runs each Triton operation with numpy, which differs from a GPU in a few known
+places. Each shim (:data:`SHIMS`, :data:`LIBDEVICE_SHIMS`) makes it do what the GPU's instruction
+does; nothing else of the arithmetic is changed:
+
+* FP32 -> BF16 conversions (``.to(tl.bfloat16)`` and the implicit one of a BF16 store): the
+  interpreter truncates; a GPU rounds to nearest even (``cvt.rn.bf16.f32``), NaN to 0x7FFF.
+* FP32 -> FP8 E4M3 (``tl.float8e4nv``): the interpreter misrounds (a carry out of the significand is
+  dropped, ties round up, subnormals truncate); a GPU rounds to nearest even and saturates finite
+  values at ±448 (``cvt.rn.satfinite.e4m3x2.f32``).
+* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales): the interpreter has
+  no libdevice; :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy).
+
+What needs no shim: ``div_rn`` and ``sqrt_rn`` are numpy's correctly rounded FP32 division and square
+root, as ``div.rn.f32``/``sqrt.rn.f32``; the kernels are generated without FP fusion (Inductor's
+``emulate_precision_casts``), so a GPU contracts no multiply-add, and the interpreter never does;
+an explicit ``tl.fma`` rounds once in both; numpy keeps FP32 subnormals as ``disable_ftz`` kernels do.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel (or a helper of Inductor's) is decorated, so each
+comparison runs in a process of its own started with it set (:func:`run_comparisons`).
+
+Run ``python -m megatron_lowprec.kernels.interpret`` (``--help`` for a subset), or
+``python -m megatron_lowprec.kernels.audit --interpret``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import torch
+
+from megatron_lowprec.kernels import codegen
+
+SHAPES = ((4, 64), (300,), (64,))
+"""The parameters of a compared bucket: a matrix, and two vectors whose entries end in padding;
+the shard (the second half of their buffer) holds three FP8 groups of 128 elements."""
+
+STEPS = 3
+SEED = 27
+ARCH = 90
+"""The device whose kernels run: an H100 (Inductor writes the same Triton code for sm_80)."""
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The interpreted kernels' step against the eager step, for one option, master storage and kind."""
+
+    option: str
+    master_storage: str
+    kind: str
+    kernels: list[str]
+    """The generated kernels that ran (names), in the order of their first launch."""
+    sources: dict[str, str]
+    """Name -> the Triton source Inductor wrote, of every generated kernel."""
+    launches: int
+    """Kernel launches over all steps."""
+    mismatches: dict[str, str]
+    """Tensor (``param``, or a state key) -> its first differing element, in bits."""
+    seconds: float
+    error: str | None = None
+    """Why the interpreted step did not run (its exception's last line and the line that raised it)."""
+
+    @property
+    def identical(self) -> bool:
+        return self.error is None and not self.mismatches
+
+
+def _bf16_rne(values: np.ndarray) -> np.ndarray:
+    """``cvt.rn.bf16.f32``: FP32 to BF16 bits, rounded to nearest even; NaN to the GPU's 0x7FFF."""
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FFF), rounded)
+
+
+def _e4m3_rne_satfinite(values: np.ndarray) -> np.ndarray:
+    """``cvt.rn.satfinite.e4m3x2.f32``: FP32 to E4M3 bits, rounded to nearest even, finite values
+    saturated at ±448 (NaN stays NaN)."""
+    clamped = np.clip(values.astype(np.float32), -448.0, 448.0)
+    encoded = torch.from_numpy(np.ascontiguousarray(clamped)).to(torch.float8_e4m3fn)
+    return encoded.view(torch.uint8).numpy()
+
+
+SHIMS = {
+    "FP32 -> BF16 rounds to nearest even (cvt.rn.bf16.f32)": ("float32", "bfloat16", _bf16_rne),
+    "FP32 -> FP8 E4M3 rounds to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32)": ("float32", "float8e4nv", _e4m3_rne_satfinite),
+}
+"""The interpreter's conversions replaced by the GPU's: description -> (source type, target type, bits)."""
+
+
+LIBDEVICE_SHIMS = {
+    "nearbyint": ("cvt.rni: rounds to the nearest integer, ties to even", np.rint),
+    "copysign": ("exact: the magnitude of the first operand with the sign bit of the second", np.copysign),
+}
+"""libdevice functions the generated kernels call (the interpreter runs no libdevice: each call gives
+``None``), as numpy functions that compute what the GPU's does: name -> (the GPU's result, numpy)."""
+
+
+def _libdevice_shim(function: Callable) -> Callable:
+    """A libdevice function of interpreted tensors (or Python numbers) computed by numpy ``function``."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def shim(*args, _semantic=None, **kwargs):
+        tensors = [arg for arg in args if isinstance(arg, tl.tensor)]
+        widest = max(tensors, key=lambda tensor: tensor.handle.data.size)
+        dtype = widest.handle.data.dtype
+        values = [arg.handle.data if isinstance(arg, tl.tensor) else np.asarray(arg, dtype=dtype) for arg in args]
+        result = np.asarray(function(*np.broadcast_arrays(*values)), dtype=dtype)
+        return tl.tensor(interpreter.TensorHandle(result, widest.dtype.scalar), widest.type)
+
+    return shim
+
+
+@contextlib.contextmanager
+def gpu_conversions() -> Iterator[None]:
+    """The interpreter converts as a GPU does where :data:`SHIMS` says (its builder's ``cast_impl`` for
+    ``.to()`` and stores, ``create_fp_to_fp`` for FP8), and computes :data:`LIBDEVICE_SHIMS`."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    targets = {(getattr(tl, source), getattr(tl, target)): convert for source, target, convert in SHIMS.values()}
+
+    def shimmed(original):
+        def convert(self, src, dst_type, *args):
+            key = (src.dtype.scalar, dst_type.scalar)
+            if key in targets:
+                return interpreter.TensorHandle(targets[key](src.data), dst_type.scalar)
+            return original(self, src, dst_type, *args)
+
+        return convert
+
+    from torch._inductor.runtime.triton_helpers import libdevice
+
+    with contextlib.ExitStack() as stack:
+        for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc"):
+            stack.enter_context(mock.patch.object(builder, name, shimmed(getattr(builder, name))))
+        for name, (_, function) in LIBDEVICE_SHIMS.items():
+            stack.enter_context(mock.patch.object(libdevice, name, _libdevice_shim(function)))
+        yield
+
+
+def _traced_on_cuda(original: Callable) -> Callable:
+    """``FakeTensorMode.from_tensor`` that gives a CPU tensor of one or more dimensions the fake
+    device ``cuda:0`` (0-d tensors are the step's host scalars, on the host on a GPU too): Dynamo
+    traces the step's CUDA code and Inductor compiles it for CUDA from the CPU tensors."""
+
+    def from_tensor(mode, tensor, *args, **kwargs):
+        fake = original(mode, tensor, *args, **kwargs)
+        if fake.device.type == "cpu" and fake.dim() > 0:
+            fake.fake_device = torch.device("cuda", 0)
+        return fake
+
+    return from_tensor
+
+
+def _host_allocation(size, stride, dtype):
+    """A generated wrapper's ``empty_strided_cuda``: its buffers on the host."""
+    return torch.empty_strided(size, stride, dtype=dtype)
+
+
+class _Launches:
+    """The generated kernels, loaded by Inductor for the interpreter, each launch counted."""
+
+    def __init__(self) -> None:
+        self.kernels: list[str] = []
+        self.sources: dict[str, str] = {}
+        self.launches = 0
+
+    def load(self, original: Callable) -> Callable:
+        def triton(async_compile, kernel_name, source_code, device_str="cuda"):
+            self.sources[kernel_name] = source_code
+            kernel = original(async_compile, kernel_name, source_code, device_str)
+            run = kernel.run
+
+            def counted(*args, **kwargs):
+                if kernel_name not in self.kernels:
+                    self.kernels.append(kernel_name)
+                self.launches += 1
+                return run(*args, **kwargs)
+
+            kernel.run = counted
+            return kernel
+
+        return triton
+
+
+class _NoDeviceGuard:
+    """``torch.cuda._DeviceGuard`` of a generated wrapper: there is one device, the host."""
+
+    def __init__(self, device: int) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def interpreted_cuda_kernels(cache_dir: str) -> Iterator[_Launches]:
+    """Compiled steps on CPU tensors run the CUDA kernels generated for :data:`ARCH`, interpreted
+    with :func:`gpu_conversions`, on the GPU's path through the fused step."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the interpreted kernels need TRITON_INTERPRET=1 set before triton is imported")
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_lowprec.optim import fused
+
+    launches = _Launches()
+    load, compile_fx = AsyncCompile.triton, compile_fx_module.compile_fx
+    with codegen.cuda_codegen(ARCH, cache_dir), contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(AsyncCompile, "triton", launches.load(load)))
+        stack.enter_context(mock.patch.object(compile_fx_module, "compile_fx", compile_fx))
+        stack.enter_context(mock.patch.object(torch._C._dynamo.guards, "_empty_strided_cuda", _host_allocation))
+        stack.enter_context(mock.patch.object(FakeTensorMode, "from_tensor", _traced_on_cuda(FakeTensorMode.from_tensor)))
+        stack.enter_context(mock.patch.object(torch.cuda, "_DeviceGuard", _NoDeviceGuard))
+        stack.enter_context(mock.patch.object(torch.cuda, "set_device", lambda device: None))
+        stack.enter_context(mock.patch.object(fused, "BUCKET_STREAM_DEVICES", ("cuda", "cpu")))
+        stack.enter_context(gpu_conversions())
+        yield launches
+
+
+@contextlib.contextmanager
+def eager_steps() -> Iterator[None]:
+    """The fused step's calls run the uncompiled kernel and master codec (the eager step)."""
+    from megatron_lowprec.optim import fused
+    from megatron_lowprec.optim.kernel import bucket_kernel_
+
+    codec = (fused._join_master_window, fused._split_master_window_)
+    with mock.patch.object(fused, "compiled_kernel", lambda group_statistics=False: bucket_kernel_), \
+            mock.patch.object(fused, "compiled_master_codec", lambda: codec):
+        yield
+
+
+def _twin(strategy, kind: str):
+    """A bucket of :data:`SHAPES` on the CPU, parameters drawn from :data:`SEED`."""
+    generator = torch.Generator().manual_seed(SEED)
+
+    def fill(tensor):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+
+    if kind == "plain":
+        return codegen._plain_bucket(strategy, SHAPES, 0, device="cpu", fill=fill)
+    return codegen._shard_bucket(strategy, SHAPES, [0] * len(SHAPES), device="cpu", fill=fill)
+
+
+def _params_of(bucket) -> torch.Tensor:
+    return bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1].source
+
+
+def _first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """Where ``got`` and ``expected`` first differ, in bits (``None``: bit-identical)."""
+    width = got.element_size()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    got_bits, expected_bits = got.reshape(-1).view(as_int), expected.reshape(-1).view(as_int)
+    differ = (got_bits != expected_bits).nonzero().reshape(-1)
+    if not differ.numel():
+        return None
+    index = int(differ[0])
+    mask = (1 << (8 * width)) - 1
+    return (
+        f"{differ.numel()} of {got_bits.numel()} elements differ; first at {index}: "
+        f"0x{int(got_bits[index]) & mask:0{2 * width}x} (interpreted) vs 0x{int(expected_bits[index]) & mask:0{2 * width}x} (eager)"
+    )
+
+
+def compare(option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS) -> Comparison:
+    """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels and the
+    eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit."""
+    from megatron_lowprec.kernels.audit import strategy_for
+    from megatron_lowprec.optim.fused import fused_bucket_step_
+
+    started = time.perf_counter()
+    strategy = strategy_for(option, master_storage)
+    twins = {"interpreted": _twin(strategy, kind), "eager": _twin(strategy, kind)}
+    generator = torch.Generator().manual_seed(SEED + 1)
+    sizes = [grad.numel() for grad in twins["eager"][2]]
+    grads = [torch.randn(sum(sizes), generator=generator) * 10.0 ** (step - steps) for step in range(steps)]
+    sr_seed = codegen.SR_SEED if strategy.param_update == "stochastic" else None
+
+    def run(twin):
+        bucket, grad, entry_grads, _ = twin
+        for step, values in enumerate(grads, start=1):
+            for entry_grad, entry_values in zip(entry_grads, values.split(sizes)):
+                entry_grad.copy_(entry_values)
+            fused_bucket_step_(
+                bucket, strategy, grad, entry_grads, {0: dict(codegen.STEP_HYPER)}, step=step,
+                sr_seed=sr_seed, track_update_quality=False,
+            )
+
+    with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
+        with interpreted_cuda_kernels(cache_dir) as launches:
+            run(twins["interpreted"])
+    with eager_steps():
+        run(twins["eager"])
+    interpreted, eager = twins["interpreted"][0], twins["eager"][0]
+    tensors = {"param": (_params_of(interpreted), _params_of(eager))}
+    tensors.update({key: (value, eager.state[key]) for key, value in interpreted.state.items() if torch.is_tensor(value)})
+    mismatches = {name: found for name, (got, expected) in tensors.items() if (found := _first_mismatch(got, expected))}
+    return Comparison(
+        strategy.name, master_storage, kind, launches.kernels, launches.sources, launches.launches, mismatches,
+        time.perf_counter() - started,
+    )
+
+
+def _compare_in_worker(option: str, master_storage: str, kind: str) -> Comparison:
+    """:func:`compare`, or a comparison that names the error that stopped it."""
+    started = time.perf_counter()
+    try:
+        return compare(option, master_storage, kind)
+    except Exception as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = next((f"{frame.line} ({os.path.basename(frame.filename)})" for frame in reversed(frames)), "")
+        return Comparison(
+            option, master_storage, kind, [], {}, 0, {}, time.perf_counter() - started,
+            f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''} at {where}",
+        )
+
+
+def run_comparisons(
+    pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1
+) -> list[Comparison]:
+    """:func:`compare` every (option, master storage) of ``pairs`` (default: the audit's
+    configurations) for each kind, in ``workers`` processes started with ``TRITON_INTERPRET=1``
+    (results in the order of ``pairs`` and ``kinds``)."""
+    from megatron_lowprec.kernels.audit import configurations
+
+    tasks = [(option, storage, kind) for option, storage in pairs or configurations() for kind in kinds]
+    context = multiprocessing.get_context("spawn")
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
+        max_workers=max(workers, 1), mp_context=context
+    ) as pool:
+        return list(pool.map(_compare_in_worker, *zip(*tasks)))
+
+
+def report(comparisons: list[Comparison]) -> str:
+    """One line per comparison: identical or its first differing bits, the kernels and launches."""
+    lines = []
+    for result in comparisons:
+        verdict = "bit-identical" if result.identical else f"ERROR {result.error}" if result.error else "DIFFERS " + "; ".join(f"{k}: {v}" for k, v in result.mismatches.items())
+        lines.append(
+            f"{result.option} ({result.master_storage}, {result.kind}): {verdict}; {len(result.kernels)} kernels, "
+            f"{result.launches} launches in {STEPS} steps, {result.seconds:.1f} s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_lowprec.kernels.audit import configurations
+    from megatron_lowprec.optim.strategies import get_strategy
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.interpret", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
+    parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both)")
+    parser.add_argument("--workers", type=int, default=1, help="processes that compare configurations in parallel")
+    args = parser.parse_args(argv)
+    pairs = configurations()
+    if args.option:
+        names = {get_strategy(option).name for option in args.option}
+        pairs = [pair for pair in pairs if pair[0] in names]
+    comparisons = run_comparisons(pairs, args.kind or codegen.KINDS, args.workers)
+    print(report(comparisons))
+    return 0 if all(result.identical for result in comparisons) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The fused step's generated CUDA kernels, run by Triton's interpreter on CPU tensors (issue 27 item 2).
+
+The module compares every option once (:func:`comparisons`, in processes started with
+``TRITON_INTERPRET=1``, so that this process's Triton is untouched) and each test reads one
+(option, master storage, kind). Every generated kernel agrees today, so none is marked xfail.
+"""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from megatron_lowprec.kernels import audit, codegen, interpret
+
+CASES = [(option, storage, kind) for option, storage in audit.configurations() for kind in codegen.KINDS]
+
+WORKERS = 2
+"""Processes that compare the steps (CI's machine has two cores)."""
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    """Every option's interpreted step against its eager step, once: (option, storage, kind) -> Comparison."""
+    return {
+        (result.option, result.master_storage, result.kind): result
+        for result in interpret.run_comparisons(audit.configurations(), codegen.KINDS, workers=WORKERS)
+    }
+
+
+@pytest.mark.parametrize("option,storage,kind", [pytest.param(*case, id="-".join(case)) for case in CASES])
+def test_interpreted_kernels_are_bit_identical_to_the_eager_step(comparisons, option, storage, kind):
+    """Three steps through the generated CUDA kernels (interpreted, with :data:`interpret.SHIMS`) leave
+    every parameter and state bit as the eager step does; the generated kernels really ran (option D
+    with an FP32 master runs torch's own fused AdamW: no generated kernel)."""
+    result = comparisons[(option, storage, kind)]
+    assert result.error is None, result.error
+    assert result.mismatches == {}
+    torch_kernel_only = audit.strategy_for(option, storage).adam_kernel == "torch_fused" and storage == "fp32"
+    assert (result.launches == 0) if torch_kernel_only else (result.launches >= interpret.STEPS)
+
+
+def test_bf16_shim_rounds_to_nearest_even_as_torch_does():
+    """The BF16 shim against torch's FP32 -> BF16 conversion (RNE) on ties, carries into the exponent,
+    subnormals, overflow to infinity and random values; NaN as the GPU's 0x7FFF."""
+    special = np.array([1 + 2**-8, 1 + 3 * 2**-8, 2**-130, -(2**-149), 3.3961e38, -0.0, np.inf], dtype=np.float32)
+    values = np.concatenate([special, np.random.default_rng(0).standard_normal(4096).astype(np.float32)])
+    expected = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(interpret._bf16_rne(values), expected)
+    assert interpret._bf16_rne(np.array([np.nan], dtype=np.float32))[0] == 0x7FFF
+
+
+def test_e4m3_shim_rounds_to_nearest_even_and_saturates_as_ml_dtypes():
+    """The FP8 E4M3 shim against ml_dtypes' float8_e4m3fn (RNE) on ties, subnormals and random values;
+    beyond ±448 it saturates (satfinite), where a plain conversion gives NaN."""
+    rng = np.random.default_rng(1)
+    values = np.concatenate([
+        np.array([2**-9 * 1.5, 2**-10, 2**-7 * 1.0625, 17.0, 448.0, -0.0], dtype=np.float32),
+        (rng.standard_normal(4096) * 30).astype(np.float32),
+    ])
+    expected = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(interpret._e4m3_rne_satfinite(values), expected)
+    assert list(interpret._e4m3_rne_satfinite(np.array([1e4, -500.0], dtype=np.float32))) == [0x7E, 0xFE]
+
+
+def test_the_interpreter_without_shims_truncates_bf16():
+    """Why the BF16 shim exists: Triton's interpreter converts FP32 to BF16 by truncation (1 + 3·2^-9,
+    three quarters of a BF16 step above 1, becomes 1, not 1 + 2^-7 as on a GPU)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    value = np.array([1 + 3 * 2**-9], dtype=np.float32)
+    truncated = interpreter._convert_float(value, tl.float32, tl.bfloat16, None)
+    assert truncated[0] == 0x3F80 and interpret._bf16_rne(value)[0] == 0x3F81
+
+
+def _without_size_hints(source):
+    """A kernel's source without what the traced sizes set: its size hints and tiling scores."""
+    return re.sub(r"(size_hints=|'tiling_scores': )\{[^}]*\}", r"\1...", source)
+
+
+def test_the_interpreted_kernels_are_those_the_audit_compiles(comparisons):
+    """Option B's interpreted kernel is the one generated on fake CUDA tensors for the audit: the same
+    Triton source but for the hints taken from the traced sizes (the CPU twin traces the GPU's code path)."""
+    generated = {kernel.name: kernel.source for kernel in codegen.generate("B", arch=interpret.ARCH).first_step_kernels}
+    interpreted = comparisons[("B", "fp32", "plain")].sources
+    assert list(interpreted) == list(generated)
+    for name, source in interpreted.items():
+        assert _without_size_hints(source) == _without_size_hints(generated[name])
