@@ -18,7 +18,8 @@ every compiled kind take the compiled function; a kind that failed to compile st
   compiles in the foreground instead, as without background compilation.
 * The thread: one at a time, started by a call of a new kind, ending when no compile is queued
   (none is alive once compiling is done). It runs with the calling thread's grad mode and torch
-  function modes (Dynamo guards on both) and no collective, so every rank compiles on its own.
+  function modes (Dynamo guards on both), on the call's GPU, and no collective, so every rank
+  compiles on its own.
   Inductor keeps what it built in its on-disk cache, so a compile cut short by the end of the
   process is not lost: Python waits for the running compile at exit, and drops the queued ones.
 * torch's ``torch.compiler.is_compiling()`` is one flag per process: while the thread compiles,
@@ -29,6 +30,7 @@ every compiled kind take the compiled function; a kind that failed to compile st
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Hashable
@@ -64,12 +66,13 @@ class BackgroundCompiles:
         compile failed runs ``eager`` and calls ``on_failure(error)`` the first time."""
         kind = (compiled, call_kind(args))
         with self._lock:
-            if kind not in self._results and kind not in self._queued:
-                if _too_large_for_the_device(args):
-                    self._results[kind] = None
-                    return compiled(*args)
+            new = kind not in self._results and kind not in self._queued
+            foreground = new and _too_large_for_the_device(args)
+            if foreground:
+                self._results[kind] = None
+            elif new:
                 self._queued.add(kind)
-                self._queue.append((kind, compiled, scratch_copy(args), torch.is_grad_enabled(), _get_current_function_mode_stack()))
+                self._queue.append((kind, compiled, _scratch_copy_on_device(args), torch.is_grad_enabled(), _get_current_function_mode_stack()))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._compile_queued, name=THREAD_NAME)
                     self._thread.start()
@@ -80,6 +83,8 @@ class BackgroundCompiles:
             self._warned.update([kind] if warn else [])
         if warn:
             on_failure(error)
+        if foreground:
+            return compiled(*args)
         if compiling or not done or error is not None:
             return eager(*args)
         return compiled(*args)
@@ -106,10 +111,14 @@ class BackgroundCompiles:
                     self._queued.clear()
                     self._thread = None
                     return
-                kind, compiled, scratch, grad_enabled, modes = self._queue.popleft()
+                kind, compiled, (scratch, device), grad_enabled, modes = self._queue.popleft()
             error = None
             try:
-                with torch.set_grad_enabled(grad_enabled), _entered(modes):
+                with torch.set_grad_enabled(grad_enabled), contextlib.ExitStack() as entered:
+                    if device is not None:
+                        entered.enter_context(torch.cuda.device(device))
+                    for mode in modes:
+                        entered.enter_context(mode)
                     compiled(*scratch)
             except Exception as caught:  # reported by the next call of this kind, in the caller's thread
                 error = caught
@@ -117,21 +126,6 @@ class BackgroundCompiles:
             with self._lock:
                 self._queued.discard(kind)
                 self._results[kind] = error
-
-
-class _entered:
-    """The torch function ``modes`` entered in this thread, outermost first."""
-
-    def __init__(self, modes: list) -> None:
-        self.modes = modes
-
-    def __enter__(self) -> None:
-        for mode in self.modes:
-            mode.__enter__()
-
-    def __exit__(self, *exc_info) -> None:
-        for mode in reversed(self.modes):
-            mode.__exit__(*exc_info)
 
 
 def call_kind(args: Any) -> Hashable:
@@ -185,6 +179,29 @@ def scratch_copy(args: Any) -> Any:
     return copy(args)
 
 
+def _scratch_copy_on_device(args: Any) -> tuple[Any, torch.device | None]:
+    """:func:`scratch_copy` of ``args`` and the GPU they are on (``None`` on the CPU), the copies
+    complete before they are handed to another thread (which runs on that GPU's default stream)."""
+    scratch = scratch_copy(args)
+    devices = [value.device for value in _tensors(args) if value.device.type == "cuda"]
+    if devices:
+        torch.cuda.current_stream(devices[0]).synchronize()
+    return scratch, devices[0] if devices else None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, through tuples, lists, dicts and dataclasses."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors(item)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [tensor for field in dataclasses.fields(value) for tensor in _tensors(getattr(value, field.name))]
+    return []
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple:
     storage = tensor.untyped_storage()
     return (tensor.device, storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else (id(tensor),)
@@ -194,25 +211,9 @@ def _too_large_for_the_device(args: Any) -> bool:
     """Whether the scratch copies of ``args`` on a GPU would take more than
     :data:`GPU_FREE_MEMORY_SHARE` of its free memory."""
     needed: dict[torch.device, int] = {}
-    seen: set[tuple] = set()
-
-    def visit(value: Any) -> None:
-        if torch.is_tensor(value):
-            key = _storage_key(value)
-            if value.device.type == "cuda" and key not in seen:
-                seen.add(key)
-                needed[value.device] = needed.get(value.device, 0) + value.untyped_storage().nbytes()
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            for field in dataclasses.fields(value):
-                visit(getattr(value, field.name))
-
-    visit(args)
+    storages = {_storage_key(tensor): tensor for tensor in _tensors(args) if tensor.device.type == "cuda"}
+    for tensor in storages.values():
+        needed[tensor.device] = needed.get(tensor.device, 0) + tensor.untyped_storage().nbytes()
     return any(nbytes > GPU_FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0] for device, nbytes in needed.items())
 
 
