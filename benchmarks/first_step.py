@@ -8,7 +8,7 @@ background while the first steps run it uncompiled, ``precision.background_compi
 that compiles nothing, the second step), after which the process exits. Cold: an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``), what
 a new user and CI have. Warm: the same directory again, what the user's next run has. The baseline
 is ``precision=megatron``, megatron-core's own optimizer, which on CPU is plain ``torch.optim.AdamW``
-(nothing compiled), timed in the same run. Before any timing one untimed baseline run prepares the
+(nothing compiled), timed just before each cold and each warm run of an option. Before any timing one untimed baseline run prepares the
 corpus cache, so that no run pays for it. Runs go one after another; on a shared machine compare
 the ratios of one run, not absolute seconds across runs.
 
@@ -87,25 +87,26 @@ def main() -> None:
         root = Path(scratch)
         first_step_seconds(BASELINE, root / "cache-prepare", root / "prepare")
         rows = []
-        for option in [BASELINE, *args.options]:
-            cold, warm = [], []
+        for option in args.options:
+            runs = {key: [] for key in ("baseline cold", "cold", "baseline warm", "warm")}
             for repeat in range(args.repeats):
-                cache = root / f"cache-{option}-{repeat}"
-                cold.append(first_step_seconds(option, cache, root / f"{option}-cold-{repeat}"))
-                warm.append(first_step_seconds(option, cache, root / f"{option}-warm-{repeat}"))
-            medians = [statistics.median(times[which] for times in runs) for runs in (cold, warm) for which in (0, 1)]
-            rows.append((option, *medians))
-            print(f"{option}: " + ", ".join(f"{value:.1f} s" for value in medians), file=sys.stderr, flush=True)
-    base_cold, base_warm = rows[0][1], rows[0][3]
-    print(f"{os.cpu_count()} CPUs, {args.repeats} run(s) per cell (median); baseline: {BASELINE} = torch.optim.AdamW")
-    print("| option | first step, cold (s) | first step, warm (s) | cold / AdamW | warm / AdamW "
-          "| first compiled step, cold (s) | first compiled step, warm (s) |")
-    print("|---|---|---|---|---|---|---|")
-    for option, cold, cold_compiled, warm, warm_compiled in rows:
-        label = f"{BASELINE} (torch.optim.AdamW)" if option == BASELINE else option
-        print(f"| {label} | {cold:.1f} | {warm:.1f} | {cold / base_cold:.2f} | {warm / base_warm:.2f} "
-              f"| {cold_compiled:.1f} | {warm_compiled:.1f} |")
-
+                caches = {BASELINE: root / f"cache-{option}-baseline-{repeat}", option: root / f"cache-{option}-{repeat}"}
+                for key, which in (("baseline cold", BASELINE), ("cold", option), ("baseline warm", BASELINE), ("warm", option)):
+                    runs[key].append(first_step_seconds(which, caches[which], root / f"{option}-{key}-{repeat}".replace(" ", "-")))
+            row = {key: [statistics.median(times[which] for times in values) for which in (0, 1)] for key, values in runs.items()}
+            rows.append((option, row))
+            print(f"{option}: " + ", ".join(f"{key} {first:.1f} s / {compiled:.1f} s" for key, (first, compiled) in row.items()),
+                  file=sys.stderr, flush=True)
+    print(f"{os.cpu_count()} CPUs, {args.repeats} run(s) per cell (median); baseline: {BASELINE} = torch.optim.AdamW, "
+          "run just before each option's run")
+    print("| option | first step, cold (s) | AdamW, cold (s) | cold / AdamW | first step, warm (s) | AdamW, warm (s) "
+          "| warm / AdamW | first compiled step, cold (s) | first compiled step, warm (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for option, row in rows:
+        (cold, cold_compiled), (warm, warm_compiled) = row["cold"], row["warm"]
+        base_cold, base_warm = row["baseline cold"][0], row["baseline warm"][0]
+        print(f"| {option} | {cold:.1f} | {base_cold:.1f} | {cold / base_cold:.2f} | {warm:.1f} | {base_warm:.1f} "
+              f"| {warm / base_warm:.2f} | {cold_compiled:.1f} | {warm_compiled:.1f} |")
 
 if __name__ == "__main__":
     main()
