@@ -54,8 +54,8 @@ from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, str
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
-    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
-    "lowprec_master_storage",
+    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_background_compile",
+    "lowprec_track_update_quality", "lowprec_master_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="each rank draws its own stochastic-rounding bits (the SR paper's ablation)")
     group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled optimizer step (default: where it is available)")
+    group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="the first steps run the fused step uncompiled (the same bits) while a background thread "
+                            "compiles it (default: on)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,

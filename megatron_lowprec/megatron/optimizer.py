@@ -338,7 +338,8 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
     ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
     ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
-    it is available); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
+    it is available), and ``lowprec_background_compile`` lets the first steps run it uncompiled (the
+    same bits) while a background thread compiles it (see ``AdamW``); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
     the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
     remainder below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
@@ -350,6 +351,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_seed: int = 0
     lowprec_shared_randomness: bool = True
     lowprec_fused: bool | None = None
+    lowprec_background_compile: bool = False
     lowprec_track_update_quality: bool = False
     lowprec_master_storage: str | None = None
 
@@ -471,6 +473,7 @@ def build_optimizer(
     seed: int | None = None,
     shared_randomness: bool | None = None,
     fused: bool | None = None,
+    background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
@@ -483,7 +486,7 @@ def build_optimizer(
 
     with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
-    The keywords ``seed``, ``shared_randomness``, ``fused``, ``track_update_quality`` and
+    The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality`` and
     ``master_storage`` override the config's ``lowprec_*`` settings in either form.
 
     Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
@@ -519,7 +522,8 @@ def build_optimizer(
             "LowPrecisionOptimizerConfig(lowprec_option=..., ...) or build_optimizer(option, model_chunks, config)"
         )
     given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
-             "lowprec_track_update_quality": track_update_quality, "lowprec_master_storage": master_storage}
+             "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
+             "lowprec_master_storage": master_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     strategy = get_strategy(config.lowprec_option)
@@ -552,6 +556,7 @@ def build_optimizer(
         return build_distributed_optimizer(
             strategy, model_chunks, config, groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
             track_update_quality=config.lowprec_track_update_quality, stream_layouts=stream_layouts(model_chunks),
+            background_compile=config.lowprec_background_compile,
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
@@ -572,6 +577,7 @@ def _adamw(
         option=strategy,
         seed=config.lowprec_seed + seed_offset,
         fused=config.lowprec_fused,
+        background_compile=config.lowprec_background_compile,
         track_update_quality=config.lowprec_track_update_quality,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,

@@ -58,6 +58,7 @@ import torch
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
@@ -311,10 +312,13 @@ def fused_bucket_step_(
     step: int,
     sr_seed: int | None,
     track_update_quality: bool,
+    background_compile: bool = False,
 ) -> torch.Tensor | None:
     """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
     calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
-    device) when ``track_update_quality``.
+    device) when ``track_update_quality``. With ``background_compile``, a call whose compiled kernel
+    is not built yet runs it uncompiled (the same bits) while a background thread builds it
+    (:mod:`~megatron_lowprec.optim.background_compile`).
 
     ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
     :class:`~megatron_lowprec.optim.buckets.BufferRows` over the buffer they live in; ``entry_grads``
@@ -333,8 +337,8 @@ def fused_bucket_step_(
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
         _compiled_or_eager(
-            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, param, call_grad, state,
-            strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
+            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, background_compile,
+            param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
         )
         for param, call_grad, state, call_scalars, random_source in _calls(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
@@ -343,11 +347,20 @@ def fused_bucket_step_(
     return sum(pieces) if track_update_quality else None
 
 
-def _compiled_or_eager(kernel: Callable, bucket: Bucket, *args: Any) -> torch.Tensor | None:
-    """One call of the compiled ``kernel``; the eager :func:`bucket_kernel_` on the same arguments, with
-    an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
-    raised before the call runs, so nothing is stepped twice)."""
+def _compiled_or_eager(kernel: Callable, bucket: Bucket, background_compile: bool, *args: Any) -> torch.Tensor | None:
+    """One call of the compiled ``kernel`` (in the background: :data:`BACKGROUND_COMPILES` runs
+    :func:`bucket_kernel_` until it is built); the eager :func:`bucket_kernel_` on the same arguments,
+    with an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile
+    limit: raised before the call runs, so nothing is stepped twice) or its background compile failed."""
+    if kernel is bucket_kernel_:
+        return bucket_kernel_(*args)
+
+    def warn_failed(error: BaseException) -> None:
+        warn_eager_fallback(bucket_entries(bucket), f"its background compile failed: {type(error).__name__}: {error}")
+
     try:
+        if background_compile:
+            return BACKGROUND_COMPILES.call(kernel, bucket_kernel_, args, warn_failed)
         return kernel(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warn_eager_fallback(
