@@ -46,6 +46,6 @@ setup(
         "data": DATA,
         "train": TRAIN,
         "plot": PLOT,
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS, *KERNEL_AUDIT],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS, *KERNEL_AUDIT],
     },
 )

@@ -3,10 +3,12 @@
 Each run is a fresh process, ``lowprec-train precision=OPTION`` on the Hydra app's default (the
 0.7M-parameter GPT on the shipped Shakespeare corpus, one process, CPU unless CUDA is there): the
 time from starting the process to the end of its first optimizer step (``train_step`` returning),
-after which the process exits. Cold: an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``), what
+and to the end of the first step that ran the compiled kernel (the fused step is compiled in the
+background while the first steps run it uncompiled, ``precision.background_compile``; for an option
+that compiles nothing, the second step), after which the process exits. Cold: an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``), what
 a new user and CI have. Warm: the same directory again, what the user's next run has. The baseline
 is ``precision=megatron``, megatron-core's own optimizer, which on CPU is plain ``torch.optim.AdamW``
-(nothing compiled), timed in the same run. Before any timing one untimed baseline run prepares the
+(nothing compiled), timed just before each cold and each warm run of an option. Before any timing one untimed baseline run prepares the
 corpus cache, so that no run pays for it. Runs go one after another; on a shared machine compare
 the ratios of one run, not absolute seconds across runs.
 
@@ -29,39 +31,49 @@ BASELINE = "megatron"
 """The app's precision member for megatron-core's own optimizer (``torch.optim.AdamW`` on CPU)."""
 
 FIRST_STEP_MARK = "FIRST_STEP_END"
+COMPILED_STEP_MARK = "COMPILED_STEP_END"
 
 CHILD = f"""
 import os, sys, time
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.train import loop
 
 train_step = loop.train_step
+steps = []
 
 
-def first_step_then_exit(run):
+def until_a_compiled_step_then_exit(run):
+    compiled = bool(steps) and not BACKGROUND_COMPILES.compiling()
     result = train_step(run)
-    print("{FIRST_STEP_MARK}", time.time(), flush=True)
-    os._exit(0)
+    steps.append(time.time())
+    if len(steps) == 1:
+        print("{FIRST_STEP_MARK}", steps[0], flush=True)
+    if compiled:
+        print("{COMPILED_STEP_MARK}", steps[-1], flush=True)
+        os._exit(0)
+    return result
 
 
-loop.train_step = first_step_then_exit
+loop.train_step = until_a_compiled_step_then_exit
 from megatron_lowprec.train.app import main
 
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def first_step_seconds(option: str, cache_dir: Path, run_dir: Path) -> float:
-    """Seconds from starting ``lowprec-train precision=option`` to the end of its first step."""
+def first_step_seconds(option: str, cache_dir: Path, run_dir: Path) -> tuple[float, float]:
+    """Seconds from starting ``lowprec-train precision=option`` to the end of its first step, and to
+    the end of its first step with the compiled kernel (every step's, for an option that compiles nothing)."""
     environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     started = time.time()
     completed = subprocess.run(
         [sys.executable, "-c", CHILD, f"precision={option}", f"run_dir={run_dir}"],
         env=environment, capture_output=True, text=True,
     )
-    marks = [line.split()[1] for line in completed.stdout.splitlines() if line.startswith(FIRST_STEP_MARK)]
-    if not marks:
-        raise RuntimeError(f"precision={option} ended without a first step:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
-    return float(marks[0]) - started
+    marks = dict(line.split()[:2] for line in completed.stdout.splitlines() if line.startswith((FIRST_STEP_MARK, COMPILED_STEP_MARK)))
+    if set(marks) != {FIRST_STEP_MARK, COMPILED_STEP_MARK}:
+        raise RuntimeError(f"precision={option} ended without a compiled step:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
+    return float(marks[FIRST_STEP_MARK]) - started, float(marks[COMPILED_STEP_MARK]) - started
 
 
 def main() -> None:
@@ -75,22 +87,26 @@ def main() -> None:
         root = Path(scratch)
         first_step_seconds(BASELINE, root / "cache-prepare", root / "prepare")
         rows = []
-        for option in [BASELINE, *args.options]:
-            cold, warm = [], []
+        for option in args.options:
+            runs = {key: [] for key in ("baseline cold", "cold", "baseline warm", "warm")}
             for repeat in range(args.repeats):
-                cache = root / f"cache-{option}-{repeat}"
-                cold.append(first_step_seconds(option, cache, root / f"{option}-cold-{repeat}"))
-                warm.append(first_step_seconds(option, cache, root / f"{option}-warm-{repeat}"))
-            rows.append((option, statistics.median(cold), statistics.median(warm)))
-            print(f"{option}: cold {rows[-1][1]:.1f} s, warm {rows[-1][2]:.1f} s", file=sys.stderr, flush=True)
-    base_cold, base_warm = rows[0][1], rows[0][2]
-    print(f"{os.cpu_count()} CPUs, {args.repeats} run(s) per cell (median); baseline: {BASELINE} = torch.optim.AdamW")
-    print("| option | cold (s) | warm (s) | cold / AdamW | warm / AdamW |")
-    print("|---|---|---|---|---|")
-    for option, cold, warm in rows:
-        label = f"{BASELINE} (torch.optim.AdamW)" if option == BASELINE else option
-        print(f"| {label} | {cold:.1f} | {warm:.1f} | {cold / base_cold:.2f} | {warm / base_warm:.2f} |")
-
+                caches = {BASELINE: root / f"cache-{option}-baseline-{repeat}", option: root / f"cache-{option}-{repeat}"}
+                for key, which in (("baseline cold", BASELINE), ("cold", option), ("baseline warm", BASELINE), ("warm", option)):
+                    runs[key].append(first_step_seconds(which, caches[which], root / f"{option}-{key}-{repeat}".replace(" ", "-")))
+            row = {key: [statistics.median(times[which] for times in values) for which in (0, 1)] for key, values in runs.items()}
+            rows.append((option, row))
+            print(f"{option}: " + ", ".join(f"{key} {first:.1f} s / {compiled:.1f} s" for key, (first, compiled) in row.items()),
+                  file=sys.stderr, flush=True)
+    print(f"{os.cpu_count()} CPUs, {args.repeats} run(s) per cell (median); baseline: {BASELINE} = torch.optim.AdamW, "
+          "run just before each option's run")
+    print("| option | first step, cold (s) | AdamW, cold (s) | cold / AdamW | first step, warm (s) | AdamW, warm (s) "
+          "| warm / AdamW | first compiled step, cold (s) | first compiled step, warm (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for option, row in rows:
+        (cold, cold_compiled), (warm, warm_compiled) = row["cold"], row["warm"]
+        base_cold, base_warm = row["baseline cold"][0], row["baseline warm"][0]
+        print(f"| {option} | {cold:.1f} | {base_cold:.1f} | {cold / base_cold:.2f} | {warm:.1f} | {base_warm:.1f} "
+              f"| {warm / base_warm:.2f} | {cold_compiled:.1f} | {warm_compiled:.1f} |")
 
 if __name__ == "__main__":
     main()

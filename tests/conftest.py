@@ -1,8 +1,9 @@
 """Suite-wide settings and fixtures.
 
-The CPU bridge runs in strict mode in every test and every worker process it launches
-(``megatron_lowprec.megatron.cpu``), so that code placing a tensor on the CPU where a GPU run needs it
-on the device fails here as it would on a GPU.
+The CPU bridge runs with the strict placement check (``tests/strict_bridge.py``) in every test and every
+process the tests start (``$MEGATRON_LOWPREC_BRIDGE_CHECK``, with the repository root on ``PYTHONPATH``
+so that they import it), so that code placing a tensor on the CPU where a GPU run needs it on the device
+fails here as it would on a GPU.
 
 ``device``: the devices a device-agnostic test runs on, one test per device. The CPU always, CUDA
 where ``torch.cuda.is_available()``: on a GPU machine ``python3 -m pytest`` runs such a test on both
@@ -13,13 +14,42 @@ the CPU (fp64, numpy, ml_dtypes) after ``.cpu()``.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_lowprec.megatron.cpu import STRICT_ENV_VARIABLE
+from megatron_lowprec.megatron.cpu import CHECK_ENV_VARIABLE
 
-os.environ.setdefault(STRICT_ENV_VARIABLE, "1")
+from .strict_bridge import CHECK_SPEC
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault(CHECK_ENV_VARIABLE, CHECK_SPEC)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH"))))
+
+SLOW_FILES_FIRST = (
+    "tests/megatron/test_distributed_optimizer.py",
+    "tests/train/test_app.py",
+    "tests/optim/test_fused.py",
+    "tests/benchmarks/test_gpu_check.py",
+    "tests/test_docker_image.py",
+    "tests/optim/test_master.py",
+    "tests/kernels/test_audit.py",
+)
+"""The suite's longest files (pytest's durations on 2 cores), started first."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject.toml): a worker per core, at most 4, since many tests start 2-4 ranks."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """pytest-xdist (``--dist loadfile``) hands whole files to its workers in collection order: the
+    longest files go first, so that no worker is left running one of them alone at the end."""
+    rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(REPOSITORY_ROOT).as_posix(), len(rank)))
+
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -12,7 +12,11 @@ the rules (issue 27):
   bucket of one FP8 group and (shards) a shard of two parameter groups reuse the first step's code;
 * ``bytes``: the global memory traffic per element, from every ``ld.global``/``st.global`` of the
   PTX (vector widths counted, a static count per thread over the elements each thread handles),
-  equals the minimum of the option's state layout (:func:`layout_bytes`).
+  equals the minimum of the option's state layout (:func:`layout_bytes`). A load whose address the
+  kernel's Triton source computes from the element's 128-element group alone (directly, or through
+  values loaded per group: a table of one value per group, then small per-entry tables) reads one
+  address per group, so it counts once per group (:func:`source_loads`); this applies only where
+  every load of the PTX is one of the source's, once per element (no hidden search).
 
 Option D runs torch's own fused AdamW (no generated kernel): its bytes are its layout's.
 
@@ -31,6 +35,7 @@ import sys
 from collections.abc import Iterable
 
 from megatron_lowprec.kernels.codegen import ARCHES, KINDS, StepCode, generate_for
+from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
     PrecisionStrategy,
@@ -51,6 +56,13 @@ H100_BANDWIDTH = 3.35e12
 ROOFLINE_PARAMETERS = 1.3e9
 
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+
+GROUP = SR_GROUP_SIZE
+"""Elements of a group whose loads :func:`source_loads` recognises as shared (bucket offsets are
+aligned to it)."""
+
+GRANULARITIES = ("scalar", "group", "element")
+"""What a value of a kernel's source varies with, coarsest first."""
 
 
 def configurations() -> list[tuple[str, str]]:
@@ -73,11 +85,14 @@ def layout_bytes(strategy: PrecisionStrategy) -> tuple[float, float]:
     """The least bytes per element one step reads and writes, from the option's state layout: the
     16-bit gradient and every state buffer read; the 16-bit parameter read unless an FP32 master
     replaces it; the parameter and every state buffer written. FP8 group metadata (scale, expansion
-    exponent) per group of ``fp8_group_size`` elements."""
+    exponent) per group of ``fp8_group_size`` elements. Stochastic rounding with shared randomness:
+    the stream tables each group of ``SR_GROUP_SIZE`` elements reads (``SR_GROUP_TABLE_BYTES``: its
+    entry, and that entry's place in its stream and round keys)."""
     group = strategy.fp8_group_size
     state = strategy.state_bytes(group) / group
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
-    return LOW_PRECISION_BYTES + param_read + state, LOW_PRECISION_BYTES + state
+    stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
+    return LOW_PRECISION_BYTES + param_read + state + stream_tables, LOW_PRECISION_BYTES + state
 
 
 def forbidden_instructions(ptx: str) -> list[str]:
@@ -100,6 +115,82 @@ def access_bytes(ptx: str) -> tuple[int, int]:
             raise ValueError(f"a global {kind} without a type: {kind}.global{suffixes}")
         totals[kind] += vector * width // 8
     return totals["ld"], totals["st"]
+
+
+def _value_bytes(pointer_type: str) -> int:
+    """Bytes of one value of a Triton pointer type of the signature (``*bf16`` -> 2, ``*fp8e4nv`` -> 1)."""
+    bits = re.search(r"\d+", pointer_type)
+    if bits is None:
+        raise ValueError(f"a pointer type without a width: {pointer_type}")
+    return max(1, int(bits.group()) // 8)
+
+
+def source_loads(source: str) -> list[tuple[str, int, str]]:
+    """Each ``tl.load`` of an Inductor kernel's Triton source: (pointer, bytes per value, what its
+    address varies with, one of :data:`GRANULARITIES`). The element index (``xindex``) shifted right
+    by at least log2(:data:`GROUP`) bits or divided by a multiple of it is a ``group`` value; a value
+    computed from group values, scalars and constants, or loaded at a group address, is a group value
+    too; anything else computed from the element index is an ``element`` value (so are reductions'
+    indices and the results of helpers such as a binary search)."""
+    signature = dict(re.findall(r"'(\w+)': '(\*\w+)'", source))
+    body = source.split("@triton.jit", 1)[-1]
+    constants: dict[str, int] = {}
+    granularity: dict[str, str] = {}
+    index_names: set[str] = set()
+    loads = []
+
+    def coarsest_covering(expression: str) -> str:
+        names = re.findall(r"\b[A-Za-z_]\w*\b", expression)
+        levels = [GRANULARITIES.index(granularity[name]) for name in names if name in granularity]
+        return GRANULARITIES[max(levels, default=0)]
+
+    def divides_into_groups(operator: str, operand: str) -> bool:
+        value = constants.get(operand, int(operand) if re.fullmatch(r"\d+", operand) else None)
+        if value is None or value <= 0:
+            return False
+        return (1 << value) % GROUP == 0 if operator == ">>" else value % GROUP == 0
+
+    for line in body.splitlines():
+        match = re.fullmatch(r"\s*(\w+) = (.+)", line)
+        if match is None:
+            continue
+        name, expression = match.groups()
+        full = re.fullmatch(r"tl\.full\(\[[^\]]*\], (-?\d+), tl\.\w+\)", expression)
+        shift = re.fullmatch(r"\(?(\w+)\)? (>>|//) \(?(\w+)\)?", expression)
+        load = re.match(r"tl\.load\((\w+) \+ \((.*?)\), ", expression)
+        if full:
+            constants[name] = int(full.group(1))
+            granularity[name] = "scalar"
+        elif re.fullmatch(r"xoffset \+ tl\.arange\(.*", expression) or expression in index_names:
+            index_names.add(name)
+            granularity[name] = "element"
+        elif re.fullmatch(r"\((\w+)\)\.to\(tl\.u?int(?:32|64)\)", expression) and expression[1:].split(")")[0] in index_names:
+            index_names.add(name)
+            granularity[name] = "element"
+        elif shift and shift.group(1) in index_names and divides_into_groups(shift.group(2), shift.group(3)):
+            granularity[name] = "group"
+        elif load:
+            pointer, address = load.groups()
+            level = coarsest_covering(address)
+            loads.append((pointer, _value_bytes(signature.get(pointer, "*i8")), level))
+            granularity[name] = level
+        else:
+            granularity[name] = coarsest_covering(expression)
+    return loads
+
+
+def read_bytes(kernel_ptx: str, source: str, elements_per_thread: float) -> tuple[float, float]:
+    """Bytes per element one kernel reads: (all of them, those at group addresses counted once per
+    :data:`GROUP` elements). The PTX's static count per element, and, where every one of its loads
+    is one of the source's once per element, the same with :func:`source_loads`'s group loads
+    counted once per group."""
+    loads, _ = access_bytes(kernel_ptx)
+    per_element = loads / elements_per_thread
+    classified = source_loads(source)
+    if abs(per_element - sum(size for _, size, level in classified if level != "scalar")) > 1e-9:
+        return per_element, 0.0
+    grouped = sum(size for _, size, level in classified if level == "group")
+    return per_element - grouped + grouped / GROUP, grouped / GROUP
 
 
 @dataclasses.dataclass
@@ -163,14 +254,17 @@ def audit_step(code: StepCode) -> StepAudit:
         read = written = None
         checks.append(check("bytes", False, f"{first.launches} launches over rows and elements: not attributable per element"))
     else:
-        read = written = 0.0
+        read = written = grouped = 0.0
         for kernel in kernels:
-            loads, stores = access_bytes(kernel.ptx)
-            read += kernel.launches * loads / kernel.elements_per_thread
-            written += kernel.launches * stores / kernel.elements_per_thread
+            kernel_read, kernel_grouped = read_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
+            read += kernel.launches * kernel_read
+            grouped += kernel.launches * kernel_grouped
+            written += kernel.launches * access_bytes(kernel.ptx)[1] / kernel.elements_per_thread
         exact = abs(read - layout[0]) < 1e-9 and abs(written - layout[1]) < 1e-9
+        shared = f" ({grouped:g} of it read once per {GROUP}-element group)" if grouped else ""
         checks.append(check(
-            "bytes", exact, f"read {read:g} + written {written:g} B/element; layout minimum {layout[0]:g} + {layout[1]:g}"
+            "bytes", exact,
+            f"read {read:g}{shared} + written {written:g} B/element; layout minimum {layout[0]:g} + {layout[1]:g}",
         ))
     return StepAudit(code, checks, read, written, layout)
 

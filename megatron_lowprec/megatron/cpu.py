@@ -86,23 +86,12 @@ on paths a CPU run does not take: ``torch.cuda.empty_cache`` (a no-op while CUDA
 CUDA graphs. ``tests/megatron/test_cpu_bridge.py`` fails, naming the call, when a
 megatron-core version needs more.
 
-Strict mode (``activate_cpu_bridge(strict=True)``, or ``MEGATRON_LOWPREC_STRICT_BRIDGE=1``; on in
-the test suite) fails the way a GPU would where code places a tensor on the CPU explicitly and then
-lets it meet the device. The bridge tags every tensor that is *placed on the host*: made by a factory
-(``torch.tensor``, ``zeros``, ``empty``, ...) without a device or with ``device="cpu"``, by
-``.cpu()`` or ``.to("cpu")`` where they copy, or computed from host tensors alone (``torch.nn.Parameter`` keeps its
-data's tag, ``p.data = x`` takes ``x``'s), and by ``torch.from_numpy``; ``.cuda()`` clears the tag. Every other tensor counts as
-being on the device: those made through the redirect above, ``device=x.device``, and tensors torch
-makes without a torch function (autograd's gradients). :class:`HostPlacementError`, naming the
-call and the line that placed the tensor, is raised when
-
-- an operation mixes host tensors with device tensors (a 0-dim host tensor is a scalar, which CUDA
-  kernels accept; ``copy_``, ``to``, indexing and ``type_as`` move data between devices legitimately):
-  a model whose parameters were never moved, or a micro-batch left on the CPU, fails in its forward
-  step like this;
-- a host tensor is handed to a ``torch.distributed`` collective (NCCL has no CPU backend), except on a
-  process group created with ``backend="gloo"`` explicitly (megatron's ``*_gloo`` groups), which
-  takes CPU tensors on GPU clusters too.
+Checks: on CPU every tensor lives in host memory, so code that places a tensor on the CPU explicitly
+and lets it meet the device passes here and fails on a GPU. A :class:`BridgeCheck` installed in the
+bridge (``activate_cpu_bridge(check=...)``, or ``$MEGATRON_LOWPREC_BRIDGE_CHECK=module:callable`` in
+every process that activates it) sees each call the mode handles and may refuse it; the test suite
+installs its strict placement check (``tests/strict_bridge.py``) this way, so that such code fails
+in CI as it would on a GPU.
 
 BF16 models need megatron's ``Float16Module`` as on GPU. Keep ``TransformerConfig``'s fusions off, as
 they are by default: ``gradient_accumulation_fusion``, ``apply_rope_fusion`` and
@@ -115,11 +104,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -223,42 +213,19 @@ BRIDGED_CALLS: tuple[BridgedCall, ...] = (
 )
 
 
-STRICT_ENV_VARIABLE = "MEGATRON_LOWPREC_STRICT_BRIDGE"
-"""``1`` turns strict mode on wherever the bridge is activated without an explicit ``strict``."""
-
-HOST_SITE_ATTRIBUTE = "_lowprec_host_site"
-"""Attribute of a tensor placed on the host in strict mode: the source line that placed it."""
-
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
-    "batch_isend_irecv", "_all_gather_base", "_reduce_scatter_base",
-)
-"""``torch.distributed`` collectives whose tensors strict mode checks (``isend`` and ``irecv`` are left
-as they are, since ``P2POp`` accepts them by identity; their tensors are checked in
-``batch_isend_irecv``)."""
-
-HOST_FACTORIES = frozenset(
-    {
-        torch.tensor, torch.as_tensor, torch.asarray, torch.empty, torch.zeros, torch.ones, torch.full,
-        torch.arange, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint,
-        torch.randperm, torch.empty_strided, torch.scalar_tensor,
-    }
-)
-"""Factories that place their result on the CPU unless a device is given (or, for ``tensor`` and
-``as_tensor``, unless their data is a tensor, whose device they keep)."""
-
-MOVES_BETWEEN_DEVICES = frozenset(
-    {
-        torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.__getitem__,
-        torch.Tensor.__setitem__, torch.Tensor.set_,
-    }
-)
-"""Operations that take host and device tensors together on a GPU too."""
+CHECK_ENV_VARIABLE = "MEGATRON_LOWPREC_BRIDGE_CHECK"
+"""``module:callable`` of a :class:`BridgeCheck` factory, installed wherever the bridge is activated
+without an explicit ``check`` (the test suite sets it in every process it starts)."""
 
 
-class HostPlacementError(RuntimeError):
-    """Strict mode: a tensor explicitly placed on the CPU met the device (see the module docstring)."""
+class BridgeCheck(Protocol):
+    """A check that runs inside the bridge, such as the test suite's strict placement check."""
+
+    def install(self, replace: Callable[[Any, str, Any], None]) -> None:
+        """Replace further attributes with ``replace(owner, name, value)``; deactivation restores them."""
+
+    def observe(self, func: Callable, args: tuple, kwargs: dict, requested_device: Any, result: Any) -> None:
+        """Look at one call the mode handled (after the redirect) and its result; raising fails the call."""
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -273,27 +240,33 @@ def _is_cuda_device(device: Any) -> bool:
 
 class CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA device requests to the CPU; CPU tensors report ``torch.cuda.*`` type names.
-    With ``strict``, tracks host placement and refuses mixes of host and device tensors."""
+    A ``check`` sees every call made outside ``torch.distributed``'s own code and outside compilation."""
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, check: BridgeCheck | None = None) -> None:
         super().__init__()
-        self.strict = strict
+        self.check = check
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            _set_host_site(args[0], None)
-            return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return _cuda_type_name(args[0])
-        device = kwargs.get("device")
-        if _is_cuda_device(device):
-            kwargs = {**kwargs, "device": torch.device("cpu")}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], torch.device("cpu"), *args[2:])
-        if not self.strict or torch.compiler.is_compiling() or _called_from_torch_distributed():
-            return func(*args, **kwargs)
-        return _placed(func, args, kwargs, device, func(*args, **kwargs))
+        requested_device = kwargs.get("device")
+        if func is torch.Tensor.cuda:
+            result = args[0]
+        else:
+            if _is_cuda_device(requested_device):
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], torch.device("cpu"), *args[2:])
+            result = func(*args, **kwargs)
+        if self.check is not None and not torch.compiler.is_compiling() and not _called_from_torch_distributed():
+            self.check.observe(func, args, kwargs, requested_device, result)
+        return result
+
+
+_TORCH_DISTRIBUTED_DIRECTORY = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
+"""``torch.distributed`` places the tensors of its object collectives by backend (the CPU for gloo):
+checks leave the calls made there alone."""
 
 
 def _called_from_torch_distributed() -> bool:
@@ -301,177 +274,6 @@ def _called_from_torch_distributed() -> bool:
     ``__torch_function__``, then its caller)."""
     return sys._getframe(2).f_code.co_filename.startswith(_TORCH_DISTRIBUTED_DIRECTORY)
 
-
-def host_site(tensor: Any) -> str | None:
-    """Where ``tensor`` was placed on the host (strict mode), or ``None`` if it counts as on the device."""
-    return getattr(tensor, HOST_SITE_ATTRIBUTE, None) if isinstance(tensor, torch.Tensor) else None
-
-
-def _set_host_site(tensor: Any, site: str | None) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        return
-    if site is None:
-        if HOST_SITE_ATTRIBUTE in tensor.__dict__:
-            delattr(tensor, HOST_SITE_ATTRIBUTE)
-    else:
-        setattr(tensor, HOST_SITE_ATTRIBUTE, site)
-
-
-def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments, one level into lists and tuples (``cat``, ``stack``, foreach ops)."""
-    found = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(item for item in value if isinstance(item, torch.Tensor))
-    return found
-
-
-_TORCH_DIRECTORY = os.path.dirname(torch.__file__)
-_TORCH_DISTRIBUTED_DIRECTORY = os.path.join(_TORCH_DIRECTORY, "distributed") + os.sep
-"""``torch.distributed`` places the tensors of its object collectives by backend (the CPU for gloo):
-strict mode leaves the calls made there alone, and the calls traced while ``torch.compile`` compiles."""
-
-
-def _call_site() -> str:
-    """``file:line`` of the innermost frame outside torch and this module."""
-    frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIRECTORY) or frame.f_code.co_filename == __file__):
-        frame = frame.f_back
-    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-def _target_device(func, args: tuple, kwargs: dict) -> Any:
-    """The device that ``Tensor.to`` was asked for, or ``None``."""
-    if "device" in kwargs:
-        return kwargs["device"]
-    for value in args[1:]:
-        if isinstance(value, (str, torch.device, int)) and not isinstance(value, bool):
-            return value
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
-def _host_copy(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``result`` of moving ``source`` to the CPU, tagged as on the host where it is a new tensor.
-    Where torch returned ``source`` itself (it is already on the CPU), it keeps its own placement:
-    strict mode never changes what a call returns, so it cannot change a run's numbers."""
-    if result is not source:
-        _set_host_site(result, _call_site())
-    return result
-
-
-def _placed(func, args: tuple, kwargs: dict, device: Any, result: Any) -> Any:
-    """Strict mode's bookkeeping for one call: refuse a host/device mix, tag what lands on the host."""
-    if func is torch.Tensor.cpu:
-        return _host_copy(args[0], result)
-    if func is torch.Tensor.to:
-        target = _target_device(func, args, kwargs)
-        if isinstance(target, torch.Tensor):
-            _set_host_site(result, host_site(target))
-            return result
-        if isinstance(target, str) and target.startswith("cpu"):
-            return _host_copy(args[0], result)
-        if target is not None:
-            _set_host_site(result, None)
-            return result
-    if getattr(func, "__name__", None) == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
-        _set_host_site(args[0], host_site(args[1]))
-        return result
-    tensors = _tensors_in(args, kwargs)
-    if not tensors:
-        if func in HOST_FACTORIES and (device is None or (isinstance(device, str) and device.startswith("cpu"))):
-            _set_host_site(result, _call_site())
-        return result
-    sites = [host_site(tensor) for tensor in tensors]
-    if all(sites):
-        if func in HOST_FACTORIES and device is not None and not (isinstance(device, str) and device.startswith("cpu")):
-            return result
-        for output in result if isinstance(result, (list, tuple)) else (result,):
-            _set_host_site(output, sites[0])
-        return result
-    if func in MOVES_BETWEEN_DEVICES:
-        return result
-    for tensor, site in zip(tensors, sites):
-        if site is not None and tensor.dim() > 0:
-            raise HostPlacementError(
-                f"{_function_name(func)} at {_call_site()} mixes a tensor placed on the CPU at {site} "
-                f"(shape {tuple(tensor.shape)}) with tensors on the GPU; on CUDA this fails. "
-                "Create it on torch.cuda.current_device(), or move it with .cuda()"
-            )
-    return result
-
-
-def _function_name(func) -> str:
-    owner = getattr(getattr(func, "__self__", None), "__name__", None)
-    name = getattr(func, "__name__", repr(func))
-    return f"{owner}.{name}" if owner else name
-
-
-_EXPLICIT_GLOO_GROUPS: dict[int, Any] = {}
-"""Process groups created with ``backend="gloo"`` explicitly, by ``id`` (groups live as long as the process)."""
-
-
-def _recording_new_group(new_group: Callable) -> Callable:
-    """``torch.distributed.new_group`` that remembers the groups asked for with ``backend="gloo"``."""
-
-    @functools.wraps(new_group)
-    def new_group_recorded(*args, **kwargs):
-        group = new_group(*args, **kwargs)
-        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
-        if group is not None and str(backend).lower() == "gloo":
-            _EXPLICIT_GLOO_GROUPS[id(group)] = group
-        return group
-
-    return new_group_recorded
-
-
-def _checked_collective(name: str, collective: Callable) -> Callable:
-    """``collective`` refusing host tensors, except on explicitly gloo process groups."""
-
-    @functools.wraps(collective)
-    def checked(*args, **kwargs):
-        group = kwargs.get("group")
-        if id(group) not in _EXPLICIT_GLOO_GROUPS:
-            values = [*args, *kwargs.values()]
-            values += [op.tensor for value in values if isinstance(value, list) for op in value if hasattr(op, "tensor")]
-            for tensor in _tensors_in(tuple(values), {}):
-                site = host_site(tensor)
-                if site is not None:
-                    raise HostPlacementError(
-                        f"torch.distributed.{name} at {_call_site()} got a tensor placed on the CPU at {site} "
-                        f"(shape {tuple(tensor.shape)}); NCCL takes GPU tensors only. "
-                        "Create it on torch.cuda.current_device()"
-                    )
-        return collective(*args, **kwargs)
-
-    return checked
-
-
-def _host_from_numpy(from_numpy: Callable) -> Callable:
-    """``torch.from_numpy`` (which no torch function mode sees) tagging its tensor as on the host:
-    datasets hand out host tensors this way (megatron's ``GPTDataset``)."""
-
-    @functools.wraps(from_numpy)
-    def host_from_numpy(array):
-        tensor = from_numpy(array)
-        _set_host_site(tensor, _call_site())
-        return tensor
-
-    return host_from_numpy
-
-
-def _parameter_keeping_host_site(original_new: Callable) -> Callable:
-    """``torch.nn.Parameter.__new__`` whose parameter keeps its data's host tag."""
-
-    def new(cls, data=None, requires_grad=True):
-        param = original_new(cls, data, requires_grad)
-        _set_host_site(param, host_site(data))
-        return param
-
-    return new
 
 
 def _cuda_type_name(tensor: torch.Tensor) -> str:
@@ -705,20 +507,29 @@ def is_cpu_bridge_active() -> bool:
     return _STATE.mode is not None
 
 
-def strict_by_default() -> bool:
-    """Whether ``$MEGATRON_LOWPREC_STRICT_BRIDGE`` asks for strict mode."""
-    return os.environ.get(STRICT_ENV_VARIABLE, "0").strip().lower() in ("1", "true", "yes", "on")
+def check_from_environment() -> BridgeCheck | None:
+    """The check that ``$MEGATRON_LOWPREC_BRIDGE_CHECK`` names (``module:callable``), or ``None``."""
+    spec = os.environ.get(CHECK_ENV_VARIABLE, "").strip()
+    if not spec:
+        return None
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise ValueError(f"${CHECK_ENV_VARIABLE}={spec!r}: expected 'module:callable'")
+    return getattr(importlib.import_module(module_name), factory_name)()
 
 
-def is_strict() -> bool:
-    """Whether the active bridge runs in strict mode."""
-    return _STATE.mode is not None and _STATE.mode.strict
+def active_check() -> BridgeCheck | None:
+    """The check installed in the active bridge, if any."""
+    return None if _STATE.mode is None else _STATE.mode.check
 
 
-def activate_cpu_bridge(strict: bool | None = None) -> bool:
+_FROM_ENVIRONMENT: Any = object()
+
+
+def activate_cpu_bridge(check: BridgeCheck | None = _FROM_ENVIRONMENT) -> bool:
     """Bridge megatron-core's CUDA calls to the CPU when CUDA is unavailable; idempotent.
 
-    ``strict`` (default: :func:`strict_by_default`) turns strict mode on (see the module docstring).
+    ``check`` (default: :func:`check_from_environment`; ``None`` for none) runs inside the bridge.
     Returns whether the bridge is active: False, having changed nothing, when CUDA is available.
     """
     if torch.cuda.is_available():
@@ -733,16 +544,9 @@ def activate_cpu_bridge(strict: bool | None = None) -> bool:
             "pip install 'megatron-lowprec[megatron]'"
         ) from error
 
-    mode = CudaToCpuMode(strict=strict_by_default() if strict is None else strict)
-    if mode.strict:
-        _STATE.replace(torch.distributed, "new_group", _recording_new_group(torch.distributed.new_group))
-        for name in COLLECTIVES:
-            if hasattr(torch.distributed, name):
-                _STATE.replace(torch.distributed, name, _checked_collective(name, getattr(torch.distributed, name)))
-        _STATE.replace(torch, "from_numpy", _host_from_numpy(torch.from_numpy))
-        _STATE.replace(
-            torch.nn.Parameter, "__new__", staticmethod(_parameter_keeping_host_site(torch.nn.Parameter.__new__))
-        )
+    mode = CudaToCpuMode(check_from_environment() if check is _FROM_ENVIRONMENT else check)
+    if mode.check is not None:
+        mode.check.install(_STATE.replace)
     _STATE.replace(
         torch.autograd,
         "_engine_run_backward",
@@ -791,10 +595,10 @@ def deactivate_cpu_bridge() -> None:
 
 
 @contextlib.contextmanager
-def cpu_bridge(strict: bool | None = None) -> Iterator[bool]:
+def cpu_bridge(check: BridgeCheck | None = _FROM_ENVIRONMENT) -> Iterator[bool]:
     """:func:`activate_cpu_bridge` for the block; yields whether the bridge is active."""
     was_active = is_cpu_bridge_active()
-    active = activate_cpu_bridge(strict)
+    active = activate_cpu_bridge(check)
     try:
         yield active
     finally:

@@ -257,8 +257,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         fused: bool | None,
         track_update_quality: bool,
         stream_layouts: dict[torch.nn.Parameter, StreamLayout],
+        background_compile: bool = False,
     ) -> None:
         super().__init__(groups, {"betas": tuple(betas), "eps": eps})
+        self.background_compile = background_compile
         self.strategy = strategy
         self.seed = seed
         self.step_count = 0
@@ -369,6 +371,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     quality = fused_bucket_step_(
                         state_bucket, self.strategy, grad_rows, entry_grads, hyper, step=self.step_count,
                         sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+                        background_compile=self.background_compile,
                     )
                 else:
                     quality = self._eager_step(state_bucket, entry_grads, hyper)
@@ -719,6 +722,7 @@ def build_distributed_optimizer(
     fused: bool | None,
     track_update_quality: bool,
     stream_layouts: dict[torch.nn.Parameter, StreamLayout],
+    background_compile: bool = False,
 ) -> DistributedLowPrecisionOptimizer:
     """Checks that the chunks are megatron DDP with the distributed optimizer, then builds it."""
     megatron_sharding_api()
@@ -739,6 +743,6 @@ def build_distributed_optimizer(
     buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
     adamw = ShardedAdamW(
         groups, buffers, strategy, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, seed=seed, fused=fused,
-        track_update_quality=track_update_quality, stream_layouts=stream_layouts,
+        track_update_quality=track_update_quality, stream_layouts=stream_layouts, background_compile=background_compile,
     )
     return DistributedLowPrecisionOptimizer(adamw, config, model_chunks)

@@ -19,7 +19,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
 - ``get_megatron_optimizer``, which ``setup_model_and_optimizer`` calls, builds the precision option
   with :func:`~megatron_lowprec.megatron.optimizer.build_optimizer` from Megatron-LM's optimizer
   config, its ``config_overrides`` (weight-decay exemptions, ``--decoupled-lr``, muP) and the
-  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own;
+  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own. With ``--optimizer
+  muon`` it is our Muon for the 2-D hidden weights chained with AdamW for the rest, both with the
+  option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
+  ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv`` and
+  ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
+  ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon) is refused;
 - ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
   or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before
   ``Float16Module`` and DDP wrap it.
@@ -49,8 +54,8 @@ from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, str
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
-    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_track_update_quality",
-    "lowprec_master_storage",
+    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_background_compile",
+    "lowprec_track_update_quality", "lowprec_master_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -101,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="each rank draws its own stochastic-rounding bits (the SR paper's ablation)")
     group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled optimizer step (default: where it is available)")
+    group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="the first steps run the fused step uncompiled (the same bits) while a background thread "
+                            "compiles it (default: on)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,

@@ -48,6 +48,7 @@ from megatron_lowprec.megatron.distributed import (
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
+from megatron_lowprec.optim.muon import ShardedMatrix
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
@@ -231,6 +232,50 @@ def is_muon_param(param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
+MUON_TP_MODES = ("blockwise", "duplicated")
+"""megatron-core's ``muon_tp_mode`` values that :class:`Muon` runs: ``"blockwise"`` orthogonalizes
+each tensor-parallel shard on its own (scaled by the shard's shape), ``"duplicated"`` the whole
+matrix, all-gathered on every rank, keeping the rank's shard (:class:`ShardedMatrix`). megatron's
+``"distributed"`` (Newton-Schulz with sharded matmuls) is refused with TP > 1; at TP = 1 all three
+are the same."""
+
+
+def sharded_matrices(model_chunks: list[torch.nn.Module], tp_mode: str) -> dict[torch.nn.Parameter, ShardedMatrix]:
+    """With ``tp_mode="duplicated"`` and tensor parallelism, the :class:`ShardedMatrix` of each
+    tensor-parallel shard (``tensor_model_parallel``, cut along ``partition_dim``); else none."""
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_mode != "duplicated" or world_size == 1:
+        return {}
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return {
+        param: ShardedMatrix(group, param.partition_dim, rank, world_size)
+        for chunk in model_chunks
+        for param in chunk.parameters()
+        if getattr(param, "tensor_model_parallel", False)
+    }
+
+
+def qkv_split_rows(model_chunks: list[torch.nn.Module], split_qkv: bool) -> dict[torch.nn.Parameter, tuple[int, ...]]:
+    """With ``split_qkv``, the rows of each query group's query, key and value blocks in every fused
+    QKV weight (``linear_qkv.weight``), from the model's ``num_attention_heads``,
+    ``num_query_groups`` and ``kv_channels``, as megatron-core's Muon splits them; else none."""
+    from megatron.core.utils import get_model_config
+
+    if not split_qkv:
+        return {}
+    rows = {}
+    for chunk in model_chunks:
+        model_config = get_model_config(chunk)
+        query_groups = model_config.num_query_groups or model_config.num_attention_heads
+        kv_channels = model_config.kv_channels
+        split = (model_config.num_attention_heads // query_groups * kv_channels, kv_channels, kv_channels)
+        rows.update({
+            param: split for name, param in chunk.named_parameters() if name.endswith("linear_qkv.weight") and param.ndim == 2
+        })
+    return rows
+
+
 MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
 """megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
 
@@ -293,7 +338,8 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
     ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
     ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
-    it is available); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
+    it is available), and ``lowprec_background_compile`` lets the first steps run it uncompiled (the
+    same bits) while a background thread compiles it (see ``AdamW``); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
     the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
     remainder below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
@@ -305,6 +351,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_seed: int = 0
     lowprec_shared_randomness: bool = True
     lowprec_fused: bool | None = None
+    lowprec_background_compile: bool = False
     lowprec_track_update_quality: bool = False
     lowprec_master_storage: str | None = None
 
@@ -370,14 +417,18 @@ def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
         raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
     if config.lowprec_track_update_quality:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
-    if config.muon_split_qkv:
-        raise ValueError("config.muon_split_qkv=True is not supported by the precision options' Muon; set muon_split_qkv=False")
     if config.muon_scale_mode not in MUON_SCALE_MODES:
         raise ValueError(f"config.muon_scale_mode={config.muon_scale_mode!r} is not valid; choose one of {', '.join(MUON_SCALE_MODES)}")
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 and config.muon_tp_mode != "blockwise":
+    for name, supported in (("muon_coefficient_type", "quintic"), ("muon_scalar_optimizer", "adam")):
+        value = getattr(config, name, supported)
+        if value != supported:
+            raise ValueError(f"config.{name}={value!r} is not supported by the precision options' Muon; set {name}={supported!r}")
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    if config.muon_tp_mode not in MUON_TP_MODES and (tensor_parallel or config.muon_tp_mode != "distributed"):
         raise ValueError(
-            f"config.muon_tp_mode={config.muon_tp_mode!r}: the precision options' Muon orthogonalizes each "
-            "tensor-parallel shard on its own (megatron-core's 'blockwise'); set muon_tp_mode='blockwise'"
+            f"config.muon_tp_mode={config.muon_tp_mode!r} is not supported by the precision options' Muon; choose "
+            f"{' or '.join(repr(mode) for mode in MUON_TP_MODES)} (each tensor-parallel shard orthogonalized on its own, "
+            "or the whole matrix gathered on every rank)"
         )
 
 
@@ -422,6 +473,7 @@ def build_optimizer(
     seed: int | None = None,
     shared_randomness: bool | None = None,
     fused: bool | None = None,
+    background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
@@ -434,7 +486,7 @@ def build_optimizer(
 
     with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
-    The keywords ``seed``, ``shared_randomness``, ``fused``, ``track_update_quality`` and
+    The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality`` and
     ``master_storage`` override the config's ``lowprec_*`` settings in either form.
 
     Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
@@ -450,8 +502,8 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv=False`` and no distributed optimizer; tensor-parallel shards
-    orthogonalized each on its own, megatron's ``blockwise``). What cannot be honoured (another
+    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart; no
+    distributed optimizer; ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -470,7 +522,8 @@ def build_optimizer(
             "LowPrecisionOptimizerConfig(lowprec_option=..., ...) or build_optimizer(option, model_chunks, config)"
         )
     given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
-             "lowprec_track_update_quality": track_update_quality, "lowprec_master_storage": master_storage}
+             "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
+             "lowprec_master_storage": master_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     strategy = get_strategy(config.lowprec_option)
@@ -503,6 +556,7 @@ def build_optimizer(
         return build_distributed_optimizer(
             strategy, model_chunks, config, groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
             track_update_quality=config.lowprec_track_update_quality, stream_layouts=stream_layouts(model_chunks),
+            background_compile=config.lowprec_background_compile,
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
@@ -523,6 +577,7 @@ def _adamw(
         option=strategy,
         seed=config.lowprec_seed + seed_offset,
         fused=config.lowprec_fused,
+        background_compile=config.lowprec_background_compile,
         track_update_quality=config.lowprec_track_update_quality,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,
@@ -550,6 +605,8 @@ def _build_muon(
         seed=config.lowprec_seed + seed_offset,
         check_grads_finite=False,
         stream_layout=stream_layouts(model_chunks).__getitem__,
+        sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
+        split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
     adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
     return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])

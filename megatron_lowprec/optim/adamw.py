@@ -234,7 +234,9 @@ class AdamW(PrecisionOptimizer):
     parameter's ``.data`` (and, at the first step, ``.grad``) at views of flat buffers, as
     megatron-core's DistributedDataParallel does; :meth:`zero_grad` then zeroes the gradient buffer
     in place and keeps the views. ``fused=False`` runs the eager reference per parameter. Both give
-    bit-identical results.
+    bit-identical results. ``background_compile=True`` (fused only) runs a call uncompiled, the same
+    bits, until a background thread has compiled it, so the first step does not wait for the compiler
+    (tens of seconds on a CPU with an empty cache; :mod:`~megatron_lowprec.optim.background_compile`).
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
@@ -276,6 +278,7 @@ class AdamW(PrecisionOptimizer):
         master_weights: bool | None = None,
         master_storage: str | None = None,
         fused: bool | None = None,
+        background_compile: bool = False,
         generator: GeneratorSource | None = None,
         seed: int = 0,
         track_update_quality: bool = False,
@@ -298,6 +301,7 @@ class AdamW(PrecisionOptimizer):
         self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
         self._bucket_key = bucket_key or (lambda param: None)
         self._fused_request = fused
+        self.background_compile = background_compile
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -372,6 +376,7 @@ class AdamW(PrecisionOptimizer):
             return fused_bucket_step_(
                 bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
                 {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+                background_compile=self.background_compile,
             )
         if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
             warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))

@@ -11,7 +11,8 @@ inside the compiled call), so the step allocates no second copy of either. One c
   re-quantized with its new statistics inside one kernel (:data:`GROUP_STATISTICS_OPTIONS`), without
   bucket-sized FP32 temporaries;
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
-  element finds its entry and stream row by a binary search and an integer division), in windows
+  element finds its entry in a table of one value per 128-element group, and its stream row by an
+  integer division), in windows
   of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
   stream layout (about 0.1 ms of Python and guard overhead each);
@@ -57,10 +58,12 @@ import torch
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
+    SR_GROUP_SIZE,
     GroupScalars,
     StepScalars,
     beta2_expansion_for,
@@ -101,7 +104,7 @@ LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
 
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
-a binary search and an integer division per element, which GPUs have). Elsewhere (CPU vector units
+a per-group table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
 lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
 
 class EagerFallbackWarning(UserWarning):
@@ -309,10 +312,13 @@ def fused_bucket_step_(
     step: int,
     sr_seed: int | None,
     track_update_quality: bool,
+    background_compile: bool = False,
 ) -> torch.Tensor | None:
     """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
     calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
-    device) when ``track_update_quality``.
+    device) when ``track_update_quality``. With ``background_compile``, a call whose compiled kernel
+    is not built yet runs it uncompiled (the same bits) while a background thread builds it
+    (:mod:`~megatron_lowprec.optim.background_compile`).
 
     ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
     :class:`~megatron_lowprec.optim.buckets.BufferRows` over the buffer they live in; ``entry_grads``
@@ -331,8 +337,8 @@ def fused_bucket_step_(
     kernel = compiled_kernel(strategy.moments == "fp8")
     pieces = [
         _compiled_or_eager(
-            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, param, call_grad, state,
-            strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
+            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, background_compile,
+            param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
         )
         for param, call_grad, state, call_scalars, random_source in _calls(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
@@ -341,11 +347,20 @@ def fused_bucket_step_(
     return sum(pieces) if track_update_quality else None
 
 
-def _compiled_or_eager(kernel: Callable, bucket: Bucket, *args: Any) -> torch.Tensor | None:
-    """One call of the compiled ``kernel``; the eager :func:`bucket_kernel_` on the same arguments, with
-    an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
-    raised before the call runs, so nothing is stepped twice)."""
+def _compiled_or_eager(kernel: Callable, bucket: Bucket, background_compile: bool, *args: Any) -> torch.Tensor | None:
+    """One call of the compiled ``kernel`` (in the background: :data:`BACKGROUND_COMPILES` runs
+    :func:`bucket_kernel_` until it is built); the eager :func:`bucket_kernel_` on the same arguments,
+    with an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile
+    limit: raised before the call runs, so nothing is stepped twice) or its background compile failed."""
+    if kernel is bucket_kernel_:
+        return bucket_kernel_(*args)
+
+    def warn_failed(error: BaseException) -> None:
+        warn_eager_fallback(bucket_entries(bucket), f"its background compile failed: {type(error).__name__}: {error}")
+
     try:
+        if background_compile:
+            return BACKGROUND_COMPILES.call(kernel, bucket_kernel_, args, warn_failed)
         return kernel(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warn_eager_fallback(
@@ -512,47 +527,18 @@ many steps, none in the others."""
 
 
 def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int) -> BucketStream:
-    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-entry
-    tables of the window, built at its first step, and the round keys of a block of
+    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-group and
+    per-entry tables of the window, built at its first step, and the round keys of a block of
     :data:`KEY_BLOCK_STEPS` steps from this one, both kept with the bucket."""
     device = bucket.device
     entries = [
         index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
         if offset < end and offset + numel > start
     ]
+    if len(entries) == 1:
+        entries = entries * 2
     if (start, end) not in bucket.stream_tables:
-        firsts, columns, row_lengths, words = [], [], [], []
-        for index in entries:
-            layout = bucket.streams[index]
-            if layout.row_length > INT32_GRID_MAX_ROW:
-                raise ValueError(
-                    f"entry {index} of the bucket has SR stream rows of {layout.row_length} elements; the fused step "
-                    f"counts columns in int32 (at most {INT32_GRID_MAX_ROW}): use fused=False"
-                )
-            skipped = max(start - bucket.offsets[index], 0)
-            first_element = bucket.element_starts[index] + skipped
-            last_element = bucket.element_starts[index] + min(bucket.numels[index], end - bucket.offsets[index]) - 1
-            first_row, column = divmod(first_element, layout.row_length)
-            rows = last_element // layout.row_length - first_row + 1
-            firsts.append(bucket.offsets[index] + skipped - start)
-            columns.append(column)
-            row_lengths.append(layout.row_length)
-            words.append(row_start_words(layout.offset + first_row * layout.row_stride, layout.row_stride, rows, device))
-        counts = [high.shape[0] for high, _ in words]
-        bases = [sum(counts[:position]) for position in range(len(counts))]
-
-        def int32(values):
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        bucket.stream_tables[(start, end)] = (
-            int32(firsts),
-            int32(columns),
-            int32(row_lengths),
-            int32([base + count - 1 for base, count in zip(bases, counts)]),
-            int32(bases),
-            torch.cat([high for high, _ in words]).reshape(-1),
-            torch.cat([low for _, low in words]).reshape(-1),
-        )
+        bucket.stream_tables[(start, end)] = _stream_tables(bucket, entries, start, end)
     first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
     if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
         first_step, seed = step, sr_seed
@@ -560,6 +546,47 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
         keys = block.reshape(-1).to(device)
         bucket.stream_keys[(start, end)] = (first_step, seed, keys)
     return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
+
+
+def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
+    """:class:`BucketStream`'s tables of the window [start, end) of the bucket whose entries
+    ``entries`` overlap it: each group's entry, and each entry's column shift (its first column less
+    its offset in the window), row length, first row's start and row stride in its stream."""
+    if start % SR_GROUP_SIZE or (end - start) % SR_GROUP_SIZE:
+        raise ValueError(f"a stochastic-rounding call [{start}, {end}) must hold whole groups of {SR_GROUP_SIZE} elements")
+    group_entries, shifts, row_lengths, row_starts, row_strides = [], [], [], [], []
+    for position, index in enumerate(dict.fromkeys(entries)):
+        layout = bucket.streams[index]
+        skipped = max(start - bucket.offsets[index], 0)
+        first_row, column = divmod(bucket.element_starts[index] + skipped, layout.row_length)
+        padded_end = bucket.offsets[index + 1] if index + 1 < len(bucket.offsets) else bucket.numel
+        extent = min(padded_end, end) - max(bucket.offsets[index], start)
+        if column + extent - 1 > INT32_GRID_MAX_ROW:
+            raise ValueError(
+                f"entry {index} of the bucket reaches column {column + extent - 1} of its SR stream rows of "
+                f"{layout.row_length} elements; the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): "
+                "use fused=False"
+            )
+        group_entries += [position] * (extent // SR_GROUP_SIZE)
+        shifts.append(column - (bucket.offsets[index] + skipped - start))
+        row_lengths.append(layout.row_length)
+        row_starts.append(_signed_int64(layout.offset + first_row * layout.row_stride))
+        row_strides.append(_signed_int64(layout.row_stride))
+    if len(entries) > len(shifts):
+        shifts, row_lengths, row_starts, row_strides = (values * 2 for values in (shifts, row_lengths, row_starts, row_strides))
+    if len(group_entries) == 1:
+        group_entries *= 2
+    device = bucket.device
+    return (
+        *(torch.tensor(values, dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
+        *(torch.tensor(values, dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
+    )
+
+
+def _signed_int64(value: int) -> int:
+    """The representative of ``value`` mod 2^64 in [-2^63, 2^63) (an int64's two's complement)."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
 
 
 def _entry_grid_calls(

@@ -49,12 +49,12 @@ from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
 from megatron_lowprec.numerics.rounding import (
     counter_round_keys,
-    hash_words,
+    keyed_random_bits,
     row_random_bits,
     signed_word,
     stochastic_round,
 )
-from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, BufferRows, build_bucket
+from megatron_lowprec.optim.buckets import ALIGNMENT, PER_GROUP_PARTS, BufferRows, build_bucket
 from megatron_lowprec.optim.master import (
     check_master_param_dtype,
     master_key,
@@ -67,6 +67,15 @@ from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+SR_GROUP_SIZE = ALIGNMENT
+"""Elements per value of :class:`BucketStream`'s per-group entry table (a power of two): every entry
+of a bucket starts on a multiple of it."""
+SR_GROUP_SHIFT = SR_GROUP_SIZE.bit_length() - 1
+SR_GROUP_TABLE_BYTES = 4 + 4 + 4 + 8 + 8 + 3 * 4
+"""Bytes :class:`BucketStream` reads per :data:`SR_GROUP_SIZE`-element group, whose elements share
+every lookup: the group's entry (int32); the entry's column shift and row length (int32), first row
+start and row stride (int64), and three round keys (int32)."""
 
 
 def kernel_scalar(value: float | int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,45 +110,48 @@ class CounterStream(NamedTuple):
 
 class BucketStream(NamedTuple):
     """The counter-based SR words of a whole call over a flat bucket (or a window of one), for
-    devices with integer division (GPUs): each element finds its entry by a binary search over the
-    entries' start offsets, its row and column by one division by that entry's row length, and its
-    row's start in a table of int32 words (:func:`~megatron_lowprec.numerics.rounding.row_start_words`
-    of every entry's rows, concatenated). An entry may start inside a row of its stream (a run of a
-    parameter's elements). The round keys of a block of steps live on the device
+    devices with integer division (GPUs). Entries start on :data:`SR_GROUP_SIZE`-element group
+    boundaries of the call (bucket offsets are aligned to them), so each element finds its entry with
+    one lookup in a per-group table (no search), and its global index in its entry's stream
+    arithmetically: its row and column by one division by the entry's row length, and the row's
+    start from the entry's first row start and row stride (int64). The entry's round keys at this
+    step come from a block of steps kept on the device
     (:func:`~megatron_lowprec.numerics.rounding.counter_round_keys_table`), so a step passes only its
-    row in the block, by value. The words equal :class:`CounterStream`'s; padding elements (zero,
-    and rounded to zero whatever their word) take their entry's last row. Element indices are int32:
-    a call covers fewer than 2^31 elements (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`)."""
+    row in the block, by value. An entry may start inside a row of its stream (a run of a
+    parameter's elements). The words equal :class:`CounterStream`'s (padding elements, zero and
+    rounded to zero whatever their word, continue their entry's last row). Element indices are int32:
+    a call covers fewer than 2^31 elements (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`).
+    Every table has at least two values (a last entry or group repeated), so that no size is one,
+    which a compiled step would specialise on."""
 
     keys: torch.Tensor
     """[steps x entries x 3] int32 round keys of each entry's stream at each step of a block, flat."""
     step_row: torch.Tensor
     """0-d int32 host tensor: this step's row in the block of keys."""
-    entry_starts: torch.Tensor
-    """[entries] int32 offset of each entry in the call."""
-    first_columns: torch.Tensor
-    """[entries] int32 column of each entry's first element in its first row."""
+    group_entries: torch.Tensor
+    """[groups] int32: the entry of each :data:`SR_GROUP_SIZE`-element group of the call."""
+    column_shifts: torch.Tensor
+    """[entries] int32: the column of each entry's first element in its first row, less the entry's
+    offset in the call (an element's column counted from that row's start is its offset plus this)."""
     row_lengths: torch.Tensor
     """[entries] int32 row length of each entry's stream layout."""
-    last_rows: torch.Tensor
-    """[entries] int32 index of each entry's last row in the row table."""
-    row_bases: torch.Tensor
-    """[entries] int32 index of each entry's first row in the row table."""
-    start_high: torch.Tensor
-    start_low: torch.Tensor
+    row_starts: torch.Tensor
+    """[entries] int64 global index of the start of each entry's first row (two's complement mod 2^64)."""
+    row_strides: torch.Tensor
+    """[entries] int64 global index distance between consecutive rows of each entry's stream."""
 
     def words(self, like: torch.Tensor) -> torch.Tensor:
+        """Per element: one lookup in the per-group table, then seven in the per-entry tables (:data:`SR_GROUP_TABLE_BYTES`)."""
         element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
-        owner = torch.searchsorted(self.entry_starts, element, right=True, out_int32=True) - 1
-        local = element - self.entry_starts[owner] + self.first_columns[owner]
-        row_length = self.row_lengths[owner]
-        row = torch.minimum(self.row_bases[owner] + local // row_length, self.last_rows[owner])
-        column = local - (row - self.row_bases[owner]) * row_length
-        low = self.start_low[row] + column
-        carry = (low ^ -(2**31)) < (self.start_low[row] ^ -(2**31))
-        key_base = (self.step_row * self.entry_starts.shape[0] + owner) * 3
+        entry = self.group_entries[element >> SR_GROUP_SHIFT]
+        local = element + self.column_shifts[entry]
+        row_length = self.row_lengths[entry]
+        row = torch.div(local, row_length, rounding_mode="trunc")
+        column = local - row * row_length
+        index = self.row_starts[entry] + row.to(torch.int64) * self.row_strides[entry] + column.to(torch.int64)
+        key_base = (self.step_row * self.column_shifts.shape[0] + entry) * 3
         keys = tuple(self.keys[key_base + part] for part in range(3))
-        return hash_words(keys, self.start_high[row] + carry.to(torch.int32), low).view(like.shape)
+        return keyed_random_bits(keys, index).view(like.shape)
 
 
 RandomSource = torch.Tensor | CounterStream | BucketStream | None

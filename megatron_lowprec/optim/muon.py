@@ -28,6 +28,14 @@ Every registered option applies (:func:`muon_strategy`), with the fields read as
   on and **C is B for Muon** (MCF parameters (θ, δθ), 16-bit momentum); the name stays C.
 * ``adam_kernel`` is AdamW's: Muon always runs the reference below.
 
+A parameter may be one shard of a matrix split across a process group (tensor parallelism,
+:class:`ShardedMatrix`): then the step orthogonalizes the whole matrix, gathered from every shard,
+and keeps this shard of the result, with s(m, n) of the whole shape, so that each shard gets the
+update of the unsplit matrix (megatron-core's ``muon_tp_mode="duplicated"``). Without it every
+parameter is orthogonalized on its own (a shard by itself: megatron-core's ``"blockwise"``).
+A fused QKV weight may be split (megatron-core's ``muon_split_qkv``): its query, key and value
+rows, each kind over all query groups, are orthogonalized and scaled as three matrices.
+
 The step is eager, one parameter at a time; there is no fused (compiled) Muon step.
 """
 
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,6 +114,33 @@ def newton_schulz(
     return orthogonal.T if tall else orthogonal
 
 
+@dataclass(frozen=True)
+class ShardedMatrix:
+    """A parameter that is block ``rank`` of ``world_size`` equal blocks of a matrix cut along ``dim``,
+    one block on each rank of ``group`` in rank order (a tensor-parallel shard)."""
+
+    group: Any
+    dim: int
+    rank: int
+    world_size: int
+
+    def whole_shape(self, shape: torch.Size) -> tuple[int, int]:
+        """The shape of the whole matrix of which a block has ``shape``."""
+        whole = list(shape)
+        whole[self.dim] *= self.world_size
+        return tuple(whole)
+
+    def gather(self, block: torch.Tensor) -> torch.Tensor:
+        """The whole matrix: every rank's ``block`` joined along ``dim`` (collective over ``group``)."""
+        blocks = [torch.empty_like(block) for _ in range(self.world_size)]
+        torch.distributed.all_gather(blocks, block.contiguous(), group=self.group)
+        return torch.cat(blocks, dim=self.dim)
+
+    def block(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``whole``."""
+        return whole.chunk(self.world_size, dim=self.dim)[self.rank].contiguous()
+
+
 def check_muon_param(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
     """``ValueError`` if ``param`` is not a 2-D weight that ``strategy`` can store."""
     if param.ndim != 2:
@@ -133,17 +168,32 @@ def muon_step_(
     scale_mode: str = "original",
     extra_scale_factor: float = 1.0,
     random_source: torch.Tensor | None = None,
+    sharded: ShardedMatrix | None = None,
+    split_rows: tuple[int, ...] | None = None,
 ) -> None:
     """One Muon step on the 2-D ``param``, in place, following ``strategy`` (a :func:`muon_strategy`;
     see the module docstring). ``grad`` must be finite. ``random_source``: the 32-bit words of
-    ``param``'s shape that stochastic rounding draws."""
+    ``param``'s shape that stochastic rounding draws. ``sharded``: ``param`` is that block of a
+    matrix, which is orthogonalized whole (collective over its group). ``split_rows``: ``param``'s
+    rows are groups of blocks of these heights (a fused QKV weight's query, key and value rows per
+    query group), and each kind of block is orthogonalized and scaled on its own
+    (:func:`_split_orthogonalized`)."""
     state["step"] += 1
     grad = grad.float()
     buffer = decode_moment(state, "momentum", param, strategy)
     buffer.lerp_(grad, 1 - momentum)
     direction = grad.lerp(buffer, momentum) if nesterov else buffer
-    orthogonal = newton_schulz(direction, ns_coefficients, ns_steps, eps)
-    step_size = lr * update_scale(param.shape, scale_mode) * extra_scale_factor
+    def orthogonalized(matrix: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if sharded is None:
+            return newton_schulz(matrix, ns_coefficients, ns_steps, eps), update_scale(matrix.shape, scale_mode)
+        whole = newton_schulz(sharded.gather(matrix), ns_coefficients, ns_steps, eps)
+        return sharded.block(whole), update_scale(sharded.whole_shape(matrix.shape), scale_mode)
+
+    if split_rows is None:
+        orthogonal, scale = orthogonalized(direction)
+    else:
+        orthogonal, scale = _split_orthogonalized(direction, split_rows, orthogonalized), 1.0
+    step_size = lr * scale * extra_scale_factor
     if strategy.weight_decay == "multiplicative":
         stored = state[master_key(strategy)]
         master = master_value(param, stored)
@@ -153,6 +203,22 @@ def muon_step_(
         update = decay_base(param, state) * (-lr * weight_decay) + orthogonal.float() * -step_size
         PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
     encode_moment(state, "momentum", buffer, param, strategy)
+
+
+def _split_orthogonalized(
+    direction: torch.Tensor, split_rows: tuple[int, ...], orthogonalized: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
+) -> torch.Tensor:
+    """megatron-core's ``split_qkv``: ``direction``'s rows are G groups of ``sum(split_rows)`` rows,
+    each cut into blocks of ``split_rows`` heights; the i-th blocks of all groups, stacked, form one
+    matrix, orthogonalized and scaled by its own s(m, n); the FP32 results are put back in place."""
+    rows, columns = direction.shape
+    group_rows = sum(split_rows)
+    groups = rows // group_rows
+    pieces = []
+    for piece in direction.view(groups, group_rows, columns).split(list(split_rows), dim=1):
+        orthogonal, scale = orthogonalized(piece.reshape(-1, columns))
+        pieces.append((orthogonal.float() * scale).view(groups, -1, columns))
+    return torch.cat(pieces, dim=1).view(rows, columns)
 
 
 HYPERPARAMETERS = (
@@ -191,7 +257,11 @@ class Muon(PrecisionOptimizer):
     whole stream per parameter, numbered by its position). A step with a non-finite gradient is
     skipped before any state changes (:attr:`skipped_steps`), unless ``check_grads_finite=False``.
     ``state_dict`` and ``load_state_dict`` are AdamW's (every state component restored bit-exactly,
-    the master in either storage). Eager only: one parameter at a time, no fused (compiled) step.
+    the master in either storage). ``sharded_matrix(param)``: the :class:`ShardedMatrix` of which
+    ``param`` is a block, orthogonalized whole, or None (default: every parameter on its own).
+    ``split_rows(param)``: the heights of the row blocks of each group of a fused QKV weight that are
+    orthogonalized apart (megatron's ``muon_split_qkv``), or None (default: the matrix as one).
+    Eager only: one parameter at a time, no fused (compiled) step.
     """
 
     def __init__(
@@ -213,8 +283,12 @@ class Muon(PrecisionOptimizer):
         seed: int = 0,
         check_grads_finite: bool = True,
         stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
+        sharded_matrix: Callable[[torch.nn.Parameter], ShardedMatrix | None] | None = None,
+        split_rows: Callable[[torch.nn.Parameter], tuple[int, ...] | None] | None = None,
     ) -> None:
         self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage))
+        self.sharded_matrix = sharded_matrix or (lambda param: None)
+        self.split_rows = split_rows or (lambda param: None)
         self.seed = seed
         self.check_grads_finite = check_grads_finite
         self.skipped_steps = 0
@@ -237,6 +311,12 @@ class Muon(PrecisionOptimizer):
         for index, param in enumerate(group["params"]):
             where = f"parameter {index} of group {group_index}"
             check_muon_param(param, self.strategy, where)
+            split_rows = self.split_rows(param)
+            if split_rows is not None and (not split_rows or min(split_rows) < 1 or param.size(0) % sum(split_rows)):
+                raise ValueError(
+                    f"split_rows={split_rows} for {where} (shape {tuple(param.shape)}): the row heights must be positive "
+                    "and their sum must divide the rows"
+                )
             self._stream_layouts[param] = self._checked_stream_layout(param, where)
             by_layout.setdefault((param.device, param.dtype), []).append(param)
         for params in by_layout.values():
@@ -260,5 +340,8 @@ class Muon(PrecisionOptimizer):
                     continue
                 state = self.state[param]
                 words = self.random_bits(param, state["step"] + 1) if stochastic else None
-                muon_step_(param, param.grad, state, self.strategy, random_source=words, **hyper)
+                muon_step_(
+                    param, param.grad, state, self.strategy, random_source=words, sharded=self.sharded_matrix(param),
+                    split_rows=self.split_rows(param), **hyper
+                )
         return loss

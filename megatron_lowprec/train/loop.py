@@ -227,6 +227,7 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
             seed=trainer.seed,
             shared_randomness=config.precision.shared_randomness,
             fused=config.precision.fused,
+            background_compile=config.precision.background_compile,
             track_update_quality=config.precision.track_update_quality,
             master_storage=config.precision.master_storage,
         )

@@ -25,8 +25,6 @@ SHARD_RECOMPILES = (
     "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again "
     "(D with remainders: its compiled master windows over the shard's rows)"
 )
-SR_GATHERS = "sr's random bits cost a binary search and int32 gathers from small per-entry tables per element"
-SR_RECOMPILES = "sr: a bucket of one entry of 128 elements (one-element stream tables) compiles again"
 COAT_KERNELS = "coat's plain step is 3 kernels"
 
 KNOWN_DEFECTS = [
@@ -35,10 +33,8 @@ KNOWN_DEFECTS = [
     ("fp32 only", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and (option, storage) != ("D", "fp32"), SHARD_RECOMPILES),
-    ("no recompilation", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_RECOMPILES),
     ("one launch", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
     ("bytes", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
-    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "sr", SR_GATHERS),
     ("bytes", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "coat" and arch == 90, COAT_KERNELS),
 ]
@@ -85,6 +81,58 @@ def test_layout_bytes_of_option_a_and_coat():
     θ, its FP8 moments carry a scale and an exponent (8 B) per 128 elements each."""
     assert audit.layout_bytes(audit.strategy_for("A", "fp32")) == (8, 6)
     assert audit.layout_bytes(audit.strategy_for("coat", "fp32")) == (2 + 4 + 2 + 2 * 8 / 128, 2 + 4 + 2 + 2 * 8 / 128)
+
+
+def test_layout_bytes_of_sr_hold_its_stream_tables():
+    """sr reads θ, g, m, v at 2 bytes and writes θ, m, v; each 128-element group reads its entry (int32)
+    and that entry's column shift, row length (int32), first row start, row stride (int64) and three
+    round keys (int32)."""
+    assert audit.layout_bytes(audit.strategy_for("sr", "fp32")) == (8 + (4 + 4 + 4 + 8 + 8 + 12) / 128, 6)
+
+
+SOURCE = """
+    triton_meta={'signature': {'in_ptr0': '*bf16', 'in_ptr1': '*i32', 'in_ptr2': '*i64', 'in_ptr3': '*i32', 'in_ptr4': '*fp32', 'ks0': 'i64'}},
+@triton.jit
+def triton_poi_fused_0(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, ks0, xnumel, XBLOCK : tl.constexpr):
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    x0 = xindex
+    tmp0 = tl.load(in_ptr0 + (x0), xmask).to(tl.float32)
+    tmp1 = (x0).to(tl.int32)
+    tmp2 = tl.full([1], 7, tl.int32)
+    tmp3 = tmp1 >> tmp2
+    tmp4 = tmp3 + (ks0).to(tl.int32)
+    tmp5 = tl.load(in_ptr1 + (tmp4), xmask, eviction_policy='evict_last')
+    tmp6 = tl.load(in_ptr2 + (tmp5), xmask, eviction_policy='evict_last')
+    tmp7 = tl.full([1], 3, tl.int32)
+    tmp8 = tmp1 >> tmp7
+    tmp9 = tl.load(in_ptr3 + (tmp8), xmask, eviction_policy='evict_last')
+    tmp10 = tmp0 + tmp6.to(tl.float32)
+    tmp11 = triton_helpers.bucketize_binary_search(tmp1, in_ptr3, ks0, ks0, 1, 0, tl.int32, True, None, None, None, )
+    tmp12 = tl.load(in_ptr4 + (tmp11), xmask, eviction_policy='evict_last')
+"""
+
+
+def test_source_loads_count_group_addresses_once_per_group():
+    """The element's own load is per element; a table indexed by the element's 128-element group, and
+    a table indexed by a value loaded from it, once per group; a table indexed by 8-element blocks,
+    and one indexed by a binary search's result, per element."""
+    assert audit.source_loads(SOURCE) == [
+        ("in_ptr0", 2, "element"), ("in_ptr1", 4, "group"), ("in_ptr2", 8, "group"),
+        ("in_ptr3", 4, "element"), ("in_ptr4", 4, "element"),
+    ]
+
+
+def test_read_bytes_counts_group_loads_once_per_group_only_when_the_ptx_holds_nothing_else():
+    """Four elements per thread: the PTX's loads per element equal the source's (2 + 4 + 8 + 4 + 4 B),
+    so the group loads count 12/128; with one load more in the PTX (a hidden search), nothing is
+    counted once per group."""
+    per_thread = 4 * (2 + 4 + 8 + 4 + 4)
+    ptx = "\tld.global.b8 {%rs1}, [%rd1];\n" * per_thread
+    assert audit.read_bytes(ptx, SOURCE, 4.0) == (10 + 12 / 128, 12 / 128)
+    hidden = ptx + "\tld.global.b32 {%r1}, [%rd2];\n"
+    assert audit.read_bytes(hidden, SOURCE, 4.0) == ((per_thread + 4) / 4, 0.0)
 
 
 def test_access_bytes_counts_vector_widths():

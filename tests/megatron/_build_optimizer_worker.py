@@ -181,21 +181,30 @@ def refusals() -> dict:
         "cpu_offload": message(lambda: build_optimizer(_precision_config(optimizer_cpu_offload=True), [model])),
         "no_option": message(lambda: build_optimizer(plain, [model])),
         "unknown_option": message(lambda: build_optimizer("Z", [model], plain)),
-        "muon_split_qkv": message(lambda: build_optimizer(_precision_config(optimizer="muon"), [model])),
         "muon_update_quality": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, lowprec_track_update_quality=True), [model])),
+        "muon_tp_mode": message(lambda: build_optimizer(
+            _precision_config(optimizer="muon", muon_split_qkv=False, muon_tp_mode="sharded"), [model])),
         "muon_distributed": message(lambda: build_optimizer(
             _precision_config(optimizer="muon", muon_split_qkv=False, use_distributed_optimizer=True), [model])),
         "foreign_groups": message(lambda: build_optimizer(
             _precision_config(), [model], pg_collection=SimpleNamespace(tp=torch.distributed.new_group([0, 1])))),
     }
+    from megatron.core.optimizer import OptimizerConfig
+
+    for name, value in (("muon_coefficient_type", "polar_express"), ("muon_scalar_optimizer", "lion")):
+        if name in {field.name for field in dataclasses.fields(OptimizerConfig)}:
+            messages[name] = message(lambda: build_optimizer(
+                _precision_config(optimizer="muon", muon_split_qkv=False, **{name: value}), [model]))
     first = next(model.parameters())
     first.allreduce = False
     messages["expert_parallel"] = message(lambda: build_optimizer(_precision_config(), [model]))
     return messages
 
 
-def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
+def muon_is_torch_muon_on_hidden_weights(
+    steps: int, checkpoint_dir: str, checkpoint_options: list[str], tensor_parallel_option: str
+) -> dict:
     """``optimizer="muon"`` with option D at DP=2: which parameters each chained optimizer holds, and
     whether each hidden weight's FP32 master after every step is ``torch.optim.Muon``'s step on the
     previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
@@ -232,6 +241,11 @@ def muon_is_torch_muon_on_hidden_weights(steps: int) -> dict:
         agree.append(all(torch.equal(muon.state[param]["master"], reference.detach()) for param, reference in references.items()))
     return {
         **_muon_resumes_from_its_state_dict(model, optimizer, data_seed=100 * steps + parallel_state.get_data_parallel_rank()),
+        "dist_checkpoint": {
+            option: _muon_resumes_from_a_dist_checkpoint(option, steps, f"{checkpoint_dir}/{option}")
+            for option in checkpoint_options
+        },
+        "tensor_parallel": _muon_at_tensor_parallel_two(tensor_parallel_option, steps + 1),
         "type": type(optimizer).__name__,
         "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
         "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
@@ -266,6 +280,151 @@ def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
     second = step()
     assert parallel_state.get_data_parallel_world_size() == 2
     return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
+
+
+def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir: str) -> dict:
+    """``optimizer="muon"`` with ``option``: ``steps`` steps, a megatron dist checkpoint of the model and
+    the chained optimizer (``sharded_state_dict``), one more step; then a fresh model and chain, moved
+    off by a step on other data, load the checkpoint and take that step: the state keys compared, and
+    those of the parameters and state tensors of both optimizers that did not come out the same, bit
+    for bit."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    config = _muon_config(option)
+    data_rank = parallel_state.get_data_parallel_rank()
+
+    def fresh():
+        model = _model()
+        return model, build_optimizer(config, [model])
+
+    def step(model, optimizer, index: int) -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        _train_step(model, data_seed=100 * index + data_rank)
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+
+    def sharded(model, optimizer, is_loading: bool) -> dict:
+        model_state = model.module.sharded_state_dict()
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+    def everything(model, optimizer) -> dict[str, torch.Tensor]:
+        tensors = {f"param {name}": param.detach().clone() for name, param in model.named_parameters()}
+        names = {param: name for name, param in model.named_parameters()}
+        for inner in optimizer.chained_optimizers:
+            for param, state in inner.optimizer.state.items():
+                tensors.update({f"{key} {names[param]}": value.clone() for key, value in state.items() if torch.is_tensor(value)})
+        return tensors
+
+    model, optimizer = fresh()
+    for index in range(steps):
+        step(model, optimizer, index)
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    dist_checkpointing.save(sharded(model, optimizer, is_loading=False), checkpoint_dir)
+    step(model, optimizer, steps)
+    straight = everything(model, optimizer)
+
+    model, optimizer = fresh()
+    step(model, optimizer, steps + 1)
+    loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), checkpoint_dir)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    step(model, optimizer, steps)
+    resumed = everything(model, optimizer)
+    return {
+        "keys": sorted({key.split(" ")[0] for key in straight}),
+        "unequal": sorted(key for key in straight if not torch.equal(straight[key], resumed[key])),
+    }
+
+
+def _muon_config(option: str, **fields):
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+
+    return LowPrecisionOptimizerConfig.from_optimizer_config(
+        _optimizer_config(), optimizer="muon", lowprec_option=option, lowprec_seed=5, **{"muon_split_qkv": False, **fields}
+    )
+
+
+def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) -> list[float]:
+    """The losses of ``steps`` steps of the Muon chain from the seeded model at this tensor-parallel
+    size, on data the same on every rank (so DP=2 at TP=1 trains as one rank would)."""
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    transformer = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _ddp(transformer, grad_reduce_in_fp32=True)
+    optimizer = build_optimizer(_muon_config(option, muon_tp_mode=tp_mode), [model])
+    losses = []
+    for step in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.extend(_train_step(model, data_seed=100 * step))
+        model.finish_grad_sync()
+        assert optimizer.step()[0]
+    return losses
+
+
+def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
+    """The Muon chain's losses at TP=1 (DP=2), then at TP=2 in each ``muon_tp_mode``; and at TP=2
+    ``"duplicated"`` with QKV split, two steps of the chain's Muon on given whole-matrix gradients,
+    shards gathered, against our Muon on the whole matrices (TP=1) with the same option, SR stream
+    and split (4 query groups of 8 query, 8 key, 8 value rows): whether each parameter and
+    momentum is the same bit for bit."""
+    from megatron.core import parallel_state
+
+    from megatron_lowprec.megatron import compat
+    from megatron_lowprec.megatron.optimizer import build_optimizer, canonical_parameter_names
+    from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
+    from megatron_lowprec.optim import Muon
+
+    losses = {"tp1": _muon_losses(option, 1, "blockwise", steps)}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    for tp_mode in ("blockwise", "duplicated"):
+        losses[f"tp2-{tp_mode}"] = _muon_losses(option, 2, tp_mode, steps)
+
+    model = _ddp(_transformer_config(tensor_parallel=2, hidden_dropout=0.0, attention_dropout=0.0), grad_reduce_in_fp32=True)
+    config = _muon_config(option, muon_tp_mode="duplicated", muon_split_qkv=True)
+    muon = build_optimizer(config, [model]).chained_optimizers[0].optimizer
+    params = [param for group in muon.param_groups for param in group["params"]]
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def whole(param, tensor):
+        if not getattr(param, "tensor_model_parallel", False):
+            return tensor.clone()
+        blocks = [torch.empty_like(tensor) for _ in range(2)]
+        torch.distributed.all_gather(blocks, tensor.contiguous(), group=group)
+        return torch.cat(blocks, dim=param.partition_dim)
+
+    wholes = {param: torch.nn.Parameter(whole(param, param.detach())) for param in params}
+    names = canonical_parameter_names([model])
+    layouts = {copy: StreamLayout.whole(stream_id(names[param]), copy.numel()) for param, copy in wholes.items()}
+    reference = Muon(
+        list(wholes.values()), lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        nesterov=getattr(config, compat.muon_nesterov_field()), scale_mode="spectral", option=option, seed=5,
+        stream_layout=layouts.__getitem__,
+        split_rows={copy: (8, 8, 8) for param, copy in wholes.items() if names[param].endswith("linear_qkv.weight")}.get,
+    )
+    same = []
+    for step in range(2):
+        for index, (param, copy) in enumerate(wholes.items()):
+            generator = torch.Generator().manual_seed(10 * step + index)
+            gradient = torch.randn(copy.shape, generator=generator).to(torch.cuda.current_device())
+            copy.grad = gradient.to(copy.dtype)
+            shard = gradient.chunk(2, dim=param.partition_dim)[rank] if getattr(param, "tensor_model_parallel", False) else gradient
+            param.grad = shard.to(param.dtype).contiguous()
+        muon.step()
+        reference.step()
+        same.append(all(
+            torch.equal(whole(param, param.detach()), copy.detach())
+            and torch.equal(whole(param, muon.state[param]["momentum"]), reference.state[copy]["momentum"])
+            for param, copy in wholes.items()
+        ))
+    sharded = sum(getattr(param, "tensor_model_parallel", False) for param in params)
+    split = sorted({names[param]: list(muon.split_rows(param)) for param in params if muon.split_rows(param)}.items())
+    return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params), "split": split}
 
 
 SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}

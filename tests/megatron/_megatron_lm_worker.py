@@ -105,9 +105,11 @@ def pretrain_routing(argv: list[str], steps: int) -> dict:
         )
         losses.append(float(result[0]["lm loss"]))
         assert not result[1], "megatron's train_step skipped the iteration"
-    inner = optimizer.optimizer
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    inner = chained[0].optimizer
     layers = [type(module).__name__ for module in model[0].modules()]
     return {
+        **_muon_settings(model[0], chained),
         "cpu_trial": cpu_trial,
         "lowprec_option": args.lowprec_option,
         "optimizer": type(optimizer).__name__,
@@ -118,6 +120,24 @@ def pretrain_routing(argv: list[str], steps: int) -> dict:
         "losses_finite": all(math.isfinite(loss) for loss in losses),
         "losses": losses,
         "weight_decays": sorted({group["weight_decay"] for group in optimizer.param_groups}),
+    }
+
+
+def _muon_settings(model, chained) -> dict:
+    """With ``--optimizer muon``: the chained optimizers' classes, the Muon group's settings and the
+    names of the parameters Muon updates."""
+    from megatron_lowprec.optim import Muon
+
+    muon = [inner.optimizer for inner in chained if isinstance(inner.optimizer, Muon)]
+    if not muon:
+        return {}
+    group = muon[0].param_groups[0]
+    names = {param: name for name, param in model.named_parameters()}
+    return {
+        "chained": [type(inner.optimizer).__name__ for inner in chained],
+        "muon_group": {key: group[key] for key in ("momentum", "nesterov", "ns_steps", "scale_mode", "extra_scale_factor")},
+        "muon_params": sorted(names[param] for group in muon[0].param_groups for param in group["params"]),
+        "split_rows": {names[param]: list(rows) for param in names if (rows := muon[0].split_rows(param))},
     }
 
 

@@ -52,7 +52,9 @@ def run_scenario(scenarios: dict[str, Callable[..., dict]]) -> None:
     from megatron_lowprec.megatron import cpu as cpu_bridge
 
     result_dir, scenario, arguments = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    with cpu_bridge.cpu_bridge():
+    with cpu_bridge.cpu_bridge() as bridged:
+        if bridged and cpu_bridge.active_check() is None:
+            raise RuntimeError(f"a worker on the CPU bridge without the strict placement check: ${cpu_bridge.CHECK_ENV_VARIABLE} is unset")
         init_process_group(timeout_seconds=120)
         try:
             result = scenarios[scenario](**arguments)

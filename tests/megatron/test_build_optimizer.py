@@ -74,17 +74,44 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
         assert len(rank["losses"]["provide"]) == 6
 
 
+MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
+"""The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
+
+
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
     the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit;
-    a step after reloading the chained state dict repeats the uninterrupted step exactly."""
-    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2):
+    a step after reloading the chained state dict repeats the uninterrupted step exactly. Options sr
+    and C (MCF's δθ) save the model and the chain as a megatron dist checkpoint
+    (``sharded_state_dict``) after 2 steps, and a fresh chain that loads it takes the third step bit
+    for bit as the uninterrupted run. At TP=2 (option sr), ``muon_tp_mode="duplicated"`` updates each
+    shard as our Muon updates the whole matrix at TP=1, bit for bit given the same gradients (QKV
+    split, ``muon_split_qkv=True``, into megatron's query, key and value rows per group); trained
+    on the same data, both TP=2 modes keep TP=1's losses within 2e-3 over 3 steps (the first
+    step's, on the same weights, within 5e-4: TP=2's BF16 matmuls sum in another order; measured
+    at most 4e-4 duplicated, 1.2e-3 blockwise, which orthogonalizes each shard on its own)."""
+    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
+                     checkpoint_options=list(MUON_CHECKPOINT_STATES), tensor_parallel_option="sr"):
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
         assert any("embedding" in name for name in rank["adamw"]) and any(name.endswith("bias") for name in rank["adamw"])
         assert rank["agree"] == [True, True]
         assert rank["resumed"] and rank["compared"] > len(rank["muon"]) + len(rank["adamw"])
+        tensor_parallel = rank["tensor_parallel"]
+        assert tensor_parallel["duplicated_is_tp1"] == [True, True]
+        assert tensor_parallel["sharded"] == tensor_parallel["muon_params"] > 0
+        assert tensor_parallel["split"] == [[f"decoder.layers.{layer}.self_attention.linear_qkv.weight", [8, 8, 8]]
+                                            for layer in range(2)]
+        tp1 = tensor_parallel["losses"]["tp1"]
+        for mode in ("blockwise", "duplicated"):
+            losses = tensor_parallel["losses"][f"tp2-{mode}"]
+            assert len(losses) == len(tp1) == 6 and all(abs(a - b) < 5e-4 for a, b in zip(losses[:2], tp1[:2])), mode
+            assert max(abs(a - b) for a, b in zip(losses, tp1)) < 2e-3, (mode, losses, tp1)
+        for option, states in MUON_CHECKPOINT_STATES.items():
+            resumed = rank["dist_checkpoint"][option]
+            assert set(states) <= set(resumed["keys"]), (option, resumed["keys"])
+            assert resumed["unequal"] == [], option
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
@@ -95,9 +122,15 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     assert "without a precision option" in messages["no_option"] and "LowPrecisionOptimizerConfig" in messages["no_option"]
     assert "unknown precision option 'Z'" in messages["unknown_option"] and "coat" in messages["unknown_option"]
     assert "pg_collection's tp" in messages["foreign_groups"]
-    assert "config.muon_split_qkv=True" in messages["muon_split_qkv"] and "muon_split_qkv=False" in messages["muon_split_qkv"]
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    for name, supported in (("muon_coefficient_type", "'quintic'"), ("muon_scalar_optimizer", "'adam'")):
+        if name in fields:
+            assert f"set {name}={supported}" in messages[name]
     assert "config.use_distributed_optimizer=True" in messages["muon_distributed"] and "muon" in messages["muon_distributed"]
     assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
+    assert "config.muon_tp_mode='sharded'" in messages["muon_tp_mode"] and "'blockwise' or 'duplicated'" in messages["muon_tp_mode"]
     assert "expert-parallel" in messages["expert_parallel"]
 
 

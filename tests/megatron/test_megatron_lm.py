@@ -43,12 +43,12 @@ def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
-        "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--no-lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
-        "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
+        "lowprec_background_compile": False, "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])
@@ -56,6 +56,7 @@ def test_arguments_parse_into_the_configs_fields():
     defaults.seed = 1234
     assert megatron_lm.precision_settings(defaults)["lowprec_seed"] == 1234
     assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
+    assert defaults.lowprec_background_compile is True
 
 
 def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):
@@ -162,6 +163,32 @@ def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_opt
     assert stock["lowprec_option"] is None and stock["option"] is None
     assert stock["optimizer"] in ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
     assert stock["losses_finite"]
+
+
+@requires_megatron_training
+def test_megatron_lm_builds_muon_with_its_own_muon_flags_and_the_option(tmp_path):
+    """``--optimizer muon --lowprec-option sr`` with Megatron-LM's ``--muon-*`` flags: our Muon for the
+    2-D weights that megatron-core's Muon takes (the transformer layers' and, untagged as embedding
+    there, the learned position embeddings), with each flag's value, chained with AdamW for the
+    rest, its fused QKV weights split into query, key and value rows (Megatron-LM's default); the
+    iterations train (finite losses, none skipped)."""
+    rank = _run(tmp_path, 1, [
+        "--optimizer", "muon", "--lowprec-option", "sr", "--muon-nesterov",
+        "--muon-momentum", "0.9", "--muon-scale-mode", "shape_scaling", "--muon-num-ns-steps", "4",
+        "--muon-extra-scale-factor", "0.5",
+    ])[0]
+    assert (rank["optimizer"], rank["chained"], rank["option"]) == ("LowPrecisionMuonOptimizer", ["Muon", "AdamW"], "sr")
+    assert rank["muon_group"] == {"momentum": 0.9, "nesterov": True, "ns_steps": 4, "scale_mode": "original",
+                                  "extra_scale_factor": 0.5}
+    assert rank["muon_params"] == sorted([
+        *(f"module.module.decoder.layers.{layer}.{module}.weight" for layer in range(2)
+          for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")),
+        "module.module.embedding.position_embeddings.weight",
+    ])
+    assert rank["split_rows"] == {
+        f"module.module.decoder.layers.{layer}.self_attention.linear_qkv.weight": [8, 8, 8] for layer in range(2)
+    }, "Megatron-LM splits QKV by default: 4 heads of 8 channels, a query group per head"
+    assert rank["losses_finite"] and rank["weight_decays"] == [0.0, 0.1]
 
 
 def _extras() -> dict[str, list[str]]:

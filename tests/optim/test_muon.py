@@ -287,3 +287,30 @@ def test_c_is_b_for_muon(device):
     assert set(c_state) == set(b_state) == {"step", "momentum", "param_lo"}
     assert torch.equal(c_param, b_param)
     assert all(torch.equal(c_state[key], b_state[key]) for key in ("momentum", "param_lo"))
+
+
+def test_split_qkv_orthogonalizes_and_scales_query_key_and_value_rows_apart():
+    """A fused QKV weight of 2 query groups, each 8 query rows, 4 key rows, 4 value rows (megatron's
+    layout), split (megatron-core's ``split_qkv``): with option D the FP32 master moves by -lr times
+    torch's Newton-Schulz of the stacked query (16 x 8), key (8 x 8) and value (8 x 8) rows, each
+    scaled by its own s(m, n) ("original": 2, 1, 1), put back in place; the unsplit matrix is not."""
+    split_rows, shape, lr = (8, 4, 4), (32, 8), 0.02
+    start = _random(shape, 0).bfloat16().float()
+    grad = _random(shape, 1)
+    param = _param(start)
+    param.grad = grad.bfloat16()
+    optimizer = Muon([param], lr=lr, weight_decay=0.0, momentum=0.0, option="D", split_rows=lambda p: split_rows)
+    optimizer.step()
+    grouped = grad.bfloat16().float().view(2, 16, 8)
+    expected = torch.empty(2, 16, 8)
+    offset = 0
+    for rows in split_rows:
+        stacked = grouped[:, offset:offset + rows].reshape(-1, 8)
+        scale = math.sqrt(max(1, stacked.size(0) / stacked.size(1)))
+        expected[:, offset:offset + rows] = (_zeropower_via_newtonschulz(stacked, *TORCH_NS).float() * scale).view(2, rows, 8)
+        offset += rows
+    assert torch.equal(optimizer.state[param]["master"], start.add(expected.view(shape), alpha=-lr))
+    whole = -lr * _zeropower_via_newtonschulz(grad.bfloat16().float(), *TORCH_NS).float()
+    assert not torch.allclose(optimizer.state[param]["master"] - start, whole, atol=1e-4)
+    with pytest.raises(ValueError, match=r"split_rows=\(8, 4, 3\).*sum must divide the rows"):
+        Muon([_param(torch.zeros(shape))], option="D", split_rows=lambda p: (8, 4, 3))

@@ -17,10 +17,11 @@ from unittest import mock
 
 import torch
 
-from megatron_lowprec.megatron.cpu import HostPlacementError, cpu_bridge
+from megatron_lowprec.megatron.cpu import cpu_bridge
 from megatron_lowprec.train import loop, metrics
 from megatron_lowprec.train.app import compose
 from megatron_lowprec.train.data import BATCH_KEYS
+from tests.strict_bridge import HostPlacementError, StrictPlacementCheck
 
 
 class _TorchWithoutDevices:
@@ -67,7 +68,7 @@ on the CPU) and 5 (the model never moved to the GPU) of the GPU-first issue."""
 def main(result_dir: Path, overrides: list[str]) -> None:
     results = {}
     runs = {"unchanged": contextlib.nullcontext, **REINTRODUCED}
-    with cpu_bridge(strict=True):
+    with cpu_bridge(check=StrictPlacementCheck()):
         torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         try:
             for name, reintroduce in runs.items():

@@ -1,0 +1,163 @@
+"""Muon's precision options on the embedded default: final validation loss beside AdamW, and the
+optimizer-step time of each.
+
+Loss: each run is a ``lowprec-train`` process on the default model and data (the tiny GPT on the
+shipped corpus), ``optimizer=muon`` (Moonshot's preset: update RMS matched to AdamW's) with each
+option, and AdamW with option D beside them, at each learning rate of ``--lrs`` (peak; the cosine
+decays to a tenth of it after a warmup of ``--warmup`` steps). The small default learning rate puts
+Muon's updates (RMS about 0.2·lr) below half a BF16 ulp of the typical weight, where nearest
+rounding loses them and the other options should not. The validation loss is measured once, after
+the last step, on ``--eval-iters`` batches.
+
+Step time: in this process, one optimizer step over BF16 parameters shaped as the default model's
+hidden weights (``--time-layers`` layers of QKV, projection, fc1 and fc2; Muon's share of the model)
+with fixed random gradients, for Muon with each option and AdamW D; each time is the median of
+``--repeats`` steps after ``--time-warmup``, all optimizers stepping in turn (so that all see the
+same machine load), the ratio over AdamW D's. megatron-core's own Muon (``TensorParallelMuon``)
+needs NVIDIA's ``emerging-optimizers``, which requires Python >= 3.12: it is timed only where it
+imports.
+
+    python benchmarks/muon_loss.py                       # the whole table (CPU: minutes per run)
+    python benchmarks/muon_loss.py --options A D --lrs 3e-3 --steps 5 --skip-timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_OPTIONS = ("A", "D", "B", "kahan", "sr", "coat")
+BASELINE = ("adamw", "D")
+
+
+def train_command(arguments: argparse.Namespace, optimizer: str, option: str, lr: float, run_dir: Path) -> list[str]:
+    """The ``lowprec-train`` command line of one run."""
+    return [
+        sys.executable, "-m", "megatron_lowprec.train", f"optimizer={optimizer}", f"precision={option}",
+        f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}", f"optimizer.lr_warmup_steps={arguments.warmup}",
+        f"trainer.max_steps={arguments.steps}", f"trainer.micro_batch_size={arguments.micro_batch}",
+        f"trainer.global_batch_size={arguments.global_batch}", f"trainer.eval_interval={arguments.steps}",
+        f"trainer.eval_iters={arguments.eval_iters}", f"trainer.log_interval={arguments.steps}",
+        "trainer.save=false", "logging.wandb=false", f"run_dir={run_dir}", *arguments.set,
+    ]
+
+
+def final_losses(arguments: argparse.Namespace, work_dir: Path) -> dict[tuple[str, str, float], dict]:
+    """(optimizer, option, lr) → the run's summary (``final_valid_loss``, ``final_train_loss``, ...)."""
+    runs = [("muon", option) for option in arguments.options] + [BASELINE]
+    summaries = {}
+    for lr in arguments.lrs:
+        for optimizer, option in runs:
+            run_dir = work_dir / f"{optimizer}-{option}-{lr:g}"
+            finished = subprocess.run(
+                train_command(arguments, optimizer, option, lr, run_dir), capture_output=True, text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=arguments.timeout,
+            )
+            if finished.returncode != 0:
+                raise RuntimeError(f"{optimizer} {option} lr {lr:g} failed:\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}")
+            summaries[optimizer, option, lr] = json.loads((run_dir / "summary.json").read_text())
+            print(f"  {optimizer} {option} lr {lr:g}: validation loss {summaries[optimizer, option, lr]['final_valid_loss']:.4f}",
+                  file=sys.stderr, flush=True)
+    return summaries
+
+
+def hidden_weight_shapes(layers: int, hidden: int = 64, ffn: int = 256) -> list[tuple[int, int]]:
+    """The 2-D hidden weights of ``layers`` megatron GPT layers (QKV, projection, fc1, fc2)."""
+    return [(3 * hidden, hidden), (hidden, hidden), (ffn, hidden), (hidden, ffn)] * layers
+
+
+def step_times(options: list[str], layers: int, warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one step of each optimizer on the same shapes, their steps alternating."""
+    from megatron_lowprec.optim import AdamW, Muon
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = hidden_weight_shapes(layers)
+    gradients = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+
+    def parameters():
+        params = [torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).bfloat16()) for shape in shapes]
+        for param, gradient in zip(params, gradients):
+            param.grad = gradient.clone()
+        return params
+
+    optimizers = {f"muon {option}": Muon(parameters(), lr=1e-3, option=option) for option in options}
+    optimizers["adamw D"] = AdamW(parameters(), lr=1e-3, option="D", fused=False)
+    times = {name: [] for name in optimizers}
+    for repeat in range(warmup + repeats):
+        for name, optimizer in optimizers.items():
+            start = time.perf_counter()
+            optimizer.step()
+            if repeat >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def megatron_core_muon_note() -> str:
+    """Why megatron-core's own Muon is not in the step-time table."""
+    if importlib.util.find_spec("emerging_optimizers") is None:
+        return ("megatron-core's Muon (TensorParallelMuon) not timed: it needs NVIDIA's emerging-optimizers, "
+                "which requires Python >= 3.12 and is not installed")
+    return "megatron-core's Muon: emerging-optimizers is installed, but this script does not time it"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--options", nargs="+", default=list(DEFAULT_OPTIONS), help="Muon's precision options")
+    parser.add_argument("--lrs", nargs="+", type=float, default=[3e-3, 1e-4], help="peak learning rates")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10, help="learning-rate warmup steps")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--eval-iters", type=int, default=4)
+    parser.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    parser.add_argument("--time-layers", type=int, default=4)
+    parser.add_argument("--time-warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-loss", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    arguments = parser.parse_args()
+    results: dict = {}
+    if not arguments.skip_loss:
+        with tempfile.TemporaryDirectory(prefix="muon_loss_") as work:
+            summaries = final_losses(arguments, Path(work))
+        print(f"final validation loss after {arguments.steps} steps (warmup {arguments.warmup}, batch "
+              f"{arguments.global_batch} x 64 tokens, {arguments.eval_iters} validation batches); overrides "
+              f"{' '.join(arguments.set) or 'none'}")
+        header = ["run", *(f"lr {lr:g}" for lr in arguments.lrs)]
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for optimizer, option in [("muon", option) for option in arguments.options] + [BASELINE]:
+            cells = [f"{summaries[optimizer, option, lr]['final_valid_loss']:.4f}" for lr in arguments.lrs]
+            print(f"| {optimizer} {option} | " + " | ".join(cells) + " |")
+        results["valid_loss"] = {f"{o} {p} {lr:g}": s["final_valid_loss"] for (o, p, lr), s in summaries.items()}
+    if not arguments.skip_timing:
+        times = step_times(arguments.options, arguments.time_layers, arguments.time_warmup, arguments.repeats)
+        baseline = times["adamw D"]
+        print(f"\noptimizer step on {arguments.time_layers} layers' hidden weights "
+              f"({sum(r * c for r, c in hidden_weight_shapes(arguments.time_layers)):,} BF16 parameters), "
+              f"median of {arguments.repeats}, device cpu, {torch.get_num_threads()} threads")
+        print("| optimizer | ms | vs AdamW D |\n|---|---|---|")
+        for name, seconds in times.items():
+            print(f"| {name} | {1e3 * seconds:.2f} | {seconds / baseline:.2f} |")
+        print(megatron_core_muon_note())
+        results["step_seconds"] = times
+    if arguments.json is not None:
+        arguments.json.write_text(json.dumps(results, indent=1))
+    if not all(math.isfinite(loss) for loss in results.get("valid_loss", {}).values()):
+        raise SystemExit("a run ended with a non-finite validation loss")
+
+
+if __name__ == "__main__":
+    main()
