@@ -7,7 +7,9 @@ the baseline of the ratios. Runs go one after another, ``--rounds`` times in tur
 whose speed drifts slows every run alike), and each figure is the median over the rounds.
 
 Per run, from the run's ``metrics.jsonl`` (one row per step): tokens/s over the steps after
-``--warmup`` (total tokens / total step time; evaluation and checkpoints are not timed), model
+``--warmup`` (total tokens / total step time; evaluation and checkpoints are not timed; the fused
+step is compiled at the first step, ``precision.background_compile=false``, so that the timed steps
+are the steady state), model
 TFLOP/s per GPU and MFU as the app computes them (:mod:`megatron_lowprec.train.throughput`; MFU only
 on GPUs whose dense BF16 peak is known), and the peak memory of the whole run on the largest rank:
 ``torch.cuda.max_memory_allocated`` on GPUs, the resident set size on CPUs (which also holds
@@ -63,6 +65,7 @@ def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: 
         "trainer.eval_iters=1",
         "trainer.save=false",
         "logging.wandb=false",
+        "precision.background_compile=false",
         f"run_dir={run_dir}",
     ]
     return [*launcher, "-m", "megatron_lowprec.train", *settings, *arguments.set, *overrides]

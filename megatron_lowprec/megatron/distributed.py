@@ -47,6 +47,7 @@ from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, grid_random_bits
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value
 from megatron_lowprec.optim.fused import fused_bucket_step_, resolve_fused
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
@@ -377,6 +378,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                     quality = self._eager_step(state_bucket, entry_grads, hyper)
                 if self.track_update_quality:
                     self.bucket_update_pieces.append((state_bucket, quality))
+        if self.background_compile:
+            BACKGROUND_COMPILES.start()
         return None
 
     def _eager_step(self, state_bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]]):

@@ -13,6 +13,7 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
 from megatron_lowprec.optim.fused import bucket_entries, fused_bucket_step_, resolve_fused, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
@@ -425,6 +426,8 @@ class AdamW(PrecisionOptimizer):
         pieces = [self._step_bucket(bucket, generator) for bucket in self.buckets]
         if self.track_update_quality:
             self.bucket_update_pieces = pieces
+        if self.background_compile:
+            BACKGROUND_COMPILES.start()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

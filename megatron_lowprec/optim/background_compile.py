@@ -16,8 +16,9 @@ every compiled kind take the compiled function; a kind that failed to compile st
   included) and its guards hold for the live calls of its kind. They take that much memory until
   the compile ends; on a GPU where they would take more than half of the free memory, the call
   compiles in the foreground instead, as without background compilation.
-* The thread: one at a time, started by a call of a new kind, ending when no compile is queued
-  (none is alive once compiling is done). It runs with the calling thread's grad mode and torch
+* The thread: one at a time, started at the end of the step that queued a compile (the optimizers
+  call :meth:`BackgroundCompiles.start`), so that the step's own uncompiled calls do not share the
+  CPU with it, and ending when no compile is queued (none is alive once compiling is done). It runs with the calling thread's grad mode and torch
   function modes (Dynamo guards on both), on the call's GPU, and no collective, so every rank
   compiles on its own.
   Inductor keeps what it built in its on-disk cache, so a compile cut short by the end of the
@@ -61,9 +62,10 @@ class BackgroundCompiles:
     def call(
         self, compiled: Callable, eager: Callable, args: tuple, on_failure: Callable[[BaseException], None]
     ) -> Any:
-        """``compiled(*args)`` where the compile of this kind of call is done and none is running;
-        otherwise ``eager(*args)``, queueing the compile of a kind not seen before. A kind whose
-        compile failed runs ``eager`` and calls ``on_failure(error)`` the first time."""
+        """``compiled(*args)`` where the compile of this kind of call is done and none is running or
+        queued; otherwise ``eager(*args)``, queueing the compile of a kind not seen before (it starts
+        at :meth:`start`). A kind whose compile failed runs ``eager`` and calls ``on_failure(error)``
+        the first time."""
         kind = (compiled, call_kind(args))
         with self._lock:
             new = kind not in self._results and kind not in self._queued
@@ -73,10 +75,7 @@ class BackgroundCompiles:
             elif new:
                 self._queued.add(kind)
                 self._queue.append((kind, compiled, _scratch_copy_on_device(args), torch.is_grad_enabled(), _get_current_function_mode_stack()))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._compile_queued, name=THREAD_NAME)
-                    self._thread.start()
-            compiling = self._thread is not None
+            compiling = self._thread is not None or bool(self._queue)
             done = kind in self._results
             error = self._results.get(kind)
             warn = error is not None and kind not in self._warned
@@ -89,8 +88,17 @@ class BackgroundCompiles:
             return eager(*args)
         return compiled(*args)
 
+    def start(self) -> None:
+        """Start compiling what is queued, unless the thread runs already. The optimizers call it at
+        the end of a step, so that the step's uncompiled calls do not share the CPU with the compile."""
+        with self._lock:
+            if self._queue and self._thread is None:
+                self._thread = threading.Thread(target=self._compile_queued, name=THREAD_NAME)
+                self._thread.start()
+
     def wait(self) -> None:
-        """Block until no compile is running or queued (the thread has ended)."""
+        """Start what is queued and block until no compile is running or queued (the thread has ended)."""
+        self.start()
         while True:
             with self._lock:
                 thread = self._thread
@@ -101,7 +109,7 @@ class BackgroundCompiles:
     def compiling(self) -> bool:
         """Whether a compile is running or queued."""
         with self._lock:
-            return self._thread is not None
+            return self._thread is not None or bool(self._queue)
 
     def _compile_queued(self) -> None:
         while True:

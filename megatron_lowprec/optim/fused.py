@@ -318,7 +318,8 @@ def fused_bucket_step_(
     calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
     device) when ``track_update_quality``. With ``background_compile``, a call whose compiled kernel
     is not built yet runs it uncompiled (the same bits) while a background thread builds it
-    (:mod:`~megatron_lowprec.optim.background_compile`).
+    (:mod:`~megatron_lowprec.optim.background_compile`; the caller starts that thread with
+    ``BACKGROUND_COMPILES.start()`` once its step is done).
 
     ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
     :class:`~megatron_lowprec.optim.buckets.BufferRows` over the buffer they live in; ``entry_grads``
