@@ -4,7 +4,8 @@ Each run is a fresh process, ``lowprec-train precision=OPTION`` on the Hydra app
 0.7M-parameter GPT on the shipped Shakespeare corpus, one process, CPU unless CUDA is there): the
 time from starting the process to the end of its first optimizer step (``train_step`` returning),
 and to the end of the first step that ran the compiled kernel (the fused step is compiled in the
-background while the first steps run it uncompiled, ``precision.background_compile``; for an option
+background while the first steps run it uncompiled, ``precision.background_compile=true``, which
+this benchmark sets unless given ``--no-background-compile``; for an option
 that compiles nothing, the second step), after which the process exits. Cold: an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``), what
 a new user and CI have. Warm: the same directory again, what the user's next run has. The baseline
 is ``precision=megatron``, megatron-core's own optimizer, which on CPU is plain ``torch.optim.AdamW``
@@ -61,13 +62,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def first_step_seconds(option: str, cache_dir: Path, run_dir: Path) -> tuple[float, float]:
+def first_step_seconds(option: str, cache_dir: Path, run_dir: Path, background_compile: bool = True) -> tuple[float, float]:
     """Seconds from starting ``lowprec-train precision=option`` to the end of its first step, and to
     the end of its first step with the compiled kernel (every step's, for an option that compiles nothing)."""
     environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     started = time.time()
     completed = subprocess.run(
-        [sys.executable, "-c", CHILD, f"precision={option}", f"run_dir={run_dir}"],
+        [sys.executable, "-c", CHILD, f"precision={option}", f"run_dir={run_dir}",
+         f"precision.background_compile={str(background_compile).lower()}"],
         env=environment, capture_output=True, text=True,
     )
     marks = dict(line.split()[:2] for line in completed.stdout.splitlines() if line.startswith((FIRST_STEP_MARK, COMPILED_STEP_MARK)))
@@ -82,6 +84,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--options", nargs="+", default=[strategy.name for strategy in available_strategies()])
     parser.add_argument("--repeats", type=int, default=1, help="cold and warm runs per option (median)")
+    parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="precision.background_compile of the option's runs (default: on)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="first_step_") as scratch:
         root = Path(scratch)
@@ -92,7 +96,9 @@ def main() -> None:
             for repeat in range(args.repeats):
                 caches = {BASELINE: root / f"cache-{option}-baseline-{repeat}", option: root / f"cache-{option}-{repeat}"}
                 for key, which in (("baseline cold", BASELINE), ("cold", option), ("baseline warm", BASELINE), ("warm", option)):
-                    runs[key].append(first_step_seconds(which, caches[which], root / f"{option}-{key}-{repeat}".replace(" ", "-")))
+                    runs[key].append(first_step_seconds(
+                        which, caches[which], root / f"{option}-{key}-{repeat}".replace(" ", "-"), args.background_compile
+                    ))
             row = {key: [statistics.median(times[which] for times in values) for which in (0, 1)] for key, values in runs.items()}
             rows.append((option, row))
             print(f"{option}: " + ", ".join(f"{key} {first:.1f} s / {compiled:.1f} s" for key, (first, compiled) in row.items()),

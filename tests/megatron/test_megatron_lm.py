@@ -56,7 +56,7 @@ def test_arguments_parse_into_the_configs_fields():
     defaults.seed = 1234
     assert megatron_lm.precision_settings(defaults)["lowprec_seed"] == 1234
     assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
-    assert defaults.lowprec_background_compile is True
+    assert defaults.lowprec_background_compile is False
 
 
 def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):
