@@ -372,7 +372,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     quality = fused_bucket_step_(
                         state_bucket, self.strategy, grad_rows, entry_grads, hyper, step=self.step_count,
                         sr_seed=sr_seed, track_update_quality=self.track_update_quality,
-                        background_compile=self.background_compile,
+                        background_compile=self.background_compile, compile_master_codec=self.fused,
                     )
                 else:
                     quality = self._eager_step(state_bucket, entry_grads, hyper)

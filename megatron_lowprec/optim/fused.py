@@ -313,6 +313,7 @@ def fused_bucket_step_(
     sr_seed: int | None,
     track_update_quality: bool,
     background_compile: bool = False,
+    compile_master_codec: bool = True,
 ) -> torch.Tensor | None:
     """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
     calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
@@ -324,9 +325,11 @@ def fused_bucket_step_(
     ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
     :class:`~megatron_lowprec.optim.buckets.BufferRows` over the buffer they live in; ``entry_grads``
     each entry's flat gradient (views of either). ``hyper`` gives lr, beta1, beta2, eps and
-    weight_decay of each parameter group that the bucket's entries belong to."""
+    weight_decay of each parameter group that the bucket's entries belong to. Option D (torch's fused
+    AdamW) with ``compile_master_codec=False`` compiles nothing: a remainder master is joined and
+    split per entry, the same bits (what the distributed optimizer does with ``fused=False``)."""
     if strategy.adam_kernel == "torch_fused":
-        return _torch_fused_bucket_step_(bucket, entry_grads, hyper, step, track_update_quality)
+        return _torch_fused_bucket_step_(bucket, entry_grads, hyper, step, track_update_quality, compile_master_codec)
     betas = {values["beta2"] for values in hyper.values()}
     if len(betas) != 1:
         raise ValueError(f"a bucket's parameter groups must share beta2 (they hold {sorted(betas)})")
@@ -425,23 +428,25 @@ class BucketMasterWindows:
         compiled_master_codec()[1](_window(self.param, start, end), self.stored[start:end], masters)
 
 
-def _master_windows(bucket: Bucket, stored: torch.Tensor) -> BucketMasterWindows | None:
+def _master_windows(bucket: Bucket, stored: torch.Tensor, compile_codec: bool) -> BucketMasterWindows | None:
     """The bucket's compiled master windows, where its master is a remainder, its parameters sit in a
-    buffer of its layout and this device can compile; ``None`` (join and split per entry) otherwise."""
+    buffer of its layout, compiling is asked for and this device can compile; ``None`` (join and
+    split per entry) otherwise."""
     laid_out = bucket.param_buffer is not None or bucket.param_rows is not None
-    if stored.dtype == torch.float32 or not laid_out or not fused_available(bucket.device):
+    if stored.dtype == torch.float32 or not laid_out or not compile_codec or not fused_available(bucket.device):
         return None
     return BucketMasterWindows(bucket, stored)
 
 
 def _torch_fused_bucket_step_(
-    bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]], step: int, track: bool
+    bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]], step: int, track: bool,
+    compile_master_codec: bool,
 ) -> torch.Tensor | None:
     """Option D: torch's fused AdamW over each parameter group's entries (one multi-tensor call per
     window of the bucket's state; a remainder master joined and split a window at a time)."""
     params, state, pieces = bucket.entry_params(), bucket.state, []
     stored = stored_master(state)
-    master_windows = _master_windows(bucket, stored)
+    master_windows = _master_windows(bucket, stored, compile_master_codec)
     for group, first, end in bucket.group_runs():
         spans = list(zip(bucket.offsets[first:end], bucket.numels[first:end]))
         values = hyper[group]

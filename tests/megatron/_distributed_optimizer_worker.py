@@ -70,8 +70,9 @@ def sharded_equals_unsharded(
     on the same data (DDP buckets of ``bucket_size`` elements, gradients reduced in FP32 or BF16;
     both eager, or both ``fused``; tied embeddings across ``pipeline_parallel`` stages); whether
     losses, gradient norms and parameters are bit-identical, the optimizer state bytes each rank
-    holds, and the layout's figures."""
+    holds, how many graphs torch.compile built for the option, and the layout's figures."""
     from megatron.core import parallel_state
+    from torch._dynamo.utils import counters
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
@@ -82,6 +83,7 @@ def sharded_equals_unsharded(
     result = {}
     for option in options:
         runs = {}
+        graphs_before = counters["stats"]["unique_graphs"]
         for distributed in (False, True):
             model = _ddp(config, distributed, bucket_size, grad_reduce_in_fp32)
             optimizer = _optimizer(option, model, distributed, fused, track_update_quality=True)
@@ -108,6 +110,7 @@ def sharded_equals_unsharded(
             "edq": [runs[True][3].edq, runs[False][3].edq],
             "imprecision": [runs[True][3].imprecision_percent, runs[False][3].imprecision_percent],
             "halo": len(runs[True][4]._halo),
+            "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
         }
     result["data_parallel_size"] = parallel_state.get_data_parallel_world_size()
     return result

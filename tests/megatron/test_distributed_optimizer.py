@@ -51,7 +51,8 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
     the zero padding of its state buckets' layout, each rank holds at most its share of the
     unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
     buckets' padding), the ranks hold equal shares within
-    one unit per bucket, and the update-quality pieces summed over the ranks match."""
+    one unit per bucket, and the update-quality pieces summed over the ranks match. Uncompiled runs
+    compile nothing (option D's remainder masters included)."""
     ranks = _run(tmp_path, world_size, "sharded_equals_unsharded", options=options,
                  tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, steps=steps,
                  bucket_size=bucket_size, fused=fused, grad_reduce_in_fp32=grad_reduce_in_fp32)
@@ -71,6 +72,7 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
             assert result["sharded_bytes"] >= 0.9 * result["unsharded_bytes"] / data_parallel, option
             assert result["edq"][0] == pytest.approx(result["edq"][1], rel=1e-9)
             assert result["imprecision"][0] == result["imprecision"][1]
+            assert fused or result["compiled_graphs"] == 0, option
         shares = [result["sharded_bytes"] - result["sharded_padding_bytes"] for result in results]
         assert max(shares) - min(shares) <= unit, option
 

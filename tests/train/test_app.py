@@ -22,6 +22,11 @@ OPTIONS = [strategy.name for strategy in available_strategies()]
 OPTIONS_AND_STOCK = [*OPTIONS, "megatron"]
 """The precision options and megatron-core's own optimizer (``precision=megatron``)."""
 LAYOUT_OPTIONS = ("A", "C", "D", "sr")
+UNCOMPILED = "precision.fused=false"
+"""For the tests whose subject is a layout, a layer flow or resharding, not the compiled step: each
+rank would compile each option's step (tens of CPU-seconds apiece on CI's 2 cores), and fused and
+uncompiled steps give the same bits (tests/optim/test_fused.py, in one process and at DP=2 in
+tests/megatron/test_distributed_optimizer.py)."""
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
@@ -99,7 +104,7 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
     """From one initial checkpoint (saved at DP=2, resharded by dist_checkpointing), option D trains
     the same data at TP=1 (DP=2), TP=2 and PP=2; then A, C and sr train at each layout, logging EDQ
-    and the last-token sharpness (gathered from the last stage's tensor-parallel shards)."""
+    and the last-token sharpness (gathered from the last stage's tensor-parallel shards), uncompiled."""
     init = tmp_path / "init"
     layouts = {
         "dp2": [],
@@ -114,7 +119,8 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
         for option in ("A", "C", "sr"):
             steps.append(
                 {"overrides": _tiny(cache_dir, tmp_path / f"{name}-{option}", f"precision={option}", "trainer.max_steps=2",
-                                    "precision.track_update_quality=true", "trainer.sharpness_interval=2", *layout)}
+                                    "precision.track_update_quality=true", "trainer.sharpness_interval=2", UNCOMPILED,
+                                    *layout)}
             )
     results = _run(tmp_path, 2, steps)
     reference, tensor_parallel, pipeline_parallel = (_train_losses(result) for result in results[1:4])
@@ -135,7 +141,7 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
 def test_tensor_and_data_parallel_together(tmp_path, cache_dir):
     steps = [
         {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=2",
-                            "trainer.tensor_model_parallel_size=2")}
+                            "trainer.tensor_model_parallel_size=2", UNCOMPILED)}
         for option in LAYOUT_OPTIONS
     ]
     for option, result in zip(LAYOUT_OPTIONS, _run(tmp_path, 4, steps)):
@@ -203,7 +209,7 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
 def test_fp8_layer_flow_and_exmy_emulation(tmp_path, cache_dir):
     """precision=coat (FP8 states and FP8 layer flow) at TP=2 against TP=1 (DP=2) from the same
     initial weights (megatron initialises full weights on CPU, then splits them); E8M7 emulation
-    against none, bit for bit; E8M3 on every linear, LM head included, changes the losses."""
+    against none, bit for bit; E8M3 on every linear, LM head included, changes the losses. Uncompiled."""
     runs = {
         "coat_tp1": ["precision=coat"],
         "coat_tp2": ["precision=coat", "trainer.tensor_model_parallel_size=2"],
@@ -211,7 +217,8 @@ def test_fp8_layer_flow_and_exmy_emulation(tmp_path, cache_dir):
         "e8m7": ["precision=A", "precision.emulate=E8M7", "precision.emulate_exclude=[]"],
         "e8m3": ["precision=A", "precision.emulate=E8M3", "precision.emulate_exclude=[]"],
     }
-    steps = [{"overrides": _tiny(cache_dir, tmp_path / name, "trainer.max_steps=3", *overrides)} for name, overrides in runs.items()]
+    steps = [{"overrides": _tiny(cache_dir, tmp_path / name, "trainer.max_steps=3", UNCOMPILED, *overrides)}
+             for name, overrides in runs.items()]
     losses = {name: _train_losses(result) for name, result in zip(runs, _run(tmp_path, 2, steps))}
     assert all(len(values) == 3 and all(math.isfinite(v) for v in values) for values in losses.values()), losses
     # Each TP shard takes its own per-tensor FP8 scales, so TP=2 rounds differently from TP=1: one
@@ -226,9 +233,10 @@ def test_distributed_optimizer_trains_resumes_and_reshards_coat(tmp_path, cache_
     unsharded run, resuming a copy of its step-2 checkpoint gives the straight run bit for bit, and
     the same checkpoint resumes at TP=2 (DP=1, unsharded), which coat could not before. Gradients
     are reduced in BF16: with FP32 gradients the unsharded optimizer clips by megatron's FP32 norm,
-    which depends on how the elements are split into tensors, and the two runs drift by rounding."""
+    which depends on how the elements are split into tensors, and the two runs drift by rounding.
+    Uncompiled: coat's compiled shard step at DP=2 is tested in tests/megatron/test_distributed_optimizer.py."""
     straight, resumed, unsharded, resharded = (tmp_path / name for name in ("straight", "resumed", "unsharded", "tp2"))
-    common = ("precision=coat", "trainer.max_steps=4", "precision.grad_reduce_in_fp32=false")
+    common = ("precision=coat", "trainer.max_steps=4", "precision.grad_reduce_in_fp32=false", UNCOMPILED)
     steps = [
         {"overrides": _tiny(cache_dir, straight, *common, "optimizer.distributed=true", "trainer.save=true",
                             "trainer.save_interval=2")},
