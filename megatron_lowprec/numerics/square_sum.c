@@ -3,41 +3,94 @@
  * on other devices).
  *
  * A finite float32 x is s * 2^(e - 150) (s < 2^24, e its biased exponent, 1 for subnormals), so
- * u = x^2 * 2^298 = s^2 * 2^(2e - 2) is an integer below 2^556, exact in float64, whose bits lie
- * between 2^(2e - 2) and 2^(2e + 45). Its DIGIT_BITS-bit digit d is
- * floor(u / 2^(G d)) - 2^G floor(u / 2^(G (d + 1))) (G = DIGIT_BITS), exact in float64. A block of
- * BLOCK values visits only the digits its exponents reach: from its smallest nonzero value's lowest
- * possible bit to its largest value's highest. Its digit sums (below 2^50, exact in float64) are
- * added to int64 sums, which are carried every CARRY_BLOCKS blocks and at the end, so that every
- * digit sum but the last stays below 2^DIGIT_BITS between calls. */
+ * u = x^2 * 2^298 = s^2 * 2^(2e - 2) is an integer below 2^556, exact in float64, whose bits lie in
+ * [2e - 2, 2e + 46). The result is the sums of the G-bit digits of u (G = DIGIT_BITS) over all the
+ * values, digit d weighing 2^(G d), carried so that every sum but the last is below 2^G: one form
+ * for one value, whatever the order of the values.
+ *
+ * A block of BLOCK values finds the span of bits its values can occupy, [base, base + span), from
+ * its largest and smallest nonzero magnitudes. Each t = u / 2^base is then an integer below
+ * 2^span, split into G-bit local digits floor(t / 2^(G j)) - 2^G floor(t / 2^(G (j + 1))), exact in
+ * float64; their float64 sums over the block stay below 2^(G + 10) < 2^53, exact. Most blocks of
+ * gradients span at most 2G bits, two local digits, computed in one loop. Each local digit sum is
+ * then shifted to its place among the global digits in integers. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define DIGITS 14
+#define DIGITS 15
 #define DIGIT_BITS 40
 #define DIGIT_SCALE 0x1p40 /* 2^DIGIT_BITS */
+#define DIGIT_MASK (((int64_t)1 << DIGIT_BITS) - 1)
 #define SCALE_EXPONENT 298
 #define BLOCK 1024
-#define LANES 8
 #define CARRY_BLOCKS 1024
+#define PREFETCH_BLOCKS 2
+#define EXPONENT_BITS 0x7f800000u
 
 static void carry(int64_t *sums) {
     for (int digit = 0; digit < DIGITS - 1; digit++) {
         sums[digit + 1] += sums[digit] >> DIGIT_BITS;
-        sums[digit] &= ((int64_t)1 << DIGIT_BITS) - 1;
+        sums[digit] &= DIGIT_MASK;
     }
 }
 
-/* Adds the digit sums of one block of float32 bit patterns to sums[0..DIGITS-1], its count of
- * non-finite values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
-static void add_block(const uint32_t *bits, int64_t count, int64_t *sums) {
+/* Adds total * 2^position (total < 2^(DIGIT_BITS + 10)) to the global digit sums. */
+static void add_at(int64_t total, int position, int64_t *sums) {
+    int digit = position / DIGIT_BITS, shift = position % DIGIT_BITS;
+    int64_t rest = total >> (DIGIT_BITS - shift);
+    int64_t parts[3] = {(total & ((DIGIT_MASK >> shift))) << shift, rest & DIGIT_MASK, rest >> DIGIT_BITS};
+    for (int part = 0; part < 3; part++)
+        if (parts[part]) sums[digit + part] += parts[part];
+}
+
+/* The bits of v + 2^52 for an integer 0 <= v < 2^52: v plus the bits of 2^52, so that integer sums,
+ * which vectorize in any order, add such values exactly. */
+static inline uint64_t offset_bits(double v) {
+    double offset = v + 0x1p52;
+    uint64_t bits;
+    memcpy(&bits, &offset, sizeof bits);
+    return bits;
+}
+
+/* The sum of the integers of BLOCK offset_bits added up (modulo 2^64). */
+static int64_t offset_total(uint64_t sum) {
+    uint64_t offset = offset_bits(0.0);
+    return (int64_t)(sum - (uint64_t)BLOCK * offset);
+}
+
+/* t = x^2 * scale, exact (scale is a power of 2); 0 for a non-finite x where checked. */
+static inline double scaled_square(uint32_t bits, double scale, int checked) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    double x = value;
+    double square = x * x * scale;
+    if (checked) square = (bits & EXPONENT_BITS) != EXPONENT_BITS ? square : 0.0;
+    return square;
+}
+
+/* The two local digit sums of a block whose values span at most 2 DIGIT_BITS bits. */
+static inline void add_two_digits(const uint32_t *bits, double scale, int checked, int base, int64_t *sums) {
+    uint64_t low = 0, high = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        double t = scaled_square(bits[i], scale, checked);
+        double upper = floor(t / DIGIT_SCALE);
+        low += offset_bits(t - upper * DIGIT_SCALE);
+        high += offset_bits(upper);
+    }
+    add_at(offset_total(low), base, sums);
+    add_at(offset_total(high), base + DIGIT_BITS, sums);
+}
+
+/* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
+ * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
+static void add_block(const uint32_t *bits, int64_t *sums) {
     /* The largest magnitude, and the smallest nonzero one less 1 (zeros wrap above every other). */
     uint32_t non_finite = 0, nans = 0, top = 0, bottom = 0xffffffffu;
-    for (int64_t i = 0; i < count; i++) {
+    for (int i = 0; i < BLOCK; i++) {
         uint32_t magnitude = bits[i] & 0x7fffffffu;
-        non_finite += magnitude >= 0x7f800000u;
-        nans += magnitude > 0x7f800000u;
+        non_finite += magnitude >= EXPONENT_BITS;
+        nans += magnitude > EXPONENT_BITS;
         top = magnitude > top ? magnitude : top;
         bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
     }
@@ -46,9 +99,9 @@ static void add_block(const uint32_t *bits, int64_t count, int64_t *sums) {
     if (non_finite) {
         top = 0;
         bottom = 0xffffffffu;
-        for (int64_t i = 0; i < count; i++) {
+        for (int i = 0; i < BLOCK; i++) {
             uint32_t magnitude = bits[i] & 0x7fffffffu;
-            if (magnitude >= 0x7f800000u) continue;
+            if (magnitude >= EXPONENT_BITS) continue;
             top = magnitude > top ? magnitude : top;
             bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
         }
@@ -56,54 +109,54 @@ static void add_block(const uint32_t *bits, int64_t count, int64_t *sums) {
     if (top == 0) return;
     int highest = top >> 23 > 1 ? (int)(top >> 23) : 1;
     int lowest = (bottom + 1) >> 23 > 1 ? (int)((bottom + 1) >> 23) : 1;
-    int first = (2 * lowest - 2) / DIGIT_BITS;
-    int last = (2 * highest + 45) / DIGIT_BITS;
-
-    /* u / 2^(G first): an integer, since no bit of the block lies below 2^(G first). */
-    double digits[BLOCK];
-    double scale = ldexp(1.0, SCALE_EXPONENT - DIGIT_BITS * first);
-    for (int64_t i = 0; i < count; i++) {
-        float value;
-        memcpy(&value, &bits[i], sizeof value);
-        double x = value;
-        digits[i] = (bits[i] & 0x7f800000u) != 0x7f800000u ? x * x * scale : 0.0;
+    int base = 2 * lowest - 2;
+    int local_digits = (2 * (highest - lowest) + 48 + DIGIT_BITS - 1) / DIGIT_BITS;
+    double scale = ldexp(1.0, SCALE_EXPONENT - base);
+    if (local_digits <= 2) {
+        if (non_finite)
+            add_two_digits(bits, scale, 1, base, sums);
+        else
+            add_two_digits(bits, scale, 0, base, sums);
+        return;
     }
-    int64_t padded = (count + LANES - 1) / LANES * LANES;
-    for (int64_t i = count; i < padded; i++) digits[i] = 0.0;
-
-    /* digits[i] holds floor(u / 2^(G digit)); its low G bits are digit `digit` of u. */
-    for (int digit = first; digit <= last; digit++) {
-        double lanes[LANES] = {0.0};
-        for (int64_t i = 0; i < padded; i += LANES) {
-            for (int lane = 0; lane < LANES; lane++) {
-                double upper = floor(digits[i + lane] / DIGIT_SCALE);
-                lanes[lane] += digits[i + lane] - upper * DIGIT_SCALE;
-                digits[i + lane] = upper;
-            }
+    double rests[BLOCK];
+    for (int i = 0; i < BLOCK; i++) rests[i] = scaled_square(bits[i], scale, 1);
+    for (int local = 0; local < local_digits; local++) {
+        uint64_t sum = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            double upper = floor(rests[i] / DIGIT_SCALE);
+            sum += offset_bits(rests[i] - upper * DIGIT_SCALE);
+            rests[i] = upper;
         }
-        double total = 0.0;
-        for (int lane = 0; lane < LANES; lane++) total += lanes[lane];
-        sums[digit] += (int64_t)total;
+        add_at(offset_total(sum), base + DIGIT_BITS * local, sums);
     }
 }
 
-void square_sum_float32(const uint32_t *bits, int64_t count, int64_t *sums) {
+/* Adds the digit sums and counts of count values to sums, read as float32 bit patterns from
+ * values (16-bit ones widened by shifting them up 16 bits: bfloat16). */
+static void add_values(const void *values, int width, int64_t count, int64_t *sums) {
+    uint32_t block[BLOCK];
     int64_t blocks = 0;
     for (int64_t start = 0; start < count; start += BLOCK) {
-        add_block(bits + start, count - start < BLOCK ? count - start : BLOCK, sums);
+        int64_t length = count - start < BLOCK ? count - start : BLOCK;
+        const uint32_t *bits = (const uint32_t *)values + start;
+        if (width == 2) {
+            const uint16_t *narrow = (const uint16_t *)values + start;
+            for (int64_t i = 0; i < length; i++) block[i] = (uint32_t)narrow[i] << 16;
+            bits = block;
+        } else if (length < BLOCK) {
+            memcpy(block, bits, length * sizeof *block);
+            bits = block;
+        }
+        if (length < BLOCK) memset(block + length, 0, (BLOCK - length) * sizeof *block);
+        for (int line = 0; line < BLOCK * width; line += 64)
+            __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + line);
+        add_block(bits, sums);
         if (++blocks % CARRY_BLOCKS == 0) carry(sums);
     }
     carry(sums);
 }
 
-void square_sum_bfloat16(const uint16_t *bits, int64_t count, int64_t *sums) {
-    uint32_t widened[BLOCK];
-    int64_t blocks = 0;
-    for (int64_t start = 0; start < count; start += BLOCK) {
-        int64_t block = count - start < BLOCK ? count - start : BLOCK;
-        for (int64_t i = 0; i < block; i++) widened[i] = (uint32_t)bits[start + i] << 16;
-        add_block(widened, block, sums);
-        if (++blocks % CARRY_BLOCKS == 0) carry(sums);
-    }
-    carry(sums);
-}
+void square_sum_float32(const uint32_t *bits, int64_t count, int64_t *sums) { add_values(bits, 4, count, sums); }
+
+void square_sum_bfloat16(const uint16_t *bits, int64_t count, int64_t *sums) { add_values(bits, 2, count, sums); }

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-DIGITS = 14
-"""40-bit digits of ``x² · 2^298`` (below 2^556 for finite float32 ``x``)."""
+DIGITS = 15
+"""40-bit digits: ``x² · 2^298`` is below 2^556 for finite float32 ``x``, and the last digit takes
+what a sum carries beyond."""
 
 DIGIT_BITS = 40
 SCALE_EXPONENT = 298
