@@ -13,8 +13,9 @@ its square root. 16-bit values are converted to float32 exactly first.
 
 On the CPU the digits are computed by a small C kernel (``square_sum.c``), compiled with the system's
 C compiler at first use and cached, in one pass over each gradient that visits only the digits its
-block of values can reach; elsewhere, or without a compiler, by torch operations with the same
-arithmetic (the same bits).
+block of values can reach; on CUDA by torch operations compiled by Inductor into one kernel that
+reads each value once; on a CPU without a compiler by the same torch operations, eagerly. All
+compute the same integers, so all give the same bits.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,8 +51,16 @@ NAN = DIGITS + 1
 """Index of the count of NaNs in the sums."""
 
 TORCH_CHUNK_ELEMENTS = 1 << 18
-"""Elements per pass of the torch path: bounds its (elements, digits) float64 temporary, and keeps
-each pass's int64 digit sums below 2^58."""
+"""Elements per call of the eager torch operations (a CPU without a compiler): bounds their float64
+temporaries."""
+
+COMPILED_CHUNK_ELEMENTS = 1 << 22
+"""Elements per call of the compiled torch operations (CUDA): keeps each call's int64 digit sums
+below 2^62."""
+
+COMPILE_OPTIONS = {"realize_opcount_threshold": 1 << 16}
+"""Inductor otherwise stores the digits' chain of floors to memory after about 30 operations and
+reads it back in a second kernel; with this, every digit is computed from the one load of a value."""
 
 PARALLEL_ELEMENTS = 1 << 18
 """A CPU tensor at least this long is split over ``torch.get_num_threads()`` threads."""
@@ -76,24 +86,34 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
             continue
-        for start in range(0, flat.numel(), TORCH_CHUNK_ELEMENTS):
-            chunk_sums = _torch_digit_sums(flat[start : start + TORCH_CHUNK_ELEMENTS].float())
-            sums = _partial_carry(sums + chunk_sums.to(device))
+        digit_sums, chunk = (_compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS) if flat.is_cuda else (_torch_digit_sums, TORCH_CHUNK_ELEMENTS)
+        for start in range(0, flat.numel(), chunk):
+            sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
     return _carry(sums + thread_sums.sum(dim=0).to(device))
 
 
 def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
-    """The digit sums and counts of at most ``TORCH_CHUNK_ELEMENTS`` float32 values, in torch operations."""
+    """The digit sums and counts of at most ``COMPILED_CHUNK_ELEMENTS`` values (converted to float32),
+    in torch operations: one sum per digit, which Inductor fuses into one pass over ``values``."""
+    values = values.float()
     bits = values.view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     finite = magnitude < 0x7F800000
-    squares = torch.where(finite, values.double().square() * 2.0**SCALE_EXPONENT, 0.0)
-    scales = torch.tensor([2.0 ** (-DIGIT_BITS * digit) for digit in range(DIGITS + 1)], dtype=torch.float64,
-                          device=values.device)
-    floors = torch.floor(squares[:, None] * scales)
-    digits = (floors[:, :-1] - floors[:, 1:] * 2.0**DIGIT_BITS).to(torch.int64).sum(dim=0)
-    counts = torch.stack(((~finite).sum(), (magnitude > 0x7F800000).sum()))
-    return torch.cat((digits, counts))
+    rest = torch.where(finite, values.double().square() * 2.0**SCALE_EXPONENT, 0.0)
+    sums = []
+    for _ in range(DIGITS):
+        upper = torch.floor(rest * 2.0**-DIGIT_BITS)
+        sums.append((rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum())
+        rest = upper
+    sums += [(~finite).sum(), (magnitude > 0x7F800000).sum()]
+    return torch.stack(sums)
+
+
+@functools.cache
+def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`_torch_digit_sums` compiled (CUDA): one kernel reads each value once (audited in
+    ``kernels/audit.py``), for any length and one compilation per dtype."""
+    return torch.compile(_torch_digit_sums, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
 
 def _add_cpu_digit_sums(flat: torch.Tensor, thread_sums: torch.Tensor) -> None:
