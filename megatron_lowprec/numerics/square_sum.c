@@ -73,13 +73,25 @@ static inline double scaled_square(uint32_t bits, double scale, int checked) {
 static inline void add_two_digits(const uint32_t *bits, double scale, int checked, int base, int64_t *sums) {
     uint64_t low = 0, high = 0;
     for (int i = 0; i < BLOCK; i++) {
-        double t = scaled_square(bits[i], scale, checked);
-        double upper = floor(t / DIGIT_SCALE);
-        low += offset_bits(t - upper * DIGIT_SCALE);
-        high += offset_bits(upper);
+        double y = scaled_square(bits[i], scale, checked);
+        double shifted = y + 0x1p52;
+        uint64_t shifted_bits;
+        memcpy(&shifted_bits, &shifted, sizeof shifted_bits);
+        high += shifted_bits;
+        double fraction = (y - (shifted - 0x1p52)) + 0x1.8p12;
+        uint64_t fraction_bits;
+        memcpy(&fraction_bits, &fraction, sizeof fraction_bits);
+        low += fraction_bits;
     }
-    add_at(offset_total(low), base, sums);
-    add_at(offset_total(high), base + DIGIT_BITS, sums);
+    double zero_high = 0x1p52, zero_low = 0x1.8p12;
+    uint64_t zero_high_bits, zero_low_bits;
+    memcpy(&zero_high_bits, &zero_high, sizeof zero_high_bits);
+    memcpy(&zero_low_bits, &zero_low, sizeof zero_low_bits);
+    int64_t low_total = (int64_t)(low - (uint64_t)BLOCK * zero_low_bits);
+    int64_t high_total = (int64_t)(high - (uint64_t)BLOCK * zero_high_bits);
+    int64_t borrow = low_total >> DIGIT_BITS;
+    add_at(low_total - borrow * ((int64_t)1 << DIGIT_BITS), base, sums);
+    add_at(high_total + borrow, base + DIGIT_BITS, sums);
 }
 
 /* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
@@ -114,9 +126,9 @@ static void add_block(const uint32_t *bits, int64_t *sums) {
     double scale = ldexp(1.0, SCALE_EXPONENT - base);
     if (local_digits <= 2) {
         if (non_finite)
-            add_two_digits(bits, scale, 1, base, sums);
+            add_two_digits(bits, scale / DIGIT_SCALE, 1, base, sums);
         else
-            add_two_digits(bits, scale, 0, base, sums);
+            add_two_digits(bits, scale / DIGIT_SCALE, 0, base, sums);
         return;
     }
     double rests[BLOCK];
