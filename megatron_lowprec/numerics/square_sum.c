@@ -98,21 +98,20 @@ static inline void add_two_digits(const uint32_t *bits, double scale, int checke
  * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
 static void add_block(const uint32_t *bits, int64_t *sums) {
     /* The largest magnitude, and the smallest nonzero one less 1 (zeros wrap above every other). */
-    uint32_t non_finite = 0, nans = 0, top = 0, bottom = 0xffffffffu;
+    uint32_t top = 0, bottom = 0xffffffffu;
     for (int i = 0; i < BLOCK; i++) {
         uint32_t magnitude = bits[i] & 0x7fffffffu;
-        non_finite += magnitude >= EXPONENT_BITS;
-        nans += magnitude > EXPONENT_BITS;
         top = magnitude > top ? magnitude : top;
         bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
     }
-    sums[DIGITS] += non_finite;
-    sums[DIGITS + 1] += nans;
+    int non_finite = top >= EXPONENT_BITS;
     if (non_finite) {
         top = 0;
         bottom = 0xffffffffu;
         for (int i = 0; i < BLOCK; i++) {
             uint32_t magnitude = bits[i] & 0x7fffffffu;
+            sums[DIGITS] += magnitude >= EXPONENT_BITS;
+            sums[DIGITS + 1] += magnitude > EXPONENT_BITS;
             if (magnitude >= EXPONENT_BITS) continue;
             top = magnitude > top ? magnitude : top;
             bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
