@@ -8,12 +8,14 @@
  * values, digit d weighing 2^(G d), carried so that every sum but the last is below 2^G: one form
  * for one value, whatever the order of the values.
  *
- * A block of BLOCK values finds the span of bits its values can occupy, [base, base + span), from
- * its largest and smallest nonzero magnitudes. Each t = u / 2^base is then an integer below
- * 2^span, split into G-bit local digits floor(t / 2^(G j)) - 2^G floor(t / 2^(G (j + 1))), exact in
- * float64; their float64 sums over the block stay below 2^(G + 10) < 2^53, exact. Most blocks of
- * gradients span at most 2G bits, two local digits, computed in one loop. Each local digit sum is
- * then shifted to its place among the global digits in integers. */
+ * A block of BLOCK values finds the bits its values can occupy, [base, base + span), from its
+ * largest and smallest nonzero magnitudes, and splits each t = u / 2^base (an integer below
+ * 2^span) into G-bit local digits, exactly in float64. Most blocks of gradients span at most 2G
+ * bits: their y = t / 2^G is split in one loop into its nearest integer (the bits of y + 2^52) and
+ * the rest, in [-1/2, 1/2] with G fractional bits (the bits of the rest + 1.5 * 2^12). Wider blocks
+ * take floor(t / 2^G) digit by digit. Every per-value quantity is summed as the integer its bits
+ * hold, so the sums are exact in any order (and vectorize); each block's local digit sums, below
+ * 2^(G + 10), are then shifted to their place among the global digits in integers. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,6 +29,8 @@
 #define CARRY_BLOCKS 1024
 #define PREFETCH_BLOCKS 2
 #define EXPONENT_BITS 0x7f800000u
+#define INTEGER_OFFSET 0x1p52     /* v + 2^52 holds an integer 0 <= v < 2^52 in its low bits */
+#define FRACTION_OFFSET 0x1.8p12 /* r + 1.5 * 2^12 holds r in [-1/2, 1/2] in units of 2^-40 */
 
 static void carry(int64_t *sums) {
     for (int digit = 0; digit < DIGITS - 1; digit++) {
@@ -35,31 +39,27 @@ static void carry(int64_t *sums) {
     }
 }
 
-/* Adds total * 2^position (total < 2^(DIGIT_BITS + 10)) to the global digit sums. */
+/* Adds total * 2^position (0 <= total < 2^(DIGIT_BITS + 10)) to the global digit sums. */
 static void add_at(int64_t total, int position, int64_t *sums) {
     int digit = position / DIGIT_BITS, shift = position % DIGIT_BITS;
     int64_t rest = total >> (DIGIT_BITS - shift);
-    int64_t parts[3] = {(total & ((DIGIT_MASK >> shift))) << shift, rest & DIGIT_MASK, rest >> DIGIT_BITS};
+    int64_t parts[3] = {(total & (DIGIT_MASK >> shift)) << shift, rest & DIGIT_MASK, rest >> DIGIT_BITS};
     for (int part = 0; part < 3; part++)
         if (parts[part]) sums[digit + part] += parts[part];
 }
 
-/* The bits of v + 2^52 for an integer 0 <= v < 2^52: v plus the bits of 2^52, so that integer sums,
- * which vectorize in any order, add such values exactly. */
-static inline uint64_t offset_bits(double v) {
-    double offset = v + 0x1p52;
+static inline uint64_t bits_of(double value) {
     uint64_t bits;
-    memcpy(&bits, &offset, sizeof bits);
+    memcpy(&bits, &value, sizeof bits);
     return bits;
 }
 
-/* The sum of the integers of BLOCK offset_bits added up (modulo 2^64). */
-static int64_t offset_total(uint64_t sum) {
-    uint64_t offset = offset_bits(0.0);
-    return (int64_t)(sum - (uint64_t)BLOCK * offset);
+/* The sum of BLOCK values from the sum of the bits of each value + offset (modulo 2^64). */
+static int64_t block_total(uint64_t bits_sum, double offset) {
+    return (int64_t)(bits_sum - (uint64_t)BLOCK * bits_of(offset));
 }
 
-/* t = x^2 * scale, exact (scale is a power of 2); 0 for a non-finite x where checked. */
+/* x^2 * scale, exact (scale is a power of 2); 0 for a non-finite x where checked. */
 static inline double scaled_square(uint32_t bits, double scale, int checked) {
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -69,29 +69,19 @@ static inline double scaled_square(uint32_t bits, double scale, int checked) {
     return square;
 }
 
-/* The two local digit sums of a block whose values span at most 2 DIGIT_BITS bits. */
+/* The two local digits of a block that spans at most 2 DIGIT_BITS bits, from y = u / 2^(base + G). */
 static inline void add_two_digits(const uint32_t *bits, double scale, int checked, int base, int64_t *sums) {
-    uint64_t low = 0, high = 0;
+    uint64_t integers = 0, fractions = 0;
     for (int i = 0; i < BLOCK; i++) {
         double y = scaled_square(bits[i], scale, checked);
-        double shifted = y + 0x1p52;
-        uint64_t shifted_bits;
-        memcpy(&shifted_bits, &shifted, sizeof shifted_bits);
-        high += shifted_bits;
-        double fraction = (y - (shifted - 0x1p52)) + 0x1.8p12;
-        uint64_t fraction_bits;
-        memcpy(&fraction_bits, &fraction, sizeof fraction_bits);
-        low += fraction_bits;
+        double shifted = y + INTEGER_OFFSET;
+        integers += bits_of(shifted);
+        fractions += bits_of((y - (shifted - INTEGER_OFFSET)) + FRACTION_OFFSET);
     }
-    double zero_high = 0x1p52, zero_low = 0x1.8p12;
-    uint64_t zero_high_bits, zero_low_bits;
-    memcpy(&zero_high_bits, &zero_high, sizeof zero_high_bits);
-    memcpy(&zero_low_bits, &zero_low, sizeof zero_low_bits);
-    int64_t low_total = (int64_t)(low - (uint64_t)BLOCK * zero_low_bits);
-    int64_t high_total = (int64_t)(high - (uint64_t)BLOCK * zero_high_bits);
-    int64_t borrow = low_total >> DIGIT_BITS;
-    add_at(low_total - borrow * ((int64_t)1 << DIGIT_BITS), base, sums);
-    add_at(high_total + borrow, base + DIGIT_BITS, sums);
+    int64_t low = block_total(fractions, FRACTION_OFFSET), high = block_total(integers, INTEGER_OFFSET);
+    int64_t borrow = low >> DIGIT_BITS;
+    add_at(low - borrow * ((int64_t)1 << DIGIT_BITS), base, sums);
+    add_at(high + borrow, base + DIGIT_BITS, sums);
 }
 
 /* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
@@ -133,35 +123,36 @@ static void add_block(const uint32_t *bits, int64_t *sums) {
     double rests[BLOCK];
     for (int i = 0; i < BLOCK; i++) rests[i] = scaled_square(bits[i], scale, 1);
     for (int local = 0; local < local_digits; local++) {
-        uint64_t sum = 0;
+        uint64_t digits = 0;
         for (int i = 0; i < BLOCK; i++) {
             double upper = floor(rests[i] / DIGIT_SCALE);
-            sum += offset_bits(rests[i] - upper * DIGIT_SCALE);
+            digits += bits_of(rests[i] - upper * DIGIT_SCALE + INTEGER_OFFSET);
             rests[i] = upper;
         }
-        add_at(offset_total(sum), base + DIGIT_BITS * local, sums);
+        add_at(block_total(digits, INTEGER_OFFSET), base + DIGIT_BITS * local, sums);
     }
 }
 
-/* Adds the digit sums and counts of count values to sums, read as float32 bit patterns from
- * values (16-bit ones widened by shifting them up 16 bits: bfloat16). */
+/* Adds the digit sums and counts of count values to sums: float32 bit patterns (width 4) or
+ * bfloat16 ones (width 2, widened by shifting them up 16 bits). */
 static void add_values(const void *values, int width, int64_t count, int64_t *sums) {
     uint32_t block[BLOCK];
     int64_t blocks = 0;
     for (int64_t start = 0; start < count; start += BLOCK) {
         int64_t length = count - start < BLOCK ? count - start : BLOCK;
-        const uint32_t *bits = (const uint32_t *)values + start;
+        const uint32_t *bits = block;
         if (width == 2) {
             const uint16_t *narrow = (const uint16_t *)values + start;
             for (int64_t i = 0; i < length; i++) block[i] = (uint32_t)narrow[i] << 16;
-            bits = block;
-        } else if (length < BLOCK) {
-            memcpy(block, bits, length * sizeof *block);
-            bits = block;
+        } else if (length == BLOCK) {
+            bits = (const uint32_t *)values + start;
+        } else {
+            memcpy(block, (const uint32_t *)values + start, length * sizeof *block);
         }
         if (length < BLOCK) memset(block + length, 0, (BLOCK - length) * sizeof *block);
-        for (int line = 0; line < BLOCK * width; line += 64)
-            __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + line);
+        if (start + (PREFETCH_BLOCKS + 1) * BLOCK <= count)
+            for (int byte = 0; byte < BLOCK * width; byte += 64)
+                __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + byte);
         add_block(bits, sums);
         if (++blocks % CARRY_BLOCKS == 0) carry(sums);
     }

@@ -70,8 +70,9 @@ COMPILER_FLAGS = (
     "-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
     *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()),
 )
-"""``-fno-trapping-math`` lets the compiler vectorize ``floor``; every operation of the kernel is exact,
-so no flag changes its results."""
+"""``-fno-trapping-math`` lets the compiler vectorize ``floor``. Every floating-point operation of the
+kernel is exact (its products included, so contracting one into an FMA changes nothing), and its sums
+are integer sums: no flag or vectorization changes its results."""
 
 
 def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
