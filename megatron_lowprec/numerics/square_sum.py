@@ -87,7 +87,7 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
             continue
-        digit_sums, chunk = (_compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS) if flat.is_cuda else (_torch_digit_sums, TORCH_CHUNK_ELEMENTS)
+        digit_sums, chunk = (_compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS) if flat.is_cuda else (_eager_digit_sums, TORCH_CHUNK_ELEMENTS)
         for start in range(0, flat.numel(), chunk):
             sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
     return _carry(sums + thread_sums.sum(dim=0).to(device))
@@ -108,6 +108,27 @@ def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
         rest = upper
     sums += [(~finite).sum(), (magnitude > 0x7F800000).sum()]
     return torch.stack(sums)
+
+
+def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
+    """:func:`_torch_digit_sums` run eagerly over the digits that ``values`` reach alone (their
+    largest and smallest nonzero finite magnitudes bound them): a CPU without a C compiler."""
+    values = values.float()
+    magnitude = values.view(torch.int32) & 0x7FFFFFFF
+    finite = magnitude < 0x7F800000
+    counts = torch.stack(((~finite).sum(), (magnitude > 0x7F800000).sum()))
+    sums = torch.zeros(DIGITS, dtype=torch.int64, device=values.device)
+    highest = int(torch.where(finite, magnitude, 0).max()) >> 23
+    if highest == 0 and not bool((finite & (magnitude > 0)).any()):
+        return torch.cat((sums, counts))
+    lowest = int(torch.where(finite & (magnitude > 0), magnitude, 0x7F7FFFFF).min()) >> 23
+    first, last = (2 * max(lowest, 1) - 2) // DIGIT_BITS, (2 * max(highest, 1) + 45) // DIGIT_BITS
+    rest = torch.where(finite, values.double().square() * 2.0 ** (SCALE_EXPONENT - DIGIT_BITS * first), 0.0)
+    for digit in range(first, last + 1):
+        upper = torch.floor(rest * 2.0**-DIGIT_BITS)
+        sums[digit] = (rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum()
+        rest = upper
+    return torch.cat((sums, counts))
 
 
 @functools.cache
@@ -163,22 +184,29 @@ def _carry(sums: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _cpu_kernel() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     """The C kernel's functions by input dtype, compiled at first use into the user's cache (keyed
-    by its source, the compiler, its flags and the CPU's features); ``None``, with a warning, where
-    it cannot be compiled (the torch path then computes the same sums, slower)."""
+    by its source, the compiler, its flags and the CPU's features; the temporary directory where the
+    cache is not writable); ``None``, with a warning, where it cannot be compiled (the eager torch
+    operations then compute the same sums, much slower)."""
     compiler = os.environ.get("CC", "cc")
     source = KERNEL_SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(COMPILER_FLAGS).encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_lowprec"
-    library = cache / f"square_sum-{key}.so"
-    if not library.exists():
+    caches = (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_lowprec",
+              Path(tempfile.gettempdir()) / f"megatron_lowprec-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    libraries = [cache / f"square_sum-{key}.so" for cache in caches]
+    library = next((library for library in libraries if library.exists()), None)
+    errors = []
+    for candidate in libraries if library is None else ():
         try:
-            _compile(compiler, library)
+            _compile(compiler, candidate)
+            library = candidate
+            break
         except (OSError, subprocess.CalledProcessError) as error:
-            detail = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else error
-            warnings.warn(f"the exact gradient norm's C kernel did not compile with CC={compiler!r} ({detail}); "
-                          "it falls back to torch operations (the same bits, about 100x slower)", stacklevel=3)
-            return None
+            errors.append(error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error))
+    if library is None:
+        warnings.warn(f"the exact gradient norm's C kernel did not compile with CC={compiler!r} ({errors[-1]}); "
+                      "torch operations compute the same bits instead, much slower", stacklevel=3)
+        return None
     functions = ctypes.CDLL(str(library))
     kernels = {}
     for dtype, name in ((torch.float32, "square_sum_float32"), (torch.bfloat16, "square_sum_bfloat16")):

@@ -57,15 +57,18 @@ def special_values(generator: torch.Generator, numel: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("make", [mixed_values, special_values])
 def test_the_c_kernel_and_the_torch_operations_give_the_same_sums(monkeypatch, dtype, make):
-    """The CPU kernel against the torch path (the one CUDA runs), over blocks, threads and splits."""
+    """The CPU kernel against the torch operations over every digit (what CUDA compiles) and over the
+    digits each chunk reaches (a CPU without a compiler), over blocks, threads and splits."""
     assert square_sum._cpu_kernel() is not None
     generator = torch.Generator().manual_seed(5)
     values = make(generator, 5000).to(dtype)
     monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 1000)
     kernel = square_sum_bins([values[:1500], values[1500:]], torch.device("cpu"))
+    full_range = square_sum._carry(square_sum._torch_digit_sums(values.flip(0)))
     monkeypatch.setattr(square_sum, "_cpu_kernel", lambda: None)
-    torch_path = square_sum_bins([values.flip(0)], torch.device("cpu"))
-    assert torch.equal(kernel, torch_path)
+    monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 1024)
+    eager = square_sum_bins([values.flip(0)], torch.device("cpu"))
+    assert torch.equal(kernel, full_range) and torch.equal(kernel, eager)
     norm = norm_from_bins(kernel)
     if values.isnan().any():
         assert math.isnan(norm)
