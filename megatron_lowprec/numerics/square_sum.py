@@ -87,7 +87,10 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
             continue
-        digit_sums, chunk = (_compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS) if flat.is_cuda else (_eager_digit_sums, TORCH_CHUNK_ELEMENTS)
+        if flat.is_cuda:
+            digit_sums, chunk = _compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS
+        else:
+            digit_sums, chunk = _eager_digit_sums, TORCH_CHUNK_ELEMENTS
         for start in range(0, flat.numel(), chunk):
             sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
     return _carry(sums + thread_sums.sum(dim=0).to(device))
@@ -118,10 +121,11 @@ def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
     finite = magnitude < 0x7F800000
     counts = torch.stack(((~finite).sum(), (magnitude > 0x7F800000).sum()))
     sums = torch.zeros(DIGITS, dtype=torch.int64, device=values.device)
-    highest = int(torch.where(finite, magnitude, 0).max()) >> 23
-    if highest == 0 and not bool((finite & (magnitude > 0)).any()):
+    nonzero = finite & (magnitude > 0)
+    if not bool(nonzero.any()):
         return torch.cat((sums, counts))
-    lowest = int(torch.where(finite & (magnitude > 0), magnitude, 0x7F7FFFFF).min()) >> 23
+    highest = int(torch.where(finite, magnitude, 0).max()) >> 23
+    lowest = int(torch.where(nonzero, magnitude, 0x7F7FFFFF).min()) >> 23
     first, last = (2 * max(lowest, 1) - 2) // DIGIT_BITS, (2 * max(highest, 1) + 45) // DIGIT_BITS
     rest = torch.where(finite, values.double().square() * 2.0 ** (SCALE_EXPONENT - DIGIT_BITS * first), 0.0)
     for digit in range(first, last + 1):
