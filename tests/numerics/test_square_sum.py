@@ -40,6 +40,7 @@ def test_any_split_order_and_chunking_gives_the_same_bits(device, monkeypatch):
     ranks = [square_sum_bins(pieces[:2], device), square_sum_bins(pieces[2:], device)]
     assert torch.equal(square_sum._carry(ranks[0] + ranks[1]), whole)
     monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(square_sum, "COMPILED_CHUNK_ELEMENTS", 64)
     monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 100)
     assert torch.equal(square_sum_bins([values], device), whole)
     assert norm_from_bins(whole.cpu()) == exact_norm(values.cpu())
