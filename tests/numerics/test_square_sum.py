@@ -1,5 +1,6 @@
 """Exact sums of squares against Python's exact rationals, and their independence of the split."""
 
+import importlib.util
 import math
 from fractions import Fraction
 
@@ -90,6 +91,17 @@ def test_without_a_compiler_the_torch_operations_take_over(monkeypatch, tmp_path
         assert norm_from_bins(square_sum_bins([values], torch.device("cpu"))) == exact_norm(values)
     finally:
         square_sum._cpu_kernel.cache_clear()
+
+
+def test_without_triton_cuda_runs_the_digit_sums_eagerly(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "triton" else find_spec(name, *args))
+    square_sum._compiled_digit_sums.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Triton is not installed"):
+            assert square_sum._compiled_digit_sums() is square_sum._torch_digit_sums
+    finally:
+        square_sum._compiled_digit_sums.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
