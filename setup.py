@@ -27,7 +27,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lowprec", "megatron_lowprec.*"]),
-    package_data={"megatron_lowprec.data": ["*.txt.xz"]},
+    package_data={"megatron_lowprec.data": ["*.txt.xz"], "megatron_lowprec.numerics": ["*.c"]},
     entry_points={
         "console_scripts": [
             "lowprec-prepare-data=megatron_lowprec.data.prepare:main",

@@ -1,5 +1,5 @@
-"""Gradient norm benchmark: the exact norm (``numerics/square_sum.py``: integer bins of Σ x², what
-clipping computes every step) against torch's FP32 ``torch.linalg.vector_norm`` on the same tensor.
+"""Gradient norm benchmark: the exact norm (``numerics/square_sum.py``: Σ x² as integer digit sums,
+what clipping computes every step) against torch's FP32 ``torch.linalg.vector_norm`` on the same tensor.
 
 For each element count and gradient dtype, both run in the same process on the same random tensor,
 their calls alternating (so that both see the same machine load); each time is the median of

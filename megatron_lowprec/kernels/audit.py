@@ -34,7 +34,10 @@ import re
 import sys
 from collections.abc import Iterable
 
-from megatron_lowprec.kernels.codegen import ARCHES, KINDS, StepCode, generate_for
+import torch
+
+from megatron_lowprec.kernels.codegen import ARCHES, KINDS, StepCode, generate_for, generate_function
+from megatron_lowprec.numerics import square_sum
 from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
@@ -336,6 +339,23 @@ def failures(audits: list[StepAudit]) -> list[Check]:
     return [check for audit in audits for check in audit.checks if not check.passed]
 
 
+NORM_ELEMENTS = 1 << 20
+"""Gradient elements of the generated exact norm: enough for Inductor to split its reduction in two."""
+
+TRITON_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def gradient_norm_reads(dtype: torch.dtype, arch: int = 90) -> list[float]:
+    """Bytes per gradient element that each kernel of the exact gradient norm on CUDA (the compiled
+    digit sums of ``numerics/square_sum.py``) reads, for the kernels that take the gradient: one
+    kernel reading each value once is ``[dtype's size]``. The kernels after it read only its
+    per-block partial sums. (Their ``fma`` is exact here: it subtracts an exact product.)"""
+    with torch._inductor.config.patch(square_sum.COMPILE_OPTIONS):
+        kernels = generate_function(square_sum._torch_digit_sums, ((NORM_ELEMENTS,),), dtype, arch)
+    gradient = f"'in_ptr0': '{TRITON_POINTER_TYPES[dtype]}'"
+    return [access_bytes(kernel.ptx)[0] / kernel.elements_per_thread for kernel in kernels if gradient in kernel.source]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
@@ -353,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [pair for pair in pairs if pair[0] in names]
     audits = run_audit(pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers)
     print(table(audits))
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"exact gradient norm, {dtype}: bytes read per gradient element by each kernel that reads it: "
+              f"{gradient_norm_reads(dtype)}")
     failed = failures(audits)
     for check in failed:
         print(f"FAIL {check.option} ({check.master_storage}, {check.kind}, sm_{check.arch}) {check.rule}: {check.detail}")

@@ -1,75 +1,260 @@
 """Exact sums of squares, for a gradient norm that does not depend on how the elements are split.
 
-A float32 value is ``s · 2^(e - 150)`` with an integer significand ``s < 2^24`` and ``e`` its biased
-exponent (1 for subnormals), so its square is the integer ``s² < 2^48`` times ``2^(2e - 300)``.
-:func:`square_sum_bins` adds these integers per exponent, each split into two 24-bit limbs so that
-int64 never overflows; :func:`norm_from_bins` turns the binned total into ``sqrt(Σ x²)``. Integer
-sums are exact, so the bins, and the norm, are the same bits whatever the order of the elements,
-their grouping into tensors, or the ranks and shards holding them (the bins of several ranks add up
-with one integer all-reduce). 16-bit values are converted to float32 exactly first.
+A finite float32 value is ``s · 2^(e - 150)`` with an integer significand ``s < 2^24`` and ``e`` its
+biased exponent (1 for subnormals), so ``u = x² · 2^298 = s² · 2^(2e - 2)`` is an integer below
+``2^556``, exact in float64. :func:`square_sum_bins` adds the 40-bit digits of ``u`` over all the
+elements into int64 sums, one per digit: digit ``d`` of one value is
+``floor(u / 2^(40d)) - 2^40 · floor(u / 2^(40(d + 1)))``, exact in float64. Integer sums are exact,
+so the digit sums (carried into canonical digits), and the norm,
+are the same bits whatever the order of the elements, their grouping into tensors, or the ranks and
+shards holding them (the sums of several ranks add up with one integer all-reduce).
+:func:`norm_from_bins` turns them into ``sqrt(Σ x²)``: the exact sum rounded once to float64, then
+its square root. 16-bit values are converted to float32 exactly first.
+
+On the CPU the digits are computed by a small C kernel (``square_sum.c``), compiled with the system's
+C compiler at first use and cached, in one pass over each gradient that visits only the digits its
+block of values can reach; on CUDA by torch operations compiled by Inductor into one kernel that
+reads each value once; on a CPU without a compiler by the same torch operations, eagerly. All
+compute the same integers, so all give the same bits.
 """
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
+import ctypes
+import functools
+import hashlib
+import importlib.util
 import math
-from collections.abc import Iterator
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-EXPONENTS = 256
-"""Biased float32 exponents; 255 holds inf and NaN."""
+DIGITS = 15
+"""40-bit digits: ``x² · 2^298`` is below 2^556 for finite float32 ``x``, and the last digit takes
+what a sum carries beyond."""
 
-LIMB_BITS = 24
-CHUNK_ELEMENTS = 1 << 24
-"""Elements per pass: bounds the int64 temporaries, and keeps each pass's per-exponent limb sums
-below 2^48, which float64 (the weights of ``torch.bincount``) holds exactly."""
+DIGIT_BITS = 40
+SCALE_EXPONENT = 298
+"""``x² · 2^298`` is an integer for every float32 ``x``."""
+
+NON_FINITE = DIGITS
+"""Index of the count of infinite and NaN values in the sums."""
+
+NAN = DIGITS + 1
+"""Index of the count of NaNs in the sums."""
+
+TORCH_CHUNK_ELEMENTS = 1 << 18
+"""Elements per call of the eager torch operations (a CPU without a compiler): bounds their float64
+temporaries."""
+
+COMPILED_CHUNK_ELEMENTS = 1 << 22
+"""Elements per call of the compiled torch operations (CUDA): keeps each call's int64 digit sums
+below 2^62."""
+
+COMPILE_OPTIONS = {"realize_opcount_threshold": 1 << 16}
+"""Inductor otherwise stores the digits' chain of floors to memory after about 30 operations and
+reads it back in a second kernel; with this, every digit is computed from the one load of a value."""
+
+PARALLEL_ELEMENTS = 1 << 18
+"""A CPU tensor at least this long is split over ``torch.get_num_threads()`` threads."""
+
+KERNEL_SOURCE = Path(__file__).with_name("square_sum.c")
+COMPILER_FLAGS = (
+    "-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+    *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()),
+)
+"""``-fno-trapping-math`` lets the compiler vectorize ``floor``. Every floating-point operation of the
+kernel is exact (its products included, so contracting one into an FMA changes nothing), and its sums
+are integer sums: no flag or vectorization changes its results."""
 
 
 def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ x² over ``tensors`` as int64 bins of shape (2, 256): row 0 the high and row 1 the low 24
-    bits of the squared significands per biased exponent. Exponent 255 counts the non-finite values
-    in row 0 and the NaNs among them in row 1."""
-    bins = torch.zeros(2, EXPONENTS, dtype=torch.int64, device=device)
+    """Σ x² over ``tensors`` as an int64 tensor of ``DIGITS + 2`` sums on ``device``: entry ``d <
+    DIGITS`` the sum of the 40-bit digits ``d`` of every ``x² · 2^298``, carried so that every entry
+    but the last digit is below 2^40 (one value has one such form), then the count of non-finite
+    values and of NaNs among them."""
+    sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
+    thread_sums = torch.zeros(torch.get_num_threads(), DIGITS + 2, dtype=torch.int64)
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
-        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-            bits = flat[start : start + CHUNK_ELEMENTS].float().view(torch.int32)
-            exponent = (bits >> 23) & 0xFF
-            mantissa = bits & 0x7FFFFF
-            significand = torch.where(exponent > 0, mantissa | 0x800000, mantissa).to(torch.int64)
-            square = significand * significand
-            non_finite = exponent == 0xFF
-            high = torch.where(non_finite, 1, square >> LIMB_BITS)
-            low = torch.where(non_finite, (mantissa != 0).to(torch.int64), square & ((1 << LIMB_BITS) - 1))
-            index = exponent.clamp(min=1).to(torch.int64)
-            with _exact_sums_allowed():
-                for row, limb in enumerate((high, low)):
-                    bins[row] += torch.bincount(index, weights=limb.double(), minlength=EXPONENTS).to(torch.int64)
-    return bins
+        if flat.device.type == "cpu" and _cpu_kernel() is not None:
+            _add_cpu_digit_sums(flat, thread_sums)
+            continue
+        if flat.is_cuda:
+            digit_sums, chunk = _compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS
+        else:
+            digit_sums, chunk = _eager_digit_sums, TORCH_CHUNK_ELEMENTS
+        for start in range(0, flat.numel(), chunk):
+            sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
+    return _carry(sums + thread_sums.sum(dim=0).to(device))
 
 
-@contextlib.contextmanager
-def _exact_sums_allowed() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True)`` refuses CUDA's ``bincount`` with weights, whose
-    float atomics add in any order; here every partial sum is an integer below 2^53, exact in any
-    order, so the check is lifted for these calls and restored after them."""
-    if not torch.are_deterministic_algorithms_enabled():
-        yield
-        return
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
+def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
+    """The digit sums and counts of at most ``COMPILED_CHUNK_ELEMENTS`` values (converted to float32),
+    in torch operations: one sum per digit, which Inductor fuses into one pass over ``values``."""
+    values = values.float()
+    bits = values.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    finite = magnitude < 0x7F800000
+    rest = torch.where(finite, values.double().square() * 2.0**SCALE_EXPONENT, 0.0)
+    sums = []
+    for _ in range(DIGITS):
+        upper = torch.floor(rest * 2.0**-DIGIT_BITS)
+        sums.append((rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum())
+        rest = upper
+    sums += [(~finite).sum(), (magnitude > 0x7F800000).sum()]
+    return torch.stack(sums)
+
+
+def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
+    """:func:`_torch_digit_sums` run eagerly over the digits that ``values`` reach alone (their
+    largest and smallest nonzero finite magnitudes bound them): a CPU without a C compiler."""
+    values = values.float()
+    magnitude = values.view(torch.int32) & 0x7FFFFFFF
+    finite = magnitude < 0x7F800000
+    counts = torch.stack(((~finite).sum(), (magnitude > 0x7F800000).sum()))
+    sums = torch.zeros(DIGITS, dtype=torch.int64, device=values.device)
+    nonzero = finite & (magnitude > 0)
+    if not bool(nonzero.any()):
+        return torch.cat((sums, counts))
+    highest = int(torch.where(finite, magnitude, 0).max()) >> 23
+    lowest = int(torch.where(nonzero, magnitude, 0x7F7FFFFF).min()) >> 23
+    first, last = (2 * max(lowest, 1) - 2) // DIGIT_BITS, (2 * max(highest, 1) + 45) // DIGIT_BITS
+    rest = torch.where(finite, values.double().square() * 2.0 ** (SCALE_EXPONENT - DIGIT_BITS * first), 0.0)
+    for digit in range(first, last + 1):
+        upper = torch.floor(rest * 2.0**-DIGIT_BITS)
+        sums[digit] = (rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum()
+        rest = upper
+    return torch.cat((sums, counts))
+
+
+@functools.cache
+def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`_torch_digit_sums` compiled (CUDA): one kernel reads each value once (audited in
+    ``kernels/audit.py``), for any length and one compilation per dtype; run eagerly, with a
+    warning, where Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
+                      "(the same bits, about 80 kernels per 4M values instead of one)", stacklevel=3)
+        return _torch_digit_sums
+    return torch.compile(_torch_digit_sums, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+
+
+def _add_cpu_digit_sums(flat: torch.Tensor, thread_sums: torch.Tensor) -> None:
+    """Adds the digit sums and counts of one CPU tensor to ``thread_sums`` (one row per thread) with
+    the C kernel, which leaves every digit of a row but the last below 2^40."""
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.float()
+    flat = flat.contiguous()
+    kernel = _cpu_kernel()[flat.dtype]
+    threads = len(thread_sums) if flat.numel() >= PARALLEL_ELEMENTS else 1
+    parts = flat.tensor_split(threads)
+
+    def run(index: int) -> None:
+        kernel(parts[index].data_ptr(), parts[index].numel(), thread_sums[index].data_ptr())
+
+    if threads == 1:
+        run(0)
+    else:
+        list(_thread_pool(threads).map(run, range(threads)))
+
+
+@functools.cache
+def _thread_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="square-sum")
+
+
+def _partial_carry(sums: torch.Tensor) -> torch.Tensor:
+    """The same value with every digit but the last below 2^40 plus the carry of one digit (so that
+    adding another pass's sums cannot overflow), in three operations on any device."""
+    digits = sums[:DIGITS]
+    carried = digits & ((1 << DIGIT_BITS) - 1)
+    carried[1:] += digits[:-1] >> DIGIT_BITS
+    carried[-1] += (digits[-1] >> DIGIT_BITS) << DIGIT_BITS
+    return torch.cat((carried, sums[DIGITS:]))
+
+
+def _carry(sums: torch.Tensor) -> torch.Tensor:
+    """The same value with every digit but the last below 2^40 (the counts unchanged)."""
+    sums = sums.clone()
+    for digit in range(DIGITS - 1):
+        sums[digit + 1] += sums[digit] >> DIGIT_BITS
+        sums[digit] &= (1 << DIGIT_BITS) - 1
+    return sums
+
+
+@functools.cache
+def _cpu_kernel() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+    """The C kernel's functions by input dtype, compiled at first use into the user's cache (keyed
+    by its source, the compiler, its flags and the CPU's features; the temporary directory where the
+    cache is not writable); ``None``, with a warning, where it cannot be compiled (the eager torch
+    operations then compute the same sums, much slower)."""
+    compiler = os.environ.get("CC", "cc")
+    source = KERNEL_SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(COMPILER_FLAGS).encode(),
+                                     _cpu_features().encode()])).hexdigest()[:24]
+    caches = (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_lowprec",
+              Path(tempfile.gettempdir()) / f"megatron_lowprec-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    libraries = [cache / f"square_sum-{key}.so" for cache in caches]
+    library = next((library for library in libraries if library.exists()), None)
+    errors = []
+    for candidate in libraries if library is None else ():
+        try:
+            _compile(compiler, candidate)
+            library = candidate
+            break
+        except (OSError, subprocess.CalledProcessError) as error:
+            errors.append(error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error))
+    if library is None:
+        warnings.warn(f"the exact gradient norm's C kernel did not compile with CC={compiler!r} ({errors[-1]}); "
+                      "torch operations compute the same bits instead, much slower", stacklevel=3)
+        return None
+    functions = ctypes.CDLL(str(library))
+    kernels = {}
+    for dtype, name in ((torch.float32, "square_sum_float32"), (torch.bfloat16, "square_sum_bfloat16")):
+        function = getattr(functions, name)
+        function.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+        function.restype = None
+        kernels[dtype] = function
+    return kernels
+
+
+def _compile(compiler: str, library: Path) -> None:
+    """Compiles the kernel into ``library``, atomically (concurrent processes may race)."""
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as directory:
+        built = Path(directory) / library.name
+        subprocess.run([compiler, *COMPILER_FLAGS, "-o", str(built), str(KERNEL_SOURCE), "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.replace(built, library)
+
+
+def _cpu_features() -> str:
+    """What ``-march=native`` depends on: the CPU's flags on Linux, its name elsewhere."""
     try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def norm_from_bins(bins: torch.Tensor) -> float:
     """``sqrt(Σ x²)`` of :func:`square_sum_bins` (summed over ranks where needed): the exact sum
     rounded once to float64, then its square root. ``inf`` if a value was infinite, NaN if one was NaN."""
-    high, low = bins.tolist()
-    if high[EXPONENTS - 1]:
-        return math.nan if low[EXPONENTS - 1] else math.inf
-    total = sum(((high[e] << LIMB_BITS) + low[e]) << (2 * (e - 1)) for e in range(1, EXPONENTS - 1))
-    return math.ldexp(math.sqrt(float(total)), -149)
+    sums = bins.tolist()
+    if sums[NON_FINITE]:
+        return math.nan if sums[NAN] else math.inf
+    total = sum(digit << (DIGIT_BITS * index) for index, digit in enumerate(sums[:DIGITS]))
+    return math.ldexp(math.sqrt(float(total)), -SCALE_EXPONENT // 2)

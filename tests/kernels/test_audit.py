@@ -191,3 +191,10 @@ def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
         read, written = audit.layout_bytes(audit.strategy_for(option, storage))
         assert layout == f"{read:g} + {written:g} = {read + written:g}"
         assert roofline == f"{audit.roofline_ms(read + written):.1f} ms"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
+    """On CUDA the norm's digit sums compile to one kernel that loads each value once (BF16: 2 bytes,
+    the conversion to FP32 fused); the rest of its kernels read only that kernel's partial sums."""
+    assert audit.gradient_norm_reads(dtype) == [dtype.itemsize]

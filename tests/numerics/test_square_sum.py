@@ -1,5 +1,6 @@
 """Exact sums of squares against Python's exact rationals, and their independence of the split."""
 
+import importlib.util
 import math
 from fractions import Fraction
 
@@ -38,10 +39,69 @@ def test_any_split_order_and_chunking_gives_the_same_bits(device, monkeypatch):
     whole = square_sum_bins([values], device)
     pieces = list(values[torch.randperm(3001, generator=generator).to(device)].split([1000, 7, 1994]))
     ranks = [square_sum_bins(pieces[:2], device), square_sum_bins(pieces[2:], device)]
-    assert torch.equal(ranks[0] + ranks[1], whole)
-    monkeypatch.setattr(square_sum, "CHUNK_ELEMENTS", 64)
+    assert torch.equal(square_sum._carry(ranks[0] + ranks[1]), whole)
+    monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(square_sum, "COMPILED_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 100)
     assert torch.equal(square_sum_bins([values], device), whole)
     assert norm_from_bins(whole.cpu()) == exact_norm(values.cpu())
+
+
+def special_values(generator: torch.Generator, numel: int) -> torch.Tensor:
+    """mixed_values with infinities and NaNs in a few of its 1024-element blocks."""
+    values = mixed_values(generator, numel)
+    values[5] = math.inf
+    values[2100] = -math.inf
+    values[2101] = math.nan
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [mixed_values, special_values])
+def test_the_c_kernel_and_the_torch_operations_give_the_same_sums(monkeypatch, dtype, make):
+    """The CPU kernel against the torch operations over every digit (what CUDA compiles) and over the
+    digits each chunk reaches (a CPU without a compiler), over blocks, threads and splits."""
+    assert square_sum._cpu_kernel() is not None
+    generator = torch.Generator().manual_seed(5)
+    values = make(generator, 5000).to(dtype)
+    monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 1000)
+    kernel = square_sum_bins([values[:1500], values[1500:]], torch.device("cpu"))
+    full_range = square_sum._carry(square_sum._torch_digit_sums(values.flip(0)))
+    monkeypatch.setattr(square_sum, "_cpu_kernel", lambda: None)
+    monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 1024)
+    eager = square_sum_bins([values.flip(0)], torch.device("cpu"))
+    assert torch.equal(kernel, full_range) and torch.equal(kernel, eager)
+    norm = norm_from_bins(kernel)
+    if values.isnan().any():
+        assert math.isnan(norm)
+    else:
+        assert norm == (math.inf if values.isinf().any() else exact_norm(values.float()))
+    finite = values[values.isfinite()]
+    assert norm_from_bins(square_sum_bins([finite], torch.device("cpu"))) == exact_norm(finite.float())
+
+
+def test_without_a_compiler_the_torch_operations_take_over(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    square_sum._cpu_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="CC='no-such-compiler'"):
+            assert square_sum._cpu_kernel() is None
+        values = torch.randn(300, generator=torch.Generator().manual_seed(6))
+        assert norm_from_bins(square_sum_bins([values], torch.device("cpu"))) == exact_norm(values)
+    finally:
+        square_sum._cpu_kernel.cache_clear()
+
+
+def test_without_triton_cuda_runs_the_digit_sums_eagerly(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "triton" else find_spec(name, *args))
+    square_sum._compiled_digit_sums.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Triton is not installed"):
+            assert square_sum._compiled_digit_sums() is square_sum._torch_digit_sums
+    finally:
+        square_sum._compiled_digit_sums.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,0 +1,164 @@
+/* Exact sums of squares of float32 and bfloat16 values on the CPU, in one pass over the data
+ * (square_sum.py compiles this file at first use, and computes the same sums with torch operations
+ * on other devices).
+ *
+ * A finite float32 x is s * 2^(e - 150) (s < 2^24, e its biased exponent, 1 for subnormals), so
+ * u = x^2 * 2^298 = s^2 * 2^(2e - 2) is an integer below 2^556, exact in float64, whose bits lie in
+ * [2e - 2, 2e + 46). The result is the sums of the G-bit digits of u (G = DIGIT_BITS) over all the
+ * values, digit d weighing 2^(G d), carried so that every sum but the last is below 2^G: one form
+ * for one value, whatever the order of the values.
+ *
+ * A block of BLOCK values finds the bits its values can occupy, [base, base + span), from its
+ * largest and smallest nonzero magnitudes, and splits each t = u / 2^base (an integer below
+ * 2^span) into G-bit local digits, exactly in float64. Most blocks of gradients span at most 2G
+ * bits: their y = t / 2^G is split in one loop into its nearest integer (the bits of y + 2^52) and
+ * the rest, in [-1/2, 1/2] with G fractional bits (the bits of the rest + 1.5 * 2^12). Wider blocks
+ * take floor(t / 2^G) digit by digit. Every per-value quantity is summed as the integer its bits
+ * hold, so the sums are exact in any order (and vectorize); each block's local digit sums, below
+ * 2^(G + 10), are then shifted to their place among the global digits in integers. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DIGITS 15
+#define DIGIT_BITS 40
+#define DIGIT_SCALE 0x1p40 /* 2^DIGIT_BITS */
+#define DIGIT_MASK (((int64_t)1 << DIGIT_BITS) - 1)
+#define SCALE_EXPONENT 298
+#define BLOCK 1024
+#define CARRY_BLOCKS 1024
+#define PREFETCH_BLOCKS 2
+#define EXPONENT_BITS 0x7f800000u
+#define INTEGER_OFFSET 0x1p52     /* v + 2^52 holds an integer 0 <= v < 2^52 in its low bits */
+#define FRACTION_OFFSET 0x1.8p12 /* r + 1.5 * 2^12 holds r in [-1/2, 1/2] in units of 2^-40 */
+
+static void carry(int64_t *sums) {
+    for (int digit = 0; digit < DIGITS - 1; digit++) {
+        sums[digit + 1] += sums[digit] >> DIGIT_BITS;
+        sums[digit] &= DIGIT_MASK;
+    }
+}
+
+/* Adds total * 2^position (0 <= total < 2^(DIGIT_BITS + 10)) to the global digit sums. */
+static void add_at(int64_t total, int position, int64_t *sums) {
+    int digit = position / DIGIT_BITS, shift = position % DIGIT_BITS;
+    int64_t rest = total >> (DIGIT_BITS - shift);
+    int64_t parts[3] = {(total & (DIGIT_MASK >> shift)) << shift, rest & DIGIT_MASK, rest >> DIGIT_BITS};
+    for (int part = 0; part < 3; part++)
+        if (parts[part]) sums[digit + part] += parts[part];
+}
+
+static inline uint64_t bits_of(double value) {
+    uint64_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
+
+/* The sum of BLOCK values from the sum of the bits of each value + offset (modulo 2^64). */
+static int64_t block_total(uint64_t bits_sum, double offset) {
+    return (int64_t)(bits_sum - (uint64_t)BLOCK * bits_of(offset));
+}
+
+/* x^2 * scale, exact (scale is a power of 2); 0 for a non-finite x where checked. */
+static inline double scaled_square(uint32_t bits, double scale, int checked) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    double x = value;
+    double square = x * x * scale;
+    if (checked) square = (bits & EXPONENT_BITS) != EXPONENT_BITS ? square : 0.0;
+    return square;
+}
+
+/* The two local digits of a block that spans at most 2 DIGIT_BITS bits, from y = u / 2^(base + G). */
+static inline void add_two_digits(const uint32_t *bits, double scale, int checked, int base, int64_t *sums) {
+    uint64_t integers = 0, fractions = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        double y = scaled_square(bits[i], scale, checked);
+        double shifted = y + INTEGER_OFFSET;
+        integers += bits_of(shifted);
+        fractions += bits_of((y - (shifted - INTEGER_OFFSET)) + FRACTION_OFFSET);
+    }
+    int64_t low = block_total(fractions, FRACTION_OFFSET), high = block_total(integers, INTEGER_OFFSET);
+    int64_t borrow = low >> DIGIT_BITS;
+    add_at(low - borrow * ((int64_t)1 << DIGIT_BITS), base, sums);
+    add_at(high + borrow, base + DIGIT_BITS, sums);
+}
+
+/* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
+ * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
+static void add_block(const uint32_t *bits, int64_t *sums) {
+    /* The largest magnitude, and the smallest nonzero one less 1 (zeros wrap above every other). */
+    uint32_t top = 0, bottom = 0xffffffffu;
+    for (int i = 0; i < BLOCK; i++) {
+        uint32_t magnitude = bits[i] & 0x7fffffffu;
+        top = magnitude > top ? magnitude : top;
+        bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
+    }
+    int non_finite = top >= EXPONENT_BITS;
+    if (non_finite) {
+        top = 0;
+        bottom = 0xffffffffu;
+        for (int i = 0; i < BLOCK; i++) {
+            uint32_t magnitude = bits[i] & 0x7fffffffu;
+            sums[DIGITS] += magnitude >= EXPONENT_BITS;
+            sums[DIGITS + 1] += magnitude > EXPONENT_BITS;
+            if (magnitude >= EXPONENT_BITS) continue;
+            top = magnitude > top ? magnitude : top;
+            bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
+        }
+    }
+    if (top == 0) return;
+    int highest = top >> 23 > 1 ? (int)(top >> 23) : 1;
+    int lowest = (bottom + 1) >> 23 > 1 ? (int)((bottom + 1) >> 23) : 1;
+    int base = 2 * lowest - 2;
+    int local_digits = (2 * (highest - lowest) + 48 + DIGIT_BITS - 1) / DIGIT_BITS;
+    double scale = ldexp(1.0, SCALE_EXPONENT - base);
+    if (local_digits <= 2) {
+        if (non_finite)
+            add_two_digits(bits, scale / DIGIT_SCALE, 1, base, sums);
+        else
+            add_two_digits(bits, scale / DIGIT_SCALE, 0, base, sums);
+        return;
+    }
+    double rests[BLOCK];
+    for (int i = 0; i < BLOCK; i++) rests[i] = scaled_square(bits[i], scale, 1);
+    for (int local = 0; local < local_digits; local++) {
+        uint64_t digits = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            double upper = floor(rests[i] / DIGIT_SCALE);
+            digits += bits_of(rests[i] - upper * DIGIT_SCALE + INTEGER_OFFSET);
+            rests[i] = upper;
+        }
+        add_at(block_total(digits, INTEGER_OFFSET), base + DIGIT_BITS * local, sums);
+    }
+}
+
+/* Adds the digit sums and counts of count values to sums: float32 bit patterns (width 4) or
+ * bfloat16 ones (width 2, widened by shifting them up 16 bits). */
+static void add_values(const void *values, int width, int64_t count, int64_t *sums) {
+    uint32_t block[BLOCK];
+    int64_t blocks = 0;
+    for (int64_t start = 0; start < count; start += BLOCK) {
+        int64_t length = count - start < BLOCK ? count - start : BLOCK;
+        const uint32_t *bits = block;
+        if (width == 2) {
+            const uint16_t *narrow = (const uint16_t *)values + start;
+            for (int64_t i = 0; i < length; i++) block[i] = (uint32_t)narrow[i] << 16;
+        } else if (length == BLOCK) {
+            bits = (const uint32_t *)values + start;
+        } else {
+            memcpy(block, (const uint32_t *)values + start, length * sizeof *block);
+        }
+        if (length < BLOCK) memset(block + length, 0, (BLOCK - length) * sizeof *block);
+        if (start + (PREFETCH_BLOCKS + 1) * BLOCK <= count)
+            for (int byte = 0; byte < BLOCK * width; byte += 64)
+                __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + byte);
+        add_block(bits, sums);
+        if (++blocks % CARRY_BLOCKS == 0) carry(sums);
+    }
+    carry(sums);
+}
+
+void square_sum_float32(const uint32_t *bits, int64_t count, int64_t *sums) { add_values(bits, 4, count, sums); }
+
+void square_sum_bfloat16(const uint16_t *bits, int64_t count, int64_t *sums) { add_values(bits, 2, count, sums); }
