@@ -564,14 +564,13 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
         index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
         if offset < end and offset + numel > start
     ]
-    if len(entries) == 1:
-        entries = entries * 2
     if (start, end) not in bucket.stream_tables:
         bucket.stream_tables[(start, end)] = _stream_tables(bucket, entries, start, end)
     first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
     if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
         first_step, seed = step, sr_seed
-        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), [bucket.streams[i].stream for i in entries])
+        streams = _at_least_two([bucket.streams[i].stream for i in entries])
+        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
         keys = block.reshape(-1).to(device)
         bucket.stream_keys[(start, end)] = (first_step, seed, keys)
     return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
@@ -580,11 +579,12 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
 def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
     """:class:`BucketStream`'s tables of the window [start, end) of the bucket whose entries
     ``entries`` overlap it: each group's entry, and each entry's column shift (its first column less
-    its offset in the window), row length, first row's start and row stride in its stream."""
+    its offset in the window), row length, first row's start and row stride in its stream (each
+    table of at least two values: :func:`_at_least_two`)."""
     if start % SR_GROUP_SIZE or (end - start) % SR_GROUP_SIZE:
         raise ValueError(f"a stochastic-rounding call [{start}, {end}) must hold whole groups of {SR_GROUP_SIZE} elements")
     group_entries, shifts, row_lengths, row_starts, row_strides = [], [], [], [], []
-    for position, index in enumerate(dict.fromkeys(entries)):
+    for position, index in enumerate(entries):
         layout = bucket.streams[index]
         skipped = max(start - bucket.offsets[index], 0)
         first_row, column = divmod(bucket.element_starts[index] + skipped, layout.row_length)
@@ -601,15 +601,18 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
         row_lengths.append(layout.row_length)
         row_starts.append(_signed_int64(layout.offset + first_row * layout.row_stride))
         row_strides.append(_signed_int64(layout.row_stride))
-    if len(entries) > len(shifts):
-        shifts, row_lengths, row_starts, row_strides = (values * 2 for values in (shifts, row_lengths, row_starts, row_strides))
-    if len(group_entries) == 1:
-        group_entries *= 2
     device = bucket.device
     return (
-        *(torch.tensor(values, dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
-        *(torch.tensor(values, dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
+        *(torch.tensor(_at_least_two(values), dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
+        *(torch.tensor(_at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
     )
+
+
+def _at_least_two(values: list) -> list:
+    """A table of :class:`BucketStream` (per group, or per entry: the round keys' streams too) with
+    its one value repeated when it has only one: a compiled step specialises a size of one (it
+    broadcasts) and would compile again for a window of one entry or one group."""
+    return values * 2 if len(values) == 1 else values
 
 
 def _signed_int64(value: int) -> int:
