@@ -504,9 +504,9 @@ def generate_for(
 ) -> dict[int, StepCode]:
     """The kernels of one fused step of ``option`` (its FP32 master stored as ``master_storage``) for
     a ``kind`` bucket, compiled for each compute capability of ``arches``, with the launches and
-    recompilations of the steps of :func:`step_cases`. Traced once, with the first arch's device
-    properties (Inductor writes the same Triton code for every CUDA arch of :data:`ARCHES`); a graph
-    compiled again after the first step is counted but not generated."""
+    recompilations of the steps of :func:`step_cases`. Traced once per group of :func:`trace_groups`
+    (Inductor writes the same Triton code for every arch of a group), with its first arch's device
+    properties; a graph compiled again after the first step is counted but not generated."""
     strategy = get_strategy(option)
     if master_storage != strategy.master_storage:
         strategy = strategy.with_master_storage(master_storage)
@@ -517,25 +517,39 @@ def generate_for(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     codes = {}
-    with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(arches[0], cache_dir) as capture:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            records, first_step = _run_cases(strategy, kind, capture)
-        for arch in arches:
-            kernels, errors = [], {}
-            for key, (graph, source) in capture.sources.items():
-                name = key.split(":", 1)[1]
-                try:
-                    asm, per_thread = compile_kernel(name, source, arch)
-                except CodegenSetupError:
-                    raise
-                except Exception as error:
-                    errors[key] = _last_line(error)
-                    continue
-                kernels.append(Kernel(
-                    name, graph, source, asm["ptx"], capture.kernel_launches(key, first_step), per_thread, asm
-                ))
-            codes[arch] = StepCode(strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors)
-    return codes
+    for traced in trace_groups(strategy, arches):
+        with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(traced[0], cache_dir) as capture:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                records, first_step = _run_cases(strategy, kind, capture)
+            for arch in traced:
+                kernels, errors = [], {}
+                for key, (graph, source) in capture.sources.items():
+                    name = key.split(":", 1)[1]
+                    try:
+                        asm, per_thread = compile_kernel(name, source, arch)
+                    except CodegenSetupError:
+                        raise
+                    except Exception as error:
+                        errors[key] = _last_line(error)
+                        continue
+                    kernels.append(Kernel(
+                        name, graph, source, asm["ptx"], capture.kernel_launches(key, first_step), per_thread, asm
+                    ))
+                codes[arch] = StepCode(strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors)
+    return {arch: codes[arch] for arch in arches}
+
+
+def trace_groups(strategy: PrecisionStrategy, arches: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``arches`` grouped by the step the fused path traces for them: one group, but for FP8 moments
+    the arches below :data:`~megatron_lowprec.optim.fused.FP8_CONVERSION_CAPABILITY` apart (their
+    payloads are integer codes: :func:`~megatron_lowprec.optim.fused.fp8_payloads_as_codes`)."""
+    from megatron_lowprec.optim.fused import FP8_CONVERSION_CAPABILITY
+
+    groups: dict[bool, list[int]] = {}
+    for arch in arches:
+        codes = strategy.moments == "fp8" and divmod(arch, 10) < FP8_CONVERSION_CAPABILITY
+        groups.setdefault(codes, []).append(arch)
+    return [tuple(group) for group in groups.values()]
 
 
 def generate_function(function: Callable, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, arch: int = 90) -> list[Kernel]:

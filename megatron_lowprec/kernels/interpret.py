@@ -1,8 +1,9 @@
 """The fused step's CUDA kernels run bit for bit under Triton's interpreter, on CPU tensors.
 
 :func:`compare` steps two twin buckets of small CPU tensors three times with the same gradients:
-one through the CUDA Triton kernels that Inductor generates for an H100 (``codegen.py``), run by
-Triton's interpreter (``TRITON_INTERPRET=1``), the other through the eager step (the uncompiled
+one through the CUDA Triton kernels that Inductor generates for an H100 (``codegen.py``; for FP8
+moments also for an A100, whose kernels store the FP8 payloads as integer codes:
+:func:`~megatron_lowprec.optim.fused.fp8_payloads_as_codes`), run by Triton's interpreter (``TRITON_INTERPRET=1``), the other through the eager step (the uncompiled
 :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, laid out in calls as on a CPU). Every
 parameter and state bit must agree. The interpreted twin takes the GPU's path through
 :func:`~megatron_lowprec.optim.fused.fused_bucket_step_` (one call per bucket, stochastic rounding's
@@ -65,7 +66,22 @@ the shard (the second half of their buffer) holds three FP8 groups of 128 elemen
 STEPS = 3
 SEED = 27
 ARCH = 90
-"""The device whose kernels run: an H100 (Inductor writes the same Triton code for sm_80)."""
+"""The device whose kernels run by default: an H100."""
+
+
+def compared_arches(option: str, master_storage: str, kind: str) -> tuple[int, ...]:
+    """The devices whose kernels :func:`run_comparisons` runs for a configuration: :data:`ARCH`, and
+    for a plain step with an FP32 master also one device of each other group of the audit's
+    (:func:`~megatron_lowprec.kernels.codegen.trace_groups`: FP8 payloads as integer codes below
+    sm_89). The coding is the same function in every configuration of an option, and a comparison
+    takes minutes on two cores, so one configuration per option proves it."""
+    from megatron_lowprec.kernels.audit import strategy_for
+
+    arches = (ARCH, *(arch for arch in codegen.ARCHES if arch != ARCH))
+    groups = codegen.trace_groups(strategy_for(option, master_storage), arches)
+    if (kind, master_storage) != ("plain", "fp32"):
+        groups = groups[:1]
+    return tuple(group[0] for group in groups)
 
 
 @dataclasses.dataclass
@@ -75,6 +91,7 @@ class Comparison:
     option: str
     master_storage: str
     kind: str
+    arch: int
     kernels: list[str]
     """The generated kernels that ran (names), in the order of their first launch."""
     sources: dict[str, str]
@@ -225,9 +242,10 @@ class _NoDeviceGuard:
 
 
 @contextlib.contextmanager
-def interpreted_cuda_kernels(cache_dir: str) -> Iterator[_Launches]:
-    """Compiled steps on CPU tensors run the CUDA kernels generated for :data:`ARCH`, interpreted
-    with :func:`gpu_conversions`, on the GPU's path through the fused step. Inside
+def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Launches]:
+    """Compiled steps on CPU tensors run the CUDA kernels generated for ``arch``, interpreted
+    with :func:`gpu_conversions`, on that GPU's path through the fused step (one call per bucket,
+    FP8 payloads as codes below sm_89). Inside
     :func:`~megatron_lowprec.kernels.codegen.cuda_codegen` (the device's properties, Triton's target),
     with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -240,7 +258,8 @@ def interpreted_cuda_kernels(cache_dir: str) -> Iterator[_Launches]:
 
     launches = _Launches()
     load, compile_fx = AsyncCompile.triton, compile_fx_module.compile_fx
-    with codegen.cuda_codegen(ARCH, cache_dir), contextlib.ExitStack() as stack:
+    payloads_as_codes = fused.fp8_payloads_as_codes
+    with codegen.cuda_codegen(arch, cache_dir), contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(AsyncCompile, "triton", launches.load(load)))
         stack.enter_context(mock.patch.object(compile_fx_module, "compile_fx", compile_fx))
         stack.enter_context(mock.patch.object(torch._C._dynamo.guards, "_empty_strided_cuda", _host_allocation))
@@ -248,6 +267,9 @@ def interpreted_cuda_kernels(cache_dir: str) -> Iterator[_Launches]:
         stack.enter_context(mock.patch.object(torch.cuda, "_DeviceGuard", _NoDeviceGuard))
         stack.enter_context(mock.patch.object(torch.cuda, "set_device", lambda device: None))
         stack.enter_context(mock.patch.object(fused, "BUCKET_STREAM_DEVICES", ("cuda", "cpu")))
+        stack.enter_context(mock.patch.object(
+            fused, "fp8_payloads_as_codes", lambda device: payloads_as_codes(torch.device("cuda", 0))
+        ))
         stack.enter_context(gpu_conversions())
         yield launches
 
@@ -296,8 +318,10 @@ def _first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> str | None:
     )
 
 
-def compare(option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS) -> Comparison:
-    """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels and the
+def compare(
+    option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS, arch: int = ARCH
+) -> Comparison:
+    """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
     eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit."""
     from megatron_lowprec.kernels.audit import strategy_for
     from megatron_lowprec.optim.fused import fused_bucket_step_
@@ -321,7 +345,7 @@ def compare(option: str, master_storage: str = "fp32", kind: str = "plain", step
             )
 
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
-        with interpreted_cuda_kernels(cache_dir) as launches:
+        with interpreted_cuda_kernels(cache_dir, arch) as launches:
             run(twins["interpreted"])
     with eager_steps():
         run(twins["eager"])
@@ -330,21 +354,21 @@ def compare(option: str, master_storage: str = "fp32", kind: str = "plain", step
     tensors.update({key: (value, eager.state[key]) for key, value in interpreted.state.items() if torch.is_tensor(value)})
     mismatches = {name: found for name, (got, expected) in tensors.items() if (found := _first_mismatch(got, expected))}
     return Comparison(
-        strategy.name, master_storage, kind, launches.kernels, launches.sources, launches.launches, mismatches,
+        strategy.name, master_storage, kind, arch, launches.kernels, launches.sources, launches.launches, mismatches,
         time.perf_counter() - started,
     )
 
 
-def _compare_in_worker(option: str, master_storage: str, kind: str) -> Comparison:
+def _compare_in_worker(option: str, master_storage: str, kind: str, arch: int) -> Comparison:
     """:func:`compare`, or a comparison that names the error that stopped it."""
     started = time.perf_counter()
     try:
-        return compare(option, master_storage, kind)
+        return compare(option, master_storage, kind, arch=arch)
     except Exception as error:
         frames = traceback.extract_tb(error.__traceback__)
         where = next((f"{frame.line} ({os.path.basename(frame.filename)})" for frame in reversed(frames)), "")
         return Comparison(
-            option, master_storage, kind, [], {}, 0, {}, time.perf_counter() - started,
+            option, master_storage, kind, arch, [], {}, 0, {}, time.perf_counter() - started,
             f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''} at {where}",
         )
 
@@ -353,11 +377,14 @@ def run_comparisons(
     pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1
 ) -> list[Comparison]:
     """:func:`compare` every (option, master storage) of ``pairs`` (default: the audit's
-    configurations) for each kind, in ``workers`` processes started with ``TRITON_INTERPRET=1``
-    (results in the order of ``pairs`` and ``kinds``)."""
+    configurations) for each kind and each of its :func:`compared_arches`, in ``workers`` processes
+    started with ``TRITON_INTERPRET=1`` (results in the order of ``pairs``, ``kinds`` and arches)."""
     from megatron_lowprec.kernels.audit import configurations
 
-    tasks = [(option, storage, kind) for option, storage in pairs or configurations() for kind in kinds]
+    tasks = [
+        (option, storage, kind, arch)
+        for option, storage in pairs or configurations() for kind in kinds for arch in compared_arches(option, storage, kind)
+    ]
     context = multiprocessing.get_context("spawn")
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
         max_workers=max(workers, 1), mp_context=context
@@ -371,7 +398,7 @@ def report(comparisons: list[Comparison]) -> str:
     for result in comparisons:
         verdict = "bit-identical" if result.identical else f"ERROR {result.error}" if result.error else "DIFFERS " + "; ".join(f"{k}: {v}" for k, v in result.mismatches.items())
         lines.append(
-            f"{result.option} ({result.master_storage}, {result.kind}): {verdict}; {len(result.kernels)} kernels, "
+            f"{result.option} ({result.master_storage}, {result.kind}, sm_{result.arch}): {verdict}; {len(result.kernels)} kernels, "
             f"{result.launches} launches in {STEPS} steps, {result.seconds:.1f} s"
         )
     return "\n".join(lines)

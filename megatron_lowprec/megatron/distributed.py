@@ -278,7 +278,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._build_shard(buffer, bucket, group_of) for buffer in buffers for bucket in buffer.buckets
         ]
         device = self.shards[0].bucket.param_data.device if self.shards else torch.device("cpu")
-        self.fused = resolve_fused(device, strategy, fused)
+        self.fused = resolve_fused(device, fused)
 
     @property
     def group_size(self) -> int:

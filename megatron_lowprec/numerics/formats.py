@@ -226,6 +226,67 @@ def cast(x: torch.Tensor, fmt: str | FloatFormat, *, saturate: bool = False) -> 
     return round_to_format(x, fmt, saturate=saturate).to(fmt.storage_dtype)
 
 
+_FP8_BITS = 8
+_FP8_SIGN_BIT = 0x80
+_FP8_NAN_CODE = 0x7F
+
+
+def _fp8_format(fmt: str | FloatFormat | torch.dtype) -> FloatFormat:
+    """``fmt`` resolved, if it is a format of one byte with a native torch dtype (E4M3, E5M2)."""
+    fmt = float_format(fmt)
+    if fmt.torch_dtype is None or 1 + fmt.exponent_bits + fmt.mantissa_bits != _FP8_BITS:
+        raise ValueError(f"FP8 codes exist for the formats e4m3 and e5m2; got {fmt.name!r}")
+    return fmt
+
+
+def to_fp8_codes(x: torch.Tensor, fmt: str | FloatFormat | torch.dtype) -> torch.Tensor:
+    """The uint8 codes of float32 ``x`` in the FP8 format ``fmt`` (E4M3 or E5M2), saturating:
+    ``x.clamp(-max, max).to(fmt.torch_dtype).view(torch.uint8)``, computed with integer operations
+    and exact float ones, for devices whose compiler has no FP8 conversion (Triton converts to E4M3
+    only from sm_89). Round to nearest even with gradual underflow (:func:`round_to_format`), ±inf to
+    ±max, NaN to the code 0x7F with its sign (as torch's cast).
+
+    The code of an exact FP8 value v: in the normal range its float32 exponent and top mantissa bits,
+    rebiased (the float32 exponent field less ``127 - bias``, shifted by the mantissa width); below
+    it v / min_subnormal, an integer that float32 holds exactly."""
+    fmt = _fp8_format(fmt)
+    if x.dtype != torch.float32:
+        raise TypeError(f"to_fp8_codes takes float32 values, got {x.dtype}")
+    rounded = round_to_format(x, fmt, saturate=True)
+    bits = rounded.view(torch.int32)
+    magnitude = bits & _FP32_ABS_MASK
+    dropped = _FP32_MANTISSA_BITS - fmt.mantissa_bits
+    rebias = (_FP32_BIAS - int(fmt.bias)) << fmt.mantissa_bits
+    normal = (magnitude >> dropped) - rebias
+    subnormal = (magnitude.view(torch.float32) * (1 / fmt.min_subnormal)).to(torch.int32)
+    min_normal_bits = (fmt.min_exponent + _FP32_BIAS) << _FP32_MANTISSA_BITS
+    code = torch.where(magnitude < min_normal_bits, subnormal, normal)
+    code = torch.where(magnitude > _FP32_INF_BITS, _FP8_NAN_CODE, code)
+    return (code | ((bits >> 31) & _FP8_SIGN_BIT)).to(torch.uint8)
+
+
+def from_fp8_codes(codes: torch.Tensor, fmt: str | FloatFormat | torch.dtype) -> torch.Tensor:
+    """The float32 values of the uint8 ``codes`` of the FP8 format ``fmt`` (E4M3 or E5M2): what
+    ``codes.view(fmt.torch_dtype).float()`` gives, NaN bits included, computed with integer
+    operations and one exact float product (subnormals: the mantissa times min_subnormal)."""
+    fmt = _fp8_format(fmt)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"from_fp8_codes takes uint8 codes, got {codes.dtype}")
+    code = codes.to(torch.int32)
+    mantissa = code & ((1 << fmt.mantissa_bits) - 1)
+    exponent = (code >> fmt.mantissa_bits) & ((1 << fmt.exponent_bits) - 1)
+    dropped = _FP32_MANTISSA_BITS - fmt.mantissa_bits
+    normal = ((exponent + (_FP32_BIAS - int(fmt.bias))) << _FP32_MANTISSA_BITS) | (mantissa << dropped)
+    subnormal = (mantissa.to(torch.float32) * fmt.min_subnormal).view(torch.int32)
+    magnitude = torch.where(exponent == 0, subnormal, normal)
+    top = exponent == (1 << fmt.exponent_bits) - 1
+    special = top & (mantissa == (1 << fmt.mantissa_bits) - 1) if fmt.specials == "fn" else top
+    infinite_or_nan = _FP32_INF_BITS | (mantissa << dropped)
+    quiet_nan = torch.where(mantissa != 0, infinite_or_nan | (_FP32_QUIET_NAN_BITS ^ _FP32_INF_BITS), infinite_or_nan)
+    magnitude = torch.where(special, quiet_nan, magnitude)
+    return (magnitude | ((code >> 7) * _FP32_SIGN_BIT)).view(torch.float32)
+
+
 _BF16_DROPPED_BITS = 16
 _FP16_DROPPED_BITS = 13
 _FP16_MIN_NORMAL_BITS = 0x38800000

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lowprec.numerics.elementary import div_rn, log2, power
+from megatron_lowprec.numerics.formats import from_fp8_codes, to_fp8_codes
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -45,6 +46,25 @@ def fp8_dtype_of(fp8_format: "str | torch.dtype") -> torch.dtype:
         return _FORMATS[fp8_format.lower()]
     valid = ", ".join([*_FORMATS, *(str(dtype) for dtype in _FORMATS.values())])
     raise ValueError(f"unknown FP8 format {fp8_format!r}; valid: {valid}")
+
+
+def payload_format(payload: torch.Tensor, fp8_dtype: "str | torch.dtype | None" = None) -> torch.dtype:
+    """The FP8 dtype of ``payload``: its own dtype, or, for a uint8 payload of integer codes
+    (:func:`~megatron_lowprec.numerics.formats.to_fp8_codes`: a device whose compiler has no FP8
+    conversion), ``fp8_dtype``, which must then be given."""
+    if payload.dtype == torch.uint8:
+        if fp8_dtype is None:
+            raise ValueError("a uint8 payload holds FP8 codes of a format that fp8_dtype must name (e4m3 or e5m2)")
+        return fp8_dtype_of(fp8_dtype)
+    own = fp8_dtype_of(payload.dtype)
+    if fp8_dtype is not None and fp8_dtype_of(fp8_dtype) != own:
+        raise ValueError(f"payload of dtype {payload.dtype} given with fp8_dtype={fp8_dtype!r}")
+    return own
+
+
+def _payload_values(payload: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The payload's values in float32 (a cast, or the decoding of integer codes)."""
+    return from_fp8_codes(payload, fp8_dtype) if payload.dtype == torch.uint8 else payload.float()
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -84,7 +104,9 @@ class QuantizedTensor:
     """An FP8 tensor with per-group float32 scales and, under COAT expansion, per-group exponents k.
 
     ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent`` is
-    None when expansion is off; ``group_size`` None means one group for the whole tensor.
+    None when expansion is off; ``group_size`` None means one group for the whole tensor. The
+    payload is of ``fp8_dtype``, or a uint8 view of it (the same bits, read and written as integer
+    codes: :func:`payload_format`).
     """
 
     payload: torch.Tensor
@@ -140,15 +162,17 @@ def quantize_fp8_into(
     expansion_exponent: "torch.Tensor | None" = None,
     group_size: "int | None" = None,
     check_finite: bool = True,
+    fp8_dtype: "str | torch.dtype | None" = None,
 ) -> None:
     """Quantize ``x`` into preallocated buffers (COAT section 3, per-group; section 4.2 expansion).
 
-    ``payload`` (float8, ``x.numel()`` elements) fixes the format; ``scale`` and, to enable
+    ``payload`` (``x.numel()`` elements) is float8, or uint8 codes of the format ``fp8_dtype``
+    (:func:`payload_format`; the same bits); ``scale`` and, to enable
     expansion, ``expansion_exponent`` are float32 with one element per group. Raises ValueError on
     mismatched buffers, and on non-finite input unless ``check_finite=False`` (a compiled caller
     that has already checked its inputs skips the device sync).
     """
-    fp8_dtype = fp8_dtype_of(payload.dtype)
+    fp8_dtype = payload_format(payload, fp8_dtype)
     groups_count = num_groups(x.numel(), group_size)
     if payload.numel() != x.numel():
         raise ValueError(f"payload has {payload.numel()} elements, x has {x.numel()}")
@@ -182,7 +206,10 @@ def quantize_fp8_into(
         group_exponent = torch.where(spread, div_rn(math.log2(fp8_dynamic_range(fp8_dtype)), log_group_range), 1.0)
         scaled = format_max * expand_dynamic_range(normalized, group_exponent)
         expansion_exponent.view(-1).copy_(group_exponent.view(-1))
-    quantized = scaled.clamp(-format_max, format_max).to(fp8_dtype)
+    if payload.dtype == torch.uint8:
+        quantized = to_fp8_codes(scaled, fp8_dtype)
+    else:
+        quantized = scaled.clamp(-format_max, format_max).to(fp8_dtype)
     payload.copy_(_ungrouped(quantized, payload))
     scale.view(-1).copy_(group_scale.view(-1))
 
@@ -239,7 +266,7 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     """Float32 tensor of the original shape: payload * scale, or under expansion
     max|x| * f^{-1}(payload / fp8_max) (COAT section 4.2 and Appendix A)."""
     numel = q.payload.numel()
-    groups = _grouped(q.payload.float(), _resolved_group_size(numel, q.group_size))
+    groups = _grouped(_payload_values(q.payload, q.fp8_dtype), _resolved_group_size(numel, q.group_size))
     group_scale = q.scale.view(-1, 1)
     if q.expansion_exponent is None:
         values = groups * group_scale

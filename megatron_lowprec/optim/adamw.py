@@ -311,7 +311,7 @@ class AdamW(PrecisionOptimizer):
     def _wants_fused(self, device: torch.device) -> bool:
         if self._generator_source is not None and self.strategy.param_update == "stochastic":
             return False
-        return resolve_fused(device, self.strategy, self._fused_request)
+        return resolve_fused(device, self._fused_request)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -36,6 +36,9 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
   fixed-polynomial functions (``numerics/elementary.py``), the same on every backend: FP32 ``div.rn``
   and ``sqrt.rn`` in Triton (``division_rounding``), no FP64 (constant divisors are 0-d host
   tensors); FP32 denormals are kept (``disable_ftz`` where this torch's Inductor has it).
+* FP8 payloads are cast to and from FP8 where Triton converts them (sm_89 and later) and on CPUs;
+  on older GPUs they are read and written as uint8 codes computed with integer arithmetic
+  (:func:`kernel_state`), the same bits as the casts.
 * Step-dependent scalars and the SR round keys are 0-d host tensors (passed by value, no
   host-to-device copy), and shapes are dynamic, so one compilation per strategy, dtype and kind of
   source serves every step and bucket.
@@ -128,25 +131,33 @@ RECOMPILE_LIMIT = 64
 (flat buckets; [rows, row_length] grids under SR, with one row or more) is one compilation."""
 
 
+TRITON_MIN_CAPABILITY = (7, 0)
+"""The least CUDA compute capability Inductor compiles Triton kernels for."""
+
 FP8_CONVERSION_CAPABILITY = (8, 9)
-"""The CUDA compute capability from which Triton converts to FP8 E4M3 (its ``fp8e4nv``: Ada, Hopper and
-later); below it (A100, V100, T4) the fused step of a strategy with FP8 moments does not compile."""
+"""The CUDA compute capability from which Triton converts to and from FP8 E4M3 (its ``fp8e4nv``: Ada,
+Hopper and later). Below it (A100, V100, T4) the fused step reads and writes FP8 payloads as their
+uint8 codes (:func:`fp8_payloads_as_codes`)."""
 
 
-def fused_unavailable_reason(device: torch.device, strategy: PrecisionStrategy | None = None) -> str | None:
-    """Why ``torch.compile`` cannot build the fused step of ``strategy`` on ``device`` (``None``: it can).
-    It needs a C++ compiler on CPU; Triton on GPUs, and for FP8 moments a compute capability of at
-    least :data:`FP8_CONVERSION_CAPABILITY`."""
+def _capability_text(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
+
+
+def fused_unavailable_reason(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build the fused step on ``device`` (``None``: it can), for every
+    option alike. It needs a C++ compiler on CPU; on a GPU Triton and a compute capability of at
+    least :data:`TRITON_MIN_CAPABILITY` (FP8 moments compile at every capability:
+    :func:`fp8_payloads_as_codes`)."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             return "Triton is not installed"
-        if strategy is not None and strategy.moments == "fp8":
-            capability = torch.cuda.get_device_capability(device)
-            if capability < FP8_CONVERSION_CAPABILITY:
-                return (
-                    f"option {strategy.name!r} stores FP8 moments, which Triton converts only from compute capability "
-                    f"{'.'.join(map(str, FP8_CONVERSION_CAPABILITY))}; {device} has {'.'.join(map(str, capability))}"
-                )
+        capability = torch.cuda.get_device_capability(device)
+        if capability < TRITON_MIN_CAPABILITY:
+            return (
+                f"Inductor compiles Triton kernels from compute capability {_capability_text(TRITON_MIN_CAPABILITY)}; "
+                f"{device} has {_capability_text(capability)}"
+            )
         return None
     if device.type == "cpu":
         compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
@@ -154,17 +165,33 @@ def fused_unavailable_reason(device: torch.device, strategy: PrecisionStrategy |
     return f"no fused step for device type {device.type!r}"
 
 
-def fused_available(device: torch.device, strategy: PrecisionStrategy | None = None) -> bool:
-    """Whether ``torch.compile`` can build the fused step (of ``strategy``, when given) on ``device``;
-    see :func:`fused_unavailable_reason`."""
-    return fused_unavailable_reason(device, strategy) is None
+def fp8_payloads_as_codes(device: torch.device) -> bool:
+    """Whether the fused step on ``device`` reads and writes FP8 payloads as uint8 codes, converted
+    by integer arithmetic (:func:`~megatron_lowprec.numerics.formats.to_fp8_codes`,
+    :func:`~megatron_lowprec.numerics.formats.from_fp8_codes`: the same bits as the casts): on GPUs
+    below :data:`FP8_CONVERSION_CAPABILITY`, whose Triton has no E4M3 conversion. CPUs (Inductor's C++)
+    and newer GPUs cast."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CONVERSION_CAPABILITY
 
 
-def resolve_fused(device: torch.device, strategy: PrecisionStrategy, requested: bool | None) -> bool:
+def kernel_state(bucket: Bucket, strategy: PrecisionStrategy) -> dict[str, torch.Tensor]:
+    """The bucket's state buffers as the compiled step takes them: FP8 payloads as uint8 views where
+    :func:`fp8_payloads_as_codes` (the same memory and bits), every other buffer as it is."""
+    if strategy.moments != "fp8" or not fp8_payloads_as_codes(bucket.device):
+        return bucket.state
+    return {key: value.view(torch.uint8) if key.endswith("_payload") else value for key, value in bucket.state.items()}
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether ``torch.compile`` can build the fused step on ``device``; see :func:`fused_unavailable_reason`."""
+    return fused_unavailable_reason(device) is None
+
+
+def resolve_fused(device: torch.device, requested: bool | None) -> bool:
     """Whether the optimizer's buckets on ``device`` take the fused step. ``requested=None``: where
     available, and on a GPU where it is not, the eager step with an :class:`EagerFallbackWarning`
     naming why; ``True`` where unavailable: ``ValueError`` naming why."""
-    reason = None if requested is False else fused_unavailable_reason(device, strategy)
+    reason = None if requested is False else fused_unavailable_reason(device)
     if requested and reason is not None:
         raise ValueError(f"fused=True cannot compile the step on {device}: {reason}; use fused=False or None")
     if requested is None and reason is not None and device.type == "cuda":
@@ -494,10 +521,11 @@ def _calls(
     - otherwise the whole bucket, flat.
     """
     param = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1]
+    buffers = kernel_state(bucket, strategy)
     if sr_seed is not None and bucket.device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
         for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
             end = min(start + MAX_CALL_ELEMENTS, bucket.numel)
-            state = {key: buffer[start:end] for key, buffer in bucket.state.items()}
+            state = {key: buffer[start:end] for key, buffer in buffers.items()}
             yield (
                 _window(param, start, end), _window(grad, start, end), state, _scalars_of(bucket, scalars, start, end),
                 _bucket_stream(bucket, start, end, sr_seed, step),
@@ -510,10 +538,10 @@ def _calls(
         def grid(buffer):
             return buffer.view(-1, group_size) if torch.is_tensor(buffer) else buffer
 
-        state = {key: value if key.endswith(PER_GROUP_PARTS) else grid(value) for key, value in bucket.state.items()}
+        state = {key: value if key.endswith(PER_GROUP_PARTS) else grid(value) for key, value in buffers.items()}
         yield grid(param), grid(grad), state, _scalars_of(bucket, scalars, 0, bucket.numel), None
     else:
-        yield param, grad, bucket.state, _scalars_of(bucket, scalars, 0, bucket.numel), None
+        yield param, grad, buffers, _scalars_of(bucket, scalars, 0, bucket.numel), None
 
 
 def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
@@ -541,14 +569,13 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
         index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
         if offset < end and offset + numel > start
     ]
-    if len(entries) == 1:
-        entries = entries * 2
     if (start, end) not in bucket.stream_tables:
         bucket.stream_tables[(start, end)] = _stream_tables(bucket, entries, start, end)
     first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
     if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
         first_step, seed = step, sr_seed
-        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), [bucket.streams[i].stream for i in entries])
+        streams = _at_least_two([bucket.streams[i].stream for i in entries])
+        block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
         keys = block.reshape(-1).to(device)
         bucket.stream_keys[(start, end)] = (first_step, seed, keys)
     return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
@@ -557,11 +584,12 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
 def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
     """:class:`BucketStream`'s tables of the window [start, end) of the bucket whose entries
     ``entries`` overlap it: each group's entry, and each entry's column shift (its first column less
-    its offset in the window), row length, first row's start and row stride in its stream."""
+    its offset in the window), row length, first row's start and row stride in its stream (each
+    table of at least two values: :func:`_at_least_two`)."""
     if start % SR_GROUP_SIZE or (end - start) % SR_GROUP_SIZE:
         raise ValueError(f"a stochastic-rounding call [{start}, {end}) must hold whole groups of {SR_GROUP_SIZE} elements")
     group_entries, shifts, row_lengths, row_starts, row_strides = [], [], [], [], []
-    for position, index in enumerate(dict.fromkeys(entries)):
+    for position, index in enumerate(entries):
         layout = bucket.streams[index]
         skipped = max(start - bucket.offsets[index], 0)
         first_row, column = divmod(bucket.element_starts[index] + skipped, layout.row_length)
@@ -578,15 +606,18 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
         row_lengths.append(layout.row_length)
         row_starts.append(_signed_int64(layout.offset + first_row * layout.row_stride))
         row_strides.append(_signed_int64(layout.row_stride))
-    if len(entries) > len(shifts):
-        shifts, row_lengths, row_starts, row_strides = (values * 2 for values in (shifts, row_lengths, row_starts, row_strides))
-    if len(group_entries) == 1:
-        group_entries *= 2
     device = bucket.device
     return (
-        *(torch.tensor(values, dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
-        *(torch.tensor(values, dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
+        *(torch.tensor(_at_least_two(values), dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
+        *(torch.tensor(_at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
     )
+
+
+def _at_least_two(values: list) -> list:
+    """A table of :class:`BucketStream` (per group, or per entry: the round keys' streams too) with
+    its one value repeated when it has only one: a compiled step specialises a size of one (it
+    broadcasts) and would compile again for a window of one entry or one group."""
+    return values * 2 if len(values) == 1 else values
 
 
 def _signed_int64(value: int) -> int:
@@ -608,6 +639,7 @@ def _entry_grid_calls(
     grid for a partial first or last row), with the row starts' int32 words (computed at the first
     step and kept with the bucket). FP8 payloads and scales stay flat, as in the eager state."""
     kernel_scalars = {group: values.as_kernel_scalars() for group, values in scalars.items()}
+    buffers = kernel_state(bucket, strategy)
     for index, (param, grad) in enumerate(zip(bucket.entry_params(), entry_grads)):
         layout, element_start = bucket.streams[index], bucket.element_starts[index]
         for grid_index, (first, rows, length, offset) in enumerate(layout.grids(element_start, bucket.numels[index])):
@@ -623,7 +655,7 @@ def _entry_grid_calls(
             state = {
                 key_: bucket.view(buffer, index, elements_per_value(key_, strategy))
                 if key_.endswith(FP8_PARTS) else bucket.view(buffer, index)[local].view(rows, length)
-                for key_, buffer in bucket.state.items()
+                for key_, buffer in buffers.items()
             }
             stream = CounterStream.at_step(sr_seed, step, layout.stream, *bucket.row_start_words[key])
             yield (

@@ -46,7 +46,7 @@ from megatron_lowprec.metrics.update_quality import update_quality_pieces
 from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, quantize_fp8_into
 from megatron_lowprec.numerics.rounding import (
     counter_round_keys,
     keyed_random_bits,
@@ -177,7 +177,7 @@ def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strateg
         expansion_exponent=state[f"{moment}_expansion_exponent"] if strategy.fp8_expand else None,
         group_size=strategy.fp8_group_size,
         shape=param.shape,
-        fp8_dtype=state[f"{moment}_payload"].dtype,
+        fp8_dtype=fp8_dtype_of(strategy.fp8_format),
     )
 
 
@@ -212,6 +212,7 @@ def encode_moment(
             stored.expansion_exponent,
             strategy.fp8_group_size,
             check_finite=check_finite and not torch.compiler.is_compiling(),
+            fp8_dtype=stored.fp8_dtype,
         )
     elif values is not state[moment]:
         state[moment].copy_(values)

@@ -19,7 +19,6 @@ CASES = [
     for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
 ]
 
-COAT_SM80 = "coat's FP8 E4M3 store is Triton's fp8e4nv, which needs sm_89: coat does not compile for sm_80 (A100)"
 SHARD_KERNELS = "a shard's BufferRows row lookups (searchsorted), gathers and scatters compile to kernels of their own: 4 to 9 launches"
 SHARD_RECOMPILES = (
     "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again "
@@ -28,15 +27,11 @@ SHARD_RECOMPILES = (
 COAT_KERNELS = "coat's plain step is 3 kernels"
 
 KNOWN_DEFECTS = [
-    ("compiles", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
-    ("instructions", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
-    ("fp32 only", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and (option, storage) != ("D", "fp32"), SHARD_RECOMPILES),
     ("one launch", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
     ("bytes", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
-    ("bytes", lambda option, storage, kind, arch: option == "coat" and arch == 80, COAT_SM80),
-    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "coat" and arch == 90, COAT_KERNELS),
+    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
 ]
 """(rule, the cases it fails in today, the defect) of the kernels on main (issue 27 items 1 and 4)."""
 

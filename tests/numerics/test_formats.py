@@ -14,10 +14,12 @@ from megatron_lowprec.numerics.formats import (
     FloatFormat,
     cast,
     float_format,
+    from_fp8_codes,
     join_bf16_remainder,
     round_to_16bit,
     round_to_format,
     split_bf16_remainder,
+    to_fp8_codes,
 )
 
 FLOAT6_E3M2FN = float_format("float6_e3m2fn")
@@ -178,6 +180,46 @@ def test_e4m3_saturate_matches_torch_cast_of_clamped_input(probes, device):
     x = torch.from_numpy(probes)
     expected = x.clamp(-448, 448).to(torch.float8_e4m3fn).float().numpy()
     assert_same_floats(round_to_format(x.to(device), E4M3, saturate=True), expected, probes)
+
+
+FP8_REFERENCES = [(E4M3, torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (E5M2, torch.float8_e5m2, ml_dtypes.float8_e5m2)]
+
+
+@pytest.mark.parametrize("fmt,dtype,ml_dtype", FP8_REFERENCES, ids=["e4m3", "e5m2"])
+def test_fp8_codes_are_the_saturating_casts_bytes(probes, fmt, dtype, ml_dtype, device):
+    """The integer-coded FP8 store (GPUs without FP8 conversions) gives the byte of torch's cast of the
+    value clamped to ±max, and of ml_dtypes' for finite values: every tie, subnormal and specials;
+    ±inf saturates, NaN is 0x7F with its sign."""
+    x = torch.from_numpy(probes)
+    codes = to_fp8_codes(x.to(device), fmt).cpu()
+    assert codes.dtype == torch.uint8
+    assert torch.equal(codes, x.clamp(-fmt.max_finite, fmt.max_finite).to(dtype).view(torch.uint8))
+    finite = np.isfinite(probes)
+    expected = np.clip(probes[finite], -fmt.max_finite, fmt.max_finite).astype(ml_dtype).view(np.uint8)
+    assert np.array_equal(codes.numpy()[finite], expected)
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")], device=device)
+    max_code = int(torch.tensor(fmt.max_finite).to(dtype).view(torch.uint8))
+    assert to_fp8_codes(specials, fmt).tolist() == [max_code, max_code | 0x80, 0x7F, 0xFF]
+
+
+@pytest.mark.parametrize("fmt,dtype,ml_dtype", FP8_REFERENCES, ids=["e4m3", "e5m2"])
+def test_fp8_codes_decode_as_torch_and_ml_dtypes_do(fmt, dtype, ml_dtype, device):
+    """Every one of the 256 codes decodes to torch's float32 bits (NaN payloads included) and to
+    ml_dtypes' values."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    decoded = from_fp8_codes(codes.to(device), fmt).cpu()
+    assert torch.equal(decoded.view(torch.int32), codes.view(dtype).float().view(torch.int32))
+    expected = codes.numpy().view(ml_dtype).astype(np.float32)
+    assert np.array_equal(decoded.numpy(), expected, equal_nan=True)
+
+
+def test_fp8_codes_refuse_other_formats_and_dtypes():
+    with pytest.raises(ValueError, match="e4m3 and e5m2; got 'bf16'"):
+        to_fp8_codes(torch.ones(2), BF16)
+    with pytest.raises(TypeError, match="float32 values, got torch.bfloat16"):
+        to_fp8_codes(torch.ones(2, dtype=torch.bfloat16), E4M3)
+    with pytest.raises(TypeError, match="uint8 codes, got torch.int32"):
+        from_fp8_codes(torch.ones(2, dtype=torch.int32), E4M3)
 
 
 @pytest.mark.parametrize("fmt", [BF16, E4M3, E5M2, FLOAT6_E3M2FN, FLOAT4_E2M1FN], ids=lambda f: f.name)

@@ -189,6 +189,30 @@ def test_into_buffers_in_place_matches_allocating_version(expand, device):
         assert torch.equal(exponent, q.expansion_exponent)
 
 
+@pytest.mark.parametrize("fp8_format", FORMATS)
+@pytest.mark.parametrize("expand", [False, True])
+def test_integer_coded_payload_holds_the_same_bits(fp8_format, expand, device):
+    """A uint8 payload (a GPU without FP8 conversions reads and writes the codes) gets the bytes of the
+    float8 payload, the same scales and exponents, and dequantizes to the same float32 bits."""
+    x = wide_range_sample(1000, seed=9).to(device)
+    q = quantize_fp8(x, fp8_format, group_size=128, expand=expand)
+    codes = torch.empty(1000, dtype=torch.uint8, device=device)
+    scale = torch.empty(8, device=device)
+    exponent = torch.empty(8, device=device) if expand else None
+    quantize_fp8_into(x, codes, scale, exponent, group_size=128, fp8_dtype=fp8_format)
+    assert torch.equal(codes.cpu(), bits(q.payload)) and torch.equal(scale, q.scale)
+    coded = QuantizedTensor(codes, scale, exponent, 128, x.shape, FORMATS[fp8_format])
+    assert torch.equal(dequantize_fp8(coded).view(torch.int32), dequantize_fp8(q).view(torch.int32))
+
+
+def test_integer_coded_payload_needs_its_format():
+    codes, scale = torch.empty(4, dtype=torch.uint8), torch.empty(1)
+    with pytest.raises(ValueError, match="fp8_dtype must name"):
+        quantize_fp8_into(torch.ones(4), codes, scale)
+    with pytest.raises(ValueError, match="float8_e5m2 given with fp8_dtype='e4m3'"):
+        quantize_fp8_into(torch.ones(4), torch.empty(4, dtype=torch.float8_e5m2), scale, fp8_dtype="e4m3")
+
+
 def test_expand_contract_follow_their_formulas_and_are_inverse(device):
     """On COAT's domain (|x| <= 1 after normalisation by the group maximum), against float64: f(x) and
     f^{-1}(f(x)) within the package's power bound (contracting by 1/k scales f(x)'s error by 1/k)."""

@@ -489,20 +489,59 @@ def _recording(function, calls):
     return recorded
 
 
-def test_the_fused_step_of_fp8_moments_needs_a_gpu_that_converts_to_fp8(monkeypatch):
-    """Triton converts to FP8 E4M3 from compute capability 8.9: below it (an A100's 8.0) coat's buckets
-    take the eager step with a warning naming why, fused=True is refused, and BF16 options still fuse."""
+def test_the_fused_step_answers_per_compute_capability(monkeypatch):
+    """Every option fuses from compute capability 7.0 (Inductor's Triton minimum); below it the buckets
+    take the eager step with a warning naming why, and fused=True is refused. FP8 payloads are integer
+    codes below 8.9 (Triton converts to E4M3 from there), and cast on newer GPUs and on CPUs."""
     cuda = torch.device("cuda", 0)
-    coat, option_a = get_strategy("coat"), get_strategy("A")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert fused_module.fused_unavailable_reason(cuda, option_a) is None
-    assert fused_module.resolve_fused(cuda, option_a, None)
-    reason = fused_module.fused_unavailable_reason(cuda, coat)
-    assert "'coat'" in reason and "8.9" in reason and "8.0" in reason
-    with pytest.warns(EagerFallbackWarning, match="compute capability 8.9"):
-        assert not fused_module.resolve_fused(cuda, coat, None)
-    with pytest.raises(ValueError, match=r"fused=True .* 8\.0"):
-        fused_module.resolve_fused(cuda, coat, True)
-    assert not fused_module.resolve_fused(cuda, coat, False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert fused_module.resolve_fused(cuda, coat, None)
+    for capability, codes in (((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert fused_module.fused_unavailable_reason(cuda) is None
+        assert fused_module.resolve_fused(cuda, None)
+        assert fused_module.fp8_payloads_as_codes(cuda) is codes
+    assert not fused_module.fp8_payloads_as_codes(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    reason = fused_module.fused_unavailable_reason(cuda)
+    assert "7.0" in reason and "6.1" in reason
+    with pytest.warns(EagerFallbackWarning, match="compute capability 7.0"):
+        assert not fused_module.resolve_fused(cuda, None)
+    with pytest.raises(ValueError, match=r"fused=True .* 6\.1"):
+        fused_module.resolve_fused(cuda, True)
+    assert not fused_module.resolve_fused(cuda, False)
+
+
+def test_kernel_state_views_fp8_payloads_as_codes_below_sm89(monkeypatch):
+    """Below sm_89 the compiled step gets coat's payloads as uint8 views of the same memory; its other
+    buffers, and every buffer of a BF16 option, as they are."""
+    from megatron_lowprec.optim.buckets import build_bucket
+
+    monkeypatch.setattr(fused_module, "fp8_payloads_as_codes", lambda device: True)
+    for option in ("coat", "A"):
+        bucket, _ = build_bucket(get_strategy(option), 0, [torch.nn.Parameter(torch.zeros(256, dtype=torch.bfloat16))], own_params=True)
+        state = fused_module.kernel_state(bucket, get_strategy(option))
+        for key, buffer in bucket.state.items():
+            assert state[key].data_ptr() == buffer.data_ptr()
+            assert state[key].dtype == (torch.uint8 if key.endswith("_payload") else buffer.dtype)
+
+
+@pytest.mark.parametrize("option", ["coat", SR_FP8_MOMENTS], ids=["coat", "sr-fp8-moments"])
+def test_fp8_payloads_as_codes_step_to_the_eager_bits(option, monkeypatch):
+    """The fused step's calls with integer-coded FP8 payloads (as below sm_89; the kernel run
+    uncompiled here, its compiled form is checked under Triton's interpreter in tests/kernels) leave
+    the eager reference's bits: a bucket's grid of FP8 groups, and SR's entry-by-entry calls."""
+    from megatron_lowprec.optim.kernel import bucket_kernel_
+
+    monkeypatch.setattr(fused_module, "fp8_payloads_as_codes", lambda device: True)
+    monkeypatch.setattr(fused_module, "compiled_kernel", lambda group_statistics=False: bucket_kernel_)
+    kernel_state, payloads = fused_module.kernel_state, []
+
+    def recorded(bucket, strategy):
+        state = kernel_state(bucket, strategy)
+        payloads.append(state["exp_avg_payload"].dtype)
+        return state
+
+    monkeypatch.setattr(fused_module, "kernel_state", recorded)
+    eager, fused = _twin_optimizers(option)
+    _step_twins(eager, fused, steps=5, seed=11, scale=lambda step: 10.0 ** (step - 3))
+    _assert_bit_identical(eager, fused)
+    assert payloads and set(payloads) == {torch.uint8}
