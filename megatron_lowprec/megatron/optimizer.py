@@ -8,7 +8,9 @@ model-parallel group (the distributed optimizer's, bit for bit) and counted, and
 precision option (only ``D``, ``coat`` and ``D-BF16`` keep an FP32 master, inside the optimizer
 state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). With
 ``optimizer="muon"``, :class:`megatron_lowprec.optim.Muon` updates the 2-D hidden weights and AdamW
-the others, with the same option (:class:`LowPrecisionMuonOptimizer`). A step whose
+the others, with the same option (:class:`LowPrecisionMuonOptimizer`; sharded by whole parameters
+over the data-parallel ranks under megatron's layer-wise distributed optimizer,
+:class:`LayerWiseLowPrecisionMuonOptimizer`). A step whose
 gradients hold NaN or inf on any rank is skipped on every rank and reported as ``(False, None,
 None)``, as megatron's loss scaler reports an overflow.
 
@@ -29,6 +31,8 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
@@ -226,6 +230,82 @@ class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
                 optimizer.release_grads()
 
 
+def layer_wise_owners(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
+    """The data-parallel rank that updates each of ``params`` under the layer-wise distributed
+    optimizer, as megatron-core's ``LayerWiseDistributedOptimizer`` deals them out without a
+    shard-aligned layout: sorted by size (stably), to ranks 0, 1, ..., n-1, n-1, ..., 1, 0, 0, 1, ...
+    in turn, so that each rank's share of the elements is about 1/n."""
+    turns = [*range(world_size), *reversed(range(world_size))]
+    owners = [0] * len(params)
+    for turn, index in enumerate(sorted(range(len(params)), key=lambda index: params[index].numel())):
+        owners[index] = turns[turn % len(turns)]
+    return owners
+
+
+class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
+    """The Muon chain sharded by whole parameters over the data-parallel ranks, as megatron-core's
+    ``LayerWiseDistributedOptimizer`` shards its Muon and Adam (``use_layer_wise_distributed_optimizer``
+    or ``optimizer="dist_muon"``): each parameter and all its state are on one rank
+    (:func:`layer_wise_owners`), whose chained Muon and AdamW hold only their parameters in megatron's
+    groups (empty where the rank has none of a group). DDP all-reduces every gradient to every rank;
+    each rank updates its parameters, then every rank's updated parameters are all-gathered
+    (:meth:`gather_params`). The gradient norm and the non-finite check reduce over all ranks, and the
+    norm is exact (:class:`~megatron_lowprec.megatron.distributed.ExactGradientStatistics`), and
+    stochastic rounding draws each element's words by its name and index, so that a step is the
+    unsharded chain's bit for bit. A checkpoint's state tensor is written by its owner (replica id 0
+    over data parallelism) under the unsharded chain's keys, so either chain loads the other's."""
+
+    def __init__(
+        self, chained_optimizers: list[LowPrecisionOptimizer], params_by_rank: list[list[torch.nn.Parameter]],
+        data_parallel_group: torch.distributed.ProcessGroup,
+    ) -> None:
+        super().__init__(chained_optimizers)
+        self.params_by_rank = params_by_rank
+        self.data_parallel_group = data_parallel_group
+        for optimizer in chained_optimizers:
+            optimizer.grad_stats_parallel_group = torch.distributed.group.WORLD
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Each rank's update of its parameters, then :meth:`gather_params`."""
+        success = super().step_with_ready_grads()
+        self.gather_params()
+        return success
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's parameters to every rank: per dtype, one all-gather over the data-parallel
+        group of each rank's parameters, flattened and padded to the longest."""
+        world_size = len(self.params_by_rank)
+        if world_size == 1:
+            return
+        rank = torch.distributed.get_rank(self.data_parallel_group)
+        for dtype in sorted({param.dtype for params in self.params_by_rank for param in params}, key=str):
+            by_rank = [[param for param in params if param.dtype == dtype] for params in self.params_by_rank]
+            sizes = [sum(param.numel() for param in params) for params in by_rank]
+            own = torch.zeros(max(sizes), dtype=dtype, device=torch.cuda.current_device())
+            if by_rank[rank]:
+                torch.cat([param.detach().reshape(-1) for param in by_rank[rank]], out=own[: sizes[rank]])
+            gathered = [torch.empty_like(own) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered, own, group=self.data_parallel_group)
+            for owner, (params, size, flat) in enumerate(zip(by_rank, sizes, gathered)):
+                if owner != rank:
+                    for param, value in zip(params, flat[:size].split([param.numel() for param in params])):
+                        param.detach().copy_(value.view(param.shape))
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """The unsharded chain's sharded state dict of this rank's state, each state tensor with
+        replica id 0 over data parallelism (its owner writes it), an empty state kept local."""
+        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        for value in nested_values(sharded):
+            if hasattr(value, "replica_id"):
+                value.replica_id = 0 if isinstance(value.replica_id, int) else (*value.replica_id[:-1], 0)
+        for optimizer_state in sharded.values():
+            if not optimizer_state["state"]:
+                optimizer_state["state"] = LocalNonpersistentObject(optimizer_state["state"])
+        return sharded
+
+
 def is_muon_param(param: torch.nn.Parameter) -> bool:
     """Whether Muon updates ``param``: a 2-D weight that is neither the embedding nor the output layer
     (megatron-core's rule); AdamW updates the others."""
@@ -389,7 +469,6 @@ UNSUPPORTED_SETTINGS = (
     ("use_precision_aware_optimizer", True, "Transformer Engine's precision-aware FusedAdam is another optimizer"),
     ("optimizer_cpu_offload", True, "optimizer states stay on the device"),
     ("overlap_param_gather_with_optimizer_step", True, "one optimizer covers all model chunks"),
-    ("use_layer_wise_distributed_optimizer", True, "that is the emerging optimizers' (Muon) sharding"),
     ("optimizer_cuda_graph", True, "the step is not captured in a CUDA graph"),
 )
 """(field, value, why) of megatron ``OptimizerConfig`` settings the precision options cannot honour."""
@@ -399,10 +478,16 @@ def _check_config(config: OptimizerConfig) -> None:
     """One ``ValueError`` naming the first setting of ``config`` that the precision options cannot honour."""
     if config.optimizer not in ("adam", "muon"):
         raise ValueError(
-            f"config.optimizer={config.optimizer!r}: the precision options are AdamW or Muon; set optimizer='adam' or 'muon'"
+            f"config.optimizer={config.optimizer!r}: the precision options are AdamW or Muon; set optimizer='adam' or "
+            "'muon' ('dist_muon': 'muon' with use_layer_wise_distributed_optimizer=True)"
         )
     if config.optimizer == "muon":
         _check_muon_config(config)
+    elif getattr(config, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError(
+            "config.use_layer_wise_distributed_optimizer=True shards the emerging optimizers (Muon) by layer; with "
+            "optimizer='adam' use use_distributed_optimizer=True"
+        )
     for name, value, why in UNSUPPORTED_SETTINGS:
         if getattr(config, name, not value) == value:
             raise ValueError(f"config.{name}={value!r} is not supported by the precision options: {why}")
@@ -414,7 +499,10 @@ def _check_config(config: OptimizerConfig) -> None:
 def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
     """One ``ValueError`` naming the first Muon setting of ``config`` that :class:`Muon` cannot honour."""
     if config.use_distributed_optimizer:
-        raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
+        raise ValueError(
+            "config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon); "
+            "shard Muon with use_layer_wise_distributed_optimizer=True (or optimizer='dist_muon')"
+        )
     if config.lowprec_track_update_quality:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
     if config.muon_scale_mode not in MUON_SCALE_MODES:
@@ -502,8 +590,11 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart; no
-    distributed optimizer; ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`). What cannot be honoured (another
+    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart;
+    ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`; megatron's layer-wise
+    distributed optimizer, ``use_layer_wise_distributed_optimizer`` or ``optimizer="dist_muon"``, with
+    DDP all-reducing the gradients: :class:`LayerWiseLowPrecisionMuonOptimizer`; not megatron's
+    distributed optimizer). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -525,16 +616,19 @@ def build_optimizer(
              "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
              "lowprec_master_storage": master_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
+    layer_wise = config.optimizer == "dist_muon" or getattr(config, "use_layer_wise_distributed_optimizer", False)
+    if config.optimizer == "dist_muon":
+        config = dataclasses.replace(config, optimizer="muon")
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     strategy = get_strategy(config.lowprec_option)
     if config.lowprec_master_storage is not None:
         strategy = strategy.with_master_storage(config.lowprec_master_storage)
     _check_config(config)
     _check_process_groups(pg_collection)
-    if config.use_distributed_optimizer and not config.lowprec_shared_randomness:
+    if (config.use_distributed_optimizer or layer_wise) and not config.lowprec_shared_randomness:
         raise ValueError(
-            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
-            "with the distributed optimizer each element is updated on one rank only"
+            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False and "
+            "use_layer_wise_distributed_optimizer=False: sharded, each element is updated on one rank only"
         )
     megatron_groups = compat.param_groups(model_chunks, config, config_overrides)
     for group in megatron_groups:
@@ -560,7 +654,7 @@ def build_optimizer(
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
-        return _build_muon(config, strategy, model_chunks, groups, seed_offset)
+        return _build_muon(config, strategy, model_chunks, groups, seed_offset, layer_wise)
     return LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset)
 
 
@@ -586,14 +680,30 @@ def _adamw(
 
 
 def _build_muon(
-    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]], seed_offset: int
+    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]],
+    seed_offset: int, layer_wise: bool,
 ) -> LowPrecisionMuonOptimizer:
     """Muon for each group's 2-D hidden weights (:func:`is_muon_param`), AdamW for its other
-    parameters, with the group's settings, megatron's Muon settings and the same option."""
+    parameters, with the group's settings, megatron's Muon settings and the same option; with
+    ``layer_wise``, each of them holds only this data-parallel rank's parameters
+    (:class:`LayerWiseLowPrecisionMuonOptimizer`)."""
     muon_groups = [{**group, "params": [p for p in group["params"] if is_muon_param(p)]} for group in groups]
     adam_groups = [{**group, "params": [p for p in group["params"] if not is_muon_param(p)]} for group in groups]
+    muon_groups = [group for group in muon_groups if group["params"]]
+    adam_groups = [group for group in adam_groups if group["params"]]
+    if layer_wise:
+        _check_layer_wise_gradients(model_chunks)
+        data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        every_param = [param for group in muon_groups + adam_groups for param in group["params"]]
+        owners = dict(zip(every_param, layer_wise_owners(every_param, torch.distributed.get_world_size(data_parallel))))
+        rank = torch.distributed.get_rank(data_parallel)
+        params_by_rank = [
+            [param for param in every_param if owners[param] == owner] for owner in range(torch.distributed.get_world_size(data_parallel))
+        ]
+        muon_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in muon_groups]
+        adam_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in adam_groups]
     muon = Muon(
-        [group for group in muon_groups if group["params"]],
+        muon_groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
@@ -608,5 +718,22 @@ def _build_muon(
         sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
         split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
-    adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
-    return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])
+    adamw = _adamw(config, strategy, model_chunks, adam_groups, seed_offset)
+    chained = [LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)]
+    if layer_wise:
+        return LayerWiseLowPrecisionMuonOptimizer(chained, params_by_rank, data_parallel)
+    return LowPrecisionMuonOptimizer(chained)
+
+
+def _check_layer_wise_gradients(model_chunks: list[torch.nn.Module]) -> None:
+    """The layer-wise optimizer needs every reduced gradient on every rank: ``ValueError`` if DDP
+    reduce-scatters them (``use_distributed_optimizer``, megatron's shard-aligned layer-wise layout)."""
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.use_distributed_optimizer:
+            raise ValueError(
+                "use_layer_wise_distributed_optimizer=True with a DDP built with use_distributed_optimizer=True (megatron's "
+                "shard-aligned layer-wise layout, whose Adam part is the byte-level distributed optimizer) is not supported "
+                "by the precision options; build DDP with use_distributed_optimizer=False (megatron's layer-wise path "
+                "without that layout: Megatron-LM's --no-use-layer-wise-param-layout)"
+            )

@@ -77,6 +77,9 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
 MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
 """The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
 
+MUON_CHAINS = [["sr", "unsharded", ["unsharded", "layer_wise"], ["layer_wise"]], ["C", "layer_wise", ["layer_wise", "unsharded"], ["unsharded"]]]
+"""(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train from scratch)."""
+
 
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
@@ -89,9 +92,16 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
     split, ``muon_split_qkv=True``, into megatron's query, key and value rows per group); trained
     on the same data, both TP=2 modes keep TP=1's losses within 2e-3 over 3 steps (the first
     step's, on the same weights, within 5e-4: TP=2's BF16 matmuls sum in another order; measured
-    at most 4e-4 duplicated, 1.2e-3 blockwise, which orthogonalizes each shard on its own)."""
-    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
-                     checkpoint_options=list(MUON_CHECKPOINT_STATES), tensor_parallel_option="sr"):
+    at most 4e-4 duplicated, 1.2e-3 blockwise, which orthogonalizes each shard on its own).
+
+    megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
+    ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
+    every parameter and each rank's state bit for bit (options sr and C), with each rank holding part
+    of the state and both ranks together all of it; its dist checkpoints load into either chain, and
+    the unsharded chain's into it, each resuming bit for bit."""
+    ranks = _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
+                 chains=MUON_CHAINS, tensor_parallel_option="sr")
+    for rank in ranks:
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
@@ -108,10 +118,17 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
             losses = tensor_parallel["losses"][f"tp2-{mode}"]
             assert len(losses) == len(tp1) == 6 and all(abs(a - b) < 5e-4 for a, b in zip(losses[:2], tp1[:2])), mode
             assert max(abs(a - b) for a, b in zip(losses, tp1)) < 2e-3, (mode, losses, tp1)
-        for option, states in MUON_CHECKPOINT_STATES.items():
-            resumed = rank["dist_checkpoint"][option]
-            assert set(states) <= set(resumed["keys"]), (option, resumed["keys"])
-            assert resumed["unequal"] == [], option
+        for option, saved_by, loaded_by, trained_by in MUON_CHAINS:
+            chains = rank["chains"][option]
+            assert set(MUON_CHECKPOINT_STATES[option]) <= set(chains["keys"]), (option, chains["keys"])
+            for run in [f"loaded by {chain}" for chain in loaded_by] + [f"trained by {chain}" for chain in trained_by]:
+                assert chains[run]["unequal"] == [] and chains[run]["uncompared"] == [], (option, run, chains[run])
+                assert chains[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
+    for option, *_ in MUON_CHAINS:
+        state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks]
+        unsharded = state_bytes[0]["unsharded"]
+        assert all(held["unsharded"] == unsharded and held["layer_wise"] < 0.75 * unsharded for held in state_bytes), state_bytes
+        assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
@@ -132,6 +149,10 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
     assert "config.muon_tp_mode='sharded'" in messages["muon_tp_mode"] and "'blockwise' or 'duplicated'" in messages["muon_tp_mode"]
     assert "expert-parallel" in messages["expert_parallel"]
+    if "use_layer_wise_distributed_optimizer" in fields:
+        assert "optimizer='adam' use use_distributed_optimizer=True" in messages["layer_wise_adam"]
+    scattered = messages["layer_wise_scattered_gradients"]
+    assert "DDP built with use_distributed_optimizer=True" in scattered and "--no-use-layer-wise-param-layout" in scattered
 
 
 def test_config_names_a_valid_option_and_keeps_megatrons_fields():
