@@ -305,6 +305,15 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
                 optimizer_state["state"] = LocalNonpersistentObject(optimizer_state["state"])
         return sharded
 
+    def save_state_dict_to_file(self, filename: str) -> None:
+        """This rank's state dict in a file of its own (Megatron-LM's ``--ckpt-format torch`` with the
+        layer-wise optimizer writes one per data-parallel rank)."""
+        torch.save(self.state_dict(), filename)
+
+    def load_state_dict_from_file(self, filename: str) -> None:
+        """The state dict that :meth:`save_state_dict_to_file` wrote on this rank."""
+        self.load_state_dict(torch.load(filename, weights_only=False))
+
 
 def is_muon_param(param: torch.nn.Parameter) -> bool:
     """Whether Muon updates ``param``: a 2-D weight that is neither the embedding nor the output layer

@@ -297,7 +297,9 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
     steps, a megatron dist checkpoint of the model and the chained optimizer (``sharded_state_dict``),
     one more step. Then for each chain of ``loaded_by``, a fresh model and chain, moved off by a step
     on other data, load the checkpoint and take that step; and each chain of ``trained_by`` takes all
-    the steps on the same data from the same weights. Returns the state keys, and per chain the number
+    the steps on the same data from the same weights (a layer-wise one then saves its state dict in
+    a file per rank, as Megatron-LM's torch checkpoints do, which a fresh chain loads: whether every
+    state tensor came back the same). Returns the state keys, and per chain the number
     of its tensors compared, those of the parameters and state tensors that did not come out as the
     saving chain's, bit for bit (where one is layer-wise, the state this rank holds in both), the
     tensors that neither rank compared, and the bytes of its optimizers' state tensors on this rank."""
@@ -363,7 +365,22 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
         for index in range(steps + 1):
             step(model, optimizer, index)
         compare(f"trained by {chain}", model, optimizer)
+        if chain == "layer_wise":
+            path = f"{checkpoint_dir}/layer_wise_optimizer_{data_rank}.pt"
+            optimizer.save_state_dict_to_file(path)
+            reloaded = fresh(chain)[1]
+            reloaded.load_state_dict_from_file(path)
+            trained, loaded = _state_tensors(optimizer), _state_tensors(reloaded)
+            result["reloaded from its file"] = len(trained) == len(loaded) > 0 and all(map(torch.equal, trained, loaded))
     return result
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every state tensor of the chain's optimizers, in order."""
+    return [
+        value for inner in optimizer.chained_optimizers for state in inner.optimizer.state.values()
+        for value in state.values() if torch.is_tensor(value)
+    ]
 
 
 def _named_tensors(model, optimizer) -> dict[str, torch.Tensor]:

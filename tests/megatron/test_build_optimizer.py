@@ -98,7 +98,8 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
     ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
     every parameter and each rank's state bit for bit (options sr and C), with each rank holding part
     of the state and both ranks together all of it; its dist checkpoints load into either chain, and
-    the unsharded chain's into it, each resuming bit for bit."""
+    the unsharded chain's into it, each resuming bit for bit; and its state dict in a file per rank
+    (Megatron-LM's torch checkpoints) restores every state tensor."""
     ranks = _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
                  chains=MUON_CHAINS, tensor_parallel_option="sr")
     for rank in ranks:
@@ -124,6 +125,7 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
             for run in [f"loaded by {chain}" for chain in loaded_by] + [f"trained by {chain}" for chain in trained_by]:
                 assert chains[run]["unequal"] == [] and chains[run]["uncompared"] == [], (option, run, chains[run])
                 assert chains[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
+            assert chains.get("reloaded from its file", "layer_wise" not in trained_by) is True, option
     for option, *_ in MUON_CHAINS:
         state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks]
         unsharded = state_bytes[0]["unsharded"]
