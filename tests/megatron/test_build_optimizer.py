@@ -77,8 +77,10 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
 MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
 """The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
 
-MUON_CHAINS = [["sr", "unsharded", ["unsharded", "layer_wise"], ["layer_wise"]], ["C", "layer_wise", ["layer_wise", "unsharded"], ["unsharded"]]]
-"""(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train from scratch)."""
+MUON_CHAINS = [["sr", "unsharded", ["unsharded", "layer_wise"], ["layer_wise"]], ["C", "layer_wise", ["unsharded"], []]]
+"""(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train from
+scratch): the layer-wise chain trains as the unsharded one, loads its checkpoint (sr), and saves one
+that it loads (C), each a step as the other chain takes it."""
 
 
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
@@ -96,10 +98,10 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
 
     megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
     ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
-    every parameter and each rank's state bit for bit (options sr and C), with each rank holding part
-    of the state and both ranks together all of it; its dist checkpoints load into either chain, and
-    the unsharded chain's into it, each resuming bit for bit; and its state dict in a file per rank
-    (Megatron-LM's torch checkpoints) restores every state tensor."""
+    every parameter and each rank's state bit for bit (option sr), with each rank holding part of the
+    state and both ranks together all of it (sr and C); it resumes from the unsharded chain's dist
+    checkpoint (sr) and the unsharded chain from its own (C), bit for bit; and its state dict in a
+    file per rank (Megatron-LM's torch checkpoints) restores every state tensor."""
     ranks = _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
                  chains=MUON_CHAINS, tensor_parallel_option="sr")
     for rank in ranks:
