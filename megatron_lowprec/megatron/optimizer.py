@@ -245,24 +245,38 @@ def layer_wise_owners(params: list[torch.nn.Parameter], world_size: int) -> list
 class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
     """The Muon chain sharded by whole parameters over the data-parallel ranks, as megatron-core's
     ``LayerWiseDistributedOptimizer`` shards its Muon and Adam (``use_layer_wise_distributed_optimizer``
-    or ``optimizer="dist_muon"``): each parameter and all its state are on one rank
-    (:func:`layer_wise_owners`), whose chained Muon and AdamW hold only their parameters in megatron's
-    groups (empty where the rank has none of a group). DDP all-reduces every gradient to every rank;
-    each rank updates its parameters, then every rank's updated parameters are all-gathered
-    (:meth:`gather_params`). The gradient norm and the non-finite check reduce over all ranks, and the
-    norm is exact (:class:`~megatron_lowprec.megatron.distributed.ExactGradientStatistics`), and
-    stochastic rounding draws each element's words by its name and index, so that a step is the
-    unsharded chain's bit for bit. A checkpoint's state tensor is written by its owner (replica id 0
-    over data parallelism) under the unsharded chain's keys, so either chain loads the other's."""
+    or ``optimizer="dist_muon"``): each parameter and all its state are on one rank, whose chained
+    optimizers hold only their parameters in megatron's groups (empty where the rank has none of a
+    group). Each rank updates its parameters with their reduced gradients, then every rank gets every
+    parameter. Two layouts, as in megatron:
+
+    * DDP all-reduces every gradient (``use_distributed_optimizer=False``; megatron's layer-wise path
+      without its layout): Muon's and AdamW's parameters are dealt to the ranks by
+      :func:`layer_wise_owners`, and :meth:`gather_params` all-gathers them after the step.
+    * megatron's shard-aligned layout (DDP reduce-scatters; :func:`layer_wise_layout_owners`): each
+      Muon parameter is updated by the rank whose shard holds it whole, AdamW is the distributed
+      optimizer over DDP's other buffers, and its all-gather of DDP's buffers after the step carries
+      the Muon parameters too.
+
+    The gradient norm and the non-finite check reduce over all ranks, the norm is exact
+    (:class:`~megatron_lowprec.megatron.distributed.ExactGradientStatistics`), and stochastic
+    rounding draws each element's words by its name and index, so that a step is the unsharded
+    chain's bit for bit. In a checkpoint, the state tensors of a layer-wise parameter are written by
+    its owner (replica id 0 over data parallelism) under the unsharded chain's keys, so either chain
+    loads the other's."""
 
     def __init__(
-        self, chained_optimizers: list[LowPrecisionOptimizer], params_by_rank: list[list[torch.nn.Parameter]],
-        data_parallel_group: torch.distributed.ProcessGroup,
+        self, chained_optimizers: list[Any], params_by_rank: list[list[torch.nn.Parameter]],
+        data_parallel_group: torch.distributed.ProcessGroup, sharded_by_layer: int,
     ) -> None:
+        """``params_by_rank``: the parameters of the first ``sharded_by_layer`` chained optimizers
+        (the layer-wise ones) that each data-parallel rank updates; the others are megatron's
+        distributed optimizer."""
         super().__init__(chained_optimizers)
         self.params_by_rank = params_by_rank
         self.data_parallel_group = data_parallel_group
-        for optimizer in chained_optimizers:
+        self.sharded_by_layer = sharded_by_layer
+        for optimizer in chained_optimizers[:sharded_by_layer]:
             optimizer.grad_stats_parallel_group = torch.distributed.group.WORLD
 
     @torch.no_grad()
@@ -274,10 +288,12 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Every rank's parameters to every rank: per dtype, one all-gather over the data-parallel
-        group of each rank's parameters, flattened and padded to the longest."""
+        """Where every chained optimizer is layer-wise (DDP all-reduces), every rank's parameters to
+        every rank: per dtype, one all-gather over the data-parallel group of each rank's parameters,
+        flattened and padded to the longest. (Otherwise the distributed optimizer's all-gather of
+        DDP's buffers has brought them.)"""
         world_size = len(self.params_by_rank)
-        if world_size == 1:
+        if world_size == 1 or self.sharded_by_layer < len(self.chained_optimizers):
             return
         rank = torch.distributed.get_rank(self.data_parallel_group)
         for dtype in sorted({param.dtype for params in self.params_by_rank for param in params}, key=str):
@@ -294,15 +310,16 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
                         param.detach().copy_(value.view(param.shape))
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """The unsharded chain's sharded state dict of this rank's state, each state tensor with
-        replica id 0 over data parallelism (its owner writes it), an empty state kept local."""
+        """The unsharded chain's sharded state dict of this rank's state, each state tensor of the
+        layer-wise optimizers with replica id 0 over data parallelism (its owner writes it), an empty
+        state kept local."""
         sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        for value in nested_values(sharded):
-            if hasattr(value, "replica_id"):
-                value.replica_id = 0 if isinstance(value.replica_id, int) else (*value.replica_id[:-1], 0)
-        for optimizer_state in sharded.values():
-            if not optimizer_state["state"]:
-                optimizer_state["state"] = LocalNonpersistentObject(optimizer_state["state"])
+        for index in range(self.sharded_by_layer):
+            for value in nested_values(sharded[index]):
+                if hasattr(value, "replica_id"):
+                    value.replica_id = 0 if isinstance(value.replica_id, int) else (*value.replica_id[:-1], 0)
+            if not sharded[index]["state"]:
+                sharded[index]["state"] = LocalNonpersistentObject(sharded[index]["state"])
         return sharded
 
     def save_state_dict_to_file(self, filename: str) -> None:
@@ -602,8 +619,8 @@ def build_optimizer(
     ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart;
     ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`; megatron's layer-wise
     distributed optimizer, ``use_layer_wise_distributed_optimizer`` or ``optimizer="dist_muon"``, with
-    DDP all-reducing the gradients: :class:`LayerWiseLowPrecisionMuonOptimizer`; not megatron's
-    distributed optimizer). What cannot be honoured (another
+    DDP all-reducing the gradients or in megatron's shard-aligned layout:
+    :class:`LayerWiseLowPrecisionMuonOptimizer`; not megatron's distributed optimizer). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -694,23 +711,30 @@ def _build_muon(
 ) -> LowPrecisionMuonOptimizer:
     """Muon for each group's 2-D hidden weights (:func:`is_muon_param`), AdamW for its other
     parameters, with the group's settings, megatron's Muon settings and the same option; with
-    ``layer_wise``, each of them holds only this data-parallel rank's parameters
-    (:class:`LayerWiseLowPrecisionMuonOptimizer`)."""
+    ``layer_wise``, :class:`LayerWiseLowPrecisionMuonOptimizer`: Muon holds only this data-parallel
+    rank's parameters, and AdamW too where DDP all-reduces the gradients, or is the distributed
+    optimizer over DDP's other buffers where megatron's shard-aligned layout reduce-scatters them."""
     muon_groups = [{**group, "params": [p for p in group["params"] if is_muon_param(p)]} for group in groups]
     adam_groups = [{**group, "params": [p for p in group["params"] if not is_muon_param(p)]} for group in groups]
     muon_groups = [group for group in muon_groups if group["params"]]
     adam_groups = [group for group in adam_groups if group["params"]]
+    layout_owners = layer_wise_layout_owners(model_chunks) if layer_wise else None
     if layer_wise:
-        _check_layer_wise_gradients(model_chunks)
         data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        every_param = [param for group in muon_groups + adam_groups for param in group["params"]]
-        owners = dict(zip(every_param, layer_wise_owners(every_param, torch.distributed.get_world_size(data_parallel))))
-        rank = torch.distributed.get_rank(data_parallel)
-        params_by_rank = [
-            [param for param in every_param if owners[param] == owner] for owner in range(torch.distributed.get_world_size(data_parallel))
-        ]
+        world_size, rank = torch.distributed.get_world_size(data_parallel), torch.distributed.get_rank(data_parallel)
+        sharded = muon_groups if layout_owners is not None else muon_groups + adam_groups
+        every_param = [param for group in sharded for param in group["params"]]
+        owners = layout_owners if layout_owners is not None else dict(zip(every_param, layer_wise_owners(every_param, world_size)))
+        missing = [tuple(param.shape) for param in every_param if param not in owners]
+        if missing:
+            raise ValueError(
+                f"Muon parameters of shapes {missing} are not in a buffer of megatron's layer-wise layout; tag the parameters "
+                "(tag_params_for_buffer_routing) before DDP builds its buffers, as Megatron-LM does"
+            )
+        params_by_rank = [[param for param in every_param if owners[param] == owner] for owner in range(world_size)]
         muon_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in muon_groups]
-        adam_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in adam_groups]
+        if layout_owners is None:
+            adam_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in adam_groups]
     muon = Muon(
         muon_groups,
         lr=config.lr,
@@ -727,22 +751,51 @@ def _build_muon(
         sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
         split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
-    adamw = _adamw(config, strategy, model_chunks, adam_groups, seed_offset)
-    chained = [LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)]
+    muon_optimizer = LowPrecisionOptimizer(muon, config, seed_offset)
+    if layout_owners is not None:
+        adam = build_distributed_optimizer(
+            strategy, model_chunks, config, adam_groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
+            track_update_quality=False, stream_layouts=stream_layouts(model_chunks),
+            background_compile=config.lowprec_background_compile,
+            buffers=[buffer for chunk in model_chunks for buffer in chunk.buffers if not _in_layer_wise_buffer(buffer.params[0])],
+        )
+        return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adam], params_by_rank, data_parallel, sharded_by_layer=1)
+    adamw = LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, adam_groups, seed_offset), config, seed_offset)
     if layer_wise:
-        return LayerWiseLowPrecisionMuonOptimizer(chained, params_by_rank, data_parallel)
-    return LowPrecisionMuonOptimizer(chained)
+        return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adamw], params_by_rank, data_parallel, sharded_by_layer=2)
+    return LowPrecisionMuonOptimizer([muon_optimizer, adamw])
 
 
-def _check_layer_wise_gradients(model_chunks: list[torch.nn.Module]) -> None:
-    """The layer-wise optimizer needs every reduced gradient on every rank: ``ValueError`` if DDP
-    reduce-scatters them (``use_distributed_optimizer``, megatron's shard-aligned layer-wise layout)."""
+def _in_layer_wise_buffer(param: torch.nn.Parameter) -> bool:
+    """Whether megatron tagged ``param`` for its layer-wise layout's buffers (``tag_params_for_buffer_routing``)."""
+    return getattr(param, "is_managed_by_layer_wise_optimizer", False)
+
+
+def layer_wise_layout_owners(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, int] | None:
+    """Where DDP reduce-scatters the gradients (``use_distributed_optimizer``) in megatron's
+    shard-aligned layer-wise layout (megatron-core 0.19+, Megatron-LM's default under
+    ``--use-distributed-optimizer`` with Muon), the data-parallel shard that holds each parameter of
+    its layer-wise buffers, whole (megatron's ``LayerWiseDistributedOptimizer`` assigns them so);
+    ``None`` where DDP all-reduces every gradient. ``ValueError`` where DDP reduce-scatters without
+    that layout."""
+    owners: dict[torch.nn.Parameter, int] = {}
+    scattering = False
     for chunk in model_chunks:
         ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and ddp_config.use_distributed_optimizer:
-            raise ValueError(
-                "use_layer_wise_distributed_optimizer=True with a DDP built with use_distributed_optimizer=True (megatron's "
-                "shard-aligned layer-wise layout, whose Adam part is the byte-level distributed optimizer) is not supported "
-                "by the precision options; build DDP with use_distributed_optimizer=False (megatron's layer-wise path "
-                "without that layout: Megatron-LM's --no-use-layer-wise-param-layout)"
-            )
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            continue
+        scattering = True
+        layout = getattr(chunk, "full_param_layout", None)
+        for key, buffer_layout in (layout.layouts.items() if layout is not None else ()):
+            if not getattr(key, "is_managed_by_layer_wise_optimizer", False):
+                continue
+            for param, (start, _, bucket_id) in buffer_layout.param_index_map.items():
+                bucket_start, bucket_end = buffer_layout.bucket_indices[bucket_id]
+                owners[param] = (start - bucket_start) // ((bucket_end - bucket_start) // buffer_layout.num_optimizer_shards)
+    if scattering and not owners:
+        raise ValueError(
+            "use_layer_wise_distributed_optimizer=True with a DDP that reduce-scatters the gradients (use_distributed_optimizer=True) "
+            "needs megatron's layer-wise layout (full_param_layout from LayerWiseDistributedOptimizer.compute_full_param_layout, "
+            "as Megatron-LM builds it); or build DDP with use_distributed_optimizer=False"
+        )
+    return owners if scattering else None

@@ -310,8 +310,9 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
     data_rank = parallel_state.get_data_parallel_rank()
 
     def fresh(chain: str):
-        model = _model()
-        return model, build_optimizer(_muon_config(option, **CHAINS[chain]()), [model])
+        fields, build_model = CHAINS[chain]
+        model = build_model()
+        return model, build_optimizer(_muon_config(option, **fields()), [model])
 
     def step(model, optimizer, index: int) -> None:
         model.zero_grad_buffer()
@@ -325,11 +326,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
         return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
 
     def state_bytes(optimizer) -> int:
-        return sum(
-            value.numel() * value.element_size()
-            for inner in optimizer.chained_optimizers for state in inner.optimizer.state.values()
-            for value in state.values() if torch.is_tensor(value)
-        )
+        return sum(value.numel() * value.element_size() for value in _state_tensors(optimizer))
 
     model, optimizer = fresh(saved_by)
     for index in range(steps):
@@ -342,13 +339,14 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
 
     def compare(run: str, model, optimizer) -> None:
         resumed = _named_tensors(model, optimizer)
-        compared = [key for key in resumed if key in straight]
+        whole = {key: " ".join(key.split(" ")[:2]) for key in resumed}
+        compared = [key for key in resumed if whole[key] in straight]
         held = [None, None]
-        torch.distributed.all_gather_object(held, [sorted(compared), sorted({*straight, *resumed})])
+        torch.distributed.all_gather_object(held, [sorted({whole[key] for key in compared}), sorted({*straight, *whole.values()})])
         result[run] = {
             "compared": len(compared),
             "uncompared": sorted({key for _, keys in held for key in keys} - {key for keys, _ in held for key in keys}),
-            "unequal": sorted(key for key in compared if not torch.equal(straight[key], resumed[key])),
+            "unequal": sorted(key for key in compared if not _same_tensor(straight, key, resumed[key])),
         }
         result["state_bytes"][run.split(" ")[-1]] = state_bytes(optimizer)
 
@@ -376,22 +374,43 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
 
 
 def _state_tensors(optimizer) -> list[torch.Tensor]:
-    """Every state tensor of the chain's optimizers, in order."""
-    return [
-        value for inner in optimizer.chained_optimizers for state in inner.optimizer.state.values()
-        for value in state.values() if torch.is_tensor(value)
-    ]
+    """Every state tensor of the chain's optimizers, in order (a distributed optimizer's: its shards' buffers)."""
+    tensors = []
+    for inner in optimizer.chained_optimizers:
+        shards = getattr(inner.optimizer, "shards", None)
+        if shards is None:
+            tensors += [value for state in inner.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        else:
+            tensors += [buffer for shard in shards for bucket in shard.state_buckets for buffer in bucket.state.values()]
+    return tensors
 
 
 def _named_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     """Copies of the model's parameters and of the state tensors of the chain's optimizers, by
-    ``"<kind> <parameter name>"``."""
-    tensors = {f"param {name}": param.detach().clone() for name, param in model.named_parameters()}
+    ``"<kind> <parameter name>"``, flat; a distributed optimizer's state of a run of a parameter's
+    elements by ``"<kind> <parameter name> <first>:<end>"``."""
+    tensors = {f"param {name}": param.detach().reshape(-1).clone() for name, param in model.named_parameters()}
     names = {param: name for name, param in model.named_parameters()}
     for inner in optimizer.chained_optimizers:
         for param, state in inner.optimizer.state.items():
-            tensors.update({f"{key} {names[param]}": value.clone() for key, value in state.items() if torch.is_tensor(value)})
+            tensors.update({f"{key} {names[param]}": value.reshape(-1).clone() for key, value in state.items() if torch.is_tensor(value)})
+        for shard in getattr(inner.optimizer, "shards", ()):
+            for piece in shard.pieces:
+                run = "" if piece.numel == piece.param.numel() else f" {piece.param_start}:{piece.param_start + piece.numel}"
+                tensors.update({
+                    f"{key} {names[piece.param]}{run}": value.clone() for key, value in inner.optimizer.piece_state(shard, piece).items()
+                })
     return tensors
+
+
+def _same_tensor(tensors: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> bool:
+    """Whether ``tensors`` (:func:`_named_tensors`) holds ``value`` under ``key``, or holds the whole
+    parameter's state that ``key`` names a run of."""
+    kind, name, *run = key.split(" ")
+    if run:
+        first, end = map(int, run[0].split(":"))
+        return torch.equal(tensors[f"{kind} {name}"][first:end], value)
+    return torch.equal(tensors[key], value)
 
 
 def _muon_config(option: str, **fields):
@@ -412,8 +431,31 @@ def _layer_wise_fields() -> dict:
     return {"optimizer": "dist_muon"}
 
 
-CHAINS = {"unsharded": dict, "layer_wise": _layer_wise_fields}
-"""The Muon chains by name: each one's config fields."""
+def _layer_wise_layout_model():
+    """The seeded GPT in DDP built as Megatron-LM 0.19 builds it for its layer-wise distributed
+    optimizer by default: parameters tagged for the layer-wise buffers, megatron's shard-aligned
+    layout for them (each hidden weight whole in one rank's shard), gradients reduce-scattered."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
+
+    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    module = _seeded_model(transformer)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    tag_params_for_buffer_routing([module])
+    layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [param for param in module.parameters() if param.requires_grad], ddp_config.bucket_size,
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True), ddp_config,
+    )
+    return DistributedDataParallel(config=transformer, ddp_config=ddp_config, module=module, full_param_layout=layout)
+
+
+CHAINS = {
+    "unsharded": (dict, _model),
+    "layer_wise": (_layer_wise_fields, _model),
+    "layer_wise_layout": (_layer_wise_fields, _layer_wise_layout_model),
+}
+"""The Muon chains by name: each one's config fields and model (``layer_wise_layout``: megatron-core 0.19+)."""
 
 
 def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) -> list[float]:

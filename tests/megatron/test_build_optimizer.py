@@ -77,10 +77,15 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
 MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
 """The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
 
-MUON_CHAINS = [["sr", "unsharded", ["unsharded", "layer_wise"], ["layer_wise"]], ["C", "layer_wise", ["unsharded"], []]]
-"""(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train from
-scratch): the layer-wise chain trains as the unsharded one, loads its checkpoint (sr), and saves one
-that it loads (C), each a step as the other chain takes it."""
+def _muon_chains() -> list[list]:
+    """(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train
+    from scratch): the layer-wise chain trains as the unsharded one, loads its checkpoint (sr), and
+    saves one that the unsharded chain loads (C), each a step as the other chain takes it; so does
+    the layer-wise chain in megatron's shard-aligned layout where megatron-core has it (0.19+)."""
+    from megatron.core.optimizer import layer_wise_optimizer
+
+    layout = ["layer_wise_layout"] if hasattr(layer_wise_optimizer.LayerWiseDistributedOptimizer, "compute_full_param_layout") else []
+    return [["sr", "unsharded", ["unsharded", "layer_wise", *layout], ["layer_wise", *layout]], ["C", "layer_wise", ["unsharded"], []]]
 
 
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
@@ -98,12 +103,13 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
 
     megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
     ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
-    every parameter and each rank's state bit for bit (option sr), with each rank holding part of the
+    every parameter and each rank's state bit for bit (option sr; from megatron-core 0.19 also in
+    megatron's shard-aligned layout, DDP reduce-scattering), with each rank holding part of the
     state and both ranks together all of it (sr and C); it resumes from the unsharded chain's dist
     checkpoint (sr) and the unsharded chain from its own (C), bit for bit; and its state dict in a
     file per rank (Megatron-LM's torch checkpoints) restores every state tensor."""
     ranks = _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
-                 chains=MUON_CHAINS, tensor_parallel_option="sr")
+                 chains=(chains := _muon_chains()), tensor_parallel_option="sr")
     for rank in ranks:
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
@@ -121,18 +127,19 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
             losses = tensor_parallel["losses"][f"tp2-{mode}"]
             assert len(losses) == len(tp1) == 6 and all(abs(a - b) < 5e-4 for a, b in zip(losses[:2], tp1[:2])), mode
             assert max(abs(a - b) for a, b in zip(losses, tp1)) < 2e-3, (mode, losses, tp1)
-        for option, saved_by, loaded_by, trained_by in MUON_CHAINS:
-            chains = rank["chains"][option]
-            assert set(MUON_CHECKPOINT_STATES[option]) <= set(chains["keys"]), (option, chains["keys"])
+        for option, saved_by, loaded_by, trained_by in chains:
+            ran = rank["chains"][option]
+            assert set(MUON_CHECKPOINT_STATES[option]) <= set(ran["keys"]), (option, ran["keys"])
             for run in [f"loaded by {chain}" for chain in loaded_by] + [f"trained by {chain}" for chain in trained_by]:
-                assert chains[run]["unequal"] == [] and chains[run]["uncompared"] == [], (option, run, chains[run])
-                assert chains[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
-            assert chains.get("reloaded from its file", "layer_wise" not in trained_by) is True, option
-    for option, *_ in MUON_CHAINS:
+                assert ran[run]["unequal"] == [] and ran[run]["uncompared"] == [], (option, run, ran[run])
+                assert ran[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
+            assert ran.get("reloaded from its file", "layer_wise" not in trained_by) is True, option
+    for option, *_ in chains:
         state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks]
         unsharded = state_bytes[0]["unsharded"]
         assert all(held["unsharded"] == unsharded and held["layer_wise"] < 0.75 * unsharded for held in state_bytes), state_bytes
         assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
+        assert all(held.get("layer_wise_layout", 0) < 0.75 * unsharded for held in state_bytes), state_bytes
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
@@ -156,7 +163,7 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     if "use_layer_wise_distributed_optimizer" in fields:
         assert "optimizer='adam' use use_distributed_optimizer=True" in messages["layer_wise_adam"]
     scattered = messages["layer_wise_scattered_gradients"]
-    assert "DDP built with use_distributed_optimizer=True" in scattered and "--no-use-layer-wise-param-layout" in scattered
+    assert "needs megatron's layer-wise layout" in scattered and "use_distributed_optimizer=False" in scattered
 
 
 def test_config_names_a_valid_option_and_keeps_megatrons_fields():
