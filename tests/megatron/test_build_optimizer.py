@@ -142,6 +142,38 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
         assert all(held.get("layer_wise_layout", 0) < 0.75 * unsharded for held in state_bytes), state_bytes
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_wise_owners_deal_parameters_as_megatrons_layer_wise_optimizer(monkeypatch, world_size):
+    """Without a shard-aligned layout, megatron-core's ``LayerWiseDistributedOptimizer`` deals the
+    parameters of all its optimizers' groups to the data-parallel ranks (its ping-pong assignment,
+    run here on stand-in groups, which it narrows to rank 0's); :func:`layer_wise_owners` gives each
+    parameter the same rank."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.optimizer import layer_wise_optimizer
+
+    from megatron_lowprec.megatron.optimizer import layer_wise_owners
+
+    sizes = [[64, 8, 8, 512], [96, 8], [512, 1, 64, 32, 32]]
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(size)) for size in group]} for group in sizes]
+    every_param = [param for group in groups for param in group["params"]]
+    optimizers = [SimpleNamespace(param_groups=groups[:2]), SimpleNamespace(param_groups=groups[2:])]
+    monkeypatch.setattr(layer_wise_optimizer, "get_pg_size", lambda group=None: world_size)
+    monkeypatch.setattr(layer_wise_optimizer, "get_pg_rank", lambda group=None: 0)
+    stock = SimpleNamespace(dp_cp="dp_cp", expt_dp="expt_dp", pg_collection=SimpleNamespace(dp_cp="dp_cp", expt_dp="expt_dp"))
+    deal = getattr(layer_wise_optimizer.LayerWiseDistributedOptimizer, "_shard_params_ping_pong", None)
+    if deal is None:
+        layer_wise_optimizer.LayerWiseDistributedOptimizer.shard_params(stock, optimizers)
+    else:
+        deal(stock, optimizers, world_size, world_size)
+    position = {id(param): index for index, param in enumerate(every_param)}
+    stock_owners = {position[id(param)]: rank for rank, params in enumerate(stock.dp_cp_params_list) for param in params}
+    ours = layer_wise_owners(every_param, world_size)
+    assert ours == [stock_owners[index] for index in range(len(every_param))]
+    assert len(set(ours)) == world_size
+
+
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     messages = _run(tmp_path, "refusals")[0]
     assert "config.optimizer='sgd'" in messages["sgd"] and "optimizer='adam' or 'muon'" in messages["sgd"]
