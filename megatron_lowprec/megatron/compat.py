@@ -70,6 +70,16 @@ def muon_nesterov_field() -> str:
     return "muon_nesterov" if "muon_nesterov" in names else "muon_use_nesterov"
 
 
+def layer_wise_fields() -> dict[str, Any]:
+    """megatron's ``OptimizerConfig`` fields that ask for its layer-wise distributed optimizer with
+    Muon: ``use_layer_wise_distributed_optimizer`` from 0.19, before it ``optimizer="dist_muon"``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    if "use_layer_wise_distributed_optimizer" in {field.name for field in dataclasses.fields(OptimizerConfig)}:
+        return {"use_layer_wise_distributed_optimizer": True}
+    return {"optimizer": "dist_muon"}
+
+
 def param_groups(
     model_chunks: list[torch.nn.Module], config: Any, config_overrides: dict | None
 ) -> list[dict[str, Any]]:

@@ -494,6 +494,9 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                     for index, param in enumerate(state_bucket.entry_params()):
                         reset_master_(param, state_bucket.view(stored, index))
 
+    def release_grads(self) -> None:
+        """Nothing to release: the step reads the gradients in DDP's buffer, no parameter gets a ``.grad``."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients live in DDP's buffer (``zero_grad_buffer``); model ``.grad`` are released."""
         for param in self.get_parameters():
@@ -726,8 +729,10 @@ def build_distributed_optimizer(
     track_update_quality: bool,
     stream_layouts: dict[torch.nn.Parameter, StreamLayout],
     background_compile: bool = False,
+    buffers: list[Any] | None = None,
 ) -> DistributedLowPrecisionOptimizer:
-    """Checks that the chunks are megatron DDP with the distributed optimizer, then builds it."""
+    """Checks that the chunks are megatron DDP with the distributed optimizer, then builds it over
+    ``buffers`` (default: every buffer of the chunks)."""
     megatron_sharding_api()
     for index, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
@@ -743,7 +748,8 @@ def build_distributed_optimizer(
             )
         if chunk.expert_parallel_buffers:
             raise ValueError("use_distributed_optimizer=True with the precision options does not shard expert-parallel parameters")
-    buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
+    if buffers is None:
+        buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
     adamw = ShardedAdamW(
         groups, buffers, strategy, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, seed=seed, fused=fused,
         track_update_quality=track_update_quality, stream_layouts=stream_layouts, background_compile=background_compile,

@@ -24,7 +24,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
   ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv`` and
   ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
-  ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon) is refused;
+  ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon, in its shard-aligned layout
+  or with ``--no-use-layer-wise-param-layout``);
 - ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
   or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before
   ``Float16Module`` and DDP wrap it.

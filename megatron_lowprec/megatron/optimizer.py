@@ -8,7 +8,9 @@ model-parallel group (the distributed optimizer's, bit for bit) and counted, and
 precision option (only ``D``, ``coat`` and ``D-BF16`` keep an FP32 master, inside the optimizer
 state: whole, or as a 16-bit remainder below the BF16 parameter, ``master_storage``). With
 ``optimizer="muon"``, :class:`megatron_lowprec.optim.Muon` updates the 2-D hidden weights and AdamW
-the others, with the same option (:class:`LowPrecisionMuonOptimizer`). A step whose
+the others, with the same option (:class:`LowPrecisionMuonOptimizer`; sharded by whole parameters
+over the data-parallel ranks under megatron's layer-wise distributed optimizer,
+:class:`LayerWiseLowPrecisionMuonOptimizer`). A step whose
 gradients hold NaN or inf on any rank is skipped on every rank and reported as ``(False, None,
 None)``, as megatron's loss scaler reports an overflow.
 
@@ -29,6 +31,8 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
@@ -226,6 +230,108 @@ class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
                 optimizer.release_grads()
 
 
+def layer_wise_owners(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
+    """The data-parallel rank that updates each of ``params`` under the layer-wise distributed
+    optimizer, as megatron-core's ``LayerWiseDistributedOptimizer`` deals them out without a
+    shard-aligned layout: sorted by size (stably), to ranks 0, 1, ..., n-1, n-1, ..., 1, 0, 0, 1, ...
+    in turn, so that each rank's share of the elements is about 1/n."""
+    turns = [*range(world_size), *reversed(range(world_size))]
+    owners = [0] * len(params)
+    for turn, index in enumerate(sorted(range(len(params)), key=lambda index: params[index].numel())):
+        owners[index] = turns[turn % len(turns)]
+    return owners
+
+
+class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
+    """The Muon chain sharded by whole parameters over the data-parallel ranks, as megatron-core's
+    ``LayerWiseDistributedOptimizer`` shards its Muon and Adam (``use_layer_wise_distributed_optimizer``
+    or ``optimizer="dist_muon"``): each parameter and all its state are on one rank, whose chained
+    optimizers hold only their parameters in megatron's groups (empty where the rank has none of a
+    group). Each rank updates its parameters with their reduced gradients, then every rank gets every
+    parameter. Two layouts, as in megatron:
+
+    * DDP all-reduces every gradient (``use_distributed_optimizer=False``; megatron's layer-wise path
+      without its layout): Muon's and AdamW's parameters are dealt to the ranks by
+      :func:`layer_wise_owners`, and :meth:`gather_params` all-gathers them after the step.
+    * megatron's shard-aligned layout (DDP reduce-scatters; :func:`layer_wise_layout_owners`): each
+      Muon parameter is updated by the rank whose shard holds it whole, AdamW is the distributed
+      optimizer over DDP's other buffers, and its all-gather of DDP's buffers after the step carries
+      the Muon parameters too.
+
+    The gradient norm and the non-finite check reduce over all ranks, the norm is exact
+    (:class:`~megatron_lowprec.megatron.distributed.ExactGradientStatistics`), and stochastic
+    rounding draws each element's words by its name and index, so that a step is the unsharded
+    chain's bit for bit. In a checkpoint, the state tensors of a layer-wise parameter are written by
+    its owner (replica id 0 over data parallelism) under the unsharded chain's keys, so either chain
+    loads the other's."""
+
+    def __init__(
+        self, chained_optimizers: list[Any], params_by_rank: list[list[torch.nn.Parameter]],
+        data_parallel_group: torch.distributed.ProcessGroup, sharded_by_layer: int,
+    ) -> None:
+        """``params_by_rank``: the parameters of the first ``sharded_by_layer`` chained optimizers
+        (the layer-wise ones) that each data-parallel rank updates; the others are megatron's
+        distributed optimizer."""
+        super().__init__(chained_optimizers)
+        self.params_by_rank = params_by_rank
+        self.data_parallel_group = data_parallel_group
+        self.sharded_by_layer = sharded_by_layer
+        for optimizer in chained_optimizers[:sharded_by_layer]:
+            optimizer.grad_stats_parallel_group = torch.distributed.group.WORLD
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Each rank's update of its parameters, then :meth:`gather_params`."""
+        success = super().step_with_ready_grads()
+        self.gather_params()
+        return success
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Where every chained optimizer is layer-wise (DDP all-reduces), every rank's parameters to
+        every rank: per dtype, one all-gather over the data-parallel group of each rank's parameters,
+        flattened and padded to the longest. (Otherwise the distributed optimizer's all-gather of
+        DDP's buffers has brought them.)"""
+        world_size = len(self.params_by_rank)
+        if world_size == 1 or self.sharded_by_layer < len(self.chained_optimizers):
+            return
+        rank = torch.distributed.get_rank(self.data_parallel_group)
+        for dtype in sorted({param.dtype for params in self.params_by_rank for param in params}, key=str):
+            by_rank = [[param for param in params if param.dtype == dtype] for params in self.params_by_rank]
+            sizes = [sum(param.numel() for param in params) for params in by_rank]
+            own = torch.zeros(max(sizes), dtype=dtype, device=torch.cuda.current_device())
+            if by_rank[rank]:
+                torch.cat([param.detach().reshape(-1) for param in by_rank[rank]], out=own[: sizes[rank]])
+            gathered = [torch.empty_like(own) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered, own, group=self.data_parallel_group)
+            for owner, (params, size, flat) in enumerate(zip(by_rank, sizes, gathered)):
+                if owner != rank:
+                    for param, value in zip(params, flat[:size].split([param.numel() for param in params])):
+                        param.detach().copy_(value.view(param.shape))
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """The unsharded chain's sharded state dict of this rank's state, each state tensor of the
+        layer-wise optimizers with replica id 0 over data parallelism (its owner writes it), an empty
+        state kept local."""
+        sharded = super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        for index in range(self.sharded_by_layer):
+            for value in nested_values(sharded[index]):
+                if hasattr(value, "replica_id"):
+                    value.replica_id = 0 if isinstance(value.replica_id, int) else (*value.replica_id[:-1], 0)
+            if not sharded[index]["state"]:
+                sharded[index]["state"] = LocalNonpersistentObject(sharded[index]["state"])
+        return sharded
+
+    def save_state_dict_to_file(self, filename: str) -> None:
+        """This rank's state dict in a file of its own (Megatron-LM's ``--ckpt-format torch`` with the
+        layer-wise optimizer writes one per data-parallel rank)."""
+        torch.save(self.state_dict(), filename)
+
+    def load_state_dict_from_file(self, filename: str) -> None:
+        """The state dict that :meth:`save_state_dict_to_file` wrote on this rank."""
+        self.load_state_dict(torch.load(filename, weights_only=False))
+
+
 def is_muon_param(param: torch.nn.Parameter) -> bool:
     """Whether Muon updates ``param``: a 2-D weight that is neither the embedding nor the output layer
     (megatron-core's rule); AdamW updates the others."""
@@ -389,7 +495,6 @@ UNSUPPORTED_SETTINGS = (
     ("use_precision_aware_optimizer", True, "Transformer Engine's precision-aware FusedAdam is another optimizer"),
     ("optimizer_cpu_offload", True, "optimizer states stay on the device"),
     ("overlap_param_gather_with_optimizer_step", True, "one optimizer covers all model chunks"),
-    ("use_layer_wise_distributed_optimizer", True, "that is the emerging optimizers' (Muon) sharding"),
     ("optimizer_cuda_graph", True, "the step is not captured in a CUDA graph"),
 )
 """(field, value, why) of megatron ``OptimizerConfig`` settings the precision options cannot honour."""
@@ -399,10 +504,16 @@ def _check_config(config: OptimizerConfig) -> None:
     """One ``ValueError`` naming the first setting of ``config`` that the precision options cannot honour."""
     if config.optimizer not in ("adam", "muon"):
         raise ValueError(
-            f"config.optimizer={config.optimizer!r}: the precision options are AdamW or Muon; set optimizer='adam' or 'muon'"
+            f"config.optimizer={config.optimizer!r}: the precision options are AdamW or Muon; set optimizer='adam' or "
+            "'muon' ('dist_muon': 'muon' with use_layer_wise_distributed_optimizer=True)"
         )
     if config.optimizer == "muon":
         _check_muon_config(config)
+    elif getattr(config, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError(
+            "config.use_layer_wise_distributed_optimizer=True shards the emerging optimizers (Muon) by layer; with "
+            "optimizer='adam' use use_distributed_optimizer=True"
+        )
     for name, value, why in UNSUPPORTED_SETTINGS:
         if getattr(config, name, not value) == value:
             raise ValueError(f"config.{name}={value!r} is not supported by the precision options: {why}")
@@ -414,7 +525,10 @@ def _check_config(config: OptimizerConfig) -> None:
 def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
     """One ``ValueError`` naming the first Muon setting of ``config`` that :class:`Muon` cannot honour."""
     if config.use_distributed_optimizer:
-        raise ValueError("config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon)")
+        raise ValueError(
+            "config.use_distributed_optimizer=True is not supported with optimizer='muon' (nor by megatron-core's Muon); "
+            "shard Muon with use_layer_wise_distributed_optimizer=True (or optimizer='dist_muon')"
+        )
     if config.lowprec_track_update_quality:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
     if config.muon_scale_mode not in MUON_SCALE_MODES:
@@ -502,8 +616,11 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart; no
-    distributed optimizer; ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`). What cannot be honoured (another
+    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart;
+    ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`; megatron's layer-wise
+    distributed optimizer, ``use_layer_wise_distributed_optimizer`` or ``optimizer="dist_muon"``, with
+    DDP all-reducing the gradients or in megatron's shard-aligned layout:
+    :class:`LayerWiseLowPrecisionMuonOptimizer`; not megatron's distributed optimizer). What cannot be honoured (another
     ``config.optimizer``, expert-parallel parameters, FP16 loss scaling, CPU offloading, ...) raises
     one ``ValueError`` naming it before anything is built, as does an unknown option. Parameters must
     be BF16 (``Float16Module``).
@@ -525,16 +642,19 @@ def build_optimizer(
              "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
              "lowprec_master_storage": master_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
+    layer_wise = config.optimizer == "dist_muon" or getattr(config, "use_layer_wise_distributed_optimizer", False)
+    if config.optimizer == "dist_muon":
+        config = dataclasses.replace(config, optimizer="muon")
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     strategy = get_strategy(config.lowprec_option)
     if config.lowprec_master_storage is not None:
         strategy = strategy.with_master_storage(config.lowprec_master_storage)
     _check_config(config)
     _check_process_groups(pg_collection)
-    if config.use_distributed_optimizer and not config.lowprec_shared_randomness:
+    if (config.use_distributed_optimizer or layer_wise) and not config.lowprec_shared_randomness:
         raise ValueError(
-            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False: "
-            "with the distributed optimizer each element is updated on one rank only"
+            "shared_randomness=False (the SR paper's drifting replicas) needs use_distributed_optimizer=False and "
+            "use_layer_wise_distributed_optimizer=False: sharded, each element is updated on one rank only"
         )
     megatron_groups = compat.param_groups(model_chunks, config, config_overrides)
     for group in megatron_groups:
@@ -560,7 +680,7 @@ def build_optimizer(
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
-        return _build_muon(config, strategy, model_chunks, groups, seed_offset)
+        return _build_muon(config, strategy, model_chunks, groups, seed_offset, layer_wise)
     return LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset)
 
 
@@ -586,14 +706,37 @@ def _adamw(
 
 
 def _build_muon(
-    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]], seed_offset: int
+    config: LowPrecisionOptimizerConfig, strategy: PrecisionStrategy, model_chunks: list[torch.nn.Module], groups: list[dict[str, Any]],
+    seed_offset: int, layer_wise: bool,
 ) -> LowPrecisionMuonOptimizer:
     """Muon for each group's 2-D hidden weights (:func:`is_muon_param`), AdamW for its other
-    parameters, with the group's settings, megatron's Muon settings and the same option."""
+    parameters, with the group's settings, megatron's Muon settings and the same option; with
+    ``layer_wise``, :class:`LayerWiseLowPrecisionMuonOptimizer`: Muon holds only this data-parallel
+    rank's parameters, and AdamW too where DDP all-reduces the gradients, or is the distributed
+    optimizer over DDP's other buffers where megatron's shard-aligned layout reduce-scatters them."""
     muon_groups = [{**group, "params": [p for p in group["params"] if is_muon_param(p)]} for group in groups]
     adam_groups = [{**group, "params": [p for p in group["params"] if not is_muon_param(p)]} for group in groups]
+    muon_groups = [group for group in muon_groups if group["params"]]
+    adam_groups = [group for group in adam_groups if group["params"]]
+    layout_owners = layer_wise_layout_owners(model_chunks) if layer_wise else None
+    if layer_wise:
+        data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        world_size, rank = torch.distributed.get_world_size(data_parallel), torch.distributed.get_rank(data_parallel)
+        sharded = muon_groups if layout_owners is not None else muon_groups + adam_groups
+        every_param = [param for group in sharded for param in group["params"]]
+        owners = layout_owners if layout_owners is not None else dict(zip(every_param, layer_wise_owners(every_param, world_size)))
+        missing = [tuple(param.shape) for param in every_param if param not in owners]
+        if missing:
+            raise ValueError(
+                f"Muon parameters of shapes {missing} are not in a buffer of megatron's layer-wise layout; tag the parameters "
+                "(tag_params_for_buffer_routing) before DDP builds its buffers, as Megatron-LM does"
+            )
+        params_by_rank = [[param for param in every_param if owners[param] == owner] for owner in range(world_size)]
+        muon_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in muon_groups]
+        if layout_owners is None:
+            adam_groups = [{**group, "params": [p for p in group["params"] if owners[p] == rank]} for group in adam_groups]
     muon = Muon(
-        [group for group in muon_groups if group["params"]],
+        muon_groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
@@ -608,5 +751,51 @@ def _build_muon(
         sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
         split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
-    adamw = _adamw(config, strategy, model_chunks, [group for group in adam_groups if group["params"]], seed_offset)
-    return LowPrecisionMuonOptimizer([LowPrecisionOptimizer(muon, config, seed_offset), LowPrecisionOptimizer(adamw, config, seed_offset)])
+    muon_optimizer = LowPrecisionOptimizer(muon, config, seed_offset)
+    if layout_owners is not None:
+        adam = build_distributed_optimizer(
+            strategy, model_chunks, config, adam_groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
+            track_update_quality=False, stream_layouts=stream_layouts(model_chunks),
+            background_compile=config.lowprec_background_compile,
+            buffers=[buffer for chunk in model_chunks for buffer in chunk.buffers if not _in_layer_wise_buffer(buffer.params[0])],
+        )
+        return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adam], params_by_rank, data_parallel, sharded_by_layer=1)
+    adamw = LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, adam_groups, seed_offset), config, seed_offset)
+    if layer_wise:
+        return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adamw], params_by_rank, data_parallel, sharded_by_layer=2)
+    return LowPrecisionMuonOptimizer([muon_optimizer, adamw])
+
+
+def _in_layer_wise_buffer(param: torch.nn.Parameter) -> bool:
+    """Whether megatron tagged ``param`` for its layer-wise layout's buffers (``tag_params_for_buffer_routing``)."""
+    return getattr(param, "is_managed_by_layer_wise_optimizer", False)
+
+
+def layer_wise_layout_owners(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, int] | None:
+    """Where DDP reduce-scatters the gradients (``use_distributed_optimizer``) in megatron's
+    shard-aligned layer-wise layout (megatron-core 0.19+, Megatron-LM's default under
+    ``--use-distributed-optimizer`` with Muon), the data-parallel shard that holds each parameter of
+    its layer-wise buffers, whole (megatron's ``LayerWiseDistributedOptimizer`` assigns them so);
+    ``None`` where DDP all-reduces every gradient. ``ValueError`` where DDP reduce-scatters without
+    that layout."""
+    owners: dict[torch.nn.Parameter, int] = {}
+    scattering = False
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            continue
+        scattering = True
+        layout = getattr(chunk, "full_param_layout", None)
+        for key, buffer_layout in (layout.layouts.items() if layout is not None else ()):
+            if not getattr(key, "is_managed_by_layer_wise_optimizer", False):
+                continue
+            for param, (start, _, bucket_id) in buffer_layout.param_index_map.items():
+                bucket_start, bucket_end = buffer_layout.bucket_indices[bucket_id]
+                owners[param] = (start - bucket_start) // ((bucket_end - bucket_start) // buffer_layout.num_optimizer_shards)
+    if scattering and not owners:
+        raise ValueError(
+            "use_layer_wise_distributed_optimizer=True with a DDP that reduce-scatters the gradients (use_distributed_optimizer=True) "
+            "needs megatron's layer-wise layout (full_param_layout from LayerWiseDistributedOptimizer.compute_full_param_layout, "
+            "as Megatron-LM builds it); or build DDP with use_distributed_optimizer=False"
+        )
+    return owners if scattering else None

@@ -27,6 +27,7 @@ DATA_KINDS = ("embedded", "indexed")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+MUON_TP_MODES = ("blockwise", "duplicated")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
 TE_FP8_RECIPES = ("delayed", "current")
 EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
@@ -181,10 +182,19 @@ class OptimizerConfig:
     muon_extra_scale_factor: float = 0.2
     """Muon: a factor on that scale. ``spectral`` with 0.2 is Moonshot's 0.2·√max(m, n) (arXiv
     2502.16982), which matches AdamW's update RMS so that AdamW's ``lr`` and ``weight_decay`` carry over."""
+    muon_split_qkv: bool = True
+    """Muon: orthogonalise a fused QKV weight's query, key and value rows (each kind over all query
+    groups) as three matrices, each with its own scale (megatron-core's ``muon_split_qkv``, on by default)."""
+    muon_tp_mode: str = "blockwise"
+    """Muon with tensor parallelism, megatron-core's ``muon_tp_mode``: ``blockwise`` (its default)
+    orthogonalises each shard on its own, ``duplicated`` all-gathers each sharded weight and
+    orthogonalises it whole on every rank (the update of the unsplit weight)."""
     distributed: bool = False
     """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps and updates only its
     shard of every optimizer state (gradients reduce-scattered, parameters all-gathered); needs a
-    data-parallel size above 1. Training is bit-identical either way."""
+    data-parallel size above 1. Training is bit-identical either way. With ``name=muon`` it is
+    megatron's layer-wise distributed optimizer, as Megatron-LM's ``--use-distributed-optimizer``
+    with ``--optimizer muon``: each rank keeps and updates whole parameters (gradients all-reduced)."""
     # Resuming with another schedule (Megatron-LM's --override-opt_param-scheduler and
     # --use-checkpoint-opt_param-scheduler); with neither, a schedule that differs from the
     # checkpoint's (lr, min_lr, warmup, decay steps or style, weight decay) stops the run.
@@ -432,6 +442,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
 def _validate_muon(config: TrainConfig) -> None:
     optimizer = config.optimizer
     _choice("optimizer.muon_scale_mode", optimizer.muon_scale_mode, MUON_SCALE_MODES)
+    _choice("optimizer.muon_tp_mode", optimizer.muon_tp_mode, MUON_TP_MODES)
     if not 0 <= optimizer.muon_momentum < 1 or optimizer.muon_num_ns_steps < 1 or not optimizer.muon_extra_scale_factor > 0:
         raise ConfigError(
             f"optimizer.muon_momentum={optimizer.muon_momentum} must be in [0, 1), optimizer.muon_num_ns_steps="
@@ -439,7 +450,6 @@ def _validate_muon(config: TrainConfig) -> None:
         )
     refused = [
         (config.precision.megatron_optimizer, "precision=megatron (megatron-core's own Muon needs emerging-optimizers)"),
-        (optimizer.distributed, "optimizer.distributed=true (Muon orthogonalises whole weights)"),
         (config.precision.track_update_quality, "precision.track_update_quality=true (Muon measures no update quality)"),
     ]
     for refused_setting, why in refused:

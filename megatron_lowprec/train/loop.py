@@ -35,6 +35,7 @@ import torch
 
 from megatron_lowprec.train import checkpoint
 from megatron_lowprec.train.config import ConfigError, TrainConfig, data_parallel_size, precision_strategy
+from megatron_lowprec.train.config import OptimizerConfig as AppOptimizerConfig
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
 from megatron_lowprec.train.metrics import MetricsLogger
@@ -49,9 +50,9 @@ MEGATRON_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam
 """Fields of the app's optimizer config that megatron's ``OptimizerConfig`` has under the same name."""
 MEGATRON_MUON_FIELDS = (
     "muon_momentum", "muon_use_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
+    "muon_split_qkv", "muon_tp_mode",
 )
-"""The same for Muon's (``optimizer.name=muon``; ``muon_use_nesterov`` is ``muon_nesterov`` from megatron-core
-0.19; megatron's ``muon_split_qkv`` is off: QKV is one weight)."""
+"""The same for Muon's (``optimizer.name=muon``; ``muon_use_nesterov`` is ``muon_nesterov`` from megatron-core 0.19)."""
 
 
 def _free_port() -> int:
@@ -167,13 +168,31 @@ class Run:
     iteration: int = 0
 
 
+def megatron_optimizer_config(optim: AppOptimizerConfig):
+    """megatron's ``OptimizerConfig`` for the app's ``optimizer`` settings: Adam, or Muon with its
+    ``muon_*`` settings; ``distributed`` is megatron's distributed optimizer for Adam and its
+    layer-wise distributed optimizer for Muon (:func:`~megatron_lowprec.megatron.compat.layer_wise_fields`)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_lowprec.megatron import compat
+
+    fields = {name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS}
+    if optim.name != "muon":
+        return OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=optim.distributed, **fields)
+    muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS}
+    muon[compat.muon_nesterov_field()] = muon.pop("muon_use_nesterov")
+    return OptimizerConfig(
+        **{"optimizer": "muon", "bf16": True, "params_dtype": torch.bfloat16, **fields, **muon,
+           **(compat.layer_wise_fields() if optim.distributed else {})}
+    )
+
+
 def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_lowprec.megatron import compat
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
     trainer, optim = config.trainer, config.optimizer
@@ -199,23 +218,13 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     grad_reduce_in_fp32 = config.precision.grad_reduce_in_fp32
     if grad_reduce_in_fp32 is None:
         grad_reduce_in_fp32 = strategy.master_weights
+    optimizer_config = megatron_optimizer_config(optim)
     model = DistributedDataParallel(
         config=module.config,
         ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=optim.distributed
+            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=optimizer_config.use_distributed_optimizer
         ),
         module=module,
-    )
-    muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS} if optim.name == "muon" else {}
-    if muon:
-        muon[compat.muon_nesterov_field()] = muon.pop("muon_use_nesterov")
-    optimizer_config = OptimizerConfig(
-        optimizer="muon" if muon else "adam",
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        use_distributed_optimizer=optim.distributed,
-        **{name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS},
-        **({**muon, "muon_split_qkv": False} if muon else {}),
     )
     if config.precision.megatron_optimizer:
         optimizer = get_megatron_optimizer(optimizer_config, [model])

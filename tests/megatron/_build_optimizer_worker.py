@@ -190,12 +190,21 @@ def refusals() -> dict:
         "foreign_groups": message(lambda: build_optimizer(
             _precision_config(), [model], pg_collection=SimpleNamespace(tp=torch.distributed.new_group([0, 1])))),
     }
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     for name, value in (("muon_coefficient_type", "polar_express"), ("muon_scalar_optimizer", "lion")):
         if name in {field.name for field in dataclasses.fields(OptimizerConfig)}:
             messages[name] = message(lambda: build_optimizer(
                 _precision_config(optimizer="muon", muon_split_qkv=False, **{name: value}), [model]))
+    if "use_layer_wise_distributed_optimizer" in {field.name for field in dataclasses.fields(OptimizerConfig)}:
+        messages["layer_wise_adam"] = message(lambda: build_optimizer(_precision_config(use_layer_wise_distributed_optimizer=True), [model]))
+    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    scattering = DistributedDataParallel(
+        config=transformer, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True), module=_seeded_model(transformer)
+    )
+    messages["layer_wise_scattered_gradients"] = message(lambda: build_optimizer(
+        _precision_config(**{"optimizer": "muon", "muon_split_qkv": False, **_layer_wise_fields()}), [scattering]))
     first = next(model.parameters())
     first.allreduce = False
     messages["expert_parallel"] = message(lambda: build_optimizer(_precision_config(), [model]))
@@ -203,11 +212,12 @@ def refusals() -> dict:
 
 
 def muon_is_torch_muon_on_hidden_weights(
-    steps: int, checkpoint_dir: str, checkpoint_options: list[str], tensor_parallel_option: str
+    steps: int, checkpoint_dir: str, chains: list[list], tensor_parallel_option: str
 ) -> dict:
     """``optimizer="muon"`` with option D at DP=2: which parameters each chained optimizer holds, and
     whether each hidden weight's FP32 master after every step is ``torch.optim.Muon``'s step on the
-    previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit."""
+    previous master with the same reduced gradient (no clipping, no decay schedule), bit for bit; then
+    the checkpoints and layer-wise sharding of ``chains`` (:func:`_muon_chains_agree`) and TP=2."""
     from megatron.core import parallel_state
 
     from megatron_lowprec.megatron import compat
@@ -241,9 +251,9 @@ def muon_is_torch_muon_on_hidden_weights(
         agree.append(all(torch.equal(muon.state[param]["master"], reference.detach()) for param, reference in references.items()))
     return {
         **_muon_resumes_from_its_state_dict(model, optimizer, data_seed=100 * steps + parallel_state.get_data_parallel_rank()),
-        "dist_checkpoint": {
-            option: _muon_resumes_from_a_dist_checkpoint(option, steps, f"{checkpoint_dir}/{option}")
-            for option in checkpoint_options
+        "chains": {
+            option: _muon_chains_agree(option, steps, f"{checkpoint_dir}/{option}", saved_by, loaded_by, trained_by)
+            for option, saved_by, loaded_by, trained_by in chains
         },
         "tensor_parallel": _muon_at_tensor_parallel_two(tensor_parallel_option, steps + 1),
         "type": type(optimizer).__name__,
@@ -282,22 +292,27 @@ def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
     return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
 
 
-def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir: str) -> dict:
-    """``optimizer="muon"`` with ``option``: ``steps`` steps, a megatron dist checkpoint of the model and
-    the chained optimizer (``sharded_state_dict``), one more step; then a fresh model and chain, moved
-    off by a step on other data, load the checkpoint and take that step: the state keys compared, and
-    those of the parameters and state tensors of both optimizers that did not come out the same, bit
-    for bit."""
+def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: str, loaded_by: list[str], trained_by: list[str]) -> dict:
+    """``optimizer="muon"`` with ``option`` in the chain ``saved_by`` (:data:`CHAINS`) at DP=2: ``steps``
+    steps, a megatron dist checkpoint of the model and the chained optimizer (``sharded_state_dict``),
+    one more step. Then for each chain of ``loaded_by``, a fresh model and chain, moved off by a step
+    on other data, load the checkpoint and take that step; and each chain of ``trained_by`` takes all
+    the steps on the same data from the same weights (a layer-wise one then saves its state dict in
+    a file per rank, as Megatron-LM's torch checkpoints do, which a fresh chain loads: whether every
+    state tensor came back the same). Returns the state keys, and per chain the number
+    of its tensors compared, those of the parameters and state tensors that did not come out as the
+    saving chain's, bit for bit (where one is layer-wise, the state this rank holds in both), the
+    tensors that neither rank compared, and the bytes of its optimizers' state tensors on this rank."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
-    config = _muon_config(option)
     data_rank = parallel_state.get_data_parallel_rank()
 
-    def fresh():
-        model = _model()
-        return model, build_optimizer(config, [model])
+    def fresh(chain: str):
+        fields, build_model = CHAINS[chain]
+        model = build_model()
+        return model, build_optimizer(_muon_config(option, **fields()), [model])
 
     def step(model, optimizer, index: int) -> None:
         model.zero_grad_buffer()
@@ -310,41 +325,137 @@ def _muon_resumes_from_a_dist_checkpoint(option: str, steps: int, checkpoint_dir
         model_state = model.module.sharded_state_dict()
         return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
 
-    def everything(model, optimizer) -> dict[str, torch.Tensor]:
-        tensors = {f"param {name}": param.detach().clone() for name, param in model.named_parameters()}
-        names = {param: name for name, param in model.named_parameters()}
-        for inner in optimizer.chained_optimizers:
-            for param, state in inner.optimizer.state.items():
-                tensors.update({f"{key} {names[param]}": value.clone() for key, value in state.items() if torch.is_tensor(value)})
-        return tensors
+    def state_bytes(optimizer) -> int:
+        return sum(value.numel() * value.element_size() for value in _state_tensors(optimizer))
 
-    model, optimizer = fresh()
+    model, optimizer = fresh(saved_by)
     for index in range(steps):
         step(model, optimizer, index)
     os.makedirs(checkpoint_dir, exist_ok=True)
     dist_checkpointing.save(sharded(model, optimizer, is_loading=False), checkpoint_dir)
     step(model, optimizer, steps)
-    straight = everything(model, optimizer)
+    straight = _named_tensors(model, optimizer)
+    result = {"keys": sorted({key.split(" ")[0] for key in straight}), "state_bytes": {saved_by: state_bytes(optimizer)}}
 
-    model, optimizer = fresh()
-    step(model, optimizer, steps + 1)
-    loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), checkpoint_dir)
-    model.module.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    step(model, optimizer, steps)
-    resumed = everything(model, optimizer)
-    return {
-        "keys": sorted({key.split(" ")[0] for key in straight}),
-        "unequal": sorted(key for key in straight if not torch.equal(straight[key], resumed[key])),
-    }
+    def compare(run: str, model, optimizer) -> None:
+        resumed = _named_tensors(model, optimizer)
+        whole = {key: " ".join(key.split(" ")[:2]) for key in resumed}
+        compared = [key for key in resumed if whole[key] in straight]
+        held = [None, None]
+        torch.distributed.all_gather_object(held, [sorted({whole[key] for key in compared}), sorted({*straight, *whole.values()})])
+        result[run] = {
+            "compared": len(compared),
+            "uncompared": sorted({key for _, keys in held for key in keys} - {key for keys, _ in held for key in keys}),
+            "unequal": sorted(key for key in compared if not _same_tensor(straight, key, resumed[key])),
+        }
+        result["state_bytes"][run.split(" ")[-1]] = state_bytes(optimizer)
+
+    for chain in loaded_by:
+        model, optimizer = fresh(chain)
+        step(model, optimizer, steps + 1)
+        loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), checkpoint_dir)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        step(model, optimizer, steps)
+        compare(f"loaded by {chain}", model, optimizer)
+    for chain in trained_by:
+        model, optimizer = fresh(chain)
+        for index in range(steps + 1):
+            step(model, optimizer, index)
+        compare(f"trained by {chain}", model, optimizer)
+        if chain == "layer_wise":
+            path = f"{checkpoint_dir}/layer_wise_optimizer_{data_rank}.pt"
+            optimizer.save_state_dict_to_file(path)
+            reloaded = fresh(chain)[1]
+            reloaded.load_state_dict_from_file(path)
+            trained, loaded = _state_tensors(optimizer), _state_tensors(reloaded)
+            result["reloaded from its file"] = len(trained) == len(loaded) > 0 and all(map(torch.equal, trained, loaded))
+    return result
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every state tensor of the chain's optimizers, in order (a distributed optimizer's: its shards' buffers)."""
+    tensors = []
+    for inner in optimizer.chained_optimizers:
+        shards = getattr(inner.optimizer, "shards", None)
+        if shards is None:
+            tensors += [value for state in inner.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        else:
+            tensors += [buffer for shard in shards for bucket in shard.state_buckets for buffer in bucket.state.values()]
+    return tensors
+
+
+def _named_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    """Copies of the model's parameters and of the state tensors of the chain's optimizers, by
+    ``"<kind> <parameter name>"``, flat; a distributed optimizer's state of a run of a parameter's
+    elements by ``"<kind> <parameter name> <first>:<end>"``."""
+    tensors = {f"param {name}": param.detach().reshape(-1).clone() for name, param in model.named_parameters()}
+    names = {param: name for name, param in model.named_parameters()}
+    for inner in optimizer.chained_optimizers:
+        for param, state in inner.optimizer.state.items():
+            tensors.update({f"{key} {names[param]}": value.reshape(-1).clone() for key, value in state.items() if torch.is_tensor(value)})
+        for shard in getattr(inner.optimizer, "shards", ()):
+            for piece in shard.pieces:
+                run = "" if piece.numel == piece.param.numel() else f" {piece.param_start}:{piece.param_start + piece.numel}"
+                tensors.update({
+                    f"{key} {names[piece.param]}{run}": value.clone() for key, value in inner.optimizer.piece_state(shard, piece).items()
+                })
+    return tensors
+
+
+def _same_tensor(tensors: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> bool:
+    """Whether ``tensors`` (:func:`_named_tensors`) holds ``value`` under ``key``, or holds the whole
+    parameter's state that ``key`` names a run of."""
+    kind, name, *run = key.split(" ")
+    if run:
+        first, end = map(int, run[0].split(":"))
+        return torch.equal(tensors[f"{kind} {name}"][first:end], value)
+    return torch.equal(tensors[key], value)
 
 
 def _muon_config(option: str, **fields):
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
 
     return LowPrecisionOptimizerConfig.from_optimizer_config(
-        _optimizer_config(), optimizer="muon", lowprec_option=option, lowprec_seed=5, **{"muon_split_qkv": False, **fields}
+        _optimizer_config(), **{"optimizer": "muon", "lowprec_option": option, "lowprec_seed": 5, "muon_split_qkv": False, **fields}
     )
+
+
+def _layer_wise_fields() -> dict:
+    """megatron's request for its layer-wise distributed optimizer: the ``OptimizerConfig`` field
+    where the installed megatron-core has it (0.19+), else the optimizer name ``"dist_muon"``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    if "use_layer_wise_distributed_optimizer" in {field.name for field in dataclasses.fields(OptimizerConfig)}:
+        return {"use_layer_wise_distributed_optimizer": True}
+    return {"optimizer": "dist_muon"}
+
+
+def _layer_wise_layout_model():
+    """The seeded GPT in DDP built as Megatron-LM 0.19 builds it for its layer-wise distributed
+    optimizer by default: parameters tagged for the layer-wise buffers, megatron's shard-aligned
+    layout for them (each hidden weight whole in one rank's shard), gradients reduce-scattered."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
+
+    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    module = _seeded_model(transformer)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    tag_params_for_buffer_routing([module])
+    layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [param for param in module.parameters() if param.requires_grad], ddp_config.bucket_size,
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True), ddp_config,
+    )
+    return DistributedDataParallel(config=transformer, ddp_config=ddp_config, module=module, full_param_layout=layout)
+
+
+CHAINS = {
+    "unsharded": (dict, _model),
+    "layer_wise": (_layer_wise_fields, _model),
+    "layer_wise_layout": (_layer_wise_fields, _layer_wise_layout_model),
+}
+"""The Muon chains by name: each one's config fields and model (``layer_wise_layout``: megatron-core 0.19+)."""
 
 
 def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) -> list[float]:

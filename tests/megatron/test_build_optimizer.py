@@ -77,6 +77,16 @@ def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimize
 MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
 """The options whose Muon chain resumes from a dist checkpoint, and state keys that must be among those compared."""
 
+def _muon_chains() -> list[list]:
+    """(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train
+    from scratch): the layer-wise chain trains as the unsharded one, loads its checkpoint (sr), and
+    saves one that the unsharded chain loads (C), each a step as the other chain takes it; so does
+    the layer-wise chain in megatron's shard-aligned layout where megatron-core has it (0.19+)."""
+    from megatron.core.optimizer import layer_wise_optimizer
+
+    layout = ["layer_wise_layout"] if hasattr(layer_wise_optimizer.LayerWiseDistributedOptimizer, "compute_full_param_layout") else []
+    return [["sr", "unsharded", ["unsharded", "layer_wise", *layout], ["layer_wise", *layout]], ["C", "layer_wise", ["unsharded"], []]]
+
 
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
@@ -89,9 +99,18 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
     split, ``muon_split_qkv=True``, into megatron's query, key and value rows per group); trained
     on the same data, both TP=2 modes keep TP=1's losses within 2e-3 over 3 steps (the first
     step's, on the same weights, within 5e-4: TP=2's BF16 matmuls sum in another order; measured
-    at most 4e-4 duplicated, 1.2e-3 blockwise, which orthogonalizes each shard on its own)."""
-    for rank in _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
-                     checkpoint_options=list(MUON_CHECKPOINT_STATES), tensor_parallel_option="sr"):
+    at most 4e-4 duplicated, 1.2e-3 blockwise, which orthogonalizes each shard on its own).
+
+    megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
+    ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
+    every parameter and each rank's state bit for bit (option sr; from megatron-core 0.19 also in
+    megatron's shard-aligned layout, DDP reduce-scattering), with each rank holding part of the
+    state and both ranks together all of it (sr and C); it resumes from the unsharded chain's dist
+    checkpoint (sr) and the unsharded chain from its own (C), bit for bit; and its state dict in a
+    file per rank (Megatron-LM's torch checkpoints) restores every state tensor."""
+    ranks = _run(tmp_path, "muon_is_torch_muon_on_hidden_weights", steps=2, checkpoint_dir=str(tmp_path / "checkpoint"),
+                 chains=(chains := _muon_chains()), tensor_parallel_option="sr")
+    for rank in ranks:
         assert rank["type"] == "LowPrecisionMuonOptimizer"
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
@@ -108,10 +127,51 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
             losses = tensor_parallel["losses"][f"tp2-{mode}"]
             assert len(losses) == len(tp1) == 6 and all(abs(a - b) < 5e-4 for a, b in zip(losses[:2], tp1[:2])), mode
             assert max(abs(a - b) for a, b in zip(losses, tp1)) < 2e-3, (mode, losses, tp1)
-        for option, states in MUON_CHECKPOINT_STATES.items():
-            resumed = rank["dist_checkpoint"][option]
-            assert set(states) <= set(resumed["keys"]), (option, resumed["keys"])
-            assert resumed["unequal"] == [], option
+        for option, saved_by, loaded_by, trained_by in chains:
+            ran = rank["chains"][option]
+            assert set(MUON_CHECKPOINT_STATES[option]) <= set(ran["keys"]), (option, ran["keys"])
+            for run in [f"loaded by {chain}" for chain in loaded_by] + [f"trained by {chain}" for chain in trained_by]:
+                assert ran[run]["unequal"] == [] and ran[run]["uncompared"] == [], (option, run, ran[run])
+                assert ran[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
+            assert ran.get("reloaded from its file", "layer_wise" not in trained_by) is True, option
+    for option, *_ in chains:
+        state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks]
+        unsharded = state_bytes[0]["unsharded"]
+        assert all(held["unsharded"] == unsharded and held["layer_wise"] < 0.75 * unsharded for held in state_bytes), state_bytes
+        assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
+        assert all(held.get("layer_wise_layout", 0) < 0.75 * unsharded for held in state_bytes), state_bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_wise_owners_deal_parameters_as_megatrons_layer_wise_optimizer(monkeypatch, world_size):
+    """Without a shard-aligned layout, megatron-core's ``LayerWiseDistributedOptimizer`` deals the
+    parameters of all its optimizers' groups to the data-parallel ranks (its ping-pong assignment,
+    run here on stand-in groups, which it narrows to rank 0's); :func:`layer_wise_owners` gives each
+    parameter the same rank."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.optimizer import layer_wise_optimizer
+
+    from megatron_lowprec.megatron.optimizer import layer_wise_owners
+
+    sizes = [[64, 8, 8, 512], [96, 8], [512, 1, 64, 32, 32]]
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(size)) for size in group]} for group in sizes]
+    every_param = [param for group in groups for param in group["params"]]
+    optimizers = [SimpleNamespace(param_groups=groups[:2]), SimpleNamespace(param_groups=groups[2:])]
+    monkeypatch.setattr(layer_wise_optimizer, "get_pg_size", lambda group=None: world_size)
+    monkeypatch.setattr(layer_wise_optimizer, "get_pg_rank", lambda group=None: 0)
+    stock = SimpleNamespace(dp_cp="dp_cp", expt_dp="expt_dp", pg_collection=SimpleNamespace(dp_cp="dp_cp", expt_dp="expt_dp"))
+    deal = getattr(layer_wise_optimizer.LayerWiseDistributedOptimizer, "_shard_params_ping_pong", None)
+    if deal is None:
+        layer_wise_optimizer.LayerWiseDistributedOptimizer.shard_params(stock, optimizers)
+    else:
+        deal(stock, optimizers, world_size, world_size)
+    position = {id(param): index for index, param in enumerate(every_param)}
+    stock_owners = {position[id(param)]: rank for rank, params in enumerate(stock.dp_cp_params_list) for param in params}
+    ours = layer_wise_owners(every_param, world_size)
+    assert ours == [stock_owners[index] for index in range(len(every_param))]
+    assert len(set(ours)) == world_size
 
 
 def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
@@ -132,6 +192,10 @@ def test_what_cannot_be_honoured_stops_with_one_clear_error(tmp_path):
     assert "lowprec_track_update_quality=True" in messages["muon_update_quality"]
     assert "config.muon_tp_mode='sharded'" in messages["muon_tp_mode"] and "'blockwise' or 'duplicated'" in messages["muon_tp_mode"]
     assert "expert-parallel" in messages["expert_parallel"]
+    if "use_layer_wise_distributed_optimizer" in fields:
+        assert "optimizer='adam' use use_distributed_optimizer=True" in messages["layer_wise_adam"]
+    scattered = messages["layer_wise_scattered_gradients"]
+    assert "needs megatron's layer-wise layout" in scattered and "use_distributed_optimizer=False" in scattered
 
 
 def test_config_names_a_valid_option_and_keeps_megatrons_fields():

@@ -104,7 +104,9 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
 def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
     """From one initial checkpoint (saved at DP=2, resharded by dist_checkpointing), option D trains
     the same data at TP=1 (DP=2), TP=2 and PP=2; then A, C and sr train at each layout, logging EDQ
-    and the last-token sharpness (gathered from the last stage's tensor-parallel shards), uncompiled."""
+    and the last-token sharpness (gathered from the last stage's tensor-parallel shards), uncompiled. At
+    DP=2, ``optimizer=muon`` (megatron's defaults: QKV split) with ``optimizer.distributed=true``
+    (megatron's layer-wise distributed optimizer) trains as without it, bit for bit."""
     init = tmp_path / "init"
     layouts = {
         "dp2": [],
@@ -122,7 +124,14 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
                                     "precision.track_update_quality=true", "trainer.sharpness_interval=2", UNCOMPILED,
                                     *layout)}
             )
+    for distributed in ("false", "true"):
+        steps.append({"overrides": _tiny(cache_dir, tmp_path / f"muon-distributed-{distributed}", "precision=sr", "optimizer=muon",
+                                         f"optimizer.distributed={distributed}", "trainer.max_steps=2", UNCOMPILED)})
     results = _run(tmp_path, 2, steps)
+    muon, muon_layer_wise = results[-2:]
+    results = results[:-2]
+    assert len(_train_losses(muon)) == 2 and _train_losses(muon_layer_wise) == _train_losses(muon)
+    assert muon_layer_wise["summary"]["parameter_digest"] == muon["summary"]["parameter_digest"]
     reference, tensor_parallel, pipeline_parallel = (_train_losses(result) for result in results[1:4])
     assert len(reference) == 4 and all(math.isfinite(loss) for loss in reference)
     # Pipeline stages run the same kernels on the same data: bit-identical losses. Tensor

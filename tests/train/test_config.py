@@ -367,6 +367,8 @@ def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overri
         (["optimizer=muon", "optimizer.muon_scale_mode=original"],
          "optimizer.muon_scale_mode='original' is not valid; choose one of: spectral, shape_scaling, unit_rms_norm"),
         (["optimizer=muon", "optimizer.muon_momentum=1.0"], "optimizer.muon_momentum=1.0 must be in [0, 1)"),
+        (["optimizer=muon", "optimizer.muon_tp_mode=distributed"],
+         "optimizer.muon_tp_mode='distributed' is not valid; choose one of: blockwise, duplicated"),
         (["optimizer=muon", "precision=megatron"], "optimizer.name=muon cannot run with precision=megatron"),
         (["optimizer=muon", "precision.track_update_quality=true"],
          "optimizer.name=muon cannot run with precision.track_update_quality=true"),
