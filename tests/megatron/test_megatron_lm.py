@@ -340,25 +340,37 @@ def _checkpoint_tensors(save_dir: Path) -> dict:
     return {key: value for key, value in torch.load(whole, weights_only=False).items() if isinstance(value, torch.Tensor)}
 
 
+TP2_TO_TP1 = ((2, ["--tensor-model-parallel-size", "2"]), (1, []))
+DP2_TO_DP1 = ((2, ["--use-distributed-optimizer"]), (1, ["--use-distributed-optimizer"]))
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FP8_MOMENTS = tuple(f"{moment}_{part}" for moment in MOMENTS for part in ("payload", "scale", "expansion_exponent"))
+
+
 @requires_megatron_training
-@pytest.mark.parametrize("saved_at, resumed_at, option", [
-    ((2, ["--tensor-model-parallel-size", "2"]), (1, []), ["--lowprec-option", "C"]),
-    ((2, ["--use-distributed-optimizer"]), (1, ["--use-distributed-optimizer"]),
-     ["--lowprec-option", "D-BF16", "--lowprec-master-storage", "remainder"]),
-], ids=["tp2-to-tp1-C", "dp2-to-dp1-distopt-D-BF16-remainder"])
+@pytest.mark.parametrize("layouts, option, states", [
+    (TP2_TO_TP1, ["--lowprec-option", "C"], (*MOMENTS, "param_lo", "exp_avg_sq_lo")),
+    (TP2_TO_TP1, ["--lowprec-option", "kahan"], (*MOMENTS, "kahan_compensation")),
+    (DP2_TO_DP1, ["--lowprec-option", "coat", "--lowprec-master-storage", "remainder"], (*FP8_MOMENTS, "master")),
+], ids=["tp2-to-tp1-C", "tp2-to-tp1-kahan", "dp2-to-dp1-distopt-coat-remainder"])
 def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit(
-    tmp_path, indexed_corpus, saved_at, resumed_at, option
+    tmp_path, indexed_corpus, layouts, option, states
 ):
     """Megatron-LM trains 2 iterations at one layout and saves (``torch_dist``); a run at another layout
     loads it and, with nothing left to train, saves again: both checkpoints hold the same tensors, bit
-    for bit (parameters, moments, δθ and δv, FP32 masters from their remainders). The vocabulary is
-    padded to 128 at both tensor-parallel sizes (by default megatron pads to 128 x TP)."""
+    for bit (parameters, moments, δθ and δv, Kahan's compensation, COAT's FP8 payloads with their
+    group scales and expansion exponents per element, FP32 masters from their remainders), and the
+    optimizer states are the option's ``states``. The vocabulary is padded to 128 at both
+    tensor-parallel sizes (by default megatron pads to 128 x TP). COAT is resharded across
+    data-parallel sizes: across tensor-parallel sizes a group at TP=1 that gathers elements of two
+    ranks' groups (a row-parallel weight's rows, a column-parallel bias shorter than a group) is
+    quantized afresh, and its payloads and scale change (``checkpoint_state``)."""
     argv = [*TINY_GPT, "--global-batch-size", "4", "--data-path", indexed_corpus, "--split", "90,5,5",
             "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist",
             "--make-vocab-size-divisible-by", "64", *option]
     argv[argv.index("--train-iters") + 1] = "2"
     checkpoints = {}
     resume = ["--load", str(tmp_path / "saved" / "ckpt"), "--no-load-rng"]
+    saved_at, resumed_at = layouts
     for name, (world_size, layout_argv), load in (("saved", saved_at, []), ("resumed", resumed_at, resume)):
         (tmp_path / name).mkdir()
         run_ranks(WORKER, tmp_path / name, world_size, "pretrain_gpt", json.dumps({"argv": [
@@ -369,6 +381,7 @@ def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bi
 
     saved, resumed = checkpoints["saved"], checkpoints["resumed"]
     assert sorted(saved) == sorted(resumed)
-    assert any("exp_avg" in key for key in saved), sorted(saved)
+    prefix = "optimizer.state."
+    assert {key[len(prefix):].split(".")[0] for key in saved if key.startswith(prefix)} == set(states)
     unequal = [key for key in saved if not torch.equal(saved[key], resumed[key])]
     assert unequal == []
