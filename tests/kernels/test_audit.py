@@ -24,7 +24,11 @@ SHARD_RECOMPILES = (
     "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again "
     "(D with remainders: its compiled master windows over the shard's rows)"
 )
-COAT_KERNELS = "coat's plain step is 3 kernels"
+COAT_KERNELS = (
+    "coat's plain step is 3 kernels: the element pass and the group statistics, then each moment's group-scale "
+    "store ([groups] pointwise, after every read of the old scales); Inductor fuses the element pass with the "
+    "reductions only in its last, loop-reordering round, and no round after it fuses the stores as epilogues"
+)
 
 KNOWN_DEFECTS = [
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
