@@ -33,6 +33,11 @@ requires_megatron_training = pytest.mark.skipif(
 )
 
 
+UNCOMPILED = ["--no-lowprec-fused"]
+"""For runs whose subject is not the compiled step: the same bits (tests/optim/test_fused.py), without
+each rank compiling each option's step (tens of CPU-seconds apiece on CI's 2 cores)."""
+
+
 def _run(tmp_path: Path, world_size: int, argv: list[str], steps: int = 2) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     arguments = {"argv": [*TINY_GPT, "--global-batch-size", str(2 * world_size), *argv], "steps": steps}
@@ -144,8 +149,8 @@ def test_megatron_lm_builds_coat_with_the_distributed_optimizer(tmp_path):
     """``--lowprec-option coat --use-distributed-optimizer`` through megatron's ``parse_args``,
     ``initialize_megatron`` and ``setup_model_and_optimizer`` (DP=2): the sharded precision optimizer
     with the SR seed of ``--seed``, COAT's FP8 linears in the model, biases and norms without weight
-    decay, finite losses."""
-    for rank in _run(tmp_path, 2, ["--lowprec-option", "coat", "--use-distributed-optimizer"]):
+    decay, finite losses (uncompiled steps)."""
+    for rank in _run(tmp_path, 2, ["--lowprec-option", "coat", "--use-distributed-optimizer", *UNCOMPILED]):
         assert rank["lowprec_option"] == "coat" and rank["option"] == "coat"
         assert rank["optimizer"] == "DistributedLowPrecisionOptimizer"
         assert rank["seed"] == 7
@@ -156,7 +161,7 @@ def test_megatron_lm_builds_coat_with_the_distributed_optimizer(tmp_path):
 
 @requires_megatron_training
 def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_optimizer(tmp_path):
-    emulated = _run(tmp_path / "emulated", 1, ["--lowprec-option", "C", "--lowprec-emulate", "E8M5", "--lowprec-seed", "3"])[0]
+    emulated = _run(tmp_path / "emulated", 1, ["--lowprec-option", "C", "--lowprec-emulate", "E8M5", "--lowprec-seed", "3", *UNCOMPILED])[0]
     assert (emulated["optimizer"], emulated["option"], emulated["seed"]) == ("LowPrecisionOptimizer", "C", 3)
     assert emulated["emulated_linears"] > 0 and emulated["fp8_linears"] == 0
     stock = _run(tmp_path / "stock", 1, [])[0]
@@ -279,6 +284,8 @@ LAYOUTS = {
     "tp2-dp2-distopt-sr": (4, 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "sr"),
 }
 """Layout: ranks, global batch size, Megatron-LM's arguments, the precision option (one per family)."""
+COMPILED_LAYOUTS = ("tp2-dp2-distopt-sr",)
+"""Layouts whose option runs the compiled step (the default); the others run it uncompiled."""
 
 
 @pytest.fixture(scope="module")
@@ -307,13 +314,14 @@ def test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_
     """Megatron-LM's own ``pretrain`` (``pretrain_gpt.py``'s calls, on ``--data-path``) trains with the
     option and with megatron's own optimizer at the same layout; the losses agree as at DP=1
     (within 1e-3 over 4 iterations: the options differ from AdamW in BF16 rounding only), and the
-    tensor-parallel ranks of the last stage agree exactly."""
+    tensor-parallel ranks of the last stage agree exactly. Compiled at TP=2 x DP=2 only (:data:`COMPILED_LAYOUTS`)."""
     world_size, global_batch, layout_argv, option = LAYOUTS[layout]
     argv = [*TINY_GPT, "--global-batch-size", str(global_batch), "--data-path", indexed_corpus, "--split", "90,5,5",
             "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1", *layout_argv]
     argv[argv.index("--train-iters") + 1] = str(TRAIN_ITERATIONS)
     runs = {}
-    for name, extra in (("option", ["--lowprec-option", option]), ("stock", [])):
+    compiled = [] if layout in COMPILED_LAYOUTS else UNCOMPILED
+    for name, extra in (("option", ["--lowprec-option", option, *compiled]), ("stock", [])):
         (tmp_path / name).mkdir()
         ranks = run_ranks(WORKER, tmp_path / name, world_size, "pretrain_gpt",
                           json.dumps({"argv": [*argv, *extra]}), timeout_seconds=600)
@@ -363,10 +371,10 @@ def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bi
     tensor-parallel sizes (by default megatron pads to 128 x TP). COAT is resharded across
     data-parallel sizes: across tensor-parallel sizes a group at TP=1 that gathers elements of two
     ranks' groups (a row-parallel weight's rows, a column-parallel bias shorter than a group) is
-    quantized afresh, and its payloads and scale change (``checkpoint_state``)."""
+    quantized afresh, and its payloads and scale change (``checkpoint_state``). Uncompiled steps."""
     argv = [*TINY_GPT, "--global-batch-size", "4", "--data-path", indexed_corpus, "--split", "90,5,5",
             "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist",
-            "--make-vocab-size-divisible-by", "64", *option]
+            "--make-vocab-size-divisible-by", "64", *option, *UNCOMPILED]
     argv[argv.index("--train-iters") + 1] = "2"
     checkpoints = {}
     resume = ["--load", str(tmp_path / "saved" / "ckpt"), "--no-load-rng"]
