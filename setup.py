@@ -8,9 +8,10 @@ from setuptools import find_packages, setup
 MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
 # What Megatron-LM's pretrain_gpt.py (a checkout, or megatron.training in megatron-core 0.17+) imports
 # beyond the megatron-core wheel's own requirements: six and regex (tokenizers), pyyaml (arguments),
-# pybind11 (compiling the dataset helpers of a checkout for --data-path), triton (imported by
-# initialize.py at 0.16 and by megatron.core itself from 0.18; Linux wheels only).
-MEGATRON_LM = [*MEGATRON, "six", "regex", "pyyaml", "pybind11>=2.10", "triton; platform_system == 'Linux'"]
+# pydantic (a core_v0.16 checkout's training.py imports megatron.rl, which needs it), pybind11
+# (compiling the dataset helpers of a checkout for --data-path), triton (imported by initialize.py at
+# 0.16 and by megatron.core itself from 0.18; Linux wheels only).
+MEGATRON_LM = [*MEGATRON, "six", "regex", "pyyaml", "pydantic", "pybind11>=2.10", "triton; platform_system == 'Linux'"]
 DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
 TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10", "xxhash>=3"]
 PLOT = ["matplotlib>=3.7"]

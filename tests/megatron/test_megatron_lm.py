@@ -213,7 +213,7 @@ def test_the_megatron_lm_extra_adds_what_pretrain_gpt_needs_to_the_megatron_extr
     extras = _extras()
     names = {Requirement(requirement).name for requirement in extras["megatron-lm"]}
     assert {Requirement(requirement).name for requirement in extras["megatron"]} <= names
-    assert {"six", "regex", "pyyaml", "pybind11", "triton"} <= names
+    assert {"six", "regex", "pyyaml", "pydantic", "pybind11", "triton"} <= names
 
 
 def test_dataset_helpers_compile_for_the_running_python_or_name_what_is_missing(monkeypatch):
