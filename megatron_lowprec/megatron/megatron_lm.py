@@ -107,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="each rank draws its own stochastic-rounding bits (the SR paper's ablation)")
     group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled optimizer step (default: where it is available)")
-    group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=False,
-                       help="the first steps run the fused step uncompiled (the same bits) while a background thread "
-                            "compiles it (experimental: a forward pass during the compile's FX trace can fail; default: off)")
+    group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="the first steps run the fused step uncompiled (the same bits) while a child process "
+                            "compiles it into Inductor's cache (default: on)")
     group.add_argument("--lowprec-track-update-quality", action="store_true",
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,

@@ -1,139 +1,261 @@
-"""Compiling the fused step in a background thread while the first steps run it uncompiled.
+"""Compiling the fused step in a child process while the first steps run it uncompiled.
 
 Compiling a call of the fused step of a new kind (strategy, dtypes, which sizes are 0 or 1, ...)
 costs Dynamo's trace, Inductor's code generation and a C++ compile (Triton on GPUs): 15 to 70 s on
-2 CPU cores with an empty cache, a few seconds with a warm one. With background compilation such a
-call, and every call of the same kind until its compile is done, runs the same function uncompiled
-(the eager reference, which gives the compiled step's bits: the fused-vs-eager tests check every
-option bit for bit), while one thread compiles it by calling the compiled function on scratch
-copies of that call's tensors, never on the live state. Once no compile is running, the calls of
-every compiled kind take the compiled function; a kind that failed to compile stays uncompiled
-(:class:`~megatron_lowprec.optim.fused.EagerFallbackWarning`, once).
+2 CPU cores with an empty cache. Inductor keeps what it generates in its on-disk caches (the FX graph
+cache under ``$TORCHINDUCTOR_CACHE_DIR``), keyed by the traced graph, its inputs' metadata and the
+compile options, not by the process. So a child process that calls the same compiled function on
+tensors of the same metadata fills the cache entry that the training process looks up later, and
+the training process then compiles that kind of call from the cache: Dynamo's trace and a cache hit,
+2 to 4 CPU-seconds instead of the whole compile.
+
+With background compilation, the first call of a new kind runs the same function uncompiled (the
+eager reference, which gives the compiled step's bits: the fused-vs-eager tests check every option
+bit for bit) and is queued; at the end of the step (the optimizers call
+:meth:`BackgroundCompiles.start`) one child process compiles every queued kind, and the calls of a
+kind run uncompiled until that child has ended. Then they take the compiled function, which the
+training process compiles at its next call of that kind, from the cache.
 
 * Numerics: each call runs one of two functions that give the same bits, whichever it is.
-* The scratch copies: each storage that the call's tensors view, copied once, with the tensors'
-  offsets, sizes and strides, so that the compile sees what the live call shows Dynamo (aliasing
-  included) and its guards hold for the live calls of its kind. They take that much memory until
-  the compile ends; on a GPU where they would take more than half of the free memory, the call
-  compiles in the foreground instead, as without background compilation.
-* The thread: one at a time, started at the end of the step that queued a compile (the optimizers
-  call :meth:`BackgroundCompiles.start`), so that the step's own uncompiled calls do not share the
-  CPU with it, and ending when no compile is queued (none is alive once compiling is done). It runs with the calling thread's grad mode and torch
-  function modes (Dynamo guards on both), on the call's GPU, and no collective, so every rank
-  compiles on its own.
-  Inductor keeps what it built in its on-disk cache, so a compile cut short by the end of the
-  process is not lost: Python waits for the running compile at exit, and drops the queued ones.
-* torch's ``torch.compiler.is_compiling()`` is one flag per process: while the thread compiles,
-  code in the training thread that asks it sees ``True``. This package's own branches on it give
-  the same bits either way (correctly rounded division and square root on every path).
+* The child gets no tensor values: each call's arguments travel as a skeleton (:func:`skeleton`:
+  every tensor as its storage's size, dtype, device, offset, sizes and strides, storages shared as
+  in the call), and the child calls the compiled function on zero-filled tensors of that skeleton
+  (:func:`materialize`). A compiled step never branches on tensor values (``fullgraph``), so the
+  trace and the cache key are those of the live call. The child takes the parent's Inductor, Dynamo
+  and AOT configs, grad mode and cache directory.
+* Memory: the child allocates the call's storages on their device (the parent allocates nothing).
+  On a GPU where they would take more than :data:`GPU_FREE_MEMORY_SHARE` of the free memory, the
+  call compiles in the training process instead, as without background compilation.
+* A child that fails (an error, or killed) leaves its kinds to compile in the training process at
+  their next call, with a :class:`BackgroundCompileWarning` once per kind (the caller's
+  ``on_failure``) giving the error or the child's last output lines.
+* Unlike a compile thread, the child shares nothing with the training process: no interpreter lock
+  and no process-wide patching while it traces (``torch.fx`` patches ``torch.nn.Module.__call__``
+  while it traces, which broke concurrent forward passes in a thread). At the parent's exit a
+  running child is killed, with the compile workers and compiler it started (its own process
+  group); what it finished is in the cache for the next run.
 """
 
 from __future__ import annotations
 
-import collections
+import atexit
 import contextlib
 import dataclasses
-import threading
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import _get_current_function_mode_stack
-
-THREAD_NAME = "megatron-lowprec-compile"
-"""The name of the background compile thread."""
 
 GPU_FREE_MEMORY_SHARE = 0.5
-"""On a GPU, the largest share of the free device memory that a call's scratch copies may take;
-a call whose copies need more compiles in the foreground."""
+"""On a GPU, the largest share of the free device memory that a call's storages may take in the
+compile child; a call whose storages need more compiles in the training process."""
+
+CHILD_OUTPUT_LINES = 20
+"""The last lines of a failed child's output that its error message gives."""
+
+
+class BackgroundCompileWarning(UserWarning):
+    """A background compile failed: the training process compiles that kind of call itself."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecipe:
+    """How to get a compiled function in any process: ``factory(*arguments)``. ``factory`` must be a
+    module-level function (pickled by its qualified name, e.g. a ``functools.cache``'d builder), so
+    that the child process builds the same compiled function."""
+
+    factory: Callable[..., Callable]
+    arguments: tuple = ()
+
+    def build(self) -> Callable:
+        return self.factory(*self.arguments)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSkeleton:
+    """A tensor without its values: the size of its storage (shared by the skeletons of one storage,
+    by ``storage`` index), its dtype, device, storage offset, sizes and strides."""
+
+    storage: int
+    storage_bytes: int
+    dtype: torch.dtype
+    device: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    kind: Hashable
+    recipe: CompileRecipe
+    skeleton: Any
+    grad_enabled: bool
+
+
+@dataclasses.dataclass
+class _Child:
+    process: subprocess.Popen
+    kinds: list[Hashable]
+    directory: tempfile.TemporaryDirectory
+
+    @property
+    def results_path(self) -> Path:
+        return Path(self.directory.name) / "results.pkl"
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.directory.name) / "output.txt"
 
 
 class BackgroundCompiles:
-    """The compiles of this process that run in the background, by kind of call (:func:`call_kind`)."""
+    """The compiles of this process that run in a child process, by kind of call (:func:`call_kind`).
+    Used from the training thread only."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: collections.deque = collections.deque()
-        self._queued: set[Hashable] = set()
-        self._results: dict[Hashable, BaseException | None] = {}
+        self._queued: dict[Hashable, _Job] = {}
+        self._child: _Child | None = None
+        self._results: dict[Hashable, str | None] = {}
         self._warned: set[Hashable] = set()
-        self._thread: threading.Thread | None = None
+        atexit.register(self._kill_child)
 
-    def call(
-        self, compiled: Callable, eager: Callable, args: tuple, on_failure: Callable[[BaseException], None]
-    ) -> Any:
-        """``compiled(*args)`` where the compile of this kind of call is done and none is running or
-        queued; otherwise ``eager(*args)``, queueing the compile of a kind not seen before (it starts
-        at :meth:`start`). A kind whose compile failed runs ``eager`` and calls ``on_failure(error)``
-        the first time."""
-        kind = (compiled, call_kind(args))
-        with self._lock:
-            new = kind not in self._results and kind not in self._queued
-            foreground = new and _too_large_for_the_device(args)
-            if foreground:
+    def call(self, recipe: CompileRecipe, eager: Callable, args: tuple, on_failure: Callable[[str], None]) -> Any:
+        """``recipe.build()(*args)`` where a child has compiled this kind of call (or failed to:
+        then ``on_failure(error)`` the first time, and the training process compiles it), or where
+        the call's storages are too large for a child on its GPU; otherwise ``eager(*args)``,
+        queueing the compile of a kind not seen before (a child starts it at :meth:`start`)."""
+        self._collect()
+        kind = (recipe, call_kind(args))
+        if kind not in self._results and kind not in self._queued and not self._in_child(kind):
+            if _too_large_for_the_device(args):
                 self._results[kind] = None
-            elif new:
-                self._queued.add(kind)
-                self._queue.append((kind, compiled, _scratch_copy_on_device(args), torch.is_grad_enabled(), _get_current_function_mode_stack()))
-            compiling = self._thread is not None or bool(self._queue)
-            done = kind in self._results
-            error = self._results.get(kind)
-            warn = error is not None and kind not in self._warned
-            self._warned.update([kind] if warn else [])
-        if warn:
-            on_failure(error)
-        if foreground:
-            return compiled(*args)
-        if compiling or not done or error is not None:
+            else:
+                self._queued[kind] = _Job(kind, recipe, skeleton(args), torch.is_grad_enabled())
+        if kind not in self._results:
             return eager(*args)
-        return compiled(*args)
+        error = self._results[kind]
+        if error is not None and kind not in self._warned:
+            self._warned.add(kind)
+            on_failure(error)
+        return recipe.build()(*args)
 
     def start(self) -> None:
-        """Start compiling what is queued, unless the thread runs already. The optimizers call it at
-        the end of a step, so that the step's uncompiled calls do not share the CPU with the compile."""
-        with self._lock:
-            if self._queue and self._thread is None:
-                self._thread = threading.Thread(target=self._compile_queued, name=THREAD_NAME)
-                self._thread.start()
+        """Start a child that compiles every queued kind, unless one runs already. The optimizers
+        call it at the end of a step."""
+        self._collect()
+        if self._queued and self._child is None:
+            self._child = _start_child(list(self._queued.values()))
+            self._queued.clear()
 
     def wait(self) -> None:
-        """Start what is queued and block until no compile is running or queued (the thread has ended)."""
-        self.start()
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None:
-                return
-            thread.join()
+        """Block until nothing is queued or compiling (children started as needed)."""
+        while self.compiling():
+            self.start()
+            self._child.process.wait()
 
     def compiling(self) -> bool:
-        """Whether a compile is running or queued."""
-        with self._lock:
-            return self._thread is not None or bool(self._queue)
+        """Whether a compile is queued or a child is compiling."""
+        self._collect()
+        return self._child is not None or bool(self._queued)
 
-    def _compile_queued(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue or not threading.main_thread().is_alive():
-                    self._queue.clear()
-                    self._queued.clear()
-                    self._thread = None
-                    return
-                kind, compiled, (scratch, device), grad_enabled, modes = self._queue.popleft()
-            error = None
-            try:
-                with torch.set_grad_enabled(grad_enabled), contextlib.ExitStack() as entered:
-                    if device is not None:
-                        entered.enter_context(torch.cuda.device(device))
-                    for mode in modes:
-                        entered.enter_context(mode)
-                    compiled(*scratch)
-            except Exception as caught:  # reported by the next call of this kind, in the caller's thread
-                error = caught
-            del scratch
-            with self._lock:
-                self._queued.discard(kind)
-                self._results[kind] = error
+    def child_pid(self) -> int | None:
+        """The process id of the running child, if any."""
+        return None if self._child is None else self._child.process.pid
+
+    def _in_child(self, kind: Hashable) -> bool:
+        return self._child is not None and kind in self._child.kinds
+
+    def _collect(self) -> None:
+        """Take the results of a child that has ended."""
+        child = self._child
+        if child is None or child.process.poll() is None:
+            return
+        errors = _child_errors(child)
+        self._results.update(zip(child.kinds, errors))
+        child.directory.cleanup()
+        self._child = None
+
+    def _kill_child(self) -> None:
+        """Kill a running child and what it started (Inductor's compile workers, the C++ compiler)."""
+        if self._child is not None and self._child.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._child.process.pid, signal.SIGKILL)
+            self._child.process.wait()
+
+
+def _start_child(jobs: list[_Job]) -> _Child:
+    """A child process (``python -m megatron_lowprec.optim.background_compile``) compiling ``jobs``,
+    with this process's compile configs, import path and Inductor cache directory."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    directory = tempfile.TemporaryDirectory(prefix="megatron-lowprec-compile-")
+    payload = {
+        "jobs": [(job.recipe, job.skeleton, job.grad_enabled) for job in jobs],
+        "configs": {
+            "inductor": inductor_config.save_config_portable(),
+            "dynamo": torch._dynamo.config.save_config_portable(),
+            "functorch": functorch_config.save_config_portable(),
+        },
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    spec_path = Path(directory.name) / "jobs.pkl"
+    spec_path.write_bytes(pickle.dumps(payload))
+    environment = dict(os.environ)
+    environment["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()
+    environment["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    child = _Child(None, [job.kind for job in jobs], directory)
+    with open(child.output_path, "wb") as output:
+        child.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(spec_path), str(child.results_path)],
+            env=environment, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    return child
+
+
+def _child_errors(child: _Child) -> list[str | None]:
+    """Per kind of an ended child: ``None`` (compiled) or why not."""
+    if child.process.returncode == 0 and child.results_path.exists():
+        return pickle.loads(child.results_path.read_bytes())
+    lines = child.output_path.read_text(errors="replace").splitlines()[-CHILD_OUTPUT_LINES:]
+    reason = f"the compile process ended with status {child.process.returncode}"
+    return [reason + (": " + "\n".join(lines) if lines else "")] * len(child.kinds)
+
+
+def compile_jobs(spec_path: Path, results_path: Path) -> None:
+    """The child's work: take the parent's configs (setting only what differs: a setter can change
+    the cache key even to the value it had), then call each job's compiled function on
+    zero-filled tensors of its skeleton; write each job's error (``None``: compiled)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    payload = pickle.loads(Path(spec_path).read_bytes())
+    configs = payload["configs"]
+    inductor_config.load_config(configs["inductor"])
+    torch._dynamo.config.load_config(configs["dynamo"])
+    functorch_config.load_config(configs["functorch"])
+    if torch.are_deterministic_algorithms_enabled() != payload["deterministic"]:
+        torch.use_deterministic_algorithms(payload["deterministic"])
+    if torch.get_float32_matmul_precision() != payload["float32_matmul_precision"]:
+        torch.set_float32_matmul_precision(payload["float32_matmul_precision"])
+    errors = []
+    for recipe, job_skeleton, grad_enabled in payload["jobs"]:
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                recipe.build()(*materialize(job_skeleton))
+            errors.append(None)
+        except Exception as error:  # reported to the parent, which then compiles this kind itself
+            errors.append(f"{type(error).__name__}: {error}")
+    Path(results_path).write_bytes(pickle.dumps(errors))
 
 
 def call_kind(args: Any) -> Hashable:
@@ -149,65 +271,87 @@ def call_kind(args: Any) -> Hashable:
             dims = tuple(size if size < 2 else -1 - sizes.setdefault(size, len(sizes)) for size in value.shape)
             storage = storages.setdefault(_storage_key(value), len(storages))
             return (value.dtype, value.device, dims, value.is_contiguous(), value.storage_offset() == 0, storage)
-        if isinstance(value, (tuple, list)):
-            return (type(value), tuple(kind(item) for item in value))
-        if isinstance(value, dict):
-            return (dict, tuple((key, kind(item)) for key, item in value.items()))
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return (type(value), tuple(kind(getattr(value, field.name)) for field in dataclasses.fields(value)))
-        return (type(value), value)
+        return _map_structure(
+            value, kind, lambda original, items: (type(original), original if items is None else tuple(items))
+        )
 
     return kind(args)
 
 
-def scratch_copy(args: Any) -> Any:
-    """``args`` with every tensor replaced by a tensor of the same dtype, offset, sizes and strides
-    on a copy of its storage (one copy per storage, so that aliasing is kept); other values as they are."""
-    copies: dict[tuple, torch.UntypedStorage] = {}
+def skeleton(args: Any) -> Any:
+    """``args`` with every tensor replaced by its :class:`TensorSkeleton` (tensors on one storage
+    share its index); other values as they are."""
+    storages: dict[tuple, int] = {}
 
-    def copy(value: Any) -> Any:
+    def strip(value: Any) -> Any:
         if torch.is_tensor(value):
-            key = _storage_key(value)
-            if key not in copies:
-                copies[key] = value.untyped_storage().clone()
-            return value.new_empty(0).set_(copies[key], value.storage_offset(), value.shape, value.stride())
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(copy(item) for item in value))
-        if isinstance(value, (tuple, list)):
-            return type(value)(copy(item) for item in value)
-        if isinstance(value, dict):
-            return {key: copy(item) for key, item in value.items()}
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            changes = {field.name: copy(getattr(value, field.name)) for field in dataclasses.fields(value)}
-            if all(changes[name] is getattr(value, name) for name in changes):
-                return value
-            return dataclasses.replace(value, **changes)
-        return value
+            return TensorSkeleton(
+                storages.setdefault(_storage_key(value), len(storages)), value.untyped_storage().nbytes(),
+                value.dtype, str(value.device), value.storage_offset(), tuple(value.shape), tuple(value.stride()),
+            )
+        return _map_structure(value, strip, _rebuild)
 
-    return copy(args)
+    return strip(args)
 
 
-def _scratch_copy_on_device(args: Any) -> tuple[Any, torch.device | None]:
-    """:func:`scratch_copy` of ``args`` and the GPU they are on (``None`` on the CPU), the copies
-    complete before they are handed to another thread (which runs on that GPU's default stream)."""
-    scratch = scratch_copy(args)
-    devices = [value.device for value in _tensors(args) if value.device.type == "cuda"]
-    if devices:
-        torch.cuda.current_stream(devices[0]).synchronize()
-    return scratch, devices[0] if devices else None
+def materialize(value: Any) -> Any:
+    """``value`` with every :class:`TensorSkeleton` replaced by a tensor of its dtype, offset, sizes
+    and strides on a zero-filled storage (one per storage index)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def build(item: Any) -> Any:
+        if isinstance(item, TensorSkeleton):
+            if item.storage not in storages:
+                storages[item.storage] = torch.zeros(item.storage_bytes, dtype=torch.uint8, device=item.device).untyped_storage()
+            return torch.empty(0, dtype=item.dtype, device=item.device).set_(
+                storages[item.storage], item.offset, item.shape, item.stride
+            )
+        return _map_structure(item, build, _rebuild)
+
+    return build(value)
+
+
+def _map_structure(value: Any, function: Callable[[Any], Any], combine: Callable[[Any, list], Any]) -> Any:
+    """``combine(original, [function(item) ...])`` over the items of a tuple, named tuple, list,
+    dict (as (key, item) pairs) or dataclass instance (its fields); a leaf otherwise: ``(type, value)``
+    where ``combine`` builds kinds, the value itself where it rebuilds."""
+    if isinstance(value, (tuple, list)):
+        return combine(value, [function(item) for item in value])
+    if isinstance(value, dict):
+        return combine(value, [(key, function(item)) for key, item in value.items()])
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return combine(value, [(field.name, function(getattr(value, field.name))) for field in dataclasses.fields(value)])
+    return combine(value, None)
+
+
+def _rebuild(original: Any, items: list | None) -> Any:
+    """``original`` with its items replaced (see :func:`_map_structure`); a leaf as it is."""
+    if items is None:
+        return original
+    if isinstance(original, tuple) and hasattr(original, "_fields"):
+        return type(original)(*items)
+    if isinstance(original, (tuple, list)):
+        return type(original)(items)
+    if isinstance(original, dict):
+        return dict(items)
+    changes = dict(items)
+    if all(changes[name] is getattr(original, name) for name in changes):
+        return original
+    return dataclasses.replace(original, **changes)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in ``value``, through tuples, lists, dicts and dataclasses."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    if isinstance(value, dict):
-        return [tensor for item in value.values() for tensor in _tensors(item)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [tensor for field in dataclasses.fields(value) for tensor in _tensors(getattr(value, field.name))]
-    return []
+    found: list[torch.Tensor] = []
+
+    def visit(item: Any) -> Any:
+        if torch.is_tensor(item):
+            found.append(item)
+        else:
+            _map_structure(item, visit, lambda original, items: None)
+
+    visit(value)
+    return found
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
@@ -216,8 +360,8 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 
 def _too_large_for_the_device(args: Any) -> bool:
-    """Whether the scratch copies of ``args`` on a GPU would take more than
-    :data:`GPU_FREE_MEMORY_SHARE` of its free memory."""
+    """Whether the storages of ``args`` on a GPU would take more than :data:`GPU_FREE_MEMORY_SHARE`
+    of its free memory in the compile child."""
     needed: dict[torch.device, int] = {}
     storages = {_storage_key(tensor): tensor for tensor in _tensors(args) if tensor.device.type == "cuda"}
     for tensor in storages.values():
@@ -227,3 +371,10 @@ def _too_large_for_the_device(args: Any) -> bool:
 
 BACKGROUND_COMPILES = BackgroundCompiles()
 """The background compiles of this process (the compiled functions are the process's too)."""
+
+
+if __name__ == "__main__":
+    # Run as the package's module, not as __main__, so that the skeletons unpickle as its classes.
+    from megatron_lowprec.optim import background_compile
+
+    background_compile.compile_jobs(Path(sys.argv[1]), Path(sys.argv[2]))

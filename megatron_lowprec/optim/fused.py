@@ -61,7 +61,7 @@ import torch
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
-from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
 from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
@@ -345,8 +345,8 @@ def fused_bucket_step_(
     """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
     calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
     device) when ``track_update_quality``. With ``background_compile``, a call whose compiled kernel
-    is not built yet runs it uncompiled (the same bits) while a background thread builds it
-    (:mod:`~megatron_lowprec.optim.background_compile`; the caller starts that thread with
+    is not built yet runs it uncompiled (the same bits) while a child process compiles it
+    (:mod:`~megatron_lowprec.optim.background_compile`; the caller starts that child with
     ``BACKGROUND_COMPILES.start()`` once its step is done).
 
     ``grad`` holds the bucket's gradients: a flat buffer in the bucket's layout, or a
@@ -365,10 +365,10 @@ def fused_bucket_step_(
         None if part is None else kernel_scalar(part, dtype) for part in beta2_expansion_for(strategy, betas.pop(), dtype)
     )
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
-    kernel = compiled_kernel(strategy.moments == "fp8")
+    recipe = CompileRecipe(compiled_kernel, (strategy.moments == "fp8",))
     pieces = [
         _compiled_or_eager(
-            bucket_kernel_ if _one_fp8_group(strategy, state) else kernel, bucket, background_compile,
+            None if _one_fp8_group(strategy, state) else recipe, bucket, background_compile,
             param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
         )
         for param, call_grad, state, call_scalars, random_source in _calls(
@@ -378,21 +378,25 @@ def fused_bucket_step_(
     return sum(pieces) if track_update_quality else None
 
 
-def _compiled_or_eager(kernel: Callable, bucket: Bucket, background_compile: bool, *args: Any) -> torch.Tensor | None:
-    """One call of the compiled ``kernel`` (in the background: :data:`BACKGROUND_COMPILES` runs
-    :func:`bucket_kernel_` until it is built); the eager :func:`bucket_kernel_` on the same arguments,
-    with an :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile
-    limit: raised before the call runs, so nothing is stepped twice) or its background compile failed."""
-    if kernel is bucket_kernel_:
+def _compiled_or_eager(recipe: CompileRecipe | None, bucket: Bucket, background_compile: bool, *args: Any) -> torch.Tensor | None:
+    """One call of the compiled kernel that ``recipe`` builds (in the background:
+    :data:`BACKGROUND_COMPILES` runs :func:`bucket_kernel_` until a child process has compiled it);
+    :func:`bucket_kernel_` uncompiled where ``recipe`` is ``None``, and on the same arguments, with an
+    :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
+    raised before the call runs, so nothing is stepped twice)."""
+    if recipe is None:
         return bucket_kernel_(*args)
 
-    def warn_failed(error: BaseException) -> None:
-        warn_eager_fallback(bucket_entries(bucket), f"its background compile failed: {type(error).__name__}: {error}")
+    def warn_failed(error: str) -> None:
+        warnings.warn(
+            f"{bucket_entries(bucket)}: its background compile failed, the training process compiles it: {error}",
+            BackgroundCompileWarning, stacklevel=4,
+        )
 
     try:
         if background_compile:
-            return BACKGROUND_COMPILES.call(kernel, bucket_kernel_, args, warn_failed)
-        return kernel(*args)
+            return BACKGROUND_COMPILES.call(recipe, bucket_kernel_, args, warn_failed)
+        return recipe.build()(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warn_eager_fallback(
             bucket_entries(bucket),

@@ -104,12 +104,10 @@ class PrecisionConfig:
     the same masters bit for bit); ``None``: the option's own (``D-BF16``: remainder)."""
     fused: Optional[bool] = None
     """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
-    background_compile: bool = False
-    """Experimental: run the fused step uncompiled (the same bits) until a background thread has
-    compiled it, so that the first steps do not wait for the compiler. Off by default: torch.compile's
-    FX tracing patches ``torch.nn.Module.__call__`` for the whole process while it traces, so a forward
-    pass that runs meanwhile can fail (``NameError: module is not installed as a submodule``, seen at
-    TP=2 in CI)."""
+    background_compile: bool = True
+    """Run the fused step uncompiled (the same bits) until a child process has compiled it into
+    Inductor's on-disk cache, so that the first steps do not wait for the compiler; the step then
+    compiles from that cache (a few seconds). ``false``: the first step compiles it."""
     shared_randomness: bool = True
     """Stochastic rounding draws the same bits on every replica of a parameter (SR paper Alg. 1)."""
     grad_reduce_in_fp32: Optional[bool] = None

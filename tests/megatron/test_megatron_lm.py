@@ -24,7 +24,7 @@ TINY_GPT = [
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--train-iters", "10", "--lr-warmup-iters", "1", "--bf16",
     "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--transformer-impl", "local",
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
-    "--seed", "7",
+    "--seed", "7", "--no-lowprec-background-compile",
 ]
 
 requires_megatron_training = pytest.mark.skipif(
@@ -48,12 +48,12 @@ def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
-        "--lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--no-lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
-        "lowprec_background_compile": True, "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
+        "lowprec_background_compile": False, "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])
@@ -61,7 +61,7 @@ def test_arguments_parse_into_the_configs_fields():
     defaults.seed = 1234
     assert megatron_lm.precision_settings(defaults)["lowprec_seed"] == 1234
     assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
-    assert defaults.lowprec_background_compile is False
+    assert defaults.lowprec_background_compile is True
 
 
 def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):

@@ -34,10 +34,13 @@ pytestmark = [
 ]
 
 
-def _tiny(cache_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+def _tiny(cache_dir: Path, run_dir: Path, *overrides: str, background_compile: bool = False) -> list[str]:
     """A 2-layer, 32-wide GPT on 32-token sequences, 2 micro-batches of 2 per data-parallel rank
-    and step, a metrics row per step, no wandb, no checkpoint unless asked."""
+    and step, a metrics row per step, no wandb, no checkpoint unless asked; a fused step compiled at
+    the first step unless ``background_compile`` (the app's default: its steps then run uncompiled
+    until a child process has compiled it, which in a run of a few steps is never)."""
     return [
+        f"precision.background_compile={str(background_compile).lower()}",
         "model.num_layers=2",
         "model.hidden_size=32",
         "model.seq_length=32",
@@ -184,7 +187,8 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "megatron_lowprec.train",
-        *_tiny(cache_dir, run_dir, "precision=sr", "trainer.max_steps=2", "trainer.save=true", "logging.wandb=true"),
+        *_tiny(cache_dir, run_dir, "precision=sr", "trainer.max_steps=2", "trainer.save=true", "logging.wandb=true",
+               background_compile=True),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
     finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,

@@ -31,6 +31,7 @@ TINY = [
     "trainer.micro_batch_size=2",
     "trainer.global_batch_size=2",
     "trainer.max_steps=1",
+    "precision.background_compile=false",
     "trainer.eval_iters=1",
     "trainer.save=false",
     "logging.wandb=false",
