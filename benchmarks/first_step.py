@@ -13,14 +13,22 @@ is ``precision=megatron``, megatron-core's own optimizer, which on CPU is plain 
 corpus cache, so that no run pays for it. Runs go one after another; on a shared machine compare
 the ratios of one run, not absolute seconds across runs.
 
+With ``--megatron-lm CHECKOUT`` it times Megatron-LM's own ``pretrain_gpt.py`` instead (a checkout
+of Megatron-LM; this package's entry, ``torchrun -m megatron_lowprec.megatron.megatron_lm``, one
+process, a 2-layer GPT on mock data): the first iteration's time as Megatron-LM logs it (``elapsed
+time per iteration`` at iteration 1), per option with background compilation (the entry's default)
+and without it, beside Megatron's own optimizer, each run on an empty Inductor cache.
+
     python benchmarks/first_step.py
     python benchmarks/first_step.py --options coat sr --repeats 2
+    python benchmarks/first_step.py --megatron-lm ~/Megatron-LM --options C sr coat
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -78,6 +86,46 @@ def first_step_seconds(option: str, cache_dir: Path, run_dir: Path, background_c
     return float(marks[FIRST_STEP_MARK]) - started, float(marks[COMPILED_STEP_MARK]) - started
 
 
+MEGATRON_LM_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--clip-grad", "1.0",
+    "--bf16", "--seed", "7", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--transformer-impl", "local",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+]
+"""A 2-layer GPT for Megatron-LM's ``pretrain_gpt.py`` on mock data, with the flags a CPU run needs."""
+
+FIRST_ITERATION = re.compile(r"iteration\s+1/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def megatron_lm_first_iteration_seconds(checkout: Path, option_flags: list[str], cache_dir: Path) -> float:
+    """Megatron-LM's logged time of iteration 1 of ``pretrain_gpt.py`` in ``checkout`` with ``option_flags``."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               "-m", "megatron_lowprec.megatron.megatron_lm", "pretrain_gpt.py", *MEGATRON_LM_GPT, *option_flags]
+    completed = subprocess.run(command, cwd=checkout, env=environment, capture_output=True, text=True)
+    found = FIRST_ITERATION.search(completed.stdout + completed.stderr)
+    if completed.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(option_flags) or 'megatron'} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-3000:]}")
+    return float(found.group(1)) / 1000
+
+
+def megatron_lm_table(checkout: Path, options: list[str], root: Path) -> None:
+    """Print Megatron-LM's first iteration per option, with and without background compilation,
+    beside Megatron's own optimizer run just before each option."""
+    print("| option | first iteration (s) | without background compile (s) | Megatron's optimizer (s) | ratio | ratio without |")
+    print("|---|---|---|---|---|---|")
+    for option in options:
+        stock = megatron_lm_first_iteration_seconds(checkout, [], root / f"mlm-{option}-stock")
+        background, foreground = (
+            megatron_lm_first_iteration_seconds(checkout, ["--lowprec-option", option, *flags], root / f"mlm-{option}-{name}")
+            for name, flags in (("background", []), ("foreground", ["--no-lowprec-background-compile"]))
+        )
+        print(f"| {option} | {background:.2f} | {foreground:.2f} | {stock:.2f} | {background / stock:.2f} | {foreground / stock:.2f} |",
+              flush=True)
+
+
 def main() -> None:
     from megatron_lowprec.optim import available_strategies
 
@@ -86,7 +134,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="cold and warm runs per option (median)")
     parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
                         help="precision.background_compile of the option's runs (default: on)")
+    parser.add_argument("--megatron-lm", type=Path, metavar="CHECKOUT",
+                        help="time Megatron-LM's pretrain_gpt.py of this checkout instead of lowprec-train")
     args = parser.parse_args()
+    if args.megatron_lm is not None:
+        with tempfile.TemporaryDirectory(prefix="first_iteration_") as scratch:
+            megatron_lm_table(args.megatron_lm.resolve(), args.options, Path(scratch))
+        return
     with tempfile.TemporaryDirectory(prefix="first_step_") as scratch:
         root = Path(scratch)
         first_step_seconds(BASELINE, root / "cache-prepare", root / "prepare")

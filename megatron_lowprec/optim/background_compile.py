@@ -151,8 +151,12 @@ class BackgroundCompiles:
         call it at the end of a step."""
         self._collect()
         if self._queued and self._child is None:
-            self._child = _start_child(list(self._queued.values()))
+            jobs = list(self._queued.values())
             self._queued.clear()
+            try:
+                self._child = _start_child(jobs)
+            except Exception as error:  # e.g. an argument that does not pickle: the training process compiles
+                self._results.update((job.kind, f"no compile process started: {type(error).__name__}: {error}") for job in jobs)
 
     def wait(self) -> None:
         """Block until nothing is queued or compiling (children started as needed)."""

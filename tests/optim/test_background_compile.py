@@ -150,3 +150,16 @@ def test_a_running_child_is_killed_when_the_training_process_exits():
     assert finished.returncode == 0, finished.stderr[-3000:]
     child = int(finished.stdout.split()[-1])
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_a_child_that_cannot_start_leaves_its_kinds_to_the_training_process(monkeypatch, compiles):
+    def refuse(jobs):
+        raise pickle.PicklingError("an argument that does not pickle")
+
+    monkeypatch.setattr(background_module, "_start_child", refuse)
+    eager, fused = _twin_optimizers()
+    _step(eager, fused, steps=1, seed=13)
+    assert compiles.child_pid() is None and not compiles.compiling()
+    with pytest.warns(BackgroundCompileWarning, match="no compile process started: PicklingError: an argument"):
+        _step(eager, fused, steps=2, seed=14)
+    _assert_bit_identical(eager, fused)
