@@ -23,31 +23,47 @@ def _random(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+MASTER_TOLERANCE = 2**-6
+"""Per step, in units of lr·s(m, n): how far option D's master may be from torch.optim.Muon's."""
+MOMENTUM_TOLERANCE = 2**-23
+"""Per unit of the summed |g| of the steps so far: how far D's FP32 momentum may be from torch's."""
+
+
 @pytest.mark.parametrize("master_storage", ["fp32", "remainder"])
-@pytest.mark.parametrize("shape", [(16, 24), (40, 8)])
+@pytest.mark.parametrize("shape", [(16, 24), (40, 8), (64, 64)])
 @pytest.mark.parametrize(("scale_mode", "adjust_lr_fn", "nesterov"), [("original", None, True), ("match_rms_adamw", "match_rms_adamw", False)])
-def test_option_d_is_torch_muon_on_the_fp32_master(master_storage, shape, scale_mode, adjust_lr_fn, nesterov):
-    """D keeps an FP32 master and FP32 momentum and runs torch's operations on them (lerp momentum,
-    BF16 Newton-Schulz, multiplicative decay, add with alpha), so master and momentum are torch's
-    bit for bit, whichever way the master is stored."""
+def test_option_d_is_torch_muon_on_the_fp32_master_within_its_roundings(master_storage, shape, scale_mode, adjust_lr_fn, nesterov):
+    """D keeps an FP32 master and FP32 momentum and runs torch's Muon on them, operation for operation
+    but for the roundings: torch's two lerps (momentum, Nesterov) and ``add_(alpha=)`` round once
+    (on CPUs a fused multiply-add), ours multiply and add apart (two or three roundings, the same
+    eager and compiled). So the momentum stays within 2^-23 of the summed |g| (an FP32 ulp of the
+    terms each step, shrunk by μ < 1 after), and the master within lr·s·2^-6 per step: where the two
+    FP32 directions straddle a BF16 rounding boundary, Newton-Schulz's BF16 input differs by one BF16
+    ulp, which moves its BF16 output by about a BF16 ulp (2^-8 of entries below 1) in many elements
+    (seen at 64 x 64: 1.5·2^-8·lr·s at worst over 4 steps). The master is stored either way, and the
+    BF16 parameter is its nearest rounding."""
     start = _random(shape, 0).bfloat16().float()
     reference = torch.nn.Parameter(start.clone())
     param = _param(start)
     param.grad_dtype = torch.float32
     hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
     torch_muon = torch.optim.Muon([reference], adjust_lr_fn=adjust_lr_fn, **hyper)
-    ours = Muon([param], scale_mode=scale_mode, option="D", master_storage=master_storage, **hyper)
-    for step in range(4):
-        grad = _random(shape, step + 1)
+    ours = Muon([param], scale_mode=scale_mode, option="D", master_storage=master_storage, fused=False, **hyper)
+    scale = math.sqrt(max(1, shape[0] / shape[1])) if scale_mode == "original" else 0.2 * math.sqrt(max(shape))
+    summed_grads = torch.zeros(shape)
+    for step in range(1, 5):
+        grad = _random(shape, step)
+        summed_grads += grad.abs()
         reference.grad, param.grad = grad.clone(), grad.clone()
         torch_muon.step()
         ours.step()
         state = ours.state[param]
         master = state["master"] if master_storage == "fp32" else _joined(param, state["master_remainder"])
-        assert torch.equal(master, reference.detach())
-        assert torch.equal(state["momentum"], torch_muon.state[reference]["momentum_buffer"])
+        assert (master - reference.detach()).abs().max().item() <= step * hyper["lr"] * scale * MASTER_TOLERANCE
+        momentum_error = state["momentum"] - torch_muon.state[reference]["momentum_buffer"]
+        assert (momentum_error.abs() <= MOMENTUM_TOLERANCE * summed_grads).all()
     if master_storage == "fp32":
-        assert torch.equal(param.detach(), reference.detach().bfloat16())
+        assert torch.equal(param.detach(), master.bfloat16())
 
 
 def _joined(param, remainder):
@@ -291,9 +307,10 @@ def test_c_is_b_for_muon(device):
 
 def test_split_qkv_orthogonalizes_and_scales_query_key_and_value_rows_apart():
     """A fused QKV weight of 2 query groups, each 8 query rows, 4 key rows, 4 value rows (megatron's
-    layout), split (megatron-core's ``split_qkv``): with option D the FP32 master moves by -lr times
-    torch's Newton-Schulz of the stacked query (16 x 8), key (8 x 8) and value (8 x 8) rows, each
-    scaled by its own s(m, n) ("original": 2, 1, 1), put back in place; the unsplit matrix is not."""
+    layout), split (megatron-core's ``split_qkv``): with option D the FP32 master moves by torch's
+    Newton-Schulz of the stacked query (16 x 8), key (8 x 8) and value (8 x 8) rows, each times
+    -lr·s(m, n) with its own s ("original": 2, 1, 1; one rounding), put back in place; the unsplit
+    matrix is not."""
     split_rows, shape, lr = (8, 4, 4), (32, 8), 0.02
     start = _random(shape, 0).bfloat16().float()
     grad = _random(shape, 1)
@@ -307,9 +324,9 @@ def test_split_qkv_orthogonalizes_and_scales_query_key_and_value_rows_apart():
     for rows in split_rows:
         stacked = grouped[:, offset:offset + rows].reshape(-1, 8)
         scale = math.sqrt(max(1, stacked.size(0) / stacked.size(1)))
-        expected[:, offset:offset + rows] = (_zeropower_via_newtonschulz(stacked, *TORCH_NS).float() * scale).view(2, rows, 8)
+        expected[:, offset:offset + rows] = (_zeropower_via_newtonschulz(stacked, *TORCH_NS).float() * (-lr * scale)).view(2, rows, 8)
         offset += rows
-    assert torch.equal(optimizer.state[param]["master"], start.add(expected.view(shape), alpha=-lr))
+    assert torch.equal(optimizer.state[param]["master"], start + expected.view(shape))
     whole = -lr * _zeropower_via_newtonschulz(grad.bfloat16().float(), *TORCH_NS).float()
     assert not torch.allclose(optimizer.state[param]["master"] - start, whole, atol=1e-4)
     with pytest.raises(ValueError, match=r"split_rows=\(8, 4, 3\).*sum must divide the rows"):
