@@ -22,6 +22,10 @@ inside the compiled call), so the step allocates no second copy of either. One c
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.
 
+Muon's fused step (``muon.py``) is built from the same pieces: its element-wise kernels compiled by
+:func:`compile_step_function`, laid out in calls by :func:`fused_call_arguments` and run by
+:func:`run_calls`.
+
 The compiled function is :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, which reads the
 sources and calls :func:`~megatron_lowprec.optim.kernel.adamw_kernel_`, the eager reference itself,
 so fused and eager steps share one specification. Inductor turns it into C++/OpenMP loops on CPU and

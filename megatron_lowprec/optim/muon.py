@@ -5,12 +5,16 @@ Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networ
 "Muon is Scalable for LLM Training", arXiv 2502.16982) updates a 2-D weight θ (m x n) as
 ``torch.optim.Muon`` does:
 
-    B ← μB + (1-μ)g   (EMA momentum, torch's ``lerp``),   M = g + μ(B - g) with Nesterov, else B,
+    B ← μB + (1-μ)g   (EMA momentum),   M = (1-μ)g + μB with Nesterov, else B,
     O = NS₅(M),   θ ← θ - lr·λ·θ - lr·s(m, n)·O   (decoupled weight decay),
 
 where NS₅ is five quintic Newton-Schulz iterations with coefficients (3.4445, -4.775, 2.0315) on
 BF16 matrices, after normalising M by its Frobenius norm (:func:`newton_schulz`), and s(m, n) is the
-scale mode (:data:`SCALE_MODES`).
+scale mode (:data:`SCALE_MODES`). torch computes B and M with ``lerp`` and the update with
+``add_(alpha=)``, one rounding each (on CPUs a fused multiply-add); here every multiply and add is
+rounded to FP32 apart (``kernel.muon_momentum_kernel_``, :func:`orthogonal_step_`,
+``kernel.apply_update_``), as in AdamW's reference, so that the eager and the compiled step round
+alike (Inductor contracts no multiply-add). The results differ from torch's by those roundings.
 
 Every registered option applies (:func:`muon_strategy`), with the fields read as for AdamW:
 
@@ -22,8 +26,8 @@ Every registered option applies (:func:`muon_strategy`), with the fields read as
   parameter by nearest rounding, MCF Grow into (θ, δθ), Kahan, or stochastic rounding with the
   counter-based words shared by every replica (``kernel.PARAM_UPDATES``), or updates an FP32 master
   stored whole or as a remainder below the BF16 parameter (``optim/master.py``).
-* ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ), then θ ← θ - lr·s·O on the
-  FP32 master, operation for operation as ``torch.optim.Muon`` (so D is torch's Muon on the master).
+* ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ) - lr·s·O on the FP32
+  master, as ``torch.optim.Muon`` (so D is torch's Muon on the master, but for the roundings above).
 * ``second_moment_mcf`` (C): Muon keeps no second moment, so C's expansion of v has nothing to act
   on and **C is B for Muon** (MCF parameters (θ, δθ), 16-bit momentum); the name stays C.
 * ``adam_kernel`` is AdamW's: Muon always runs the reference below.
@@ -36,7 +40,12 @@ parameter is orthogonalized on its own (a shard by itself: megatron-core's ``"bl
 A fused QKV weight may be split (megatron-core's ``muon_split_qkv``): its query, key and value
 rows, each kind over all query groups, are orthogonalized and scaled as three matrices.
 
-The step is eager, one parameter at a time; there is no fused (compiled) Muon step.
+A step has three parts: the element-wise momentum update (:func:`~megatron_lowprec.optim.kernel.muon_momentum_kernel_`),
+Newton-Schulz per parameter (:func:`orthogonal_step_`: BF16 matmuls), and the element-wise parameter
+update (:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`). The eager step
+(:func:`muon_step_`) runs them one parameter at a time; the fused step
+(:func:`fused_muon_bucket_step_`) compiles the element-wise parts as AdamW's fused step is compiled
+and runs each once per bucket (the matmuls stay per parameter), with the same bits.
 """
 
 from __future__ import annotations
