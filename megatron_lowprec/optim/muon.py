@@ -250,7 +250,8 @@ def compiled_muon_kernels(group_statistics: bool = False) -> tuple[Callable, Cal
 
 @functools.cache
 def compiled_muon_update_kernel() -> Callable:
-    """:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_` compiled once for every strategy."""
+    """:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_` compiled (Dynamo specialises it per
+    strategy); without group statistics also for FP8 momentum, which it never reads."""
     return compile_step_function(muon_update_kernel_)
 
 
