@@ -94,10 +94,11 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
 class PrecisionOptimizer(torch.optim.Optimizer):
     """What the precision-aware optimizers (:class:`AdamW`, :class:`~megatron_lowprec.optim.muon.Muon`)
     share: a strategy (``self.strategy``), each parameter's place in the stochastic-rounding stream,
-    the gradient checks before a step (:meth:`_grads_ready`), and state dicts that save the option
-    and restore every state component bit-exactly in its own dtype. A subclass sets ``strategy``,
-    ``seed``, ``skipped_steps``, ``check_grads_finite`` and ``_stream_layout`` (a callable or ``None``)
-    before ``super().__init__``."""
+    the gradient checks before a step (:meth:`_grads_ready`), which buckets take their fused step
+    (:meth:`_fused_step_grads`), zeroing their flat gradient buffers, and state dicts that save the
+    option and restore every state component bit-exactly in its own dtype. A subclass sets
+    ``strategy``, ``seed``, ``skipped_steps``, ``check_grads_finite``, ``buckets`` and
+    ``_stream_layout`` (a callable or ``None``) before ``super().__init__``."""
 
     _stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None
     _stream_layouts: dict[torch.nn.Parameter, StreamLayout]
