@@ -11,9 +11,10 @@ the last step, on ``--eval-iters`` batches.
 
 Step time: in this process, one optimizer step over BF16 parameters shaped as the default model's
 hidden weights (``--time-layers`` layers of QKV, projection, fc1 and fc2; Muon's share of the model)
-with fixed random gradients, for Muon with each option and AdamW D; each time is the median of
-``--repeats`` steps after ``--time-warmup``, all optimizers stepping in turn (so that all see the
-same machine load), the ratio over AdamW D's. megatron-core's own Muon (``TensorParallelMuon``)
+with fixed random gradients, for Muon with each option, eager and fused (``--muon-steps``), and
+AdamW D (eager); each time is the median of ``--repeats`` steps after ``--time-warmup`` (which
+should cover the fused step's compilation), all optimizers stepping in turn (so that all see the
+same machine load), the ratio over AdamW D's and, for a fused step, over the same option's eager one. megatron-core's own Muon (``TensorParallelMuon``)
 needs NVIDIA's ``emerging-optimizers``, which requires Python >= 3.12: it is timed only where it
 imports.
 
@@ -77,8 +78,9 @@ def hidden_weight_shapes(layers: int, hidden: int = 64, ffn: int = 256) -> list[
     return [(3 * hidden, hidden), (hidden, hidden), (ffn, hidden), (hidden, ffn)] * layers
 
 
-def step_times(options: list[str], layers: int, warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds of one step of each optimizer on the same shapes, their steps alternating."""
+def step_times(options: list[str], layers: int, warmup: int, repeats: int, muon_steps: list[str]) -> dict[str, float]:
+    """Median seconds of one step of each optimizer on the same shapes, their steps alternating: Muon
+    with each option, eager (``muon A``) and fused (``muon A fused``) as ``muon_steps`` asks."""
     from megatron_lowprec.optim import AdamW, Muon
 
     generator = torch.Generator().manual_seed(0)
@@ -91,7 +93,10 @@ def step_times(options: list[str], layers: int, warmup: int, repeats: int) -> di
             param.grad = gradient.clone()
         return params
 
-    optimizers = {f"muon {option}": Muon(parameters(), lr=1e-3, option=option) for option in options}
+    optimizers = {
+        f"muon {option}{' fused' if step == 'fused' else ''}": Muon(parameters(), lr=1e-3, option=option, fused=step == "fused")
+        for option in options for step in muon_steps
+    }
     optimizers["adamw D"] = AdamW(parameters(), lr=1e-3, option="D", fused=False)
     times = {name: [] for name in optimizers}
     for repeat in range(warmup + repeats):
@@ -125,6 +130,8 @@ def main() -> None:
     parser.add_argument("--time-layers", type=int, default=4)
     parser.add_argument("--time-warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--muon-steps", nargs="+", choices=("eager", "fused"), default=["eager", "fused"],
+                        help="Muon's steps to time: eager (fused=False) and fused (compiled; the first steps compile)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-loss", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -143,14 +150,15 @@ def main() -> None:
             print(f"| {optimizer} {option} | " + " | ".join(cells) + " |")
         results["valid_loss"] = {f"{o} {p} {lr:g}": s["final_valid_loss"] for (o, p, lr), s in summaries.items()}
     if not arguments.skip_timing:
-        times = step_times(arguments.options, arguments.time_layers, arguments.time_warmup, arguments.repeats)
+        times = step_times(arguments.options, arguments.time_layers, arguments.time_warmup, arguments.repeats, arguments.muon_steps)
         baseline = times["adamw D"]
         print(f"\noptimizer step on {arguments.time_layers} layers' hidden weights "
               f"({sum(r * c for r, c in hidden_weight_shapes(arguments.time_layers)):,} BF16 parameters), "
               f"median of {arguments.repeats}, device cpu, {torch.get_num_threads()} threads")
-        print("| optimizer | ms | vs AdamW D |\n|---|---|---|")
+        print("| optimizer | ms | vs AdamW D | vs eager |\n|---|---|---|---|")
         for name, seconds in times.items():
-            print(f"| {name} | {1e3 * seconds:.2f} | {seconds / baseline:.2f} |")
+            eager = times.get(name.removesuffix(" fused")) if name.endswith(" fused") else None
+            print(f"| {name} | {1e3 * seconds:.2f} | {seconds / baseline:.2f} | {'' if eager is None else f'{seconds / eager:.2f}'} |")
         print(megatron_core_muon_note())
         results["step_seconds"] = times
     if arguments.json is not None:

@@ -20,6 +20,9 @@ the rules (issue 27):
 
 Option D runs torch's own fused AdamW (no generated kernel): its bytes are its layout's.
 
+Muon's fused step (:func:`audit_muon`: its two compiled calls per bucket around Newton-Schulz, whose
+matmuls stay eager) is held to :data:`MUON_RULES`, every rule but the bytes.
+
 Run ``python -m megatron_lowprec.kernels.audit`` for the table (``--help`` for a subset;
 ``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
 """
@@ -36,7 +39,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_lowprec.kernels.codegen import ARCHES, KINDS, StepCode, generate_for, generate_function
+from megatron_lowprec.kernels.codegen import ARCHES, CALLS_PER_STEP, KINDS, StepCode, generate_for, generate_function
 from megatron_lowprec.numerics import square_sum
 from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
@@ -52,6 +55,11 @@ FORBIDDEN = ("div.full", "div.approx", "rcp.approx", "sqrt.approx", "ex2.approx"
 FP64_ARITHMETIC = re.compile(r"\b(?:add|sub|mul|div|sqrt|fma|rcp)\.[\w.]*f64\b")
 
 RULES = ("compiles", "instructions", "fp32 only", "one launch", "no recompilation", "bytes")
+
+MUON_RULES = RULES[:-1]
+"""The rules of Muon's fused step (``one launch``: one per compiled call, two per bucket). Not its
+bytes: the option's layout does not count what its two calls pass between them (the BF16 direction
+and the FP32 orthogonalized step, around Newton-Schulz)."""
 
 H100_BANDWIDTH = 3.35e12
 """Bytes per second of an H100 SXM's HBM3, for the roofline time."""
@@ -226,7 +234,12 @@ class StepAudit:
 def audit_step(code: StepCode) -> StepAudit:
     """Apply :data:`RULES` to one generated step."""
     strategy = strategy_for(code.option, code.master_storage)
+    if code.optimizer == "muon":
+        from megatron_lowprec.optim.muon import muon_strategy
+
+        strategy = muon_strategy(strategy)
     layout = layout_bytes(strategy)
+    calls = CALLS_PER_STEP[code.optimizer]
     kernels = code.first_step_kernels
     torch_kernel = strategy.adam_kernel == "torch_fused"
 
@@ -243,9 +256,13 @@ def audit_step(code: StepCode) -> StepAudit:
     if torch_kernel:
         checks.append(check("one launch", True, "torch's fused AdamW (multi-tensor launches, not generated)"))
     else:
-        checks.append(check("one launch", first.launches == 1 and first.new_graphs == 1, f"{first.launches} launches"))
+        checks.append(check(
+            "one launch", first.launches == calls and first.new_graphs == calls, f"{first.launches} launches, {calls} calls"
+        ))
     recompiled = [step.label for step in code.steps[1:] if step.new_graphs]
     checks.append(check("no recompilation", not recompiled, ", ".join(recompiled)))
+    if code.optimizer == "muon":
+        return StepAudit(code, checks, None, None, layout)
     if torch_kernel:
         read, written = layout
         codec = " (the remainder's join and split kernels around it not counted)" if kernels else ""
@@ -281,6 +298,12 @@ def audit_configuration(option: str, storage: str, kind: str, arches: tuple[int,
             kernel.asm = None
         audits.append(audit_step(code))
     return audits
+
+
+def audit_muon(option: str, master_storage: str = "fp32", arches: tuple[int, ...] = ARCHES) -> list[StepAudit]:
+    """Muon's fused step of ``option`` over a plain bucket, generated for ``arches`` and audited by
+    :data:`MUON_RULES`."""
+    return [audit_step(code) for code in generate_for(option, master_storage, "plain", arches, optimizer="muon").values()]
 
 
 def run_audit(

@@ -36,6 +36,13 @@ from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 ARCHES = (90, 80)
 """Compute capabilities :func:`generate` targets: 90 (H100), 80 (A100)."""
 
+OPTIMIZERS = ("adamw", "muon")
+"""Whose fused step :func:`generate_for` generates: AdamW's (one compiled call per bucket) or Muon's
+(two: the momentum before Newton-Schulz, the update after it)."""
+
+CALLS_PER_STEP = {"adamw": 1, "muon": 2}
+"""Compiled calls of one fused step over a plain bucket, per optimizer."""
+
 KINDS = ("plain", "shard")
 """``plain``: a bucket that owns its parameters and gradients (:class:`~megatron_lowprec.optim.AdamW`);
 ``shard``: a distributed optimizer's shard, whose parameters and gradients are rows of megatron's
@@ -104,6 +111,8 @@ class StepCode:
     """Inductor's Python wrapper code of each compiled graph."""
     compile_errors: dict[str, str]
     """Kernels that Triton could not compile for ``arch``: name -> the error's last line."""
+    optimizer: str = "adamw"
+    """One of :data:`OPTIMIZERS`: whose fused step this is."""
 
     @property
     def first_step_kernels(self) -> list[Kernel]:
@@ -191,6 +200,10 @@ def _clear_no_cuda_caches() -> None:
 
     fused.compiled_kernel.cache_clear()
     fused.compiled_master_codec.cache_clear()
+    from megatron_lowprec.optim import muon
+
+    muon.compiled_muon_momentum_kernel.cache_clear()
+    muon.compiled_muon_update_kernel.cache_clear()
 
 
 class _Capture:
@@ -471,24 +484,61 @@ class StepRecord:
     """Kernel launches of the step (Triton kernels and torch's own)."""
 
 
-def _run_cases(strategy: PrecisionStrategy, kind: str, capture: _Capture) -> tuple[list[StepRecord], list[int]]:
-    """Run :func:`step_cases` on fake tensors; what each launched, and the graphs the first step called."""
+MUON_SHAPES = ((256, 128), (48, 32))
+"""The weights of a generated Muon step (the second's bucket entry ends in padding)."""
+
+MUON_HYPER = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True)
+
+
+def muon_step_cases() -> list[StepCase]:
+    """The Muon steps :func:`generate_muon` runs: the first defines the kernels, a later step with
+    another learning rate and a bucket of another parameter group must reuse them."""
+    later, other = dict(MUON_HYPER, lr=5e-4), dict(MUON_HYPER, lr=3e-4, weight_decay=0.0, momentum=0.9)
+    return [
+        StepCase("first step", "main", 1, {0: MUON_HYPER}),
+        StepCase("next step, new lr", "main", 2, {0: later}),
+        StepCase("other parameter group", "other group", 1, {1: other}),
+    ]
+
+
+def _muon_step(bucket: Bucket, strategy: PrecisionStrategy, grad: Any, entry_grads: list[torch.Tensor], case: StepCase) -> None:
+    """One fused Muon step of ``bucket``, its Newton-Schulz replaced by a copy of the direction (eager
+    matmuls generate no kernel)."""
+    from megatron_lowprec.optim.muon import fused_muon_bucket_step_
+
+    def copied_direction(index: int, out: torch.Tensor, direction: torch.Tensor) -> None:
+        out.copy_(direction)
+
+    fused_muon_bucket_step_(
+        bucket, strategy, grad, entry_grads, copied_direction, step=case.step,
+        sr_seed=SR_SEED if strategy.param_update == "stochastic" else None, **case.hyper[bucket.group_index],
+    )
+
+
+def _run_cases(strategy: PrecisionStrategy, kind: str, capture: _Capture, optimizer: str = "adamw") -> tuple[list[StepRecord], list[int]]:
+    """Run :func:`step_cases` (Muon: :func:`muon_step_cases`) on fake tensors; what each launched, and
+    the graphs the first step called."""
     from megatron_lowprec.optim.fused import fused_bucket_step_
 
     buckets: dict[str, tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]] = {}
     records, first_step = [], None
-    for case in step_cases(kind):
+    for case in muon_step_cases() if optimizer == "muon" else step_cases(kind):
         if case.bucket not in buckets:
             shapes, groups = BUCKETS[case.bucket]
+            if optimizer == "muon":
+                shapes = MUON_SHAPES
             buckets[case.bucket] = (
                 _plain_bucket(strategy, shapes, groups[0]) if kind == "plain" else _shard_bucket(strategy, shapes, groups)
             )
         bucket, grad, entry_grads, _ = buckets[case.bucket]
         graphs, calls = len(capture.wrappers), len(capture.calls)
-        fused_bucket_step_(
-            bucket, strategy, grad, entry_grads, case.hyper, step=case.step,
-            sr_seed=SR_SEED if strategy.param_update == "stochastic" else None, track_update_quality=False,
-        )
+        if optimizer == "muon":
+            _muon_step(bucket, strategy, grad, entry_grads, case)
+        else:
+            fused_bucket_step_(
+                bucket, strategy, grad, entry_grads, case.hyper, step=case.step,
+                sr_seed=SR_SEED if strategy.param_update == "stochastic" else None, track_update_quality=False,
+            )
         records.append(StepRecord(case.label, len(capture.wrappers) - graphs, capture.launches(capture.calls[calls:])))
         if first_step is None:
             first_step = capture.calls[calls:]
@@ -500,18 +550,25 @@ SR_SEED = 1234
 
 
 def generate_for(
-    option: str, master_storage: str = "fp32", kind: str = "plain", arches: tuple[int, ...] = ARCHES
+    option: str, master_storage: str = "fp32", kind: str = "plain", arches: tuple[int, ...] = ARCHES, optimizer: str = "adamw"
 ) -> dict[int, StepCode]:
     """The kernels of one fused step of ``option`` (its FP32 master stored as ``master_storage``) for
     a ``kind`` bucket, compiled for each compute capability of ``arches``, with the launches and
     recompilations of the steps of :func:`step_cases`. Traced once per group of :func:`trace_groups`
     (Inductor writes the same Triton code for every arch of a group), with its first arch's device
-    properties; a graph compiled again after the first step is counted but not generated."""
+    properties; a graph compiled again after the first step is counted but not generated.
+    ``optimizer="muon"``: Muon's fused step (:func:`muon_step_cases`, plain buckets only)."""
     strategy = get_strategy(option)
     if master_storage != strategy.master_storage:
         strategy = strategy.with_master_storage(master_storage)
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is not valid; choose one of {', '.join(KINDS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not valid; choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon":
+        from megatron_lowprec.optim.muon import muon_strategy
+
+        strategy = muon_strategy(strategy)
+    if kind not in (KINDS if optimizer == "adamw" else ("plain",)):
+        raise ValueError(f"kind={kind!r} is not valid for {optimizer}; choose one of {', '.join(KINDS)} (muon: plain)")
     for arch in arches:
         _device_properties(arch)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -520,7 +577,7 @@ def generate_for(
     for traced in trace_groups(strategy, arches):
         with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(traced[0], cache_dir) as capture:
             with FakeTensorMode(allow_non_fake_inputs=True):
-                records, first_step = _run_cases(strategy, kind, capture)
+                records, first_step = _run_cases(strategy, kind, capture, optimizer)
             for arch in traced:
                 kernels, errors = [], {}
                 for key, (graph, source) in capture.sources.items():
@@ -535,7 +592,9 @@ def generate_for(
                     kernels.append(Kernel(
                         name, graph, source, asm["ptx"], capture.kernel_launches(key, first_step), per_thread, asm
                     ))
-                codes[arch] = StepCode(strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors)
+                codes[arch] = StepCode(
+                    strategy.name, master_storage, kind, arch, kernels, records, capture.wrappers, errors, optimizer
+                )
     return {arch: codes[arch] for arch in arches}
 
 

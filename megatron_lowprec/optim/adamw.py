@@ -14,7 +14,7 @@ import torch
 from megatron_lowprec.metrics.update_quality import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
-from megatron_lowprec.optim.buckets import Bucket, build_bucket, gather_grads
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, gather_grads
 from megatron_lowprec.optim.fused import bucket_entries, fused_bucket_step_, resolve_fused, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
@@ -94,10 +94,11 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
 class PrecisionOptimizer(torch.optim.Optimizer):
     """What the precision-aware optimizers (:class:`AdamW`, :class:`~megatron_lowprec.optim.muon.Muon`)
     share: a strategy (``self.strategy``), each parameter's place in the stochastic-rounding stream,
-    the gradient checks before a step (:meth:`_grads_ready`), and state dicts that save the option
-    and restore every state component bit-exactly in its own dtype. A subclass sets ``strategy``,
-    ``seed``, ``skipped_steps``, ``check_grads_finite`` and ``_stream_layout`` (a callable or ``None``)
-    before ``super().__init__``."""
+    the gradient checks before a step (:meth:`_grads_ready`), which buckets take their fused step
+    (:meth:`_fused_step_grads`), zeroing their flat gradient buffers, and state dicts that save the
+    option and restore every state component bit-exactly in its own dtype. A subclass sets
+    ``strategy``, ``seed``, ``skipped_steps``, ``check_grads_finite``, ``buckets`` and
+    ``_stream_layout`` (a callable or ``None``) before ``super().__init__``."""
 
     _stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None
     _stream_layouts: dict[torch.nn.Parameter, StreamLayout]
@@ -117,6 +118,59 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         return loss, self._grads_ready()
+
+    @property
+    def _sr_seed(self) -> int | None:
+        """The seed of the counter stream where the strategy rounds stochastically, else ``None``."""
+        return self.seed if self.strategy.param_update == "stochastic" else None
+
+    def _fused_step_grads(self, bucket: Bucket) -> tuple[torch.Tensor | BufferRows | None, int | None]:
+        """(the bucket's gradients, its next step) where the bucket takes its fused step (it owns its
+        parameters, its entries are at one step and their gradients gather:
+        :func:`~megatron_lowprec.optim.buckets.gather_grads`), each entry's step advanced; else
+        ``(None, None)``, with an :class:`~megatron_lowprec.optim.fused.EagerFallbackWarning` where a
+        fused bucket has gradients but cannot (its entries then step one by one)."""
+        steps = {self.state[param]["step"] for param in bucket.params}
+        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
+        if grad is None:
+            if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
+                warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))
+            return None, None
+        step = steps.pop() + 1
+        for param in bucket.params:
+            self.state[param]["step"] = step
+        return grad, step
+
+    def _fallback_reason(self, bucket: Bucket, several_steps: bool) -> tuple[str, str]:
+        """(the parameter, the reason) why a fused bucket cannot take its compiled step
+        (:func:`~megatron_lowprec.optim.buckets.gather_grads` found no common gradient buffer)."""
+        params = self.param_groups[bucket.group_index]["params"]
+
+        def named(param: torch.nn.Parameter) -> str:
+            index = next(index for index, other in enumerate(params) if other is param)
+            return f"parameter {index} of group {bucket.group_index} (shape {tuple(param.shape)})"
+
+        without = [param for param in bucket.params if param.grad is None]
+        if without:
+            return named(without[0]), "it has no gradient, and its bucket steps together or not at all"
+        if several_steps:
+            return bucket_entries(bucket), "its parameters are at different steps (some had no gradient before)"
+        dtypes = sorted({str(param.grad.dtype) for param in bucket.params})
+        return bucket_entries(bucket), f"its gradients have several dtypes ({', '.join(dtypes)})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers in place (keeping the gradient views), and the rest as torch does."""
+        pooled = {id(p) for bucket in self.buckets if bucket.grad_buffer is not None for p in bucket.params}
+        for bucket in self.buckets:
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in pooled and param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.zero_()
 
     def _saved_generator(self) -> torch.Generator | None:
         """The generator whose state the state dict saves (none by default)."""
@@ -369,20 +423,13 @@ class AdamW(PrecisionOptimizer):
         group = self.param_groups[bucket.group_index]
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        steps = {self.state[p]["step"] for p in bucket.params}
-        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
+        grad, step = self._fused_step_grads(bucket)
         if grad is not None:
-            step = steps.pop() + 1
-            for param in bucket.params:
-                self.state[param]["step"] = step
-            sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
             return fused_bucket_step_(
                 bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
-                {bucket.group_index: hyper}, step=step, sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+                {bucket.group_index: hyper}, step=step, sr_seed=self._sr_seed, track_update_quality=self.track_update_quality,
                 background_compile=self.background_compile,
             )
-        if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
-            warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))
         quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
         for index, param in enumerate(bucket.params):
             if param.grad is None:
@@ -401,23 +448,6 @@ class AdamW(PrecisionOptimizer):
                 quality += piece
         return quality
 
-    def _fallback_reason(self, bucket: Bucket, several_steps: bool) -> tuple[str, str]:
-        """(the parameter, the reason) why a fused bucket cannot take its compiled step
-        (:func:`~megatron_lowprec.optim.buckets.gather_grads` found no common gradient buffer)."""
-        params = self.param_groups[bucket.group_index]["params"]
-
-        def named(param: torch.nn.Parameter) -> str:
-            index = next(index for index, other in enumerate(params) if other is param)
-            return f"parameter {index} of group {bucket.group_index} (shape {tuple(param.shape)})"
-
-        without = [param for param in bucket.params if param.grad is None]
-        if without:
-            return named(without[0]), "it has no gradient, and its bucket steps together or not at all"
-        if several_steps:
-            return bucket_entries(bucket), "its parameters are at different steps (some had no gradient before)"
-        dtypes = sorted({str(param.grad.dtype) for param in bucket.params})
-        return bucket_entries(bucket), f"its gradients have several dtypes ({', '.join(dtypes)})"
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One AdamW step for every parameter with a gradient; see the class docstring for skips."""
@@ -431,20 +461,6 @@ class AdamW(PrecisionOptimizer):
         if self.background_compile:
             BACKGROUND_COMPILES.start()
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers in place (keeping the gradient views), and the rest as torch does."""
-        pooled = {id(p) for bucket in self.buckets if bucket.grad_buffer is not None for p in bucket.params}
-        for bucket in self.buckets:
-            if bucket.grad_buffer is not None:
-                bucket.grad_buffer.zero_()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if id(param) not in pooled and param.grad is not None:
-                    if set_to_none:
-                        param.grad = None
-                    else:
-                        param.grad.zero_()
 
     def _saved_generator(self) -> torch.Generator | None:
         return self._generator_source if isinstance(self._generator_source, torch.Generator) else None

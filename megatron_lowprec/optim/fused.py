@@ -5,7 +5,7 @@ elements (a distributed optimizer's shard), in one aligned layout. Its parameter
 are read where they live: the bucket's own flat buffers, or megatron's DDP buffers through
 :class:`~megatron_lowprec.optim.buckets.BufferRows` (gathered and, for parameters, scattered back
 inside the compiled call), so the step allocates no second copy of either. One compiled call
-(:func:`_calls`) updates the whole bucket:
+(:func:`fused_call_arguments`) updates the whole bucket:
 
 * flat, or as [groups, group_size] for FP8 moments (coat), so that each group is decoded, updated and
   re-quantized with its new statistics inside one kernel (:data:`GROUP_STATISTICS_OPTIONS`), without
@@ -21,6 +21,10 @@ inside the compiled call), so the step allocates no second copy of either. One c
 
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.
+
+Muon's fused step (``muon.py``) is built from the same pieces: its element-wise kernels compiled by
+:func:`compile_step_function`, laid out in calls by :func:`fused_call_arguments` and run by
+:func:`run_calls`.
 
 The compiled function is :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, which reads the
 sources and calls :func:`~megatron_lowprec.optim.kernel.adamw_kernel_`, the eager reference itself,
@@ -53,7 +57,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -202,7 +206,12 @@ def resolve_fused(device: torch.device, requested: bool | None) -> bool:
 @functools.cache
 def compiled_kernel(group_statistics: bool = False) -> Callable:
     """The compiled :func:`~megatron_lowprec.optim.kernel.bucket_kernel_` (built once; Dynamo
-    specialises it per strategy, dtype and kind of sources),
+    specialises it per strategy, dtype and kind of sources): :func:`compile_step_function`."""
+    return compile_step_function(bucket_kernel_, group_statistics)
+
+
+def compile_step_function(function: Callable, group_statistics: bool = False) -> Callable:
+    """``function`` (an element-wise step over a call's tensors) compiled as every fused step is,
     with :data:`GROUP_STATISTICS_OPTIONS` for strategies with FP8 moments (``group_statistics``).
     Shapes are dynamic, but Python numbers are not (``specialize_int``, ``specialize_float``): the
     strategy's FP8 group size must be a constant, or every group index becomes a scalar division by a
@@ -214,7 +223,7 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
     options = _inductor_options()
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
-    compiled = torch.compile(bucket_kernel_, dynamic=True, fullgraph=True, options=options)
+    compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
     division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
@@ -343,7 +352,7 @@ def fused_bucket_step_(
     compile_master_codec: bool = True,
 ) -> torch.Tensor | None:
     """One AdamW step over a whole bucket (every entry at ``step`` after this call), in the compiled
-    calls that :func:`_calls` lays out; the update-quality pieces (an FP64 tensor on the bucket's
+    calls that :func:`fused_call_arguments` lays out; the update-quality pieces (an FP64 tensor on the bucket's
     device) when ``track_update_quality``. With ``background_compile``, a call whose compiled kernel
     is not built yet runs it uncompiled (the same bits) while a child process compiles it
     (:mod:`~megatron_lowprec.optim.background_compile`; the caller starts that child with
@@ -365,27 +374,36 @@ def fused_bucket_step_(
         None if part is None else kernel_scalar(part, dtype) for part in beta2_expansion_for(strategy, betas.pop(), dtype)
     )
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
-    recipe = CompileRecipe(compiled_kernel, (strategy.moments == "fp8",))
-    pieces = [
-        _compiled_or_eager(
-            None if _one_fp8_group(strategy, state) else recipe, bucket, background_compile,
-            param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality,
-        )
-        for param, call_grad, state, call_scalars, random_source in _calls(
+    calls = (
+        (state, (param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality))
+        for param, call_grad, state, call_scalars, random_source in fused_call_arguments(
             bucket, strategy, grad, entry_grads, scalars, sr_seed, step
         )
-    ]
+    )
+    recipe = CompileRecipe(compiled_kernel, (strategy.moments == "fp8",))
+    pieces = run_calls(recipe, bucket_kernel_, bucket, strategy, calls, background_compile)
     return sum(pieces) if track_update_quality else None
 
 
-def _compiled_or_eager(recipe: CompileRecipe | None, bucket: Bucket, background_compile: bool, *args: Any) -> torch.Tensor | None:
+def run_calls(
+    recipe: CompileRecipe, eager: Callable, bucket: Bucket, strategy: PrecisionStrategy,
+    calls: Iterable[tuple[dict[str, Any], tuple[Any, ...]]], background_compile: bool = False,
+) -> list[Any]:
+    """The results of the compiled ``eager`` that ``recipe`` builds on the arguments of each of
+    ``calls``, given with the call's state: a call of one FP8 group runs ``eager``
+    (:func:`_one_fp8_group`), the others :func:`_compiled_or_eager`."""
+    return [
+        eager(*args) if _one_fp8_group(strategy, state) else _compiled_or_eager(recipe, eager, bucket, background_compile, *args)
+        for state, args in calls
+    ]
+
+
+def _compiled_or_eager(recipe: CompileRecipe, eager: Callable, bucket: Bucket, background_compile: bool, *args: Any) -> Any:
     """One call of the compiled kernel that ``recipe`` builds (in the background:
-    :data:`BACKGROUND_COMPILES` runs :func:`bucket_kernel_` until a child process has compiled it);
-    :func:`bucket_kernel_` uncompiled where ``recipe`` is ``None``, and on the same arguments, with an
-    :class:`EagerFallbackWarning`, where Dynamo refuses to compile it again (its recompile limit:
-    raised before the call runs, so nothing is stepped twice)."""
-    if recipe is None:
-        return bucket_kernel_(*args)
+    :data:`BACKGROUND_COMPILES` runs ``eager``, the same function uncompiled, until a child process
+    has compiled it); ``eager`` on the same arguments, with an :class:`EagerFallbackWarning`, where
+    Dynamo refuses to compile it again (its recompile limit: raised before the call runs, so nothing
+    is stepped twice)."""
 
     def warn_failed(error: str) -> None:
         warnings.warn(
@@ -395,7 +413,7 @@ def _compiled_or_eager(recipe: CompileRecipe | None, bucket: Bucket, background_
 
     try:
         if background_compile:
-            return BACKGROUND_COMPILES.call(recipe, bucket_kernel_, args, warn_failed)
+            return BACKGROUND_COMPILES.call(recipe, eager, args, warn_failed)
         return recipe.build()(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warn_eager_fallback(
@@ -403,7 +421,7 @@ def _compiled_or_eager(recipe: CompileRecipe | None, bucket: Bucket, background_
             f"torch.compile hit its recompile limit (torch._dynamo.config.recompile_limit = "
             f"{torch._dynamo.config.recompile_limit})",
         )
-        return bucket_kernel_(*args)
+        return eager(*args)
 
 
 def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
@@ -506,7 +524,7 @@ def _scalars_of(
     return GroupScalars(per_group, tuple(kernel_scalar(offset - start, torch.int32) for _, offset in runs[1:]))
 
 
-def _calls(
+def fused_call_arguments(
     bucket: Bucket,
     strategy: PrecisionStrategy,
     grad: torch.Tensor | BufferRows,

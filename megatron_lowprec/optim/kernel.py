@@ -1,10 +1,11 @@
-"""The functional core of the precision-aware AdamW: one reference step for every strategy.
+"""The functional core of the precision-aware optimizers: one reference step for every strategy.
 
-:func:`adamw_kernel_` is the specification. The eager path runs it per parameter; the fused path
-(``fused.py``) compiles the very same function and runs it once per flat bucket, and the two must
-agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
-Muon (``muon.py``) stores its momentum and applies its update with the same pieces
-(:func:`decode_moment`, :func:`encode_moment`, :data:`PARAM_UPDATES`, :func:`decay_base`).
+:func:`adamw_kernel_` is AdamW's specification. The eager path runs it per parameter; the fused
+path (``fused.py``) compiles the very same function and runs it once per flat bucket, and the two
+must agree bit for bit. :class:`megatron_lowprec.optim.AdamW` is the thin optimizer class around it.
+Muon's element-wise parts are specified the same way (:func:`muon_momentum_kernel_` before
+Newton-Schulz, :func:`muon_update_kernel_` after it, run per parameter or compiled per bucket by
+``muon.py``), and both optimizers apply their update with one piece (:func:`apply_update_`).
 
 Rounding points of the reference, for every strategy:
 
@@ -218,13 +219,19 @@ def encode_moment(
         state[moment].copy_(values)
 
 
-@dataclass(frozen=True)
-class StepScalars:
-    """The scalars of one AdamW step, computed in Python floats (fp64) before they meet a tensor.
+class KernelScalars:
+    """Scalars of one step, computed in Python floats (fp64) before they meet a tensor (a frozen
+    dataclass of floats): used as Python floats (eager) or 0-d FP32 tensors (compiled); either way
+    each is rounded once to FP32 where it multiplies an FP32 tensor."""
 
-    They are used as Python floats (eager) or 0-d FP32 tensors (compiled); either way each is
-    rounded once to FP32 where it multiplies an FP32 tensor.
-    """
+    def as_kernel_scalars(self):
+        """The same scalars as 0-d FP32 host tensors (:func:`kernel_scalar`), for a compiled step."""
+        return type(self)(*(kernel_scalar(getattr(self, f.name), torch.float32) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class StepScalars(KernelScalars):
+    """The scalars of one AdamW step (see :class:`KernelScalars`)."""
 
     beta1: float
     one_minus_beta1: float
@@ -254,9 +261,22 @@ class StepScalars:
             decay_factor=1 - lr * weight_decay,
         )
 
-    def as_kernel_scalars(self) -> StepScalars:
-        """The same scalars as 0-d FP32 host tensors (:func:`kernel_scalar`), for a compiled step."""
-        return StepScalars(*(kernel_scalar(getattr(self, f.name), torch.float32) for f in fields(self)))
+
+@dataclass(frozen=True)
+class MuonScalars(KernelScalars):
+    """The scalars of the element-wise parts of one Muon step (:func:`muon_momentum_kernel_`,
+    :func:`muon_update_kernel_`)."""
+
+    momentum: float
+    one_minus_momentum: float
+    neg_lr_weight_decay: float
+    """-lr * weight_decay (decay inside the update, Collage App. D)."""
+    decay_factor: float
+    """1 - lr * weight_decay (multiplicative decay, as torch.optim.Muon)."""
+
+    @classmethod
+    def for_step(cls, lr: float, weight_decay: float, momentum: float) -> MuonScalars:
+        return cls(momentum, 1 - momentum, -lr * weight_decay, 1 - lr * weight_decay)
 
 
 def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -346,7 +366,32 @@ def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepSca
     return div_rn(scalars.neg_scaled_step_size * exp_avg, sqrt_rn(exp_avg_sq) + scalars.scaled_eps)
 
 
-STEP_SCALAR_NAMES = tuple(field.name for field in fields(StepScalars))
+def apply_update_(
+    param: torch.Tensor,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    term: torch.Tensor,
+    scalars: StepScalars | MuonScalars,
+    random_source: RandomSource,
+    track_update_quality: bool = False,
+) -> torch.Tensor | None:
+    """The parameter update of every optimizer's step, in place: the FP32 ``term`` (AdamW's
+    -lr m̂ / (√v̂ + ε), Muon's -lr·s·O) plus decoupled weight decay, applied as ``strategy`` says.
+    ``weight_decay="multiplicative"``: master ← master·(1 - lrλ) + term on the FP32 master (as
+    torch's AdamW and Muon decay, with separately rounded operations); otherwise
+    Δθ = -lrλ·θ + term (Collage App. D) reaches the parameter through :data:`PARAM_UPDATES`.
+    Returns Δθ (multiplicative: -lrλ·master + term) when ``track_update_quality``, else ``None``."""
+    if strategy.weight_decay == "multiplicative":
+        stored = state[master_key(strategy)]
+        master = master_value(param, stored)
+        update = master * scalars.neg_lr_weight_decay + term if track_update_quality else None
+        store_master_(param, stored, master * scalars.decay_factor + term)
+        return update
+    update = decay_base(param, state) * scalars.neg_lr_weight_decay + term
+    PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    return update if track_update_quality else None
+
+
 
 
 class GroupScalars(NamedTuple):
@@ -355,19 +400,24 @@ class GroupScalars(NamedTuple):
     ``boundaries[g - 1]`` on (0-d int32 host tensors, ascending; group 0 from the first element).
     Everything is passed by value; each element picks its group's values with a chain of selects."""
 
-    per_group: tuple[StepScalars, ...]
+    per_group: tuple[StepScalars, ...] | tuple[MuonScalars, ...]
     boundaries: tuple[torch.Tensor, ...]
 
-    def resolve(self, like: torch.Tensor) -> StepScalars:
+    def resolve(self, like: torch.Tensor) -> StepScalars | MuonScalars:
         """Each element's scalars, as tensors of ``like``'s shape and device."""
         element = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape)
         selected = []
-        for name in STEP_SCALAR_NAMES:
-            value = getattr(self.per_group[0], name)
+        for field in fields(self.per_group[0]):
+            value = getattr(self.per_group[0], field.name)
             for boundary, scalars in zip(self.boundaries, self.per_group[1:]):
-                value = torch.where(element >= boundary, getattr(scalars, name), value)
+                value = torch.where(element >= boundary, getattr(scalars, field.name), value)
             selected.append(value)
-        return StepScalars(*selected)
+        return type(self.per_group[0])(*selected)
+
+
+def _per_element_state(state: dict[str, Any]) -> torch.Tensor:
+    """A state buffer of a call that holds one value per element (its shape is the call's)."""
+    return next(value for key, value in state.items() if not key.endswith(PER_GROUP_PARTS))
 
 
 def bucket_kernel_(
@@ -385,7 +435,7 @@ def bucket_kernel_(
     place) and whose scalars may differ by parameter group (:class:`GroupScalars`). The fused step
     compiles this function (and calls it uncompiled where compiling cannot pay); its caller has
     checked the gradients, so it never synchronises with the host to check the moments again."""
-    like = [value for key, value in state.items() if not key.endswith(PER_GROUP_PARTS)][0]
+    like = _per_element_state(state)
     shape = like.shape
     values = param.read(shape) if isinstance(param, BufferRows) else param
     if isinstance(grad, BufferRows):
@@ -430,23 +480,56 @@ def adamw_kernel_(
     else:
         decoded = decode_moment(state, "exp_avg_sq", param, strategy)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
-    adam_term = _adam_term(exp_avg, exp_avg_sq, scalars)
-    update = None
-    if strategy.weight_decay == "multiplicative":
-        stored = state[master_key(strategy)]
-        master = master_value(param, stored)
-        if track_update_quality:
-            update = master * scalars.neg_lr_weight_decay + adam_term
-        store_master_(param, stored, master * scalars.decay_factor + adam_term)
-    else:
-        update = decay_base(param, state) * scalars.neg_lr_weight_decay + adam_term
-        PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    update = apply_update_(
+        param, state, strategy, _adam_term(exp_avg, exp_avg_sq, scalars), scalars, random_source, track_update_quality
+    )
     encode_moment(state, "exp_avg", exp_avg, param, strategy, check_finite)
     if not strategy.second_moment_mcf:
         encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy, check_finite)
     if not track_update_quality:
         return None
     return update_quality_pieces(update, before, represented_value(param, state))
+
+
+def muon_momentum_kernel_(
+    grad: torch.Tensor | BufferRows,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    scalars: MuonScalars,
+    nesterov: bool,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """Muon's momentum, in place, and the direction that Newton-Schulz orthogonalizes: the EMA
+    B ← μ·B + (1-μ)·g, with Nesterov M = (1-μ)·g + μ·B, else M = B (torch.optim.Muon's two lerps,
+    each here a multiply, a multiply and an add rounded to FP32 apart, so that eager and compiled
+    runs round alike: no lerp, whose CPU kernel fuses a multiply-add). B is decoded to FP32 and
+    rounded once when stored (:func:`encode_moment`); M, from the FP32 B, is returned rounded to
+    BF16 (Newton-Schulz's input). ``grad``: a tensor, or the rows of another buffer (a fused call
+    over a bucket, whose gradients the caller has checked: ``check_finite=False``)."""
+    if isinstance(grad, BufferRows):
+        grad = grad.read(_per_element_state(state).shape)
+    grad = grad.float()
+    buffer = decode_moment(state, "momentum", grad, strategy) * scalars.momentum + grad * scalars.one_minus_momentum
+    direction = grad * scalars.one_minus_momentum + buffer * scalars.momentum if nesterov else buffer
+    encode_moment(state, "momentum", buffer, grad, strategy, check_finite)
+    return direction.to(torch.bfloat16)
+
+
+def muon_update_kernel_(
+    param: torch.Tensor | BufferRows,
+    term: torch.Tensor,
+    state: dict[str, Any],
+    strategy: PrecisionStrategy,
+    scalars: MuonScalars,
+    random_source: RandomSource,
+) -> None:
+    """Muon's parameter update, in place: the orthogonalized step ``term`` = -lr·s·O (FP32) with
+    decoupled weight decay, applied as ``strategy`` says (:func:`apply_update_`). ``param``: a
+    tensor of ``term``'s shape, or the rows of another buffer (read and written back)."""
+    values = param.read(term.shape) if isinstance(param, BufferRows) else param
+    apply_update_(values, state, strategy, term, scalars, random_source)
+    if isinstance(param, BufferRows):
+        param.write(values)
 
 
 def beta2_expansion_for(strategy: PrecisionStrategy, beta2: float, dtype: torch.dtype) -> tuple[Any, Any]:

@@ -5,12 +5,16 @@ Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networ
 "Muon is Scalable for LLM Training", arXiv 2502.16982) updates a 2-D weight θ (m x n) as
 ``torch.optim.Muon`` does:
 
-    B ← μB + (1-μ)g   (EMA momentum, torch's ``lerp``),   M = g + μ(B - g) with Nesterov, else B,
+    B ← μB + (1-μ)g   (EMA momentum),   M = (1-μ)g + μB with Nesterov, else B,
     O = NS₅(M),   θ ← θ - lr·λ·θ - lr·s(m, n)·O   (decoupled weight decay),
 
 where NS₅ is five quintic Newton-Schulz iterations with coefficients (3.4445, -4.775, 2.0315) on
 BF16 matrices, after normalising M by its Frobenius norm (:func:`newton_schulz`), and s(m, n) is the
-scale mode (:data:`SCALE_MODES`).
+scale mode (:data:`SCALE_MODES`). torch computes B and M with ``lerp`` and the update with
+``add_(alpha=)``, one rounding each (on CPUs a fused multiply-add); here every multiply and add is
+rounded to FP32 apart (``kernel.muon_momentum_kernel_``, :func:`orthogonal_step_`,
+``kernel.apply_update_``), as in AdamW's reference, so that the eager and the compiled step round
+alike (Inductor contracts no multiply-add). The results differ from torch's by those roundings.
 
 Every registered option applies (:func:`muon_strategy`), with the fields read as for AdamW:
 
@@ -22,8 +26,8 @@ Every registered option applies (:func:`muon_strategy`), with the fields read as
   parameter by nearest rounding, MCF Grow into (θ, δθ), Kahan, or stochastic rounding with the
   counter-based words shared by every replica (``kernel.PARAM_UPDATES``), or updates an FP32 master
   stored whole or as a remainder below the BF16 parameter (``optim/master.py``).
-* ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ), then θ ← θ - lr·s·O on the
-  FP32 master, operation for operation as ``torch.optim.Muon`` (so D is torch's Muon on the master).
+* ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ) - lr·s·O on the FP32
+  master, as ``torch.optim.Muon`` (so D is torch's Muon on the master, but for the roundings above).
 * ``second_moment_mcf`` (C): Muon keeps no second moment, so C's expansion of v has nothing to act
   on and **C is B for Muon** (MCF parameters (θ, δθ), 16-bit momentum); the name stays C.
 * ``adam_kernel`` is AdamW's: Muon always runs the reference below.
@@ -36,11 +40,17 @@ parameter is orthogonalized on its own (a shard by itself: megatron-core's ``"bl
 A fused QKV weight may be split (megatron-core's ``muon_split_qkv``): its query, key and value
 rows, each kind over all query groups, are orthogonalized and scaled as three matrices.
 
-The step is eager, one parameter at a time; there is no fused (compiled) Muon step.
+A step has three parts: the element-wise momentum update (:func:`~megatron_lowprec.optim.kernel.muon_momentum_kernel_`),
+Newton-Schulz per parameter (:func:`orthogonal_step_`: BF16 matmuls), and the element-wise parameter
+update (:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`). The eager step
+(:func:`muon_step_`) runs them one parameter at a time; the fused step
+(:func:`fused_muon_bucket_step_`) compiles the element-wise parts as AdamW's fused step is compiled
+and runs each once per bucket (the matmuls stay per parameter), with the same bits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -50,15 +60,15 @@ import torch
 
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.adamw import PrecisionOptimizer
-from megatron_lowprec.optim.buckets import Bucket, build_bucket
+from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, CompileRecipe
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket
+from megatron_lowprec.optim.fused import compile_step_function, fused_call_arguments, resolve_fused, run_calls
 from megatron_lowprec.optim.kernel import (
-    PARAM_UPDATES,
+    MuonScalars,
     check_param_dtype,
-    decay_base,
-    decode_moment,
-    encode_moment,
+    muon_momentum_kernel_,
+    muon_update_kernel_,
 )
-from megatron_lowprec.optim.master import master_key, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 
 MUON_MOMENTS = ("momentum",)
@@ -151,6 +161,58 @@ def check_muon_param(param: torch.Tensor, strategy: PrecisionStrategy, where: st
     check_param_dtype(param, strategy, where)
 
 
+def _momentum_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The momentum's part of a parameter's (or a call's) state."""
+    return {key: value for key, value in state.items() if key.startswith(MUON_MOMENTS)}
+
+
+def _update_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The parameter's part of a state: master, δθ or Kahan compensation (the rest but the step)."""
+    return {key: value for key, value in state.items() if torch.is_tensor(value) and not key.startswith(MUON_MOMENTS)}
+
+
+def orthogonal_step_(
+    out: torch.Tensor,
+    direction: torch.Tensor,
+    *,
+    lr: float,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+    scale_mode: str = "original",
+    extra_scale_factor: float = 1.0,
+    sharded: ShardedMatrix | None = None,
+    split_rows: tuple[int, ...] | None = None,
+) -> None:
+    """``out`` ← -lr·s(m, n)·extra_scale_factor·O, FP32, each element rounded once, where O is the
+    Newton-Schulz orthogonalization of the 2-D BF16 ``direction`` (:func:`newton_schulz`; ``out``
+    and ``direction`` of the parameter's shape). ``sharded``: ``direction`` is that block of a
+    matrix, which is orthogonalized whole (collective over its group) with s of the whole shape, and
+    this block of the result kept. ``split_rows``: the rows are groups of blocks of these heights (a
+    fused QKV weight's query, key and value rows per query group): the i-th blocks of all groups,
+    stacked, form one matrix, orthogonalized with its own s (megatron-core's ``split_qkv``), and the
+    results are put back in place."""
+
+    def orthogonalized(matrix: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if sharded is None:
+            return newton_schulz(matrix, ns_coefficients, ns_steps, eps), update_scale(matrix.shape, scale_mode)
+        whole = newton_schulz(sharded.gather(matrix), ns_coefficients, ns_steps, eps)
+        return sharded.block(whole), update_scale(sharded.whole_shape(matrix.shape), scale_mode)
+
+    if split_rows is None:
+        pieces = [(out, direction)]
+    else:
+        rows, columns = direction.shape
+        groups = rows // sum(split_rows)
+        pieces = zip(
+            out.view(groups, -1, columns).split(list(split_rows), dim=1),
+            direction.view(groups, -1, columns).split(list(split_rows), dim=1),
+        )
+    for out_piece, piece in pieces:
+        orthogonal, scale = orthogonalized(piece.reshape(-1, piece.shape[-1]))
+        out_piece.copy_(orthogonal.float().view(out_piece.shape) * (-lr * scale * extra_scale_factor))
+
+
 @torch.no_grad()
 def muon_step_(
     param: torch.Tensor,
@@ -162,69 +224,85 @@ def muon_step_(
     weight_decay: float,
     momentum: float,
     nesterov: bool,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    ns_steps: int = NS_STEPS,
-    eps: float = NS_EPS,
-    scale_mode: str = "original",
-    extra_scale_factor: float = 1.0,
     random_source: torch.Tensor | None = None,
-    sharded: ShardedMatrix | None = None,
-    split_rows: tuple[int, ...] | None = None,
+    **orthogonalization: Any,
 ) -> None:
     """One Muon step on the 2-D ``param``, in place, following ``strategy`` (a :func:`muon_strategy`;
-    see the module docstring). ``grad`` must be finite. ``random_source``: the 32-bit words of
-    ``param``'s shape that stochastic rounding draws. ``sharded``: ``param`` is that block of a
-    matrix, which is orthogonalized whole (collective over its group). ``split_rows``: ``param``'s
-    rows are groups of blocks of these heights (a fused QKV weight's query, key and value rows per
-    query group), and each kind of block is orthogonalized and scaled on its own
-    (:func:`_split_orthogonalized`)."""
+    see the module docstring): :func:`~megatron_lowprec.optim.kernel.muon_momentum_kernel_`,
+    :func:`orthogonal_step_` (``orthogonalization``: its keywords), then
+    :func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`. ``grad`` must be finite.
+    ``random_source``: the 32-bit words of ``param``'s shape that stochastic rounding draws."""
     state["step"] += 1
-    grad = grad.float()
-    buffer = decode_moment(state, "momentum", param, strategy)
-    buffer.lerp_(grad, 1 - momentum)
-    direction = grad.lerp(buffer, momentum) if nesterov else buffer
-    def orthogonalized(matrix: torch.Tensor) -> tuple[torch.Tensor, float]:
-        if sharded is None:
-            return newton_schulz(matrix, ns_coefficients, ns_steps, eps), update_scale(matrix.shape, scale_mode)
-        whole = newton_schulz(sharded.gather(matrix), ns_coefficients, ns_steps, eps)
-        return sharded.block(whole), update_scale(sharded.whole_shape(matrix.shape), scale_mode)
-
-    if split_rows is None:
-        orthogonal, scale = orthogonalized(direction)
-    else:
-        orthogonal, scale = _split_orthogonalized(direction, split_rows, orthogonalized), 1.0
-    step_size = lr * scale * extra_scale_factor
-    if strategy.weight_decay == "multiplicative":
-        stored = state[master_key(strategy)]
-        master = master_value(param, stored)
-        master.mul_(1 - lr * weight_decay)
-        store_master_(param, stored, master.add_(orthogonal, alpha=-step_size))
-    else:
-        update = decay_base(param, state) * (-lr * weight_decay) + orthogonal.float() * -step_size
-        PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
-    encode_moment(state, "momentum", buffer, param, strategy)
+    scalars = MuonScalars.for_step(lr, weight_decay, momentum)
+    direction = muon_momentum_kernel_(grad, _momentum_state(state), strategy, scalars, nesterov)
+    term = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    orthogonal_step_(term, direction, lr=lr, **orthogonalization)
+    muon_update_kernel_(param, term, _update_state(state), strategy, scalars, random_source)
 
 
-def _split_orthogonalized(
-    direction: torch.Tensor, split_rows: tuple[int, ...], orthogonalized: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
-) -> torch.Tensor:
-    """megatron-core's ``split_qkv``: ``direction``'s rows are G groups of ``sum(split_rows)`` rows,
-    each cut into blocks of ``split_rows`` heights; the i-th blocks of all groups, stacked, form one
-    matrix, orthogonalized and scaled by its own s(m, n); the FP32 results are put back in place."""
-    rows, columns = direction.shape
-    group_rows = sum(split_rows)
-    groups = rows // group_rows
-    pieces = []
-    for piece in direction.view(groups, group_rows, columns).split(list(split_rows), dim=1):
-        orthogonal, scale = orthogonalized(piece.reshape(-1, columns))
-        pieces.append((orthogonal.float() * scale).view(groups, -1, columns))
-    return torch.cat(pieces, dim=1).view(rows, columns)
+@functools.cache
+def compiled_muon_momentum_kernel(group_statistics: bool = False) -> Callable:
+    """:func:`~megatron_lowprec.optim.kernel.muon_momentum_kernel_` compiled as AdamW's fused step is
+    (:func:`~megatron_lowprec.optim.fused.compile_step_function`; ``group_statistics`` for FP8 momentum)."""
+    return compile_step_function(muon_momentum_kernel_, group_statistics)
 
 
-HYPERPARAMETERS = (
-    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "scale_mode", "extra_scale_factor",
-)
-"""The keys of a parameter group that :func:`muon_step_` takes."""
+@functools.cache
+def compiled_muon_update_kernel() -> Callable:
+    """:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_` compiled (Dynamo specialises it per
+    strategy); without group statistics also for FP8 momentum, which it never reads."""
+    return compile_step_function(muon_update_kernel_)
+
+
+@torch.no_grad()
+def fused_muon_bucket_step_(
+    bucket: Bucket,
+    strategy: PrecisionStrategy,
+    grad: torch.Tensor | BufferRows,
+    entry_grads: list[torch.Tensor],
+    orthogonal_steps: Callable[[int, torch.Tensor, torch.Tensor], None],
+    *,
+    step: int,
+    sr_seed: int | None,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    background_compile: bool = False,
+) -> None:
+    """One Muon step over a whole bucket (every entry at ``step`` after this call): one compiled
+    call of the momentum kernel over the bucket (FP8 momentum: as [groups, group_size]), whose BF16
+    directions go to ``orthogonal_steps(entry, out, direction)`` entry by entry (the Newton-Schulz
+    matmuls: :func:`orthogonal_step_` into ``out``, the entry's view of a bucket-sized FP32
+    buffer), then the compiled calls of the update kernel that AdamW's fused step would make
+    (:func:`~megatron_lowprec.optim.fused.fused_call_arguments`: one per bucket, or per entry for
+    stochastic rounding on CPUs). ``grad`` and ``entry_grads``: as for
+    :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`."""
+    scalars = {bucket.group_index: MuonScalars.for_step(lr, weight_decay, momentum)}
+    momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (strategy.moments == "fp8",))
+    momentum_calls = (
+        (state, (call_grad, _momentum_state(state), strategy, call_scalars, nesterov, False))
+        for _, call_grad, state, call_scalars, _ in fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, None, step)
+    )
+    (direction,) = run_calls(momentum_recipe, muon_momentum_kernel_, bucket, strategy, momentum_calls, background_compile)
+    direction = direction.view(-1)
+    terms = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+    entry_terms = [bucket.view(terms, index) for index in range(len(bucket.params))]
+    for index, (param, term) in enumerate(zip(bucket.params, entry_terms)):
+        orthogonal_steps(index, term.view(param.shape), bucket.view(direction, index).view(param.shape))
+    update_calls = (
+        (state, (param, term, _update_state(state), strategy, call_scalars, random_source))
+        for param, term, state, call_scalars, random_source in fused_call_arguments(
+            bucket, strategy, terms, entry_terms, scalars, sr_seed, step
+        )
+    )
+    run_calls(CompileRecipe(compiled_muon_update_kernel), muon_update_kernel_, bucket, strategy, update_calls, background_compile)
+
+
+ELEMENT_WISE = ("lr", "weight_decay", "momentum", "nesterov")
+"""The keys of a parameter group that the element-wise parts of a step take."""
+ORTHOGONALIZATION = ("ns_coefficients", "eps", "ns_steps", "scale_mode", "extra_scale_factor")
+"""The keys of a parameter group that :func:`orthogonal_step_` takes besides ``lr``."""
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -261,7 +339,12 @@ class Muon(PrecisionOptimizer):
     ``param`` is a block, orthogonalized whole, or None (default: every parameter on its own).
     ``split_rows(param)``: the heights of the row blocks of each group of a fused QKV weight that are
     orthogonalized apart (megatron's ``muon_split_qkv``), or None (default: the matrix as one).
-    Eager only: one parameter at a time, no fused (compiled) step.
+    ``fused`` is AdamW's (default: where available): the element-wise parts of a step, before and
+    after Newton-Schulz, are one compiled call each per bucket (:func:`fused_muon_bucket_step_`;
+    parameters' ``.data`` and ``.grad`` re-pointed at flat buffers, as AdamW does), the matmuls stay
+    per parameter; ``fused=False`` runs :func:`muon_step_` per parameter. Both give the same bits.
+    ``background_compile`` is AdamW's: the fused calls run uncompiled until a child process has
+    compiled them (:mod:`~megatron_lowprec.optim.background_compile`).
     """
 
     def __init__(
@@ -280,6 +363,8 @@ class Muon(PrecisionOptimizer):
         option: str | PrecisionStrategy,
         master_weights: bool | None = None,
         master_storage: str | None = None,
+        fused: bool | None = None,
+        background_compile: bool = False,
         seed: int = 0,
         check_grads_finite: bool = True,
         stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
@@ -289,6 +374,8 @@ class Muon(PrecisionOptimizer):
         self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage))
         self.sharded_matrix = sharded_matrix or (lambda param: None)
         self.split_rows = split_rows or (lambda param: None)
+        self._fused_request = fused
+        self.background_compile = background_compile
         self.seed = seed
         self.check_grads_finite = check_grads_finite
         self.skipped_steps = 0
@@ -319,29 +406,50 @@ class Muon(PrecisionOptimizer):
                 )
             self._stream_layouts[param] = self._checked_stream_layout(param, where)
             by_layout.setdefault((param.device, param.dtype), []).append(param)
-        for params in by_layout.values():
+        for (device, _), params in by_layout.items():
             streams = [self._stream_layouts[param] for param in params]
-            bucket, states = build_bucket(self.strategy, group_index, params, False, streams)
+            bucket, states = build_bucket(self.strategy, group_index, params, resolve_fused(device, self._fused_request), streams)
             self.buckets.append(bucket)
             for param, state in zip(params, states):
                 self.state[param] = state
+
+    def _orthogonalization(self, param: torch.nn.Parameter, group: dict[str, Any]) -> dict[str, Any]:
+        """:func:`orthogonal_step_`'s keywords for ``param`` of ``group`` but ``lr``."""
+        return dict(
+            sharded=self.sharded_matrix(param), split_rows=self.split_rows(param), **{key: group[key] for key in ORTHOGONALIZATION}
+        )
+
+    def _step_bucket(self, bucket: Bucket) -> None:
+        group = self.param_groups[bucket.group_index]
+        hyper = {key: group[key] for key in ELEMENT_WISE}
+        grad, step = self._fused_step_grads(bucket)
+        if grad is not None:
+
+            def orthogonal_steps(index: int, out: torch.Tensor, direction: torch.Tensor) -> None:
+                orthogonal_step_(out, direction, lr=group["lr"], **self._orthogonalization(bucket.params[index], group))
+
+            fused_muon_bucket_step_(
+                bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params], orthogonal_steps,
+                step=step, sr_seed=self._sr_seed, background_compile=self.background_compile, **hyper,
+            )
+            return
+        stochastic = self.strategy.param_update == "stochastic"
+        for param in bucket.params:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            words = self.random_bits(param, state["step"] + 1) if stochastic else None
+            muon_step_(
+                param, param.grad, state, self.strategy, random_source=words, **hyper, **self._orthogonalization(param, group)
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Muon step for every parameter with a gradient (see the class docstring for skips)."""
         loss, ready = self._begin_step(closure)
-        if not ready:
-            return loss
-        stochastic = self.strategy.param_update == "stochastic"
-        for group in self.param_groups:
-            hyper = {key: group[key] for key in HYPERPARAMETERS}
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                words = self.random_bits(param, state["step"] + 1) if stochastic else None
-                muon_step_(
-                    param, param.grad, state, self.strategy, random_source=words, sharded=self.sharded_matrix(param),
-                    split_rows=self.split_rows(param), **hyper
-                )
+        if ready:
+            for bucket in self.buckets:
+                self._step_bucket(bucket)
+        if self.background_compile:
+            BACKGROUND_COMPILES.start()
         return loss

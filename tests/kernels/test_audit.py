@@ -197,3 +197,20 @@ def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
     """On CUDA the norm's digit sums compile to one kernel that loads each value once (BF16: 2 bytes,
     the conversion to FP32 fused); the rest of its kernels read only that kernel's partial sums."""
     assert audit.gradient_norm_reads(dtype) == [dtype.itemsize]
+
+
+@pytest.fixture(scope="module")
+def muon_sr_audit():
+    """Muon's fused step with option sr (BF16 momentum, stochastic rounding over the whole bucket
+    from the shared counter stream), generated for sm_90."""
+    (step_audit,) = audit.audit_muon("sr", arches=(90,))
+    return step_audit
+
+
+@pytest.mark.parametrize("rule", audit.MUON_RULES)
+def test_every_rule_holds_for_muon_s_fused_step(muon_sr_audit, rule):
+    """Muon's element-wise calls (momentum before Newton-Schulz, update after it): every kernel
+    compiles; no approximate, flushing or contracted instruction; no FP64; one launch per call (two
+    per bucket); a later step with another lr and a bucket of another parameter group compile nothing."""
+    check = muon_sr_audit.check(rule)
+    assert check.passed, f"{rule}: {check.detail}"

@@ -88,9 +88,16 @@ def _muon_chains() -> list[list]:
     return [["sr", "unsharded", ["unsharded", "layer_wise", *layout], ["layer_wise", *layout]], ["C", "layer_wise", ["unsharded"], []]]
 
 
+MUON_MASTER_TOLERANCE = 2**-6
+"""Per step, in units of lr·s(m, n): how far option D's Muon masters may be from torch.optim.Muon's
+(the bound of tests/optim/test_muon.py)."""
+
+
 def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_path):
     """optimizer="muon", option D: Muon holds exactly the 2-D weights of the transformer layers, AdamW
-    the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's, bit for bit;
+    the embedding, output layer, norms and biases; each Muon master is torch.optim.Muon's within
+    lr·s·2^-6 per step (tests/optim/test_muon.py: torch's lerps and ``add_(alpha=)`` round once, ours
+    multiply and add apart);
     a step after reloading the chained state dict repeats the uninterrupted step exactly. Options sr
     and C (MCF's δθ) save the model and the chain as a megatron dist checkpoint
     (``sharded_state_dict``) after 2 steps, and a fresh chain that loads it takes the third step bit
@@ -115,7 +122,7 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
         assert rank["muon"] and all(".layers." in name and name.endswith("weight") for name in rank["muon"])
         assert not any("norm" in name or "embedding" in name or "output_layer" in name for name in rank["muon"])
         assert any("embedding" in name for name in rank["adamw"]) and any(name.endswith("bias") for name in rank["adamw"])
-        assert rank["agree"] == [True, True]
+        assert all(0 <= error <= step * MUON_MASTER_TOLERANCE for step, error in enumerate(rank["master_errors"], 1))
         assert rank["resumed"] and rank["compared"] > len(rank["muon"]) + len(rank["adamw"])
         tensor_parallel = rank["tensor_parallel"]
         assert tensor_parallel["duplicated_is_tp1"] == [True, True]
