@@ -444,9 +444,10 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
     ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
     ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
-    it is available), and ``lowprec_background_compile`` (default on) lets the first steps run it
-    uncompiled (the same bits) while a child process compiles it into Inductor's cache (see
-    ``AdamW``); ``lowprec_track_update_quality`` measures EDQ and imprecision every step
+    it is available), and ``lowprec_background_compile`` lets the first steps run it uncompiled (the
+    same bits) while a child process compiles it into Inductor's cache (see ``AdamW``; off here as in
+    ``AdamW``, on in ``lowprec-train`` and the Megatron-LM entry); ``lowprec_track_update_quality``
+    measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"`` or ``"remainder"``; None:
     the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
     remainder below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
@@ -458,7 +459,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_seed: int = 0
     lowprec_shared_randomness: bool = True
     lowprec_fused: bool | None = None
-    lowprec_background_compile: bool = True
+    lowprec_background_compile: bool = False
     lowprec_track_update_quality: bool = False
     lowprec_master_storage: str | None = None
 

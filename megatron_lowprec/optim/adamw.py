@@ -292,8 +292,8 @@ class AdamW(PrecisionOptimizer):
     bit-identical results. ``background_compile=True`` (fused only) runs a call uncompiled, the same
     bits, until a child process has compiled it into Inductor's on-disk cache, so the first step does
     not wait for the compiler (tens of seconds on a CPU with an empty cache); the call then compiles
-    from that cache (:mod:`~megatron_lowprec.optim.background_compile`). Off by default here; the
-    trainers' entries (``lowprec-train``, the Megatron-LM entry, ``LowPrecisionOptimizerConfig``) turn it on.
+    from that cache (:mod:`~megatron_lowprec.optim.background_compile`). Off by default here (a
+    library call starts no process unasked); ``lowprec-train`` and the Megatron-LM entry turn it on.
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). ``master_storage`` stores the master of a strategy that has one

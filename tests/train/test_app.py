@@ -80,7 +80,7 @@ def test_every_option_trains_in_one_process(tmp_path, cache_dir):
         for option in OPTIONS_AND_STOCK
     ] + [
         {"overrides": _tiny(cache_dir, tmp_path / f"muon-{option}", f"precision={option}", "optimizer=muon",
-                            "trainer.max_steps=3")}
+                            "trainer.max_steps=3", UNCOMPILED)}
         for option in MUON_OPTIONS
     ]
     results = _run(tmp_path, 1, steps)
