@@ -369,6 +369,8 @@ def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overri
         (["optimizer=muon", "optimizer.muon_momentum=1.0"], "optimizer.muon_momentum=1.0 must be in [0, 1)"),
         (["optimizer=muon", "optimizer.muon_tp_mode=distributed"],
          "optimizer.muon_tp_mode='distributed' is not valid; choose one of: blockwise, duplicated"),
+        (["optimizer=muon", "optimizer.muon_coefficient_type=polar_express"],
+         "optimizer.muon_coefficient_type='polar_express' is not valid; choose one of: simple, quintic"),
         (["optimizer=muon", "precision=megatron"], "optimizer.name=muon cannot run with precision=megatron"),
         (["optimizer=muon", "precision.track_update_quality=true"],
          "optimizer.name=muon cannot run with precision.track_update_quality=true"),
@@ -384,6 +386,7 @@ def test_optimizer_muon_selects_moonshots_recipe_and_adamw_stays_the_default():
     assert default.optimizer.name == "adamw" and muon.optimizer.name == "muon"
     assert (muon.optimizer.muon_scale_mode, muon.optimizer.muon_extra_scale_factor) == ("spectral", 0.2)
     assert muon.optimizer.muon_use_nesterov and muon.optimizer.muon_momentum == 0.95
+    assert muon.optimizer.muon_coefficient_type == "simple"
     assert muon.optimizer.lr == default.optimizer.lr and muon.precision.option == "C"
     assert run_shape(muon)["optimizer.name"] == "muon"
 
