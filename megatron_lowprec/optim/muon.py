@@ -64,7 +64,8 @@ from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 
 MUON_MOMENTS = ("momentum",)
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c), as torch and megatron-core use them."""
+"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c) for every iteration, as torch uses them
+(megatron-core's ``muon_coefficient_type="simple"``)."""
 QUINTIC_COEFFICIENT_SETS = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
