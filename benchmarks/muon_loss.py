@@ -22,7 +22,9 @@ emerging-optimizers 0.3.0), and the script run with that venv's python times it.
 
     python benchmarks/muon_loss.py                       # the whole table (CPU: minutes per run)
     python benchmarks/muon_loss.py --options A D --lrs 3e-3 --steps 5 --skip-timing
-    ~/.cache/megatron-lowprec/megatron-core-0.19.2-py3.11/bin/python benchmarks/muon_loss.py --skip-loss
+    OMP_NUM_THREADS=1 ~/.cache/megatron-lowprec/megatron-core-0.19.2-py3.11/bin/python \
+        benchmarks/muon_loss.py --skip-loss --repeats 20   # megatron-core's Muon too; one thread
+                                                           # keeps a shared machine's contention out
 """
 
 from __future__ import annotations

@@ -334,6 +334,8 @@ def _megatron_core_muon():
 
 
 MEGATRON_COEFFICIENTS = {"simple": NS_COEFFICIENTS, "quintic": QUINTIC_COEFFICIENT_SETS}
+MEGATRON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
+"""megatron-core's names of the coefficient sets and scale modes, and ours (``shape_scaling`` is torch's ``original``)."""
 
 
 @pytest.mark.parametrize("steps", [5, 7])
@@ -381,8 +383,6 @@ def test_option_d_steps_as_megatron_cores_muon(coefficient_type, scale_mode, nes
     both starting from our master, is megatron's within :data:`NEWTON_SCHULZ_INPUT_TOLERANCE` (the
     momentum depends on the gradients only, so it is compared along the whole run)."""
     emerging = _megatron_core_muon()
-    from megatron_lowprec.megatron.optimizer import MUON_SCALE_MODES
-
     shapes, qkv_rows = [(48, 32), (64, 32), (32, 96)], (8, 4, 4)
     starts = [_random(shape, index).mul(0.02).bfloat16().float() for index, shape in enumerate(shapes)]
     params = [_param(start) for start in starts]
@@ -396,14 +396,14 @@ def test_option_d_steps_as_megatron_cores_muon(coefficient_type, scale_mode, nes
     )
     ours = Muon(
         params, **hyper, ns_coefficients=MEGATRON_COEFFICIENTS[coefficient_type], ns_steps=5,
-        scale_mode=MUON_SCALE_MODES[scale_mode], extra_scale_factor=0.2, option="D",
+        scale_mode=MEGATRON_SCALE_MODES[scale_mode], extra_scale_factor=0.2, option="D",
         split_rows=lambda param: qkv_rows if split_qkv and param is params[0] else None,
     )
     largest_gradient = 0.0
     for step in range(4):
         before = [ours.state[param]["master"].clone() for param in params]
-        for param, reference, master in zip(params, references, before):
-            grad = _random(param.shape, 10 * step + len(before))
+        for index, (param, reference, master) in enumerate(zip(params, references, before)):
+            grad = _random(param.shape, 10 * step + index)
             largest_gradient = max(largest_gradient, grad.abs().max().item())
             param.grad, reference.grad = grad.clone(), grad.clone()
             reference.data.copy_(master)
