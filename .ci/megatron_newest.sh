@@ -11,19 +11,26 @@
 # venv gets it the README's way, `pip install -e ".[dev]" -c constraints.txt`: the CPU torch on
 # disk, never a CUDA one. The main environment is left alone and a rerun installs nothing.
 # megatron/training (shipped in the sdist since 0.17) imports typing.override, new in 3.12: a .pth
-# file in the venv supplies it on 3.11.
+# file in the venv supplies it on 3.11. megatron-core's own Muon (TensorParallelMuon) needs NVIDIA's
+# emerging-optimizers, which declares Python >= 3.12 too (on 3.11 pip offers only a placeholder
+# 999.9.9): its pure-Python wheel installs pinned with --no-deps --ignore-requires-python, plus its one
+# other requirement, absl-py, and runs with the same shim.
 #
 # Runs there the tests that megatron-core's changes between versions reach: the CPU bridge, the
 # optimizer hook (stock-megatron equality, SR replicas at TP=2, dist checkpoints), build_optimizer's
 # calls and parameter groups (with Muon under megatron's layer-wise distributed optimizer, whose
-# config field 0.19 added), the Megatron-LM entry against megatron.training, the distributed
-# optimizer with FP32 reduction and clipping, the layer converters and one app run (TP x DP). Exits
-# non-zero if any fails, if none ran, or if the venv does not hold megatron-core $VERSION.
+# config field 0.19 added, and beside megatron-core's own Muon), our Muon against megatron-core's
+# TensorParallelMuon (Newton-Schulz bit for bit, option D's steps), the Megatron-LM entry against
+# megatron.training, the distributed optimizer with FP32 reduction and clipping, the layer converters
+# and one app run (TP x DP). Exits non-zero if any fails, if none ran, or if the venv does not hold
+# megatron-core $VERSION and a megatron-core Muon that finds emerging-optimizers $EMERGING_OPTIMIZERS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VERSION="${MEGATRON_CORE_NEWEST:-0.19.2}"
 TRITON="${MEGATRON_CORE_NEWEST_TRITON:-3.9.0}"
+EMERGING_OPTIMIZERS="${MEGATRON_CORE_NEWEST_EMERGING_OPTIMIZERS:-0.3.0}"
+ABSL_PY="${MEGATRON_CORE_NEWEST_ABSL_PY:-2.5.1}"
 HOST_PYTHON="$(command -v python3)"
 VENV="${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lowprec/megatron-core-$VERSION-py$("$HOST_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 PYTHON="$VENV/bin/python"
@@ -32,6 +39,10 @@ STAMP="$VENV/host-sites"
 
 installed_version() {
     "$PYTHON" -c 'from megatron.core import package_info; print(package_info.__version__)' 2>/dev/null || true
+}
+
+installed_emerging_optimizers() {
+    "$PYTHON" -c 'from importlib.metadata import version; print(version("emerging-optimizers"))' 2>/dev/null || true
 }
 
 if [[ "$(installed_version)" != "$VERSION" || "$(cat "$STAMP" 2>/dev/null)" != "$HOST_SITES" ]]; then
@@ -46,11 +57,19 @@ if [[ "$(installed_version)" != "$VERSION" || "$(cat "$STAMP" 2>/dev/null)" != "
         -c constraints.txt "megatron-core==$VERSION" "triton==$TRITON"
     echo "$HOST_SITES" > "$STAMP"
 fi
+if [[ "$(installed_emerging_optimizers)" != "$EMERGING_OPTIMIZERS" ]]; then
+    "$PYTHON" -m pip install --quiet --no-deps --ignore-requires-python \
+        "emerging-optimizers==$EMERGING_OPTIMIZERS" "absl-py==$ABSL_PY"
+fi
 if [[ "$(installed_version)" != "$VERSION" ]]; then
     echo "megatron-core newest: $VENV holds megatron-core '$(installed_version)', not $VERSION" >&2
     exit 1
 fi
-echo "megatron-core $(installed_version), torch $("$PYTHON" -c 'import torch; print(torch.__version__)') in $VENV (behind it: $HOST_SITES)"
+if ! "$PYTHON" -c 'from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS as ok; assert ok' 2>/dev/null; then
+    echo "megatron-core newest: megatron-core's Muon does not find emerging-optimizers $EMERGING_OPTIMIZERS in $VENV" >&2
+    exit 1
+fi
+echo "megatron-core $(installed_version), emerging-optimizers $(installed_emerging_optimizers), torch $("$PYTHON" -c 'import torch; print(torch.__version__)') in $VENV (behind it: $HOST_SITES)"
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$VENV/inductor}"
@@ -59,6 +78,8 @@ trap 'rm -f "$REPORT"' EXIT
 status=0
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --junitxml="$REPORT" \
     tests/megatron/test_cpu_bridge.py \
+    "tests/optim/test_muon.py::test_newton_schulz_is_megatron_cores_bit_for_bit_where_the_normalization_is_exact" \
+    "tests/optim/test_muon.py::test_option_d_steps_as_megatron_cores_muon" \
     "tests/megatron/test_optimizer_hook.py::test_option_d_reproduces_stock_megatron_bf16_optimizer" \
     "tests/megatron/test_optimizer_hook.py::test_replicas_stay_bit_identical[C-2-2-False]" \
     "tests/megatron/test_optimizer_hook.py::test_dist_checkpoint_saved_at_tp2_loads_at_tp1[C]" \

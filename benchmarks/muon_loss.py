@@ -14,12 +14,19 @@ hidden weights (``--time-layers`` layers of QKV, projection, fc1 and fc2; Muon's
 with fixed random gradients, for Muon with each option, eager and fused (``--muon-steps``), and
 AdamW D (eager); each time is the median of ``--repeats`` steps after ``--time-warmup`` (which
 should cover the fused step's compilation), all optimizers stepping in turn (so that all see the
-same machine load), the ratio over AdamW D's and, for a fused step, over the same option's eager one. megatron-core's own Muon (``TensorParallelMuon``)
-needs NVIDIA's ``emerging-optimizers``, which requires Python >= 3.12: it is timed only where it
-imports.
+same machine load), the ratio over AdamW D's and, for a fused step, over the same option's eager
+one. megatron-core's own Muon (``TensorParallelMuon``, the optimizer inside megatron's FP32-master
+wrapper, on FP32 copies of the same weights and FP32 gradients, at its default BF16 Newton-Schulz,
+``coefficient_type="simple"`` as ours) steps in the same rotation where it imports: it needs NVIDIA's
+``emerging-optimizers``, which declares Python >= 3.12; ``.ci/megatron_newest.sh`` builds a venv
+where it runs on 3.11 (megatron-core 0.19.2 and emerging-optimizers 0.3.0), and the script run with
+that venv's python times it.
 
     python benchmarks/muon_loss.py                       # the whole table (CPU: minutes per run)
     python benchmarks/muon_loss.py --options A D --lrs 3e-3 --steps 5 --skip-timing
+    OMP_NUM_THREADS=1 ~/.cache/megatron-lowprec/megatron-core-0.19.2-py3.11/bin/python \
+        benchmarks/muon_loss.py --skip-loss --repeats 20   # megatron-core's Muon too; one thread
+                                                           # keeps a shared machine's contention out
 """
 
 from __future__ import annotations
@@ -98,6 +105,12 @@ def step_times(options: list[str], layers: int, warmup: int, repeats: int, muon_
         for option in options for step in muon_steps
     }
     optimizers["adamw D"] = AdamW(parameters(), lr=1e-3, option="D", fused=False)
+    megatron_muon = megatron_core_muon()
+    if megatron_muon is not None:
+        fp32_params = [torch.nn.Parameter(param.detach().float()) for param in parameters()]
+        for param, gradient in zip(fp32_params, gradients):
+            param.grad = gradient.float()
+        optimizers[MEGATRON_CORE_MUON] = megatron_muon(fp32_params, lr=1e-3, coefficient_type="simple")
     times = {name: [] for name in optimizers}
     for repeat in range(warmup + repeats):
         for name, optimizer in optimizers.items():
@@ -108,12 +121,29 @@ def step_times(options: list[str], layers: int, warmup: int, repeats: int, muon_
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
+MEGATRON_CORE_MUON = "megatron-core's Muon"
+
+
+def megatron_core_muon():
+    """megatron-core's ``TensorParallelMuon`` class where it imports (with emerging-optimizers), else None."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("emerging_optimizers") is None:
+        return None
+    try:
+        from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
+    except ImportError:
+        return None
+    return TensorParallelMuon if HAVE_EMERGING_OPTIMIZERS else None
+
+
 def megatron_core_muon_note() -> str:
-    """Why megatron-core's own Muon is not in the step-time table."""
-    if importlib.util.find_spec("emerging_optimizers") is None:
-        return ("megatron-core's Muon (TensorParallelMuon) not timed: it needs NVIDIA's emerging-optimizers, "
-                "which requires Python >= 3.12 and is not installed")
-    return "megatron-core's Muon: emerging-optimizers is installed, but this script does not time it"
+    """Which megatron-core's Muon is in the step-time table, or why it is not."""
+    if megatron_core_muon() is None:
+        return ("megatron-core's Muon (TensorParallelMuon) not timed: it needs megatron-core 0.17+ and NVIDIA's "
+                "emerging-optimizers (Python >= 3.12, or the venv of .ci/megatron_newest.sh)")
+    from importlib.metadata import version
+
+    return (f"megatron-core's Muon: TensorParallelMuon of megatron-core {version('megatron-core')} with emerging-optimizers "
+            f"{version('emerging-optimizers')}, FP32 weights, BF16 Newton-Schulz")
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own. With ``--optimizer
   muon`` it is our Muon for the 2-D hidden weights chained with AdamW for the rest, both with the
   option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
-  ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv`` and
+  ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv``,
+  ``--muon-coefficient-type`` (``quintic`` or ``simple``, from 0.17) and
   ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
   ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon, in its shard-aligned layout
   or with ``--no-use-layer-wise-param-layout``);

@@ -52,7 +52,7 @@ from megatron_lowprec.megatron.distributed import (
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
-from megatron_lowprec.optim.muon import ShardedMatrix
+from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
@@ -385,6 +385,11 @@ def qkv_split_rows(model_chunks: list[torch.nn.Module], split_qkv: bool) -> dict
 MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
 """megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
 
+MUON_COEFFICIENT_TYPES = {"quintic": QUINTIC_COEFFICIENT_SETS, "simple": NS_COEFFICIENTS}
+"""megatron-core's ``muon_coefficient_type`` names (emerging-optimizers' sets) and :class:`Muon`'s
+``ns_coefficients`` for each: ``"quintic"`` (megatron's default) a triple per iteration,
+``"simple"`` Keller Jordan's (3.4445, -4.775, 2.0315) at every iteration (``torch.optim.Muon``'s)."""
+
 
 def canonical_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
     """Each parameter's name in the whole model, the same at every parallel layout: wrapper prefixes
@@ -452,7 +457,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     the option's own) stores the FP32 master of ``D``, ``coat`` or ``D-BF16`` whole or as a 16-bit
     remainder below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
     ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*`` settings, ``clip_grad``,
-    ``use_distributed_optimizer``, ``decoupled_lr``.
+    ``use_distributed_optimizer``, ``decoupled_lr``; ``muon_coefficient_type`` on megatron-core 0.16 too.
     """
 
     lowprec_option: str | None = None
@@ -462,6 +467,8 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_background_compile: bool = False
     lowprec_track_update_quality: bool = False
     lowprec_master_storage: str | None = None
+    muon_coefficient_type: str = "quintic"
+    """megatron's own field from megatron-core 0.17 (its default), declared here for 0.16."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -471,9 +478,11 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
 
     @classmethod
     def from_optimizer_config(cls, config: OptimizerConfig, **changes: Any) -> LowPrecisionOptimizerConfig:
-        """``config``'s megatron fields (the ``timers`` Megatron-LM attaches included) with ``changes``
+        """``config``'s megatron fields (the ``timers`` Megatron-LM attaches included, and a
+        ``muon_coefficient_type`` set on a megatron-core 0.16 config) with ``changes``
         (``lowprec_option=...``, or any field) applied."""
-        fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(OptimizerConfig)}
+        names = [field.name for field in dataclasses.fields(OptimizerConfig)] + ["muon_coefficient_type"]
+        fields = {name: getattr(config, name) for name in names if hasattr(config, name)}
         return cls(**{**fields, **changes})
 
     def provide(
@@ -535,10 +544,18 @@ def _check_muon_config(config: LowPrecisionOptimizerConfig) -> None:
         raise ValueError("lowprec_track_update_quality=True is not supported with optimizer='muon' (Muon measures no update quality)")
     if config.muon_scale_mode not in MUON_SCALE_MODES:
         raise ValueError(f"config.muon_scale_mode={config.muon_scale_mode!r} is not valid; choose one of {', '.join(MUON_SCALE_MODES)}")
-    for name, supported in (("muon_coefficient_type", "quintic"), ("muon_scalar_optimizer", "adam")):
-        value = getattr(config, name, supported)
-        if value != supported:
-            raise ValueError(f"config.{name}={value!r} is not supported by the precision options' Muon; set {name}={supported!r}")
+    coefficient_type = getattr(config, "muon_coefficient_type", "quintic")
+    if coefficient_type not in MUON_COEFFICIENT_TYPES:
+        raise ValueError(
+            f"config.muon_coefficient_type={coefficient_type!r} is not supported by the precision options' Muon; choose "
+            f"{' or '.join(repr(name) for name in MUON_COEFFICIENT_TYPES)}"
+        )
+    scalar_optimizer = getattr(config, "muon_scalar_optimizer", "adam")
+    if scalar_optimizer != "adam":
+        raise ValueError(
+            f"config.muon_scalar_optimizer={scalar_optimizer!r} is not supported by the precision options' Muon; "
+            "set muon_scalar_optimizer='adam'"
+        )
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
     if config.muon_tp_mode not in MUON_TP_MODES and (tensor_parallel or config.muon_tp_mode != "distributed"):
         raise ValueError(
@@ -618,7 +635,7 @@ def build_optimizer(
     :class:`LowPrecisionMuonOptimizer`: :class:`~megatron_lowprec.optim.Muon` for the 2-D hidden
     weights and AdamW for the embedding, output layer and 1-D parameters, both with the option and
     megatron's ``muon_*`` settings (``muon_scale_mode`` ``spectral``, ``shape_scaling`` or
-    ``unit_rms_norm``; ``muon_split_qkv`` orthogonalizing query, key and value rows apart;
+    ``unit_rms_norm``; ``muon_coefficient_type`` ``quintic`` or ``simple``, :data:`MUON_COEFFICIENT_TYPES`; ``muon_split_qkv`` orthogonalizing query, key and value rows apart;
     ``muon_tp_mode`` ``blockwise`` or ``duplicated``, :data:`MUON_TP_MODES`; megatron's layer-wise
     distributed optimizer, ``use_layer_wise_distributed_optimizer`` or ``optimizer="dist_muon"``, with
     DDP all-reducing the gradients or in megatron's shard-aligned layout:
@@ -746,6 +763,7 @@ def _build_muon(
         weight_decay=config.weight_decay,
         momentum=config.muon_momentum,
         nesterov=getattr(config, compat.muon_nesterov_field()),
+        ns_coefficients=MUON_COEFFICIENT_TYPES[getattr(config, "muon_coefficient_type", "quintic")],
         ns_steps=config.muon_num_ns_steps,
         scale_mode=MUON_SCALE_MODES[config.muon_scale_mode],
         extra_scale_factor=config.muon_extra_scale_factor,

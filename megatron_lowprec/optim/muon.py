@@ -15,6 +15,8 @@ scale mode (:data:`SCALE_MODES`). torch computes B and M with ``lerp`` and the u
 rounded to FP32 apart (``kernel.muon_momentum_kernel_``, :func:`orthogonal_step_`,
 ``kernel.apply_update_``), as in AdamW's reference, so that the eager and the compiled step round
 alike (Inductor contracts no multiply-add). The results differ from torch's by those roundings.
+The iterations may instead take a triple each, in turn
+(megatron-core's default ``muon_coefficient_type="quintic"``, :data:`QUINTIC_COEFFICIENT_SETS`).
 
 Every registered option applies (:func:`muon_strategy`), with the fields read as for AdamW:
 
@@ -73,7 +75,18 @@ from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 
 MUON_MOMENTS = ("momentum",)
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c), as torch and megatron-core use them."""
+"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c) for every iteration, as torch uses them
+(megatron-core's ``muon_coefficient_type="simple"``)."""
+QUINTIC_COEFFICIENT_SETS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+"""A triple (a, b, c) for each of five Newton-Schulz iterations, the i-th for iteration i (cycled
+beyond five): emerging-optimizers' ``"quintic"`` set (0.3.0), megatron-core's default
+``muon_coefficient_type``; its ``"simple"`` is :data:`NS_COEFFICIENTS` at every iteration."""
 NS_STEPS = 5
 NS_EPS = 1e-7
 
@@ -104,20 +117,40 @@ def update_scale(shape: torch.Size | tuple[int, int], scale_mode: str) -> float:
     return SCALE_MODES[scale_mode](rows, columns)
 
 
+Coefficients = tuple[float, float, float] | tuple[tuple[float, float, float], ...]
+"""One Newton-Schulz triple (a, b, c) for every iteration, or a sequence of triples taken in turn."""
+
+
+def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """The (a, b, c) of each of ``steps`` iterations: one triple repeated, or a sequence of triples
+    cycled (emerging-optimizers' ``"cycle"`` mode, which its ``"quintic"`` set uses)."""
+    sets = [tuple(coefficients)] if all(isinstance(value, (int, float)) for value in coefficients) else [tuple(t) for t in coefficients]
+    return [sets[step % len(sets)] for step in range(steps)]
+
+
+def _valid_coefficients(coefficients: Any) -> bool:
+    def is_triple(values: Any) -> bool:
+        return isinstance(values, (tuple, list)) and len(values) == 3 and all(isinstance(v, (int, float)) for v in values)
+
+    return is_triple(coefficients) or (
+        isinstance(coefficients, (tuple, list)) and len(coefficients) > 0 and all(is_triple(t) for t in coefficients)
+    )
+
+
 def newton_schulz(
-    matrix: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
+    matrix: torch.Tensor, coefficients: Coefficients = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
 ) -> torch.Tensor:
     """The approximate orthogonalization U S' Vᵀ of ``matrix`` = U S Vᵀ, as a BF16 tensor: the matrix
     in BF16, transposed to be wide, divided by max(‖·‖_F, eps) so that its spectral norm is at most 1,
     then ``steps`` quintic iterations X ← aX + (bA + cA²)X with A = XXᵀ, every matmul in BF16
-    (``torch.optim.Muon``'s ``_zeropower_via_newtonschulz``, operation for operation)."""
-    a, b, c = coefficients
+    (``torch.optim.Muon``'s ``_zeropower_via_newtonschulz``, operation for operation), with the
+    (a, b, c) of :func:`coefficient_schedule`."""
     tall = matrix.size(0) > matrix.size(1)
     orthogonal = matrix.bfloat16()
     if tall:
         orthogonal = orthogonal.T
     orthogonal.div_(orthogonal.norm().clamp(min=eps))
-    for _ in range(steps):
+    for a, b, c in coefficient_schedule(coefficients, steps):
         gram = orthogonal @ orthogonal.T
         polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         orthogonal = torch.addmm(orthogonal, polynomial, orthogonal, beta=a)
@@ -176,7 +209,7 @@ def orthogonal_step_(
     direction: torch.Tensor,
     *,
     lr: float,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_coefficients: Coefficients = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
     eps: float = NS_EPS,
     scale_mode: str = "original",
@@ -305,6 +338,10 @@ ORTHOGONALIZATION = ("ns_coefficients", "eps", "ns_steps", "scale_mode", "extra_
 """The keys of a parameter group that :func:`orthogonal_step_` takes besides ``lr``."""
 
 
+def _as_tuples(coefficients: Any) -> Any:
+    return tuple(_as_tuples(value) for value in coefficients) if isinstance(coefficients, (tuple, list)) else coefficients
+
+
 def _check_hyperparameters(group: dict[str, Any]) -> None:
     checks = [
         ("lr", group["lr"] >= 0, ">= 0"),
@@ -312,7 +349,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         ("momentum", 0 <= group["momentum"] < 1, "in [0, 1)"),
         ("eps", group["eps"] > 0, "> 0"),
         ("ns_steps", isinstance(group["ns_steps"], int) and 1 <= group["ns_steps"] < 100, "an int in [1, 100)"),
-        ("ns_coefficients", len(group["ns_coefficients"]) == 3, "three floats (a, b, c)"),
+        ("ns_coefficients", _valid_coefficients(group["ns_coefficients"]), "three floats (a, b, c) or a sequence of such triples"),
         ("scale_mode", group["scale_mode"] in SCALE_MODES, f"one of {', '.join(SCALE_MODES)}"),
     ]
     for name, ok, valid in checks:
@@ -328,6 +365,8 @@ class Muon(PrecisionOptimizer):
     Hyperparameters and defaults are ``torch.optim.Muon``'s; ``scale_mode`` is torch's
     ``adjust_lr_fn`` (``"original"``, ``"match_rms_adamw"``) or megatron-core's ``"spectral"`` and
     ``"unit_rms_norm"``, times ``extra_scale_factor`` (megatron-core's ``muon_extra_scale_factor``).
+    ``ns_coefficients`` is torch's one (a, b, c) for every Newton-Schulz iteration or, as
+    megatron-core's coefficient types, a sequence of triples taken in turn (:func:`coefficient_schedule`).
     Parameters must be 2-D and bfloat16 or float16 (others: :class:`~megatron_lowprec.optim.AdamW`
     with the same option). ``master_weights`` and ``master_storage`` act as for AdamW. Stochastic
     rounding draws the counter-based words of (``seed``, step, stream, element): every replica of an
@@ -354,7 +393,7 @@ class Muon(PrecisionOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: Coefficients = NS_COEFFICIENTS,
         eps: float = NS_EPS,
         ns_steps: int = NS_STEPS,
         scale_mode: str = "original",
@@ -384,7 +423,7 @@ class Muon(PrecisionOptimizer):
         self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, scale_mode=scale_mode,
+            ns_coefficients=_as_tuples(ns_coefficients), eps=eps, ns_steps=ns_steps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
         )
         super().__init__(params, defaults)

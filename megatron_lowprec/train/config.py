@@ -28,6 +28,7 @@ LR_DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 MUON_TP_MODES = ("blockwise", "duplicated")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
 TE_FP8_RECIPES = ("delayed", "current")
 EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
@@ -137,7 +138,8 @@ class PrecisionConfig:
     """Train with megatron-core's own ``get_megatron_optimizer`` instead of this package's AdamW: BF16
     parameters, FP32 main gradients and master weights, its Adam (torch's without apex/TE). The stock
     Megatron-LM path that ``precision=megatron`` selects as the baseline; it has option D's numerics,
-    so ``option`` must be D."""
+    so ``option`` must be D. With ``optimizer=muon`` it is megatron-core's own Muon (``TensorParallelMuon``
+    for the hidden weights, its Adam for the rest), where NVIDIA's emerging-optimizers imports."""
 
 
 @dataclass
@@ -174,6 +176,10 @@ class OptimizerConfig:
     """Muon: Nesterov momentum (orthogonalise g + momentum x buffer)."""
     muon_num_ns_steps: int = 5
     """Muon: Newton-Schulz iterations."""
+    muon_coefficient_type: str = "simple"
+    """Muon: the Newton-Schulz coefficients, megatron-core's names: ``simple`` (Keller Jordan's (3.4445,
+    -4.775, 2.0315) at every iteration, torch's and Moonshot's) or ``quintic`` (a triple per iteration,
+    megatron-core's default)."""
     muon_scale_mode: str = "spectral"
     """Muon: the update's scale per m x n weight, megatron-core's names: ``spectral`` (√max(m, n)),
     ``shape_scaling`` (√max(1, m/n)) or ``unit_rms_norm`` (√(m/n))."""
@@ -437,17 +443,31 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
             raise ConfigError("precision.te_fp8_recipe replaces the linear layers with TE's; drop fp8_layers/emulate")
 
 
+def _megatron_muon_imports() -> bool:
+    """Whether megatron-core's own Muon can run: its emerging-optimizers package imports."""
+    try:
+        import emerging_optimizers.orthogonalized_optimizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _validate_muon(config: TrainConfig) -> None:
     optimizer = config.optimizer
     _choice("optimizer.muon_scale_mode", optimizer.muon_scale_mode, MUON_SCALE_MODES)
     _choice("optimizer.muon_tp_mode", optimizer.muon_tp_mode, MUON_TP_MODES)
+    _choice("optimizer.muon_coefficient_type", optimizer.muon_coefficient_type, MUON_COEFFICIENT_TYPES)
     if not 0 <= optimizer.muon_momentum < 1 or optimizer.muon_num_ns_steps < 1 or not optimizer.muon_extra_scale_factor > 0:
         raise ConfigError(
             f"optimizer.muon_momentum={optimizer.muon_momentum} must be in [0, 1), optimizer.muon_num_ns_steps="
             f"{optimizer.muon_num_ns_steps} >= 1 and optimizer.muon_extra_scale_factor={optimizer.muon_extra_scale_factor} > 0"
         )
     refused = [
-        (config.precision.megatron_optimizer, "precision=megatron (megatron-core's own Muon needs emerging-optimizers)"),
+        (
+            config.precision.megatron_optimizer and not _megatron_muon_imports(),
+            "precision=megatron: megatron-core's own Muon needs NVIDIA's emerging-optimizers, which does not import here "
+            "(it declares Python >= 3.12; .ci/megatron_newest.sh builds a venv where it runs on 3.11)",
+        ),
         (config.precision.track_update_quality, "precision.track_update_quality=true (Muon measures no update quality)"),
     ]
     for refused_setting, why in refused:

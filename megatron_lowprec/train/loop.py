@@ -52,7 +52,8 @@ MEGATRON_MUON_FIELDS = (
     "muon_momentum", "muon_use_nesterov", "muon_num_ns_steps", "muon_scale_mode", "muon_extra_scale_factor",
     "muon_split_qkv", "muon_tp_mode",
 )
-"""The same for Muon's (``optimizer.name=muon``; ``muon_use_nesterov`` is ``muon_nesterov`` from megatron-core 0.19)."""
+"""The same for Muon's (``optimizer.name=muon``; ``muon_use_nesterov`` is ``muon_nesterov`` from megatron-core 0.19;
+``muon_coefficient_type`` is set on the config apart, a field only from 0.17)."""
 
 
 def _free_port() -> int:
@@ -181,10 +182,12 @@ def megatron_optimizer_config(optim: AppOptimizerConfig):
         return OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=optim.distributed, **fields)
     muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS}
     muon[compat.muon_nesterov_field()] = muon.pop("muon_use_nesterov")
-    return OptimizerConfig(
+    config = OptimizerConfig(
         **{"optimizer": "muon", "bf16": True, "params_dtype": torch.bfloat16, **fields, **muon,
            **(compat.layer_wise_fields() if optim.distributed else {})}
     )
+    config.muon_coefficient_type = optim.muon_coefficient_type  # a config field from megatron-core 0.17, read where present
+    return config
 
 
 def build_run(config: TrainConfig, run_dir: Path) -> Run:

@@ -229,7 +229,7 @@ def muon_is_torch_muon_on_hidden_weights(
     model = _model()
     config = LowPrecisionOptimizerConfig.from_optimizer_config(
         _optimizer_config(), optimizer="muon", lowprec_option="D", clip_grad=0.0, muon_split_qkv=False,
-        muon_scale_mode="shape_scaling", **{compat.muon_nesterov_field(): True},
+        muon_scale_mode="shape_scaling", muon_coefficient_type="simple", **{compat.muon_nesterov_field(): True},
     )
     optimizer = build_optimizer(config, [model])
     muon, adamw = (inner.optimizer for inner in optimizer.chained_optimizers)
@@ -262,10 +262,75 @@ def muon_is_torch_muon_on_hidden_weights(
             for option, saved_by, loaded_by, trained_by in chains
         },
         "tensor_parallel": _muon_at_tensor_parallel_two(tensor_parallel_option, steps + 1),
+        "megatron_core_muon": _megatron_core_muon_beside_ours(steps),
         "type": type(optimizer).__name__,
         "muon": sorted(names[p] for group in muon.param_groups for p in group["params"]),
         "adamw": sorted(names[p] for group in adamw.param_groups for p in group["params"]),
         "master_errors": errors,
+    }
+
+
+def _megatron_core_muon_beside_ours(steps: int) -> dict | None:
+    """Where megatron-core's own Muon imports (with emerging-optimizers: the newest-megatron CI job),
+    ``get_megatron_optimizer`` and ``build_optimizer`` with option D on one megatron Muon config (its
+    defaults: quintic coefficients, spectral scale, split QKV; Nesterov, extra scale 0.2), each on its
+    copy of the model, fed the same reduced gradients for ``steps`` steps, each step from our FP32
+    master: the parameters each gives Muon, the momentum's largest difference over the largest
+    gradient, and the largest relative (Frobenius) difference of a Muon master's update. None where it
+    does not import."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_lowprec.megatron import compat
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+
+    try:
+        from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS, TensorParallelMuon
+    except ImportError:
+        return None
+    if not HAVE_EMERGING_OPTIMIZERS:
+        return None
+    config = dataclasses.replace(
+        _optimizer_config(), optimizer="muon", clip_grad=0.0, muon_extra_scale_factor=0.2, **{compat.muon_nesterov_field(): True}
+    )
+    ours_model, stock_model = _model(), _model()
+    ours = build_optimizer(LowPrecisionOptimizerConfig.from_optimizer_config(config, lowprec_option="D"), [ours_model])
+    stock = get_megatron_optimizer(config, [stock_model])
+    muon = ours.chained_optimizers[0].optimizer
+    (stock_muon,) = [inner for inner in stock.chained_optimizers if isinstance(inner.optimizer, TensorParallelMuon)]
+    stock_params = dict(stock_model.named_parameters())
+    main_params = {
+        model_param: main_param
+        for model_group, main_group in zip(stock_muon.float16_groups, stock_muon.fp32_from_float16_groups)
+        for model_param, main_param in zip(model_group, main_group)
+    }
+    names = {param: name for name, param in ours_model.named_parameters()}
+    ours_muon = {names[param]: param for group in muon.param_groups for param in group["params"]}
+    momentum_error = update_error = largest_gradient = 0.0
+    for step in range(steps):
+        for model, optimizer in ((ours_model, ours), (stock_model, stock)):
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+        _train_step(ours_model, data_seed=100 * step + parallel_state.get_data_parallel_rank())
+        ours_model.finish_grad_sync()
+        for name, param in ours_model.named_parameters():
+            stock_params[name].main_grad.copy_(param.main_grad)
+        before = {name: muon.state[param]["master"].clone() for name, param in ours_muon.items()}
+        for name, master in before.items():
+            main_params[stock_params[name]].data.copy_(master)
+        assert ours.step()[0] and stock.step()[0]
+        for name, param in ours_muon.items():
+            main = main_params[stock_params[name]]
+            largest_gradient = max(largest_gradient, param.main_grad.abs().max().item())
+            momentum = (muon.state[param]["momentum"] - stock_muon.optimizer.state[main]["momentum_buffer"]).abs().max().item()
+            momentum_error = max(momentum_error, momentum)
+            update, expected = muon.state[param]["master"] - before[name], main.detach() - before[name]
+            update_error = max(update_error, ((update - expected).norm() / expected.norm()).item())
+    stock_names = {param: name for name, param in stock_model.named_parameters()}
+    return {
+        "muon": sorted(ours_muon) == sorted(stock_names[param] for group in stock_muon.float16_groups for param in group),
+        "momentum_error": momentum_error / largest_gradient,
+        "update_error": update_error,
     }
 
 
@@ -485,8 +550,9 @@ def _muon_losses(option: str, tensor_parallel: int, tp_mode: str, steps: int) ->
 def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     """The Muon chain's losses at TP=1 (DP=2), then at TP=2 in each ``muon_tp_mode``; and at TP=2
     ``"duplicated"`` with QKV split, two steps of the chain's Muon on given whole-matrix gradients,
-    shards gathered, against our Muon on the whole matrices (TP=1) with the same option, SR stream
-    and split (4 query groups of 8 query, 8 key, 8 value rows): whether each parameter and
+    shards gathered, against our Muon on the whole matrices (TP=1) with the same option, SR stream,
+    megatron's default (quintic) coefficients and split (4 query groups of 8 query, 8 key, 8 value
+    rows): whether each parameter and
     momentum is the same bit for bit."""
     from megatron.core import parallel_state
 
@@ -494,6 +560,7 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     from megatron_lowprec.megatron.optimizer import build_optimizer, canonical_parameter_names
     from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
     from megatron_lowprec.optim import Muon
+    from megatron_lowprec.optim.muon import QUINTIC_COEFFICIENT_SETS
 
     losses = {"tp1": _muon_losses(option, 1, "blockwise", steps)}
     parallel_state.destroy_model_parallel()
@@ -521,7 +588,7 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     reference = Muon(
         list(wholes.values()), lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
         nesterov=getattr(config, compat.muon_nesterov_field()), scale_mode="spectral", option=option, seed=5,
-        stream_layout=layouts.__getitem__,
+        ns_coefficients=QUINTIC_COEFFICIENT_SETS, stream_layout=layouts.__getitem__,
         split_rows={copy: (8, 8, 8) for param, copy in wholes.items() if names[param].endswith("linear_qkv.weight")}.get,
     )
     same = []

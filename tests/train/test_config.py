@@ -369,7 +369,8 @@ def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overri
         (["optimizer=muon", "optimizer.muon_momentum=1.0"], "optimizer.muon_momentum=1.0 must be in [0, 1)"),
         (["optimizer=muon", "optimizer.muon_tp_mode=distributed"],
          "optimizer.muon_tp_mode='distributed' is not valid; choose one of: blockwise, duplicated"),
-        (["optimizer=muon", "precision=megatron"], "optimizer.name=muon cannot run with precision=megatron"),
+        (["optimizer=muon", "optimizer.muon_coefficient_type=polar_express"],
+         "optimizer.muon_coefficient_type='polar_express' is not valid; choose one of: simple, quintic"),
         (["optimizer=muon", "precision.track_update_quality=true"],
          "optimizer.name=muon cannot run with precision.track_update_quality=true"),
     ],
@@ -379,11 +380,28 @@ def test_muon_settings_are_checked_before_any_work(capsys, overrides, named):
     assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
 
 
+def test_precision_megatron_with_muon_needs_megatron_cores_muon_to_import(capsys, monkeypatch):
+    """``precision=megatron`` with ``optimizer=muon`` is megatron-core's own Muon, which needs NVIDIA's
+    emerging-optimizers: where it does not import, one line says so before any work; where it does,
+    the config is valid (the run itself: by hand in the newest-megatron venv, see the README)."""
+    from megatron_lowprec.train import config as train_config
+
+    monkeypatch.setattr(train_config, "_megatron_muon_imports", lambda: False)
+    message = _fails(capsys, "optimizer=muon", "precision=megatron")
+    assert message.count("\n") == 1 and "optimizer.name=muon cannot run with precision=megatron" in message, message
+    assert "needs NVIDIA's emerging-optimizers, which does not import here" in message and "megatron_newest.sh" in message
+    monkeypatch.setattr(train_config, "_megatron_muon_imports", lambda: True)
+    config = compose(["optimizer=muon", "precision=megatron"])
+    validate(config, world_size=1)
+    assert config.precision.megatron_optimizer and config.optimizer.name == "muon"
+
+
 def test_optimizer_muon_selects_moonshots_recipe_and_adamw_stays_the_default():
     default, muon = compose(), compose(["optimizer=muon", "precision=C"])
     assert default.optimizer.name == "adamw" and muon.optimizer.name == "muon"
     assert (muon.optimizer.muon_scale_mode, muon.optimizer.muon_extra_scale_factor) == ("spectral", 0.2)
     assert muon.optimizer.muon_use_nesterov and muon.optimizer.muon_momentum == 0.95
+    assert muon.optimizer.muon_coefficient_type == "simple"
     assert muon.optimizer.lr == default.optimizer.lr and muon.precision.option == "C"
     assert run_shape(muon)["optimizer.name"] == "muon"
 

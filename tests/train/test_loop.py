@@ -29,8 +29,11 @@ def test_muon_preset_takes_megatron_cores_qkv_split_and_tensor_parallel_defaults
     preset = _megatron_config("optimizer=muon")
     assert preset.optimizer == "muon" and not preset.use_distributed_optimizer
     assert (preset.muon_split_qkv, preset.muon_tp_mode) == (stock.muon_split_qkv, stock.muon_tp_mode) == (True, "blockwise")
-    changed = _megatron_config("optimizer=muon", "optimizer.muon_split_qkv=false", "optimizer.muon_tp_mode=duplicated")
+    changed = _megatron_config(
+        "optimizer=muon", "optimizer.muon_split_qkv=false", "optimizer.muon_tp_mode=duplicated", "optimizer.muon_coefficient_type=quintic"
+    )
     assert (changed.muon_split_qkv, changed.muon_tp_mode) == (False, "duplicated")
+    assert (preset.muon_coefficient_type, changed.muon_coefficient_type) == ("simple", "quintic")
 
 
 def test_distributed_is_the_layer_wise_optimizer_for_muon_and_zero1_for_adam():
