@@ -94,7 +94,6 @@ def test_scaled_mm_and_the_emulation_are_fp32_accumulations_of_the_exact_product
     b, b_scale = quantize_per_tensor(sample(320, 24, seed=6, scale=0.1), b_format)
     exact = (a.double() @ b.double()) * float(a_scale) * float(b_scale)
     bound = fp32_accumulation_bound(a, a_scale, b, b_scale, out_dtype)
-    scaled_mm = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="scaled_mm")
     for backend in ("scaled_mm", "emulated"):
         result = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend=backend)
         assert result.dtype == out_dtype
