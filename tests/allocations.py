@@ -7,8 +7,12 @@
   each moment: the peak, and what is left at the end. Frees of memory allocated before the call are
   not reported, and events of other threads (a collective's) interleave: use it in one process.
 - :func:`kept_allocations`: the bytes of the tensors that operators create during the call and that
-  are still alive afterwards (each storage once), through a dispatch mode. Memory allocated inside
-  compiled code is not seen, nothing from other threads is, and it does not depend on timing.
+  are still alive afterwards (each storage once), through a dispatch mode. An operator that returns
+  the storage of one of its arguments creates none, whether or not its schema marks the alias
+  (c10d's collectives return their output arguments unmarked). Memory allocated inside compiled code
+  is not seen, nothing from other threads is, and it does not depend on timing, except that a
+  collective's worker thread (gloo's) may still hold a finished collective's tensors for a moment
+  after the call returns: a tensor the call creates and hands to a collective is then seen kept.
   torch.compile does not compile under it: call it on code compiled before.
 """
 
@@ -59,13 +63,16 @@ class _TensorRecorder(TorchDispatchMode):
         self.new_storages: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        arguments = {leaf.untyped_storage().data_ptr() for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+        result = func(*args, **kwargs)
         aliases = any(returned.alias_info is not None for returned in func._schema.returns)
         for tensor in pytree.tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self.tensors.append(weakref.ref(tensor))
-                if not aliases:
-                    self.new_storages.add(tensor.untyped_storage().data_ptr())
+                storage = tensor.untyped_storage().data_ptr()
+                if not aliases and storage not in arguments:
+                    self.new_storages.add(storage)
         return result
 
 

@@ -16,7 +16,11 @@ the rules (issue 27):
   kernel's Triton source computes from the element's 128-element group alone (directly, or through
   values loaded per group: a table of one value per group, then small per-entry tables) reads one
   address per group, so it counts once per group (:func:`source_loads`); this applies only where
-  every load of the PTX is one of the source's, once per element (no hidden search).
+  every load of the PTX is one of the source's, once per element (no hidden search). In a kernel
+  over rows of one group each (a reduction whose ``r0_numel`` is 128: FP8 group statistics), a load
+  or store at the row's address is once per group, and each thread accesses it once per row it
+  holds: counted once per group where the PTX holds exactly the source's element accesses once
+  per element plus its group accesses a whole number of times (:func:`access_counts`).
 
 Option D runs torch's own fused AdamW (no generated kernel): its bytes are its layout's.
 
@@ -138,17 +142,32 @@ def _value_bytes(pointer_type: str) -> int:
 
 def source_loads(source: str) -> list[tuple[str, int, str]]:
     """Each ``tl.load`` of an Inductor kernel's Triton source: (pointer, bytes per value, what its
-    address varies with, one of :data:`GRANULARITIES`). The element index (``xindex``) shifted right
-    by at least log2(:data:`GROUP`) bits or divided by a multiple of it is a ``group`` value; a value
-    computed from group values, scalars and constants, or loaded at a group address, is a group value
-    too; anything else computed from the element index is an ``element`` value (so are reductions'
-    indices and the results of helpers such as a binary search)."""
+    address varies with, one of :data:`GRANULARITIES`) (:func:`source_accesses`)."""
+    return source_accesses(source)[0]
+
+
+def group_rows(source: str) -> bool:
+    """Whether the kernel runs over rows of one :data:`GROUP`-element group each: a reduction kernel
+    whose reduced extent ``r0_numel`` is the group (its x index counts groups)."""
+    return re.search(rf"^\s*r0_numel = {GROUP}$", source, flags=re.M) is not None
+
+
+def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
+    """Each ``tl.load`` and each ``tl.store`` of an Inductor kernel's Triton source: (pointer, bytes
+    per value, what its address varies with, one of :data:`GRANULARITIES`). The element index
+    (``xindex``) shifted right by at least log2(:data:`GROUP`) bits or divided by a multiple of it is
+    a ``group`` value; in a kernel over :func:`group_rows`, ``xindex`` itself is (``r0_index`` is the
+    element's place in its group); a value computed from group values, scalars and constants, or
+    loaded at a group address, is a group value too; anything else computed from the element index
+    is an ``element`` value (so are reductions' indices and the results of helpers such as a binary
+    search)."""
     signature = dict(re.findall(r"'(\w+)': '(\*\w+)'", source))
     body = source.split("@triton.jit", 1)[-1]
+    rows = group_rows(body)
     constants: dict[str, int] = {}
     granularity: dict[str, str] = {}
     index_names: set[str] = set()
-    loads = []
+    loads, stores = [], []
 
     def coarsest_covering(expression: str) -> str:
         names = re.findall(r"\b[A-Za-z_]\w*\b", expression)
@@ -162,6 +181,11 @@ def source_loads(source: str) -> list[tuple[str, int, str]]:
         return (1 << value) % GROUP == 0 if operator == ">>" else value % GROUP == 0
 
     for line in body.splitlines():
+        store = re.fullmatch(r"\s*tl\.store\((\w+) \+ \((.*?)\), .*", line)
+        if store:
+            pointer, address = store.groups()
+            stores.append((pointer, _value_bytes(signature.get(pointer, "*i8")), coarsest_covering(address)))
+            continue
         match = re.fullmatch(r"\s*(\w+) = (.+)", line)
         if match is None:
             continue
@@ -172,6 +196,10 @@ def source_loads(source: str) -> list[tuple[str, int, str]]:
         if full:
             constants[name] = int(full.group(1))
             granularity[name] = "scalar"
+        elif rows and re.fullmatch(r"xoffset \+ tl\.arange\(.*", expression):
+            granularity[name] = "group"
+        elif rows and re.fullmatch(r"tl\.arange\(0, R0_BLOCK\).*", expression):
+            granularity[name] = "element"
         elif re.fullmatch(r"xoffset \+ tl\.arange\(.*", expression) or expression in index_names:
             index_names.add(name)
             granularity[name] = "element"
@@ -187,21 +215,50 @@ def source_loads(source: str) -> list[tuple[str, int, str]]:
             granularity[name] = level
         else:
             granularity[name] = coarsest_covering(expression)
-    return loads
+    return loads, stores
+
+
+def _counted_per_element(
+    ptx_bytes: int, accesses: list[tuple[str, int, str]], elements_per_thread: float, rows: bool, credit_pointwise: bool
+) -> tuple[float, float]:
+    """Bytes per element of one direction of a kernel: (all of them, those at group addresses counted
+    once per :data:`GROUP` elements), from the PTX's static count per thread ``ptx_bytes`` and the
+    source's ``accesses`` of that direction. Over :func:`group_rows`: where the PTX holds the
+    element accesses once per element and the group accesses a whole number of times, at least one
+    and at most the thread's elements (once per row a thread holds). Otherwise (``credit_pointwise``): where the PTX holds every access once per
+    element. Else the PTX's count per element, nothing credited."""
+    per_element = ptx_bytes / elements_per_thread
+    element = sum(size for _, size, level in accesses if level == "element")
+    grouped = sum(size for _, size, level in accesses if level == "group")
+    if rows:
+        remainder = ptx_bytes - element * elements_per_thread
+        per_row = remainder / grouped if grouped else None
+        if (grouped == 0 and abs(remainder) < 1e-9) or (
+            per_row is not None and 1 <= per_row <= elements_per_thread and abs(per_row - round(per_row)) < 1e-9
+        ):
+            return element + grouped / GROUP, grouped / GROUP
+        return per_element, 0.0
+    if credit_pointwise and grouped and abs(per_element - element - grouped) < 1e-9:
+        return per_element - grouped + grouped / GROUP, grouped / GROUP
+    return per_element, 0.0
 
 
 def read_bytes(kernel_ptx: str, source: str, elements_per_thread: float) -> tuple[float, float]:
     """Bytes per element one kernel reads: (all of them, those at group addresses counted once per
     :data:`GROUP` elements). The PTX's static count per element, and, where every one of its loads
     is one of the source's once per element, the same with :func:`source_loads`'s group loads
-    counted once per group."""
+    counted once per group; over :func:`group_rows`, see :func:`_counted_per_element`."""
     loads, _ = access_bytes(kernel_ptx)
-    per_element = loads / elements_per_thread
-    classified = source_loads(source)
-    if abs(per_element - sum(size for _, size, level in classified if level != "scalar")) > 1e-9:
-        return per_element, 0.0
-    grouped = sum(size for _, size, level in classified if level == "group")
-    return per_element - grouped + grouped / GROUP, grouped / GROUP
+    return _counted_per_element(loads, source_accesses(source)[0], elements_per_thread, group_rows(source), True)
+
+
+def write_bytes(kernel_ptx: str, source: str, elements_per_thread: float) -> tuple[float, float]:
+    """Bytes per element one kernel writes: (all of them, those at group addresses counted once per
+    :data:`GROUP` elements). The PTX's static count per element; over :func:`group_rows`, a store
+    at the row's address counted once per group (:func:`_counted_per_element`). A pointwise kernel's
+    store is per element whatever its address."""
+    _, stores = access_bytes(kernel_ptx)
+    return _counted_per_element(stores, source_accesses(source)[1], elements_per_thread, group_rows(source), False)
 
 
 @dataclasses.dataclass
@@ -274,17 +331,21 @@ def audit_step(code: StepCode) -> StepAudit:
         read = written = None
         checks.append(check("bytes", False, f"{first.launches} launches over rows and elements: not attributable per element"))
     else:
-        read = written = grouped = 0.0
+        read = written = grouped = grouped_written = 0.0
         for kernel in kernels:
             kernel_read, kernel_grouped = read_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
+            kernel_written, kernel_grouped_written = write_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
             read += kernel.launches * kernel_read
             grouped += kernel.launches * kernel_grouped
-            written += kernel.launches * access_bytes(kernel.ptx)[1] / kernel.elements_per_thread
+            written += kernel.launches * kernel_written
+            grouped_written += kernel.launches * kernel_grouped_written
         exact = abs(read - layout[0]) < 1e-9 and abs(written - layout[1]) < 1e-9
         shared = f" ({grouped:g} of it read once per {GROUP}-element group)" if grouped else ""
+        shared_written = f" ({grouped_written:g} of it written once per {GROUP}-element group)" if grouped_written else ""
         checks.append(check(
             "bytes", exact,
-            f"read {read:g}{shared} + written {written:g} B/element; layout minimum {layout[0]:g} + {layout[1]:g}",
+            f"read {read:g}{shared} + written {written:g}{shared_written} B/element; "
+            f"layout minimum {layout[0]:g} + {layout[1]:g}",
         ))
     return StepAudit(code, checks, read, written, layout)
 

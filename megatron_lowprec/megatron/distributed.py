@@ -473,6 +473,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         self.ddp_config = model_chunks[0].ddp_config
         self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
         self._halo = [shard for shard in optimizer.shards if any(b % shard.megatron_shard_numel for b in shard.bounds[:-1])]
+        self._halo_exchange: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -531,11 +532,20 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         """FP8 groups cut by a megatron shard boundary: before the step, every rank sends the
         reduced gradients of its shard's head (which the previous rank owns) to it; after the step,
         every rank sends the updated parameters past its shard's end (which it owns) to the next.
-        One all-gather of ``group_size`` elements per bucket each way (FP32, exact for 16-bit)."""
+        One all-gather of ``group_size`` elements per bucket each way (FP32, exact for 16-bit), in
+        place in one buffer of [ranks, buckets x group_size] that the first exchange allocates and
+        every later one reuses: a step allocates nothing for it, so no temporary of the step outlives
+        it while a gloo worker thread, which releases a finished collective's tensors after
+        the caller has returned, still holds it. A receiver reads only the head's length of its
+        sender's slot, so what earlier exchanges left beyond it is never read."""
         if not self._halo:
             return
         size = self.optimizer.group_size
-        sending = torch.zeros(len(self._halo) * size, dtype=torch.float32, device=self.device)
+        group = self._halo[0].group
+        if self._halo_exchange is None:
+            self._halo_exchange = torch.zeros(group.size(), len(self._halo) * size, dtype=torch.float32, device=self.device)
+        received = self._halo_exchange
+        sending = received[group.rank()]
         for index, shard in enumerate(self._halo):
             edge, buffer = shard.megatron_shard_numel * shard.rank, shard.bucket.grad_data
             if grads:
@@ -544,10 +554,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 buffer = shard.bucket.param_data
                 head = buffer[edge + shard.megatron_shard_numel : shard.end]
             sending[index * size : index * size + head.numel()] = head
-        group = self._halo[0].group
-        received = torch.empty(group.size() * sending.numel(), dtype=torch.float32, device=self.device)
-        torch.distributed.all_gather_into_tensor(received, sending, group=group)
-        received = received.view(group.size(), -1)
+        torch.distributed.all_gather_into_tensor(received.view(-1), sending, group=group)
         for index, shard in enumerate(self._halo):
             rank, numel = shard.rank, shard.megatron_shard_numel
             if grads and rank + 1 < group.size():

@@ -64,7 +64,13 @@ from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.adamw import PrecisionOptimizer
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, CompileRecipe
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket
-from megatron_lowprec.optim.fused import compile_step_function, fused_call_arguments, resolve_fused, run_calls
+from megatron_lowprec.optim.fused import (
+    compile_step_function,
+    fused_call_arguments,
+    group_statistics_in_kernel,
+    resolve_fused,
+    run_calls,
+)
 from megatron_lowprec.optim.kernel import (
     MuonScalars,
     check_param_dtype,
@@ -312,7 +318,7 @@ def fused_muon_bucket_step_(
     stochastic rounding on CPUs). ``grad`` and ``entry_grads``: as for
     :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`."""
     scalars = {bucket.group_index: MuonScalars.for_step(lr, weight_decay, momentum)}
-    momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (strategy.moments == "fp8",))
+    momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
     momentum_calls = (
         (state, (call_grad, _momentum_state(state), strategy, call_scalars, nesterov, False))
         for _, call_grad, state, call_scalars, _ in fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, None, step)

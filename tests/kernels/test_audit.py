@@ -134,6 +134,51 @@ def test_read_bytes_counts_group_loads_once_per_group_only_when_the_ptx_holds_no
     assert audit.read_bytes(hidden, SOURCE, 4.0) == ((per_thread + 4) / 4, 0.0)
 
 
+ROWS_SOURCE = """
+    triton_meta={'signature': {'in_ptr0': '*fp8e4nv', 'in_ptr1': '*fp32', 'in_ptr2': '*bf16', 'out_ptr0': '*fp32', 'out_ptr1': '*fp8e4nv', 'xnumel': 'i32', 'r0_numel': 'i32'}},
+@triton.jit
+def triton_per_fused_0(in_ptr0, in_ptr1, in_ptr2, out_ptr0, out_ptr1, xnumel, r0_numel, XBLOCK : tl.constexpr):
+    r0_numel = 128
+    R0_BLOCK: tl.constexpr = 128
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]
+    xmask = xindex < xnumel
+    r0_index = tl.arange(0, R0_BLOCK)[None, :]
+    x0 = xindex
+    r0_1 = r0_index
+    tmp0 = tl.load(in_ptr0 + (r0_1 + 128*x0), xmask, other=0.0)
+    tmp1 = tl.load(in_ptr1 + (x0), xmask, eviction_policy='evict_last')
+    tmp2 = tl.load(in_ptr2 + (r0_1 + 128*x0), xmask, other=0.0).to(tl.float32)
+    tmp3 = tmp0.to(tl.float32) * tmp1 + tmp2
+    tmp4 = tl.max(tl.abs(tmp3), 1)[:, None]
+    tl.store(out_ptr0 + (x0), tmp4, xmask)
+    tl.store(out_ptr1 + (r0_1 + 128*x0), (tmp3 / tmp4).to(tl.float8e4nv), xmask)
+"""
+
+
+def test_a_kernel_over_rows_of_one_group_counts_the_rows_accesses_once_per_group():
+    """A reduction over rows of one 128-element group (FP8 group statistics): the payload and the
+    gradient are read per element and the old scale once per row; the new scale is stored once per
+    row and the payload per element. With two elements per thread and one row per thread, the PTX
+    holds 2 x (1 + 2) + 4 bytes of loads and 2 x 1 + 4 of stores: 3 + 4/128 read and 1 + 4/128
+    written per element. One load more in the PTX (2 bytes, not a whole number of rows' scales)
+    credits nothing; a pointwise kernel's store at a group address is per element."""
+    assert audit.group_rows(ROWS_SOURCE) and not audit.group_rows(SOURCE)
+    assert audit.source_accesses(ROWS_SOURCE) == (
+        [("in_ptr0", 1, "element"), ("in_ptr1", 4, "group"), ("in_ptr2", 2, "element")],
+        [("out_ptr0", 4, "group"), ("out_ptr1", 1, "element")],
+    )
+    ptx = "\tld.global.b8 {%rs1}, [%rd1];\n" * (2 * 3 + 4) + "\tst.global.b8 [%rd2], {%rs2};\n" * (2 * 1 + 4)
+    assert audit.read_bytes(ptx, ROWS_SOURCE, 2.0) == (3 + 4 / 128, 4 / 128)
+    assert audit.write_bytes(ptx, ROWS_SOURCE, 2.0) == (1 + 4 / 128, 4 / 128)
+    two_rows = "\tld.global.b8 {%rs1}, [%rd1];\n" * (4 * 3 + 2 * 4)
+    assert audit.read_bytes(two_rows, ROWS_SOURCE, 4.0) == (3 + 4 / 128, 4 / 128)
+    hidden = ptx + "\tld.global.b16 {%rs3}, [%rd3];\n"
+    assert audit.read_bytes(hidden, ROWS_SOURCE, 2.0) == ((2 * 3 + 4 + 2) / 2, 0.0)
+    pointwise_store = SOURCE + "    tl.store(in_ptr4 + (tmp3), tmp10, xmask)\n"
+    assert audit.write_bytes("\tst.global.b32 [%rd2], {%r2};\n" * 4, pointwise_store, 4.0) == (4.0, 0.0)
+
+
 def test_access_bytes_counts_vector_widths():
     ptx = "\tld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];\n\t@%p1 st.global.b16 [%rd2], %rs1;\n\tld.global.L1::evict_last.v2.b16 {%rs2, %rs3}, [%rd3];"
     assert audit.access_bytes(ptx) == (16 + 4, 2)

@@ -135,6 +135,24 @@ def test_a_call_past_the_recompile_limit_runs_eagerly_with_a_warning_and_the_sam
     _assert_bit_identical(eager, fused)
 
 
+@pytest.mark.parametrize("option, device_type, recomputed", [
+    ("coat", "cpu", False), ("coat", "cuda", True), ("A", "cuda", False),
+])
+def test_fp8_group_statistics_are_recomputed_in_the_kernel_on_gpus_only(option, device_type, recomputed, monkeypatch):
+    """The FP8-moment step compiles with GROUP_STATISTICS_OPTIONS (recompute, no bucket-sized FP32
+    temporaries) for GPUs, where memory traffic limits it, and without them on CPUs, where they cost
+    a third of COAT's compile; other strategies never take them."""
+    from megatron_lowprec.optim import get_strategy
+
+    assert fused_module.group_statistics_in_kernel(get_strategy(option), torch.device(device_type)) is recomputed
+    asked = []
+    monkeypatch.setattr(fused_module, "compiled_kernel", lambda group_statistics=False: asked.append(group_statistics) or fused_module.bucket_kernel_)
+    eager, fused = _twin_optimizers(option)
+    _step_twins(eager, fused, steps=1, seed=2)
+    _assert_bit_identical(eager, fused)
+    assert asked and set(asked) == {False}
+
+
 def test_without_background_compile_the_first_step_compiles_in_the_training_process(monkeypatch):
     from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 
