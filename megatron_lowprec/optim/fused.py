@@ -104,7 +104,41 @@ master update, two group reductions (max|x|, smallest non-zero) and the re-quant
 Inductor's defaults (4 reads; 8 or 12 accumulated) they are stored in bucket-sized FP32 buffers
 between those loops. With these thresholds they are recomputed from the FP8 payloads instead, so
 the step reads the state a few times but allocates only per-group buffers. Options this torch's
-Inductor lacks are left out (it then stores them). GPUs only (:func:`group_statistics_in_kernel`)."""
+Inductor lacks are left out (it then stores them). GPUs only (:func:`group_statistics_in_kernel`),
+with :func:`fusion_after_reordering`."""
+
+POST_FUSION_OPTION = "_post_fusion_custom_pass"
+FUSION_ROUNDS = 10
+"""At most as many fusion rounds as Inductor's own fusion loop."""
+
+
+@functools.cache
+def fusion_after_reordering() -> Any:
+    """An Inductor scheduler pass (``_post_fusion_custom_pass``) that repeats Inductor's fusion
+    rounds after its last, loop-reordering round, until nothing fuses. COAT's element pass reads the
+    old group scales and is fused with the group reductions only in that last round, so without
+    more rounds each moment's new-scale store ([groups] pointwise, after every read of the old
+    scales) stays a kernel of its own: with them the plain step is one kernel, which stores each new
+    scale once per group. A :class:`CustomSchedulerPass` with a ``uuid``, so that Inductor's FX graph
+    cache keys on it."""
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+
+    class FusionAfterReordering(CustomSchedulerPass):
+        def __call__(self, nodes):
+            if not nodes:
+                return nodes
+            scheduler = nodes[0].scheduler
+            for _ in range(FUSION_ROUNDS):
+                fused = scheduler.fuse_nodes_once(nodes, is_reorder_round=False)
+                if len(fused) == len(nodes):
+                    return fused
+                nodes = fused
+            return nodes
+
+        def uuid(self) -> str:
+            return "megatron_lowprec.fusion_after_reordering.v1"
+
+    return FusionAfterReordering()
 
 GROUP_STATISTICS_DEVICES = ("cuda",)
 """Device types whose FP8-moment step takes :data:`GROUP_STATISTICS_OPTIONS`. On a CPU, where memory
@@ -233,6 +267,8 @@ def compile_step_function(function: Callable, group_statistics: bool = False) ->
     options = _inductor_options()
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
+        if hasattr(inductor_config, POST_FUSION_OPTION):
+            options[POST_FUSION_OPTION] = fusion_after_reordering()
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
     division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext

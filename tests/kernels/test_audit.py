@@ -24,18 +24,11 @@ SHARD_RECOMPILES = (
     "a shard of two parameter groups (GroupScalars) and a shard of one row of 128 elements compile again "
     "(D with remainders: its compiled master windows over the shard's rows)"
 )
-COAT_KERNELS = (
-    "coat's plain step is 3 kernels: the element pass and the group statistics, then each moment's group-scale "
-    "store ([groups] pointwise, after every read of the old scales); Inductor fuses the element pass with the "
-    "reductions only in its last, loop-reordering round, and no round after it fuses the stores as epilogues"
-)
 
 KNOWN_DEFECTS = [
     ("one launch", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
     ("no recompilation", lambda option, storage, kind, arch: kind == "shard" and (option, storage) != ("D", "fp32"), SHARD_RECOMPILES),
-    ("one launch", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
     ("bytes", lambda option, storage, kind, arch: kind == "shard" and option != "D", SHARD_KERNELS),
-    ("bytes", lambda option, storage, kind, arch: kind == "plain" and option == "coat", COAT_KERNELS),
 ]
 """(rule, the cases it fails in today, the defect) of the kernels on main (issue 27 items 1 and 4)."""
 
