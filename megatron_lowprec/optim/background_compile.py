@@ -162,7 +162,8 @@ class BackgroundCompiles:
         """Block until nothing is queued or compiling (children started as needed)."""
         while self.compiling():
             self.start()
-            self._child.process.wait()
+            if self._child is not None:
+                self._child.process.wait()
 
     def compiling(self) -> bool:
         """Whether a compile is queued or a child is compiling."""

@@ -22,6 +22,7 @@ from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim.background_compile import (
     BackgroundCompiles,
     BackgroundCompileWarning,
+    CompileRecipe,
     TensorSkeleton,
     call_kind,
     materialize,
@@ -160,6 +161,9 @@ def test_a_child_that_cannot_start_leaves_its_kinds_to_the_training_process(monk
     eager, fused = _twin_optimizers()
     _step(eager, fused, steps=1, seed=13)
     assert compiles.child_pid() is None and not compiles.compiling()
+    assert compiles.call(CompileRecipe(len), lambda tensor: "eager", (torch.zeros(3),), pytest.fail) == "eager"
+    compiles.wait()
+    assert not compiles.compiling()
     with pytest.warns(BackgroundCompileWarning, match="no compile process started: PicklingError: an argument"):
         _step(eager, fused, steps=2, seed=14)
     _assert_bit_identical(eager, fused)
