@@ -1,9 +1,9 @@
 """A precision option in Megatron-Bridge's ``pretrain()``, with megatron-core's local layers (no
 Transformer Engine layers) and mock data.
 
-``torchrun --nproc-per-node 2 examples/megatron_bridge_pretrain.py --option C`` on GPUs (nccl), or
-``python examples/megatron_bridge_pretrain.py --option C`` on a CPU (gloo, one rank, through the
-CUDA→CPU bridge). It trains a tiny GPT for a few iterations, evaluates, and saves a ``torch_dist``
+``torchrun --nproc-per-node 2 examples/megatron_bridge_pretrain.py --option C`` on GPUs (nccl) or on a
+CPU (gloo ranks through the CUDA→CPU bridge), where ``python examples/megatron_bridge_pretrain.py
+--option C`` runs one rank. It trains a tiny GPT for a few iterations, evaluates, and saves a ``torch_dist``
 checkpoint with Bridge's ``run_config.yaml`` under ``--output-dir``; run it again with a larger
 ``--train-iters`` to resume from it.
 """
