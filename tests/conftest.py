@@ -5,6 +5,9 @@ process the tests start (``$MEGATRON_LOWPREC_BRIDGE_CHECK``, with the repository
 so that they import it), so that code placing a tensor on the CPU where a GPU run needs it on the device
 fails here as it would on a GPU.
 
+Those processes also load ``tests/subprocess_site/sitecustomize.py``: ranks that compile the same graph
+take turns, so that all but the first find it in Inductor's cache (a lock folder per pytest process).
+
 ``device``: the devices a device-agnostic test runs on, one test per device. The CPU always, CUDA
 where ``torch.cuda.is_available()``: on a GPU machine ``python3 -m pytest`` runs such a test on both
 (ids ``test_x[cpu-...]`` and ``test_x[cuda-...]``), CPU CI runs the CPU half. A test that takes it
@@ -13,7 +16,10 @@ creates its tensors on that device (random data from a CPU ``torch.Generator`` m
 the CPU (fp64, numpy, ml_dtypes) after ``.cpu()``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +31,11 @@ from .strict_bridge import CHECK_SPEC
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault(CHECK_ENV_VARIABLE, CHECK_SPEC)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH"))))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, (str(REPOSITORY_ROOT), str(REPOSITORY_ROOT / "tests" / "subprocess_site"), os.environ.get("PYTHONPATH")))
+)
+os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"] = tempfile.mkdtemp(prefix="megatron-lowprec-compile-locks-")
+atexit.register(shutil.rmtree, os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"], True)
 
 SLOW_FILES_FIRST = (
     "tests/megatron/test_distributed_optimizer.py",
