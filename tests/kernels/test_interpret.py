@@ -1,8 +1,8 @@
 """The fused step's generated CUDA kernels, run by Triton's interpreter on CPU tensors (issue 27 item 2).
 
-The module compares every option once (:func:`comparisons`, in processes started with
-``TRITON_INTERPRET=1``, so that this process's Triton is untouched) and each test reads one
-(option, master storage, kind). Every generated kernel agrees today, so none is marked xfail.
+The module compares every option of AdamW's step and Muon's of ``MUON_CI_CONFIGURATIONS`` once
+(:func:`comparisons`, in processes started with ``TRITON_INTERPRET=1``, so that this process's
+Triton is untouched) and each test reads one (optimizer, option, master storage, kind, arch). Every generated kernel agrees today, so none is marked xfail.
 """
 
 import re
