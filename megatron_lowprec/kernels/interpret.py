@@ -7,8 +7,8 @@ moments also for an A100, whose kernels store the FP8 payloads as integer codes:
 :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, laid out in calls as on a CPU). Every
 parameter and state bit must agree. The interpreted twin takes the GPU's path through
 :func:`~megatron_lowprec.optim.fused.fused_bucket_step_` (one call per bucket, stochastic rounding's
-:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too),
-and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
+:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too;
+FP8 group statistics recomputed in the kernel: ``GROUP_STATISTICS_DEVICES`` too), and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
 ``cuda:0`` tensor (0-d tensors are the step's host scalars, on the host on a GPU too), so that
 Inductor writes the kernels of :mod:`~megatron_lowprec.kernels.codegen`'s audit (a test compares their
 sources). The wrapper Inductor writes around them runs on the host: its ``empty_strided_cuda``
