@@ -25,9 +25,12 @@ the rules (issue 27):
 Option D runs torch's own fused AdamW (no generated kernel): its bytes are its layout's.
 
 Muon's fused step (:func:`audit_muon`: its two compiled calls per bucket around Newton-Schulz, whose
-matmuls stay eager) is held to :data:`MUON_RULES`, every rule but the bytes.
+matmuls stay eager) is held to the same rules for every option and master storage over a plain
+bucket (``one launch``: one per call, two per bucket; ``bytes``: each call's against
+:func:`muon_layout_bytes`, which counts the BF16 direction the momentum call hands Newton-Schulz and
+the FP32 orthogonalized step the update call takes from it).
 
-Run ``python -m megatron_lowprec.kernels.audit`` for the table (``--help`` for a subset;
+Run ``python -m megatron_lowprec.kernels.audit`` for the tables (``--help`` for a subset;
 ``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
 """
 
@@ -39,11 +42,19 @@ import dataclasses
 import multiprocessing
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_lowprec.kernels.codegen import ARCHES, CALLS_PER_STEP, KINDS, StepCode, generate_for, generate_function
+from megatron_lowprec.kernels.codegen import (
+    ARCHES,
+    CALLS_PER_STEP,
+    KINDS,
+    Kernel,
+    StepCode,
+    generate_for,
+    generate_function,
+)
 from megatron_lowprec.numerics import square_sum
 from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
@@ -60,10 +71,17 @@ FP64_ARITHMETIC = re.compile(r"\b(?:add|sub|mul|div|sqrt|fma|rcp)\.[\w.]*f64\b")
 
 RULES = ("compiles", "instructions", "fp32 only", "one launch", "no recompilation", "bytes")
 
-MUON_RULES = RULES[:-1]
-"""The rules of Muon's fused step (``one launch``: one per compiled call, two per bucket). Not its
-bytes: the option's layout does not count what its two calls pass between them (the BF16 direction
-and the FP32 orthogonalized step, around Newton-Schulz)."""
+OPTIMIZERS = ("adamw", "muon")
+"""Whose fused step the audit generates (``codegen.OPTIMIZERS``)."""
+
+MUON_CALLS = ("momentum", "update")
+"""Muon's compiled calls over a bucket, in the order of a step (the compiled graphs 0 and 1)."""
+
+DIRECTION_BYTES = 2
+"""The BF16 direction M per element that Muon's momentum call writes for Newton-Schulz."""
+
+ORTHOGONAL_STEP_BYTES = 4
+"""The FP32 step -lr·s·O per element that Muon's update call reads from Newton-Schulz."""
 
 H100_BANDWIDTH = 3.35e12
 """Bytes per second of an H100 SXM's HBM3, for the roofline time."""
@@ -108,6 +126,25 @@ def layout_bytes(strategy: PrecisionStrategy) -> tuple[float, float]:
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
     stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
     return LOW_PRECISION_BYTES + param_read + state + stream_tables, LOW_PRECISION_BYTES + state
+
+
+def muon_layout_bytes(strategy: PrecisionStrategy) -> dict[str, tuple[float, float]]:
+    """The least bytes per element each of Muon's calls reads and writes (``strategy``: a
+    ``muon_strategy``), by :data:`MUON_CALLS`. ``momentum``: read the 16-bit gradient and the
+    momentum, write the momentum and the BF16 direction (:data:`DIRECTION_BYTES`). ``update``: read
+    the FP32 orthogonalized step (:data:`ORTHOGONAL_STEP_BYTES`), the 16-bit parameter unless an FP32
+    master replaces it and the rest of the state (master, δθ or Kahan compensation), write the
+    parameter and that state; stochastic rounding's stream tables as in :func:`layout_bytes`. FP8
+    momentum: its group metadata per ``fp8_group_size`` elements."""
+    group = strategy.fp8_group_size
+    momentum = strategy.moment_bytes(group) / group
+    rest = strategy.state_bytes(group) / group - momentum
+    param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
+    stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
+    return {
+        "momentum": (LOW_PRECISION_BYTES + momentum, momentum + DIRECTION_BYTES),
+        "update": (ORTHOGONAL_STEP_BYTES + param_read + rest + stream_tables, LOW_PRECISION_BYTES + rest),
+    }
 
 
 def forbidden_instructions(ptx: str) -> list[str]:
@@ -283,9 +320,37 @@ class StepAudit:
     bytes_read: float | None
     bytes_written: float | None
     layout: tuple[float, float]
+    call_bytes: dict[str, tuple[float, float]] | None = None
+    """Muon: the measured (read, written) bytes per element of each of :data:`MUON_CALLS`."""
+    call_layout: dict[str, tuple[float, float]] | None = None
+    """Muon: :func:`muon_layout_bytes`."""
 
     def check(self, rule: str) -> Check:
         return next(check for check in self.checks if check.rule == rule)
+
+
+def _kernel_bytes(kernels: list[Kernel]) -> tuple[float, float, float, float]:
+    """(read, read once per group, written, written once per group) bytes per element of the
+    ``kernels`` of one call, each counted once per launch (:func:`read_bytes`, :func:`write_bytes`)."""
+    read = written = grouped = grouped_written = 0.0
+    for kernel in kernels:
+        kernel_read, kernel_grouped = read_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
+        kernel_written, kernel_grouped_written = write_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
+        read += kernel.launches * kernel_read
+        grouped += kernel.launches * kernel_grouped
+        written += kernel.launches * kernel_written
+        grouped_written += kernel.launches * kernel_grouped_written
+    return read, grouped, written, grouped_written
+
+
+def _bytes_detail(read: float, grouped: float, written: float, grouped_written: float, layout: tuple[float, float]) -> str:
+    shared = f" ({grouped:g} of it read once per {GROUP}-element group)" if grouped else ""
+    shared_written = f" ({grouped_written:g} of it written once per {GROUP}-element group)" if grouped_written else ""
+    return f"read {read:g}{shared} + written {written:g}{shared_written} B/element; layout minimum {layout[0]:g} + {layout[1]:g}"
+
+
+def _equal_bytes(measured: tuple[float, float], layout: tuple[float, float]) -> bool:
+    return abs(measured[0] - layout[0]) < 1e-9 and abs(measured[1] - layout[1]) < 1e-9
 
 
 def audit_step(code: StepCode) -> StepAudit:
@@ -319,7 +384,7 @@ def audit_step(code: StepCode) -> StepAudit:
     recompiled = [step.label for step in code.steps[1:] if step.new_graphs]
     checks.append(check("no recompilation", not recompiled, ", ".join(recompiled)))
     if code.optimizer == "muon":
-        return StepAudit(code, checks, None, None, layout)
+        return _muon_bytes(code, strategy, checks, check)
     if torch_kernel:
         read, written = layout
         codec = " (the remainder's join and split kernels around it not counted)" if kernels else ""
@@ -331,30 +396,42 @@ def audit_step(code: StepCode) -> StepAudit:
         read = written = None
         checks.append(check("bytes", False, f"{first.launches} launches over rows and elements: not attributable per element"))
     else:
-        read = written = grouped = grouped_written = 0.0
-        for kernel in kernels:
-            kernel_read, kernel_grouped = read_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
-            kernel_written, kernel_grouped_written = write_bytes(kernel.ptx, kernel.source, kernel.elements_per_thread)
-            read += kernel.launches * kernel_read
-            grouped += kernel.launches * kernel_grouped
-            written += kernel.launches * kernel_written
-            grouped_written += kernel.launches * kernel_grouped_written
-        exact = abs(read - layout[0]) < 1e-9 and abs(written - layout[1]) < 1e-9
-        shared = f" ({grouped:g} of it read once per {GROUP}-element group)" if grouped else ""
-        shared_written = f" ({grouped_written:g} of it written once per {GROUP}-element group)" if grouped_written else ""
+        read, grouped, written, grouped_written = _kernel_bytes(kernels)
         checks.append(check(
-            "bytes", exact,
-            f"read {read:g}{shared} + written {written:g}{shared_written} B/element; "
-            f"layout minimum {layout[0]:g} + {layout[1]:g}",
+            "bytes", _equal_bytes((read, written), layout), _bytes_detail(read, grouped, written, grouped_written, layout)
         ))
     return StepAudit(code, checks, read, written, layout)
 
 
-def audit_configuration(option: str, storage: str, kind: str, arches: tuple[int, ...]) -> list[StepAudit]:
-    """Generate one (option, master storage, kind) for ``arches`` and audit it (compiled binaries
-    dropped, so that the result pickles across processes)."""
+def _muon_bytes(code: StepCode, strategy: PrecisionStrategy, checks: list[Check], check: Callable[..., Check]) -> StepAudit:
+    """Muon's ``bytes`` rule: each call of the first step (graph i: the i-th of :data:`MUON_CALLS`)
+    one kernel whose bytes per element are :func:`muon_layout_bytes`'s for that call."""
+    call_layout = muon_layout_bytes(strategy)
+    layout = tuple(sum(call_layout[call][side] for call in MUON_CALLS) for side in (0, 1))
+    kernels = code.first_step_kernels
+    per_call = {call: [kernel for kernel in kernels if kernel.graph == graph] for graph, call in enumerate(MUON_CALLS)}
+    if code.compile_errors or any(len(found) != 1 or found[0].launches != 1 for found in per_call.values()):
+        counts = ", ".join(f"{call}: {sum(k.launches for k in found)} launches" for call, found in per_call.items())
+        checks.append(check("bytes", False, f"not one compiled kernel per call ({counts})"))
+        return StepAudit(code, checks, None, None, layout, None, call_layout)
+    call_bytes, details = {}, []
+    for call, found in per_call.items():
+        read, grouped, written, grouped_written = _kernel_bytes(found)
+        call_bytes[call] = (read, written)
+        details.append(f"{call}: " + _bytes_detail(read, grouped, written, grouped_written, call_layout[call]))
+    exact = all(_equal_bytes(call_bytes[call], call_layout[call]) for call in MUON_CALLS)
+    checks.append(check("bytes", exact, "; ".join(details)))
+    read, written = (sum(call_bytes[call][side] for call in MUON_CALLS) for side in (0, 1))
+    return StepAudit(code, checks, read, written, layout, call_bytes, call_layout)
+
+
+def audit_configuration(
+    option: str, storage: str, kind: str, arches: tuple[int, ...], optimizer: str = "adamw"
+) -> list[StepAudit]:
+    """Generate one (option, master storage, kind) of ``optimizer``'s fused step for ``arches`` and
+    audit it (compiled binaries dropped, so that the result pickles across processes)."""
     audits = []
-    for code in generate_for(option, storage, kind, arches).values():
+    for code in generate_for(option, storage, kind, arches, optimizer=optimizer).values():
         for kernel in code.kernels:
             kernel.asm = None
         audits.append(audit_step(code))
@@ -362,9 +439,8 @@ def audit_configuration(option: str, storage: str, kind: str, arches: tuple[int,
 
 
 def audit_muon(option: str, master_storage: str = "fp32", arches: tuple[int, ...] = ARCHES) -> list[StepAudit]:
-    """Muon's fused step of ``option`` over a plain bucket, generated for ``arches`` and audited by
-    :data:`MUON_RULES`."""
-    return [audit_step(code) for code in generate_for(option, master_storage, "plain", arches, optimizer="muon").values()]
+    """Muon's fused step of ``option`` over a plain bucket, generated for ``arches`` and audited."""
+    return audit_configuration(option, master_storage, "plain", arches, optimizer="muon")
 
 
 def run_audit(
@@ -372,11 +448,17 @@ def run_audit(
     kinds: Iterable[str] = KINDS,
     arches: tuple[int, ...] = ARCHES,
     workers: int = 1,
+    muon_pairs: Iterable[tuple[str, str]] = (),
 ) -> list[StepAudit]:
     """Generate and audit every (option, master storage) of ``pairs`` (default :func:`configurations`)
-    for each kind and arch, in ``workers`` processes (each generates whole configurations; results in
-    the order of ``pairs`` and ``kinds``)."""
-    tasks = [(option, storage, kind, tuple(arches)) for option, storage in pairs or configurations() for kind in kinds]
+    for each kind and arch, and Muon's plain step for each of ``muon_pairs``, in ``workers``
+    processes (each generates whole configurations; results in the order of ``muon_pairs``, then
+    ``pairs`` and ``kinds``: Muon's first, so that the pool starts its longest tasks early)."""
+    tasks = [(option, storage, "plain", tuple(arches), "muon") for option, storage in muon_pairs]
+    tasks += [
+        (option, storage, kind, tuple(arches), "adamw")
+        for option, storage in (configurations() if pairs is None else pairs) for kind in kinds
+    ]
     if workers <= 1:
         results = [audit_configuration(*task) for task in tasks]
     else:
@@ -392,29 +474,67 @@ def roofline_ms(bytes_per_element: float) -> float:
     return bytes_per_element * ROOFLINE_PARAMETERS / H100_BANDWIDTH * 1e3
 
 
-def table(audits: list[StepAudit]) -> str:
-    """A Markdown table: one row per option, master storage and kind (bytes at sm_90), with the
-    roofline time of the layout's bytes and each rule's result (✓, or ✗ with the arches that fail)."""
-    rows = {}
+def _rule_results(group: list[StepAudit]) -> list[str]:
+    """Each rule's result over the arches of one configuration: ✓, or ✗ with the arches that fail."""
+    results = []
+    for rule in RULES:
+        failing = [str(a.code.arch) for a in group if not a.check(rule).passed]
+        results.append("✓" if not failing else "✗ sm_" + "/".join(failing))
+    return results
+
+
+def _by_configuration(audits: list[StepAudit], optimizer: str) -> dict[tuple[str, str, str], list[StepAudit]]:
+    rows: dict[tuple[str, str, str], list[StepAudit]] = {}
     for audit in audits:
         code = audit.code
-        rows.setdefault((code.option, code.master_storage, code.kind), []).append(audit)
+        if code.optimizer == optimizer:
+            rows.setdefault((code.option, code.master_storage, code.kind), []).append(audit)
+    return rows
+
+
+def table(audits: list[StepAudit]) -> str:
+    """A Markdown table of AdamW's steps: one row per option, master storage and kind (bytes at
+    sm_90), with the roofline time of the layout's bytes and each rule's result (✓, or ✗ with the
+    arches that fail)."""
     header = ["option", "master", "step", "layout B/elem (read+write)", "PTX B/elem (sm_90)", "1.3B step at 3.35 TB/s", *RULES]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (option, storage, kind), group in rows.items():
+    for (option, storage, kind), group in _by_configuration(audits, "adamw").items():
         layout = group[0].layout
         measured = next((a for a in group if a.code.arch == 90), group[0])
         if strategy_for(option, storage).adam_kernel == "torch_fused":
             ptx = "torch's kernel"
         else:
             ptx = "—" if measured.bytes_read is None else f"{measured.bytes_read:g} + {measured.bytes_written:g}"
-        results = []
-        for rule in RULES:
-            failing = [str(a.code.arch) for a in group if not a.check(rule).passed]
-            results.append("✓" if not failing else "✗ sm_" + "/".join(failing))
         lines.append(
             f"| {option} | {storage} | {kind} | {layout[0]:g} + {layout[1]:g} = {sum(layout):g} | {ptx} | "
-            f"{roofline_ms(sum(layout)):.1f} ms | " + " | ".join(results) + " |"
+            f"{roofline_ms(sum(layout)):.1f} ms | " + " | ".join(_rule_results(group)) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _call_bytes_text(read: float, written: float) -> str:
+    return f"{read:g} + {written:g}"
+
+
+def muon_table(audits: list[StepAudit]) -> str:
+    """A Markdown table of Muon's fused steps: one row per option and master storage, each call's
+    layout bytes (:func:`muon_layout_bytes`) and PTX bytes at sm_90 (read + written), the step's
+    total and its roofline time, and each rule's result (✓, or ✗ with the arches that fail)."""
+    header = [
+        "option", "master", "momentum call: layout B/elem", "update call: layout B/elem", "PTX B/elem (sm_90)",
+        "layout total", "1.3B element-wise at 3.35 TB/s", *RULES,
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (option, storage, _), group in _by_configuration(audits, "muon").items():
+        layout = group[0].call_layout
+        measured = next((a for a in group if a.code.arch == 90), group[0])
+        ptx = "—" if measured.call_bytes is None else ", ".join(
+            _call_bytes_text(*measured.call_bytes[call]) for call in MUON_CALLS
+        )
+        total = sum(group[0].layout)
+        lines.append(
+            f"| {option} | {storage} | {_call_bytes_text(*layout['momentum'])} | {_call_bytes_text(*layout['update'])} | "
+            f"{ptx} | {total:g} | {roofline_ms(total):.1f} ms | " + " | ".join(_rule_results(group)) + " |"
         )
     return "\n".join(lines)
 
@@ -443,8 +563,11 @@ def gradient_norm_reads(dtype: torch.dtype, arch: int = 90) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
-    parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both)")
+    parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both; Muon: plain)")
     parser.add_argument("--arch", action="append", type=int, choices=ARCHES, help="compute capability (default: 90 and 80)")
+    parser.add_argument(
+        "--optimizer", action="append", choices=OPTIMIZERS, help="whose fused step (repeatable; default: AdamW's and Muon's)"
+    )
     parser.add_argument("--workers", type=int, default=1, help="processes that generate configurations in parallel")
     parser.add_argument(
         "--interpret", action="store_true",
@@ -455,11 +578,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.option:
         names = {get_strategy(option).name for option in args.option}
         pairs = [pair for pair in pairs if pair[0] in names]
-    audits = run_audit(pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers)
-    print(table(audits))
-    for dtype in (torch.float32, torch.bfloat16):
-        print(f"exact gradient norm, {dtype}: bytes read per gradient element by each kernel that reads it: "
-              f"{gradient_norm_reads(dtype)}")
+    optimizers = args.optimizer or OPTIMIZERS
+    adamw_pairs = pairs if "adamw" in optimizers else []
+    muon_pairs = pairs if "muon" in optimizers else []
+    audits = run_audit(adamw_pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers, muon_pairs)
+    if adamw_pairs:
+        print(table(audits))
+        for dtype in (torch.float32, torch.bfloat16):
+            print(f"exact gradient norm, {dtype}: bytes read per gradient element by each kernel that reads it: "
+                  f"{gradient_norm_reads(dtype)}")
+    if muon_pairs:
+        print("Muon:")
+        print(muon_table(audits))
     failed = failures(audits)
     for check in failed:
         print(f"FAIL {check.option} ({check.master_storage}, {check.kind}, sm_{check.arch}) {check.rule}: {check.detail}")
@@ -467,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interpret:
         from megatron_lowprec.kernels import interpret
 
-        comparisons = interpret.run_comparisons(pairs, args.kind or KINDS, args.workers)
+        comparisons = interpret.run_comparisons(adamw_pairs, args.kind or KINDS, args.workers, muon_pairs)
         print(interpret.report(comparisons))
         differing = [result for result in comparisons if not result.identical]
     return 1 if failed or differing else 0

@@ -7,12 +7,19 @@ moments also for an A100, whose kernels store the FP8 payloads as integer codes:
 :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`, laid out in calls as on a CPU). Every
 parameter and state bit must agree. The interpreted twin takes the GPU's path through
 :func:`~megatron_lowprec.optim.fused.fused_bucket_step_` (one call per bucket, stochastic rounding's
-:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too),
-and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
+:class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too;
+FP8 group statistics recomputed in the kernel: ``GROUP_STATISTICS_DEVICES`` too), and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
 ``cuda:0`` tensor (0-d tensors are the step's host scalars, on the host on a GPU too), so that
 Inductor writes the kernels of :mod:`~megatron_lowprec.kernels.codegen`'s audit (a test compares their
 sources). The wrapper Inductor writes around them runs on the host: its ``empty_strided_cuda``
 allocates CPU tensors, its device guard does nothing.
+
+Muon's fused step (:func:`~megatron_lowprec.optim.muon.fused_muon_bucket_step_`, ``optimizer="muon"``)
+is compared the same way over a plain bucket of 2-D weights (:data:`MUON_SHAPES`): its momentum and
+update calls run the interpreted kernels, Newton-Schulz between them runs torch's matmuls on the
+host in both twins, and the eager twin's calls run the uncompiled
+:func:`~megatron_lowprec.optim.kernel.muon_momentum_kernel_` and
+:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`.
 
 The interpreter runs each Triton operation with numpy, which differs from a GPU in a few known
 places. Each shim (:data:`SHIMS`, :data:`LIBDEVICE_SHIMS`) makes it do what the GPU's instruction
@@ -63,23 +70,27 @@ SHAPES = ((4, 64), (300,), (64,))
 """The parameters of a compared bucket: a matrix, and two vectors whose entries end in padding;
 the shard (the second half of their buffer) holds three FP8 groups of 128 elements."""
 
+MUON_SHAPES = ((4, 64), (12, 16))
+"""The weights of a compared Muon bucket (the second's entry ends in padding; coat's momentum holds
+four FP8 groups of 128 elements)."""
+
 STEPS = 3
 SEED = 27
 ARCH = 90
 """The device whose kernels run by default: an H100."""
 
 
-def compared_arches(option: str, master_storage: str, kind: str) -> tuple[int, ...]:
+def compared_arches(option: str, master_storage: str, kind: str, optimizer: str = "adamw") -> tuple[int, ...]:
     """The devices whose kernels :func:`run_comparisons` runs for a configuration: :data:`ARCH`, and
-    for a plain step with an FP32 master also one device of each other group of the audit's
+    for AdamW's plain step with an FP32 master also one device of each other group of the audit's
     (:func:`~megatron_lowprec.kernels.codegen.trace_groups`: FP8 payloads as integer codes below
-    sm_89). The coding is the same function in every configuration of an option, and a comparison
-    takes minutes on two cores, so one configuration per option proves it."""
+    sm_89). The coding is the same function in every configuration of an option, and of Muon's FP8
+    momentum too, and a comparison takes minutes on two cores, so one configuration per option proves it."""
     from megatron_lowprec.kernels.audit import strategy_for
 
     arches = (ARCH, *(arch for arch in codegen.ARCHES if arch != ARCH))
     groups = codegen.trace_groups(strategy_for(option, master_storage), arches)
-    if (kind, master_storage) != ("plain", "fp32"):
+    if (optimizer, kind, master_storage) != ("adamw", "plain", "fp32"):
         groups = groups[:1]
     return tuple(group[0] for group in groups)
 
@@ -103,6 +114,8 @@ class Comparison:
     seconds: float
     error: str | None = None
     """Why the interpreted step did not run (its exception's last line and the line that raised it)."""
+    optimizer: str = "adamw"
+    """Whose fused step: ``adamw`` or ``muon`` (``codegen.OPTIMIZERS``)."""
 
     @property
     def identical(self) -> bool:
@@ -245,7 +258,7 @@ class _NoDeviceGuard:
 def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Launches]:
     """Compiled steps on CPU tensors run the CUDA kernels generated for ``arch``, interpreted
     with :func:`gpu_conversions`, on that GPU's path through the fused step (one call per bucket,
-    FP8 payloads as codes below sm_89). Inside
+    FP8 payloads as codes below sm_89, FP8 group statistics recomputed in the kernel). Inside
     :func:`~megatron_lowprec.kernels.codegen.cuda_codegen` (the device's properties, Triton's target),
     with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -267,6 +280,7 @@ def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Laun
         stack.enter_context(mock.patch.object(torch.cuda, "_DeviceGuard", _NoDeviceGuard))
         stack.enter_context(mock.patch.object(torch.cuda, "set_device", lambda device: None))
         stack.enter_context(mock.patch.object(fused, "BUCKET_STREAM_DEVICES", ("cuda", "cpu")))
+        stack.enter_context(mock.patch.object(fused, "GROUP_STATISTICS_DEVICES", ("cuda", "cpu")))
         stack.enter_context(mock.patch.object(
             fused, "fp8_payloads_as_codes", lambda device: payloads_as_codes(torch.device("cuda", 0))
         ))
@@ -276,26 +290,28 @@ def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Laun
 
 @contextlib.contextmanager
 def eager_steps() -> Iterator[None]:
-    """The fused step's calls run the uncompiled kernel and master codec (the eager step)."""
-    from megatron_lowprec.optim import fused
-    from megatron_lowprec.optim.kernel import bucket_kernel_
+    """The fused steps' calls (AdamW's and Muon's) run the uncompiled kernels and master codec (the eager step)."""
+    from megatron_lowprec.optim import fused, muon
+    from megatron_lowprec.optim.kernel import bucket_kernel_, muon_momentum_kernel_, muon_update_kernel_
 
     codec = (fused._join_master_window, fused._split_master_window_)
     with mock.patch.object(fused, "compiled_kernel", lambda group_statistics=False: bucket_kernel_), \
-            mock.patch.object(fused, "compiled_master_codec", lambda: codec):
+            mock.patch.object(fused, "compiled_master_codec", lambda: codec), \
+            mock.patch.object(muon, "compiled_muon_momentum_kernel", lambda group_statistics=False: muon_momentum_kernel_), \
+            mock.patch.object(muon, "compiled_muon_update_kernel", lambda: muon_update_kernel_):
         yield
 
 
-def _twin(strategy, kind: str):
-    """A bucket of :data:`SHAPES` on the CPU, parameters drawn from :data:`SEED`."""
+def _twin(strategy, kind: str, shapes: tuple[tuple[int, ...], ...] = SHAPES):
+    """A bucket of ``shapes`` on the CPU, parameters drawn from :data:`SEED`."""
     generator = torch.Generator().manual_seed(SEED)
 
     def fill(tensor):
         tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
 
     if kind == "plain":
-        return codegen._plain_bucket(strategy, SHAPES, 0, device="cpu", fill=fill)
-    return codegen._shard_bucket(strategy, SHAPES, [0] * len(SHAPES), device="cpu", fill=fill)
+        return codegen._plain_bucket(strategy, shapes, 0, device="cpu", fill=fill)
+    return codegen._shard_bucket(strategy, shapes, [0] * len(shapes), device="cpu", fill=fill)
 
 
 def _params_of(bucket) -> torch.Tensor:
@@ -318,20 +334,10 @@ def _first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> str | None:
     )
 
 
-def compare(
-    option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS, arch: int = ARCH
-) -> Comparison:
-    """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
-    eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit."""
-    from megatron_lowprec.kernels.audit import strategy_for
+def _adamw_steps(strategy, grads: list[torch.Tensor], sizes: list[int]) -> Callable:
+    """Step a twin with AdamW's fused step, one gradient of ``grads`` per step."""
     from megatron_lowprec.optim.fused import fused_bucket_step_
 
-    started = time.perf_counter()
-    strategy = strategy_for(option, master_storage)
-    twins = {"interpreted": _twin(strategy, kind), "eager": _twin(strategy, kind)}
-    generator = torch.Generator().manual_seed(SEED + 1)
-    sizes = [grad.numel() for grad in twins["eager"][2]]
-    grads = [torch.randn(sum(sizes), generator=generator) * 10.0 ** (step - steps) for step in range(steps)]
     sr_seed = codegen.SR_SEED if strategy.param_update == "stochastic" else None
 
     def run(twin):
@@ -344,6 +350,55 @@ def compare(
                 sr_seed=sr_seed, track_update_quality=False,
             )
 
+    return run
+
+
+def _muon_steps(strategy, grads: list[torch.Tensor], sizes: list[int]) -> Callable:
+    """Step a twin with Muon's fused step (its Newton-Schulz eager on the host, as on a GPU it runs
+    torch's matmuls), one gradient of ``grads`` per step."""
+    from megatron_lowprec.optim.muon import fused_muon_bucket_step_, orthogonal_step_
+
+    sr_seed = codegen.SR_SEED if strategy.param_update == "stochastic" else None
+    hyper = codegen.MUON_HYPER
+
+    def orthogonal_steps(index: int, out: torch.Tensor, direction: torch.Tensor) -> None:
+        orthogonal_step_(out, direction, lr=hyper["lr"])
+
+    def run(twin):
+        bucket, grad, entry_grads, _ = twin
+        for step, values in enumerate(grads, start=1):
+            for entry_grad, entry_values in zip(entry_grads, values.split(sizes)):
+                entry_grad.copy_(entry_values)
+            fused_muon_bucket_step_(
+                bucket, strategy, grad, entry_grads, orthogonal_steps, step=step, sr_seed=sr_seed, **hyper
+            )
+
+    return run
+
+
+def compare(
+    option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS, arch: int = ARCH,
+    optimizer: str = "adamw",
+) -> Comparison:
+    """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
+    eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit.
+    ``optimizer="muon"``: Muon's fused step over a plain bucket of :data:`MUON_SHAPES`."""
+    from megatron_lowprec.kernels.audit import strategy_for
+
+    started = time.perf_counter()
+    strategy = strategy_for(option, master_storage)
+    shapes, stepper = SHAPES, _adamw_steps
+    if optimizer == "muon":
+        from megatron_lowprec.optim.muon import muon_strategy
+
+        strategy, shapes, stepper = muon_strategy(strategy), MUON_SHAPES, _muon_steps
+        if kind != "plain":
+            raise ValueError(f"kind={kind!r} is not valid for muon; choose plain")
+    twins = {"interpreted": _twin(strategy, kind, shapes), "eager": _twin(strategy, kind, shapes)}
+    generator = torch.Generator().manual_seed(SEED + 1)
+    sizes = [grad.numel() for grad in twins["eager"][2]]
+    grads = [torch.randn(sum(sizes), generator=generator) * 10.0 ** (step - steps) for step in range(steps)]
+    run = stepper(strategy, grads, sizes)
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
         with interpreted_cuda_kernels(cache_dir, arch) as launches:
             run(twins["interpreted"])
@@ -355,35 +410,43 @@ def compare(
     mismatches = {name: found for name, (got, expected) in tensors.items() if (found := _first_mismatch(got, expected))}
     return Comparison(
         strategy.name, master_storage, kind, arch, launches.kernels, launches.sources, launches.launches, mismatches,
-        time.perf_counter() - started,
+        time.perf_counter() - started, optimizer=optimizer,
     )
 
 
-def _compare_in_worker(option: str, master_storage: str, kind: str, arch: int) -> Comparison:
+def _compare_in_worker(option: str, master_storage: str, kind: str, arch: int, optimizer: str = "adamw") -> Comparison:
     """:func:`compare`, or a comparison that names the error that stopped it."""
     started = time.perf_counter()
     try:
-        return compare(option, master_storage, kind, arch=arch)
+        return compare(option, master_storage, kind, arch=arch, optimizer=optimizer)
     except Exception as error:
         frames = traceback.extract_tb(error.__traceback__)
         where = next((f"{frame.line} ({os.path.basename(frame.filename)})" for frame in reversed(frames)), "")
         return Comparison(
             option, master_storage, kind, arch, [], {}, 0, {}, time.perf_counter() - started,
             f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''} at {where}",
+            optimizer,
         )
 
 
 def run_comparisons(
-    pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1
+    pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1,
+    muon_pairs: Iterable[tuple[str, str]] = (),
 ) -> list[Comparison]:
     """:func:`compare` every (option, master storage) of ``pairs`` (default: the audit's
-    configurations) for each kind and each of its :func:`compared_arches`, in ``workers`` processes
-    started with ``TRITON_INTERPRET=1`` (results in the order of ``pairs``, ``kinds`` and arches)."""
+    configurations) for each kind, and Muon's plain step for each of ``muon_pairs``, each on its
+    :func:`compared_arches`, in ``workers`` processes started with ``TRITON_INTERPRET=1`` (results
+    in the order of ``muon_pairs``, then ``pairs``, ``kinds`` and arches)."""
     from megatron_lowprec.kernels.audit import configurations
 
     tasks = [
-        (option, storage, kind, arch)
-        for option, storage in pairs or configurations() for kind in kinds for arch in compared_arches(option, storage, kind)
+        (option, storage, "plain", arch, "muon")
+        for option, storage in muon_pairs for arch in compared_arches(option, storage, "plain", "muon")
+    ]
+    tasks += [
+        (option, storage, kind, arch, "adamw")
+        for option, storage in (configurations() if pairs is None else pairs) for kind in kinds
+        for arch in compared_arches(option, storage, kind)
     ]
     context = multiprocessing.get_context("spawn")
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
@@ -398,26 +461,33 @@ def report(comparisons: list[Comparison]) -> str:
     for result in comparisons:
         verdict = "bit-identical" if result.identical else f"ERROR {result.error}" if result.error else "DIFFERS " + "; ".join(f"{k}: {v}" for k, v in result.mismatches.items())
         lines.append(
-            f"{result.option} ({result.master_storage}, {result.kind}, sm_{result.arch}): {verdict}; {len(result.kernels)} kernels, "
+            f"{result.optimizer} {result.option} ({result.master_storage}, {result.kind}, sm_{result.arch}): {verdict}; "
+            f"{len(result.kernels)} kernels, "
             f"{result.launches} launches in {STEPS} steps, {result.seconds:.1f} s"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_lowprec.kernels.audit import configurations
+    from megatron_lowprec.kernels.audit import OPTIMIZERS, configurations
     from megatron_lowprec.optim.strategies import get_strategy
 
     parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.interpret", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
-    parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both)")
+    parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both; Muon: plain)")
+    parser.add_argument(
+        "--optimizer", action="append", choices=OPTIMIZERS, help="whose fused step (repeatable; default: AdamW's and Muon's)"
+    )
     parser.add_argument("--workers", type=int, default=1, help="processes that compare configurations in parallel")
     args = parser.parse_args(argv)
     pairs = configurations()
     if args.option:
         names = {get_strategy(option).name for option in args.option}
         pairs = [pair for pair in pairs if pair[0] in names]
-    comparisons = run_comparisons(pairs, args.kind or codegen.KINDS, args.workers)
+    optimizers = args.optimizer or OPTIMIZERS
+    comparisons = run_comparisons(
+        pairs if "adamw" in optimizers else [], args.kind or codegen.KINDS, args.workers, pairs if "muon" in optimizers else []
+    )
     print(report(comparisons))
     return 0 if all(result.identical for result in comparisons) else 1
 

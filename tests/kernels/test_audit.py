@@ -1,7 +1,8 @@
 """The audit of the fused step's CUDA kernels (issue 27 item 1), generated on this CPU-only machine.
 
-The module generates every step once (:func:`audits`, the slow part) and each test reads one rule of
-one (option, master storage, kind, arch). Defects of the kernels as they are today are strict
+The module generates every step once (:func:`audits`, the slow part: every AdamW configuration and
+Muon's of ``MUON_CI_CONFIGURATIONS``, issue 28 item 5) and each test reads one rule of one
+(optimizer, option, master storage, kind, arch). Defects of the kernels as they are today are strict
 xfails that name the defect (:data:`KNOWN_DEFECTS`): they pass, and must then be removed, once fixed.
 """
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from megatron_lowprec.kernels import audit, codegen
+from megatron_lowprec.optim.muon import muon_strategy
+from tests.kernels import MUON_CI_CONFIGURATIONS
 
 CASES = [
     (option, storage, kind, arch)
@@ -44,10 +47,13 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def audits():
-    """Every step generated and audited once: (option, storage, kind, arch) -> StepAudit."""
+    """Every AdamW step and the Muon steps of :data:`MUON_CI_CONFIGURATIONS`, generated and audited
+    once, in one pool: (optimizer, option, storage, kind, arch) -> StepAudit."""
     return {
-        (a.code.option, a.code.master_storage, a.code.kind, a.code.arch): a
-        for a in audit.run_audit(audit.configurations(), codegen.KINDS, codegen.ARCHES, workers=WORKERS)
+        (a.code.optimizer, a.code.option, a.code.master_storage, a.code.kind, a.code.arch): a
+        for a in audit.run_audit(
+            audit.configurations(), codegen.KINDS, codegen.ARCHES, workers=WORKERS, muon_pairs=MUON_CI_CONFIGURATIONS
+        )
     }
 
 
@@ -64,7 +70,7 @@ def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage
     """Each rule of :data:`~megatron_lowprec.kernels.audit.RULES` (compiles; no approximate, flushing or
     contracted instruction; no FP64; one launch per bucket; no recompilation; global bytes equal to
     the layout's minimum) for each option, storage, kind and architecture."""
-    check = audits[(option, storage, kind, arch)].check(rule)
+    check = audits[("adamw", option, storage, kind, arch)].check(rule)
     assert check.passed, f"{rule}: {check.detail}"
 
 
@@ -237,18 +243,75 @@ def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
     assert audit.gradient_norm_reads(dtype) == [dtype.itemsize]
 
 
-@pytest.fixture(scope="module")
-def muon_sr_audit():
-    """Muon's fused step with option sr (BF16 momentum, stochastic rounding over the whole bucket
-    from the shared counter stream), generated for sm_90."""
-    (step_audit,) = audit.audit_muon("sr", arches=(90,))
-    return step_audit
+MUON_CASES = [(option, storage, arch) for option, storage in MUON_CI_CONFIGURATIONS for arch in codegen.ARCHES]
 
 
-@pytest.mark.parametrize("rule", audit.MUON_RULES)
-def test_every_rule_holds_for_muon_s_fused_step(muon_sr_audit, rule):
-    """Muon's element-wise calls (momentum before Newton-Schulz, update after it): every kernel
-    compiles; no approximate, flushing or contracted instruction; no FP64; one launch per call (two
-    per bucket); a later step with another lr and a bucket of another parameter group compile nothing."""
-    check = muon_sr_audit.check(rule)
+@pytest.mark.parametrize(
+    "rule,option,storage,arch",
+    [pytest.param(rule, *case, id="-".join(map(str, (rule, *case)))) for rule in audit.RULES for case in MUON_CASES],
+)
+def test_every_rule_holds_for_muon_s_fused_step(audits, rule, option, storage, arch):
+    """Muon's element-wise calls (momentum before Newton-Schulz, update after it), for one option of
+    each rounding family: every kernel compiles; no approximate, flushing or contracted instruction;
+    no FP64; one launch per call (two per bucket); a later step with another lr and a bucket of
+    another parameter group compile nothing; each call moves its layout's least bytes."""
+    check = audits[("muon", option, storage, "plain", arch)].check(rule)
     assert check.passed, f"{rule}: {check.detail}"
+
+
+def test_muon_layout_bytes_count_the_state_and_what_newton_schulz_exchanges():
+    """A's momentum call reads g and m and writes m and the BF16 direction; its update call reads θ
+    and the FP32 step -lr·s·O and writes θ. B adds δθ to the update call, D-MW's momentum is FP32,
+    D reads and writes an FP32 master instead of reading θ (and still writes θ), coat's FP8 momentum
+    carries a scale and an exponent (8 B) per 128 elements, sr's update reads its stream tables
+    (40 B per 128 elements)."""
+    def layout(option, storage="fp32"):
+        return audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)))
+
+    assert layout("A") == {"momentum": (2 + 2, 2 + 2), "update": (2 + 4, 2)}
+    assert layout("B") == {"momentum": (2 + 2, 2 + 2), "update": (2 + 4 + 2, 2 + 2)}
+    assert layout("D-MW") == {"momentum": (2 + 4, 4 + 2), "update": (2 + 4, 2)}
+    assert layout("D") == {"momentum": (2 + 4, 4 + 2), "update": (4 + 4, 4 + 2)}
+    assert layout("D", "remainder") == {"momentum": (2 + 4, 4 + 2), "update": (2 + 2 + 4, 2 + 2)}
+    assert layout("coat") == {"momentum": (2 + 1 + 8 / 128, 1 + 8 / 128 + 2), "update": (4 + 4, 4 + 2)}
+    assert layout("sr") == {"momentum": (2 + 2, 2 + 2), "update": (2 + 4 + 40 / 128, 2)}
+
+
+def test_readme_muon_audit_table_states_each_calls_layout_bytes():
+    """The README's Muon audit table: every option and master storage, each call's layout bytes, the
+    total and its 1.3B roofline time are the audit's."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    header = "| option | master | momentum call: layout B/elem |"
+    lines = readme.split(header, 1)[1].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[: next(
+        index for index, line in enumerate(lines) if not line.startswith("| ")
+    )]]
+    assert [(option, storage) for option, storage, *_ in rows] == audit.configurations()
+    for option, storage, momentum, update, _, total, roofline, *_ in rows:
+        layout = audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)))
+        assert (momentum, update) == tuple(f"{read:g} + {written:g}" for read, written in layout.values())
+        whole = sum(sum(pair) for pair in layout.values())
+        assert total == f"{whole:g}" and roofline == f"{audit.roofline_ms(whole):.1f} ms"
+
+
+def _muon_code(momentum_ptx: str, update_ptx: str, update_kernels: int = 1) -> codegen.StepCode:
+    """A Muon step of option A whose first step ran one kernel per call with these PTX accesses
+    (one element per thread, a source without loads to credit per group)."""
+    kernels = [codegen.Kernel("momentum", 0, "", momentum_ptx, 1, 1.0)]
+    kernels += [codegen.Kernel(f"update{index}", 1, "", update_ptx, 1, 1.0) for index in range(update_kernels)]
+    launches = 1 + update_kernels
+    steps = [codegen.StepRecord("first step", 2, launches), codegen.StepRecord("next step, new lr", 0, launches)]
+    return codegen.StepCode("A", "fp32", "plain", 90, kernels, steps, [], {}, "muon")
+
+
+def test_muon_bytes_rule_fails_on_an_access_more_or_a_second_kernel():
+    """A's calls at their layout's bytes (momentum: g, m read, m and the direction written; update: θ
+    and the FP32 step read, θ written) pass; one 2-byte store more, or an update call in two
+    kernels, fails the rule."""
+    load16, load32, store16 = "\tld.global.b16 {%rs1}, [%rd1];\n", "\tld.global.b32 {%r1}, [%rd2];\n", "\tst.global.b16 [%rd3], {%rs2};\n"
+    momentum, update = 2 * load16 + 2 * store16, load16 + load32 + store16
+    exact = audit.audit_step(_muon_code(momentum, update))
+    assert exact.check("bytes").passed and exact.call_bytes == {"momentum": (4, 4), "update": (6, 2)}
+    assert not audit.audit_step(_muon_code(momentum + store16, update)).check("bytes").passed
+    split = audit.audit_step(_muon_code(momentum, update, update_kernels=2))
+    assert not split.check("bytes").passed and not split.check("one launch").passed

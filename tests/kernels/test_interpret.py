@@ -1,8 +1,8 @@
 """The fused step's generated CUDA kernels, run by Triton's interpreter on CPU tensors (issue 27 item 2).
 
-The module compares every option once (:func:`comparisons`, in processes started with
-``TRITON_INTERPRET=1``, so that this process's Triton is untouched) and each test reads one
-(option, master storage, kind). Every generated kernel agrees today, so none is marked xfail.
+The module compares every option of AdamW's step and Muon's of ``MUON_CI_CONFIGURATIONS`` once
+(:func:`comparisons`, in processes started with ``TRITON_INTERPRET=1``, so that this process's
+Triton is untouched) and each test reads one (optimizer, option, master storage, kind, arch). Every generated kernel agrees today, so none is marked xfail.
 """
 
 import re
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_lowprec.kernels import audit, codegen, interpret
+from tests.kernels import MUON_CI_CONFIGURATIONS
 
 CASES = [
     (option, storage, kind, arch)
@@ -24,12 +25,21 @@ WORKERS = 2
 """Processes that compare the steps (CI's machine has two cores)."""
 
 
+MUON_CASES = [
+    (option, storage, arch) for option, storage in MUON_CI_CONFIGURATIONS
+    for arch in interpret.compared_arches(option, storage, "plain", "muon")
+]
+
+
 @pytest.fixture(scope="module")
 def comparisons():
-    """Every option's interpreted step against its eager step, once: (option, storage, kind, arch) -> Comparison."""
+    """Every option's interpreted AdamW step, and Muon's of :data:`MUON_CI_CONFIGURATIONS`, against
+    its eager step, once, in one pool: (optimizer, option, storage, kind, arch) -> Comparison."""
     return {
-        (result.option, result.master_storage, result.kind, result.arch): result
-        for result in interpret.run_comparisons(audit.configurations(), codegen.KINDS, workers=WORKERS)
+        (result.optimizer, result.option, result.master_storage, result.kind, result.arch): result
+        for result in interpret.run_comparisons(
+            audit.configurations(), codegen.KINDS, workers=WORKERS, muon_pairs=MUON_CI_CONFIGURATIONS
+        )
     }
 
 
@@ -39,11 +49,22 @@ def test_interpreted_kernels_are_bit_identical_to_the_eager_step(comparisons, op
     every parameter and state bit as the eager step does; the generated kernels really ran (option D
     with an FP32 master runs torch's own fused AdamW: no generated kernel). coat's plain step also on
     an A100 (sm_80), whose kernels convert FP8 by integer arithmetic."""
-    result = comparisons[(option, storage, kind, arch)]
+    result = comparisons[("adamw", option, storage, kind, arch)]
     assert result.error is None, result.error
     assert result.mismatches == {}
     torch_kernel_only = audit.strategy_for(option, storage).adam_kernel == "torch_fused" and storage == "fp32"
     assert (result.launches == 0) if torch_kernel_only else (result.launches >= interpret.STEPS)
+
+
+@pytest.mark.parametrize("option,storage,arch", [pytest.param(*case, id="-".join(map(str, case))) for case in MUON_CASES])
+def test_interpreted_muon_kernels_are_bit_identical_to_the_eager_muon_step(comparisons, option, storage, arch):
+    """Three Muon steps through the generated CUDA kernels of its momentum and update calls
+    (interpreted, with :data:`interpret.SHIMS`; Newton-Schulz eager between them) leave every
+    parameter and state bit as the eager step does; both calls ran their generated kernels each step."""
+    result = comparisons[("muon", option, storage, "plain", arch)]
+    assert result.error is None, result.error
+    assert result.mismatches == {}
+    assert result.launches == len(audit.MUON_CALLS) * interpret.STEPS
 
 
 def test_bf16_shim_rounds_to_nearest_even_as_torch_does():
