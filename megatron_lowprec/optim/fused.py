@@ -564,16 +564,26 @@ def _torch_fused_bucket_step_(
 def _scalars_of(
     bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
 ) -> StepScalars | GroupScalars:
-    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's,
-    or several groups' with the elements where each begins (entries of a group are contiguous)."""
+    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's
+    for a bucket of its own parameters; for a distributed optimizer's shard (parameters in rows of
+    another buffer), whose entries may belong to several groups, :class:`GroupScalars` with the
+    elements where each group begins (entries of a group are contiguous), in a power of two of at
+    least two slots (the last group repeated from ``end``, which no element reaches; each slot its own
+    tensors, or Dynamo would guard on which are the same object), so that shards of one and of two
+    parameter groups take the same compiled step."""
     runs = [
         (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
         if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
     ]
-    per_group = tuple(scalars[group].as_kernel_scalars() for group, _ in runs)
-    if len(per_group) == 1:
-        return per_group[0]
-    return GroupScalars(per_group, tuple(kernel_scalar(offset - start, torch.int32) for _, offset in runs[1:]))
+    if len(runs) == 1 and bucket.param_rows is None:
+        return scalars[runs[0][0]].as_kernel_scalars()
+    padding = max(2, 1 << (len(runs) - 1).bit_length()) - len(runs)
+    boundaries = [offset - start for _, offset in runs[1:]] + [end - start] * padding
+    groups = [group for group, _ in runs] + [runs[-1][0]] * padding
+    return GroupScalars(
+        tuple(scalars[group].as_kernel_scalars() for group in groups),
+        tuple(kernel_scalar(boundary, torch.int32) for boundary in boundaries),
+    )
 
 
 def fused_call_arguments(
