@@ -73,16 +73,20 @@ class BufferRows(NamedTuple):
     """A bucket's values that live in another flat buffer: entry e's elements [0, numel_e) sit at
     ``source[source_starts[e] : source_starts[e] + numel_e]``, and at the bucket's offsets in its own
     layout. Viewed as rows of ``width`` elements (the bucket's alignment, so that each row belongs to
-    one entry), each row is a contiguous run of the source, described by two per-row tables: an
-    element reads its row's values (one lookup per row, no search) and its source index is
-    arithmetic. :meth:`read` gathers the bucket-shaped values, :meth:`write` stores them back. Both
-    run inside compiled steps; indices are int64 (megatron's buffers can exceed 2^31 elements)."""
+    one entry), each row is a contiguous run of the source: each element finds its entry by a binary
+    search of its row in the entries' first rows (inside the step's kernels: a few loads from a
+    table of a few words per entry, no per-row table and no kernel of its own), and its source
+    index arithmetically. :meth:`read` gathers the bucket-shaped values, :meth:`write` stores them
+    back. Both run inside compiled steps; indices are int64 (megatron's buffers can exceed 2^31
+    elements)."""
 
     source: torch.Tensor
-    row_starts: torch.Tensor
-    """[rows] int64: where each bucket row starts in ``source`` (at least two rows: :meth:`Bucket.rows_in`)."""
-    row_lasts: torch.Tensor
-    """[rows] int32: the last column of each bucket row that holds an element of its entry."""
+    first_rows: torch.Tensor
+    """[entries] int32: the first row of each entry in the bucket (at least two entries: :meth:`Bucket.rows_in`)."""
+    source_starts: torch.Tensor
+    """[entries] int64: where each entry starts in ``source``."""
+    numels: torch.Tensor
+    """[entries] int64: elements of each entry."""
     width: int
     first_row: torch.Tensor
     """0-d int32 host tensor: the bucket row where a call's values start (a window of the bucket)."""
@@ -92,11 +96,16 @@ class BufferRows(NamedTuple):
         return self._replace(first_row=torch.tensor(row, dtype=torch.int32))
 
     def _elements(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per element of a call of ``numel`` elements: its row's source start and last valid column
-        (looked up per row), and its column."""
+        """Per element of a call of ``numel`` elements: its row's source start, its row's last valid
+        column, and its column (elements counted in int64, rows in int32). Per element throughout (a
+        tensor of one value per row would be stored by a kernel of its own, and would specialise the
+        step on a call of one row)."""
         element = torch.arange(numel, dtype=torch.int64, device=self.source.device)
-        row = element // self.width + self.first_row
-        return self.row_starts[row], self.row_lasts[row].to(torch.int64), element % self.width
+        row = (element // self.width).to(torch.int32) + self.first_row
+        owner = torch.searchsorted(self.first_rows, row, right=True, out_int32=True) - 1
+        done = (row - self.first_rows[owner]).to(torch.int64) * self.width
+        last = torch.clamp(self.numels[owner] - done, max=self.width) - 1
+        return self.source_starts[owner] + done, last, element % self.width
 
     def read(self, shape: torch.Size) -> torch.Tensor:
         """The bucket's values in ``shape`` (padding elements zero)."""
@@ -195,22 +204,21 @@ class Bucket:
 
     def rows_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
         """A :class:`BufferRows` for this bucket's entries at ``source_starts`` of the flat ``source``
-        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset), its tables built on
-        ``source``'s device (12 bytes per row). A bucket of one row has its row twice in the tables:
-        a compiled step specialises a size of one and would compile again for it."""
+        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset). The tables of a bucket of one
+        entry hold it twice (the search finds the second, equal copy): a compiled step specialises a
+        size of one and would compile again for it."""
         device = source.device
-        rows = self.numel // ALIGNMENT
-        first_rows = [offset // ALIGNMENT for offset in self.offsets]
-        owners = torch.zeros(rows, dtype=torch.int64, device=device)
-        owners[first_rows[1:]] = 1
-        owners = owners.cumsum(0)
-        done = (torch.arange(rows, device=device) - torch.tensor(first_rows, device=device)[owners]) * ALIGNMENT
-        row_starts = torch.tensor(source_starts, dtype=torch.int64, device=device)[owners] + done
-        numels = torch.tensor(self.numels, dtype=torch.int64, device=device)[owners]
-        row_lasts = (torch.clamp(numels - done, max=ALIGNMENT) - 1).to(torch.int32)
-        if rows == 1:
-            row_starts, row_lasts = row_starts.repeat(2), row_lasts.repeat(2)
-        return BufferRows(source, row_starts, row_lasts, ALIGNMENT, torch.tensor(0, dtype=torch.int32))
+        first_rows, numels = [offset // ALIGNMENT for offset in self.offsets], list(self.numels)
+        if len(first_rows) == 1:
+            first_rows, source_starts, numels = first_rows * 2, list(source_starts) * 2, numels * 2
+        return BufferRows(
+            source,
+            torch.tensor(first_rows, dtype=torch.int32, device=device),
+            torch.tensor(source_starts, dtype=torch.int64, device=device),
+            torch.tensor(numels, dtype=torch.int64, device=device),
+            ALIGNMENT,
+            torch.tensor(0, dtype=torch.int32),
+        )
 
 
 def zero_state(

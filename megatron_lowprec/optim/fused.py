@@ -16,8 +16,9 @@ inside the compiled call), so the step allocates no second copy of either. One c
   of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
   stream layout (about 0.1 ms of Python and guard overhead each);
-* a shard whose entries belong to several parameter groups takes each element's scalars from a
-  per-group table (:class:`~megatron_lowprec.optim.kernel.GroupScalars`).
+* a distributed optimizer's shard, whose entries may belong to several parameter groups, takes each
+  element's scalars from per-group values (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in
+  a power of two of at least two slots: one compilation for shards of one and of two groups).
 
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.

@@ -18,14 +18,9 @@ SOURCE_STARTS = [5, 120, 200]
 def _rows(source: torch.Tensor) -> BufferRows:
     rows_per_entry = [-(-numel // WIDTH) for numel in NUMELS]
     first_rows = [sum(rows_per_entry[:index]) for index in range(len(NUMELS))]
-    row_starts, row_lasts = [], []
-    for start, count in zip(SOURCE_STARTS, NUMELS):
-        for done in range(0, count, WIDTH):
-            row_starts.append(start + done)
-            row_lasts.append(min(count - done, WIDTH) - 1)
     return BufferRows(
-        source, torch.tensor(row_starts), torch.tensor(row_lasts, dtype=torch.int32), WIDTH,
-        torch.tensor(0, dtype=torch.int32),
+        source, torch.tensor(first_rows, dtype=torch.int32), torch.tensor(SOURCE_STARTS), torch.tensor(NUMELS),
+        WIDTH, torch.tensor(0, dtype=torch.int32),
     ), first_rows, sum(rows_per_entry) * WIDTH
 
 
