@@ -27,11 +27,14 @@ does; nothing else of the arithmetic is changed:
 
 * FP32 -> BF16 conversions (``.to(tl.bfloat16)`` and the implicit one of a BF16 store): the
   interpreter truncates; a GPU rounds to nearest even (``cvt.rn.bf16.f32``), NaN to 0x7FFF.
+* BF16 -> FP32 conversions: the interpreter renormalizes BF16 subnormals into an FP32 exponent
+  below its range (9 x 2^-133 became 2^-129); a GPU widens exactly (the bits shifted up 16 places).
 * FP32 -> FP8 E4M3 (``tl.float8e4nv``): the interpreter misrounds (a carry out of the significand is
   dropped, ties round up, subnormals truncate); a GPU rounds to nearest even and saturates finite
   values at ±448 (``cvt.rn.satfinite.e4m3x2.f32``).
-* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales): the interpreter has
-  no libdevice; :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy).
+* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales) and ``libdevice.floor``
+  (the exact gradient norm's digits, :func:`compare_norm`): the interpreter has no libdevice;
+  :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy, ``cvt.rmi``).
 
 What needs no shim: ``div_rn`` and ``sqrt_rn`` are numpy's correctly rounded FP32 division and square
 root, as ``div.rn.f32``/``sqrt.rn.f32``; the kernels are generated without FP fusion (Inductor's
@@ -42,7 +45,8 @@ Triton reads ``TRITON_INTERPRET`` when a kernel (or a helper of Inductor's) is d
 comparison runs in a process of its own started with it set (:func:`run_comparisons`).
 
 Run ``python -m megatron_lowprec.kernels.interpret`` (``--help`` for a subset), or
-``python -m megatron_lowprec.kernels.audit --interpret``.
+``python -m megatron_lowprec.kernels.audit --interpret``; ``--norm`` runs :func:`compare_norm` (not
+in CI: about 20 s of one process).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import multiprocessing
 import os
 import sys
@@ -137,8 +142,15 @@ def _e4m3_rne_satfinite(values: np.ndarray) -> np.ndarray:
     return encoded.view(torch.uint8).numpy()
 
 
+def _bf16_widened(bits: np.ndarray) -> np.ndarray:
+    """BF16 bits to FP32 (``cvt.f32.bf16``): exact, the bits shifted up 16 places (subnormals stay
+    subnormal: both formats have the same exponent range)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 SHIMS = {
     "FP32 -> BF16 rounds to nearest even (cvt.rn.bf16.f32)": ("float32", "bfloat16", _bf16_rne),
+    "BF16 -> FP32 is exact, subnormals included (cvt.f32.bf16)": ("bfloat16", "float32", _bf16_widened),
     "FP32 -> FP8 E4M3 rounds to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32)": ("float32", "float8e4nv", _e4m3_rne_satfinite),
 }
 """The interpreter's conversions replaced by the GPU's: description -> (source type, target type, bits)."""
@@ -147,6 +159,7 @@ SHIMS = {
 LIBDEVICE_SHIMS = {
     "nearbyint": ("cvt.rni: rounds to the nearest integer, ties to even", np.rint),
     "copysign": ("exact: the magnitude of the first operand with the sign bit of the second", np.copysign),
+    "floor": ("cvt.rmi: rounds toward minus infinity (exact)", np.floor),
 }
 """libdevice functions the generated kernels call (the interpreter runs no libdevice: each call gives
 ``None``), as numpy functions that compute what the GPU's does: name -> (the GPU's result, numpy)."""
@@ -455,6 +468,38 @@ def run_comparisons(
         return list(pool.map(_compare_in_worker, *zip(*tasks)))
 
 
+NORM_VALUES = 4096
+
+
+def compare_norm(dtype: torch.dtype = torch.float32, arch: int = ARCH) -> str | None:
+    """The exact gradient norm's CUDA kernels (``numerics/square_sum.py``'s digit sums, compiled as on
+    a GPU) interpreted on :data:`NORM_VALUES` values of ``dtype`` from every binade of FP32, with
+    zeros, subnormals, the largest finite value, infinities and a NaN, against Σ x² · 2^298 in Python
+    integers (each x² is exact in a Python float) and the counts of non-finite values and NaNs:
+    ``None`` where they agree, else what differs. This process must have ``TRITON_INTERPRET=1``
+    from its start."""
+    from megatron_lowprec.numerics import square_sum
+
+    generator = torch.Generator().manual_seed(SEED)
+    exponents = torch.randint(-150, 128, (NORM_VALUES,), generator=generator).double()
+    values = (torch.randn(NORM_VALUES, generator=generator, dtype=torch.float64) * 2.0**exponents).float()
+    values[:8] = torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-140), 3.4028234663852886e38, float("inf"), -float("inf"), float("nan")])
+    values = values.to(dtype)
+    with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
+        with interpreted_cuda_kernels(cache_dir, arch) as launches:
+            sums = square_sum._compiled_digit_sums.__wrapped__()(values).tolist()
+    if not launches.launches:
+        return "no generated kernel ran"
+    finite = [x for x in values.double().tolist() if math.isfinite(x)]
+    expected = sum(int(x * x * 2.0**square_sum.SCALE_EXPONENT) for x in finite)
+    got = sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS]))
+    counts = (sums[square_sum.NON_FINITE], sums[square_sum.NAN])
+    expected_counts = (NORM_VALUES - len(finite), sum(math.isnan(x) for x in values.double().tolist()))
+    if got == expected and counts == expected_counts:
+        return None
+    return f"Σx²·2^298 {got} against {expected}; non-finite and NaN counts {counts} against {expected_counts}"
+
+
 def report(comparisons: list[Comparison]) -> str:
     """One line per comparison: identical or its first differing bits, the kernels and launches."""
     lines = []
@@ -479,7 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         "--optimizer", action="append", choices=OPTIMIZERS, help="whose fused step (repeatable; default: AdamW's and Muon's)"
     )
     parser.add_argument("--workers", type=int, default=1, help="processes that compare configurations in parallel")
+    parser.add_argument(
+        "--norm", action="store_true",
+        help="instead, the exact gradient norm's kernels (FP32 and BF16) against exact integer sums (compare_norm)",
+    )
     args = parser.parse_args(argv)
+    if args.norm:
+        return _main_norm()
     pairs = configurations()
     if args.option:
         names = {get_strategy(option).name for option in args.option}
@@ -490,6 +541,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(report(comparisons))
     return 0 if all(result.identical for result in comparisons) else 1
+
+
+def _main_norm() -> int:
+    """:func:`compare_norm` of FP32 and BF16 values in a process started with ``TRITON_INTERPRET=1``."""
+    context = multiprocessing.get_context("spawn")
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=context
+    ) as pool:
+        results = list(pool.map(compare_norm, (torch.float32, torch.bfloat16)))
+    for dtype, result in zip(("float32", "bfloat16"), results):
+        print(f"exact gradient norm, {dtype}: {'exact' if result is None else 'DIFFERS ' + result}")
+    return 0 if all(result is None for result in results) else 1
 
 
 if __name__ == "__main__":

@@ -83,18 +83,21 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
     values and of NaNs among them."""
     sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
     thread_sums = torch.zeros(torch.get_num_threads(), DIGITS + 2, dtype=torch.int64)
+    summed_on_device = False
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
             continue
+        summed_on_device = True
         if flat.is_cuda:
             digit_sums, chunk = _compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS
         else:
             digit_sums, chunk = _eager_digit_sums, TORCH_CHUNK_ELEMENTS
         for start in range(0, flat.numel(), chunk):
             sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
-    return _carry(sums + thread_sums.sum(dim=0).to(device))
+    host = torch.tensor(_carried(thread_sums.sum(dim=0).tolist()), dtype=torch.int64)
+    return _carry(sums + host.to(device)) if summed_on_device else sums + host.to(device)
 
 
 def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
@@ -182,8 +185,19 @@ def _partial_carry(sums: torch.Tensor) -> torch.Tensor:
     return torch.cat((carried, sums[DIGITS:]))
 
 
+def _carried(sums: list[int]) -> list[int]:
+    """:func:`_carry` of sums held by the host, in Python integers (the tensor operations take 0.14 ms
+    on 17 values, as long as the C kernel over a million values)."""
+    sums = list(sums)
+    for digit in range(DIGITS - 1):
+        sums[digit + 1] += sums[digit] >> DIGIT_BITS
+        sums[digit] &= (1 << DIGIT_BITS) - 1
+    return sums
+
+
 def _carry(sums: torch.Tensor) -> torch.Tensor:
-    """The same value with every digit but the last below 2^40 (the counts unchanged)."""
+    """The same value with every digit but the last below 2^40 (the counts unchanged), on the
+    tensor's device (no host synchronisation)."""
     sums = sums.clone()
     for digit in range(DIGITS - 1):
         sums[digit + 1] += sums[digit] >> DIGIT_BITS

@@ -73,13 +73,16 @@ class BufferRows(NamedTuple):
     """A bucket's values that live in another flat buffer: entry e's elements [0, numel_e) sit at
     ``source[source_starts[e] : source_starts[e] + numel_e]``, and at the bucket's offsets in its own
     layout. Viewed as rows of ``width`` elements (the bucket's alignment, so that each row belongs to
-    one entry), each row is a contiguous run of the source: :meth:`read` gathers the bucket-shaped
-    values with one lookup per row, :meth:`write` scatters them back. Both run inside compiled
-    steps; indices are int64 (megatron's buffers can exceed 2^31 elements)."""
+    one entry), each row is a contiguous run of the source: each element finds its entry by a binary
+    search of its row in the entries' first rows (inside the step's kernels: a few loads from a
+    table of a few words per entry, no per-row table and no kernel of its own), and its source
+    index arithmetically. :meth:`read` gathers the bucket-shaped values, :meth:`write` stores them
+    back. Both run inside compiled steps; indices are int64 (megatron's buffers can exceed 2^31
+    elements)."""
 
     source: torch.Tensor
     first_rows: torch.Tensor
-    """[entries] int32: the first row of each entry in the bucket."""
+    """[entries] int32: the first row of each entry in the bucket (at least two entries: :meth:`Bucket.rows_in`)."""
     source_starts: torch.Tensor
     """[entries] int64: where each entry starts in ``source``."""
     numels: torch.Tensor
@@ -92,31 +95,42 @@ class BufferRows(NamedTuple):
         """The same rows for a call that starts at bucket row ``row``."""
         return self._replace(first_row=torch.tensor(row, dtype=torch.int32))
 
-    def _rows(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per row of a call of ``numel`` elements: its source index, its last valid column, and the columns."""
-        row = torch.arange(numel // self.width, dtype=torch.int32, device=self.source.device) + self.first_row
+    def _elements(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per element of a call of ``numel`` elements: its row's source start, its row's last valid
+        column, and its column (elements counted in int64, rows in int32). Per element throughout (a
+        tensor of one value per row would be stored by a kernel of its own, and would specialise the
+        step on a call of one row)."""
+        element = torch.arange(numel, dtype=torch.int64, device=self.source.device)
+        row = (element // self.width).to(torch.int32) + self.first_row
         owner = torch.searchsorted(self.first_rows, row, right=True, out_int32=True) - 1
         done = (row - self.first_rows[owner]).to(torch.int64) * self.width
         last = torch.clamp(self.numels[owner] - done, max=self.width) - 1
-        column = torch.arange(self.width, dtype=torch.int64, device=self.source.device)
-        return (self.source_starts[owner] + done).unsqueeze(1), last.unsqueeze(1), column
+        return self.source_starts[owner] + done, last, element % self.width
 
     def read(self, shape: torch.Size) -> torch.Tensor:
         """The bucket's values in ``shape`` (padding elements zero)."""
-        start, last, column = self._rows(math.prod(shape))
+        start, last, column = self._elements(math.prod(shape))
         values = self.source[start + torch.minimum(column, last)]
         return torch.where(column <= last, values, 0).view(shape)
 
     def write(self, values: torch.Tensor) -> None:
         """Store the bucket-shaped ``values`` back into the source. A padding element is written to
         its row's last valid element with that element's value, so that duplicate indices always
-        carry equal values and the result does not depend on the order of the stores. A ``scatter_``,
-        which Inductor compiles to plain stores also under ``torch.use_deterministic_algorithms``
-        (an ``index_put_`` there falls back to ATen's, which sorts its indices on CUDA)."""
-        start, last, column = self._rows(values.numel())
+        carry equal values and the result does not depend on the order of the stores. An
+        ``index_put_``, which Inductor compiles to stores into the source itself; under
+        ``torch.use_deterministic_algorithms`` (where Inductor would fall back to ATen's
+        ``index_put_``, which sorts its indices on CUDA) a ``scatter_``, which Inductor compiles to
+        plain stores, but into a copy of the whole source, copied back (its functional form is not
+        made in place again): two more kernels that move the whole buffer."""
+        start, last, column = self._elements(values.numel())
         valid_column = torch.minimum(column, last)
-        rows = values.reshape(-1, self.width)
-        self.source.scatter_(0, (start + valid_column).reshape(-1), rows.gather(1, valid_column).reshape(-1))
+        index = start + valid_column
+        element = torch.arange(values.numel(), dtype=torch.int64, device=values.device)
+        written = values.reshape(-1)[element - column + valid_column]
+        if torch.are_deterministic_algorithms_enabled():
+            self.source.scatter_(0, index, written)
+        else:
+            self.source.index_put_((index,), written)
 
 
 @dataclass
@@ -190,13 +204,18 @@ class Bucket:
 
     def rows_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
         """A :class:`BufferRows` for this bucket's entries at ``source_starts`` of the flat ``source``
-        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset)."""
+        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset). The tables of a bucket of one
+        entry hold it twice (the search finds the second, equal copy): a compiled step specialises a
+        size of one and would compile again for it."""
         device = source.device
+        first_rows, numels = [offset // ALIGNMENT for offset in self.offsets], list(self.numels)
+        if len(first_rows) == 1:
+            first_rows, source_starts, numels = first_rows * 2, list(source_starts) * 2, numels * 2
         return BufferRows(
             source,
-            torch.tensor([offset // ALIGNMENT for offset in self.offsets], dtype=torch.int32, device=device),
+            torch.tensor(first_rows, dtype=torch.int32, device=device),
             torch.tensor(source_starts, dtype=torch.int64, device=device),
-            torch.tensor(self.numels, dtype=torch.int64, device=device),
+            torch.tensor(numels, dtype=torch.int64, device=device),
             ALIGNMENT,
             torch.tensor(0, dtype=torch.int32),
         )

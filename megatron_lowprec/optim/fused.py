@@ -16,8 +16,9 @@ inside the compiled call), so the step allocates no second copy of either. One c
   of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
   stream layout (about 0.1 ms of Python and guard overhead each);
-* a shard whose entries belong to several parameter groups takes each element's scalars from a
-  per-group table (:class:`~megatron_lowprec.optim.kernel.GroupScalars`).
+* a distributed optimizer's shard, whose entries may belong to several parameter groups, takes each
+  element's scalars from per-group values (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in
+  a power of two of at least two slots: one compilation for shards of one and of two groups).
 
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.
@@ -564,16 +565,26 @@ def _torch_fused_bucket_step_(
 def _scalars_of(
     bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
 ) -> StepScalars | GroupScalars:
-    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's,
-    or several groups' with the elements where each begins (entries of a group are contiguous)."""
+    """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's
+    for a bucket of its own parameters; for a distributed optimizer's shard (parameters in rows of
+    another buffer), whose entries may belong to several groups, :class:`GroupScalars` with the
+    elements where each group begins (entries of a group are contiguous), in a power of two of at
+    least two slots (the last group repeated from ``end``, which no element reaches; each slot its own
+    tensors, or Dynamo would guard on which are the same object), so that shards of one and of two
+    parameter groups take the same compiled step."""
     runs = [
         (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
         if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
     ]
-    per_group = tuple(scalars[group].as_kernel_scalars() for group, _ in runs)
-    if len(per_group) == 1:
-        return per_group[0]
-    return GroupScalars(per_group, tuple(kernel_scalar(offset - start, torch.int32) for _, offset in runs[1:]))
+    if len(runs) == 1 and bucket.param_rows is None:
+        return scalars[runs[0][0]].as_kernel_scalars()
+    padding = max(2, 1 << (len(runs) - 1).bit_length()) - len(runs)
+    boundaries = [offset - start for _, offset in runs[1:]] + [end - start] * padding
+    groups = [group for group, _ in runs] + [runs[-1][0]] * padding
+    return GroupScalars(
+        tuple(scalars[group].as_kernel_scalars() for group in groups),
+        tuple(kernel_scalar(boundary, torch.int32) for boundary in boundaries),
+    )
 
 
 def fused_call_arguments(

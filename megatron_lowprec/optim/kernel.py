@@ -395,8 +395,8 @@ def apply_update_(
 
 
 class GroupScalars(NamedTuple):
-    """The step scalars of a call whose elements belong to several parameter groups (a distributed
-    optimizer's shard): ``per_group[g]`` (:func:`kernel_scalar` tensors) for the call's elements from
+    """The step scalars of a call whose elements may belong to several parameter groups (a
+    distributed optimizer's shard; a group may repeat in a slot that no element reaches): ``per_group[g]`` (:func:`kernel_scalar` tensors) for the call's elements from
     ``boundaries[g - 1]`` on (0-d int32 host tensors, ascending; group 0 from the first element).
     Everything is passed by value; each element picks its group's values with a chain of selects."""
 

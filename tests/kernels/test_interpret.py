@@ -77,6 +77,14 @@ def test_bf16_shim_rounds_to_nearest_even_as_torch_does():
     assert interpret._bf16_rne(np.array([np.nan], dtype=np.float32))[0] == 0x7FFF
 
 
+def test_bf16_widening_shim_is_torch_s_conversion_for_every_bf16_value():
+    """All 65536 BF16 bit patterns (subnormals, which the interpreter renormalizes wrongly, included)
+    widen to torch's FP32 bits."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    expected = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().view(torch.int32).numpy()
+    assert np.array_equal(interpret._bf16_widened(bits).view(np.int32), expected)
+
+
 def test_e4m3_shim_rounds_to_nearest_even_and_saturates_as_ml_dtypes():
     """The FP8 E4M3 shim against ml_dtypes' float8_e4m3fn (RNE) on ties, subnormals and random values;
     beyond ±448 it saturates (satfinite), where a plain conversion gives NaN."""
