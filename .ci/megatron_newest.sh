@@ -76,7 +76,9 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$VENV/inductor}"
 REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
 status=0
-"$PYTHON" -m pytest -p no:cacheprovider --durations=10 --junitxml="$REPORT" \
+# --dist worksteal (not the project's loadfile): Megatron-LM's layout tests, about half of this job's
+# test time, lie in one file, which loadfile would hand to one worker whole.
+"$PYTHON" -m pytest -p no:cacheprovider --durations=10 --dist worksteal --junitxml="$REPORT" \
     tests/megatron/test_cpu_bridge.py \
     "tests/optim/test_muon.py::test_newton_schulz_is_megatron_cores_bit_for_bit_where_the_normalization_is_exact" \
     "tests/optim/test_muon.py::test_option_d_steps_as_megatron_cores_muon" \
