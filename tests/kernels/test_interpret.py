@@ -118,7 +118,7 @@ def test_the_interpreted_kernels_are_those_the_audit_compiles(comparisons):
     """Option B's interpreted kernel is the one generated on fake CUDA tensors for the audit: the same
     Triton source but for the hints taken from the traced sizes (the CPU twin traces the GPU's code path)."""
     generated = {kernel.name: kernel.source for kernel in codegen.generate("B", arch=interpret.ARCH).first_step_kernels}
-    interpreted = comparisons[("B", "fp32", "plain", interpret.ARCH)].sources
+    interpreted = comparisons[("adamw", "B", "fp32", "plain", interpret.ARCH)].sources
     assert list(interpreted) == list(generated)
     for name, source in interpreted.items():
         assert _without_size_hints(source) == _without_size_hints(generated[name])
