@@ -353,17 +353,13 @@ def _adamw_steps(strategy, grads: list[torch.Tensor], sizes: list[int]) -> Calla
 
     sr_seed = codegen.SR_SEED if strategy.param_update == "stochastic" else None
 
-    def run(twin):
-        bucket, grad, entry_grads, _ = twin
-        for step, values in enumerate(grads, start=1):
-            for entry_grad, entry_values in zip(entry_grads, values.split(sizes)):
-                entry_grad.copy_(entry_values)
-            fused_bucket_step_(
-                bucket, strategy, grad, entry_grads, {0: dict(codegen.STEP_HYPER)}, step=step,
-                sr_seed=sr_seed, track_update_quality=False,
-            )
+    def step_bucket(bucket, grad, entry_grads, step):
+        fused_bucket_step_(
+            bucket, strategy, grad, entry_grads, {0: dict(codegen.STEP_HYPER)}, step=step,
+            sr_seed=sr_seed, track_update_quality=False,
+        )
 
-    return run
+    return _stepping(step_bucket, grads, sizes)
 
 
 def _muon_steps(strategy, grads: list[torch.Tensor], sizes: list[int]) -> Callable:
@@ -377,14 +373,22 @@ def _muon_steps(strategy, grads: list[torch.Tensor], sizes: list[int]) -> Callab
     def orthogonal_steps(index: int, out: torch.Tensor, direction: torch.Tensor) -> None:
         orthogonal_step_(out, direction, lr=hyper["lr"])
 
+    def step_bucket(bucket, grad, entry_grads, step):
+        fused_muon_bucket_step_(bucket, strategy, grad, entry_grads, orthogonal_steps, step=step, sr_seed=sr_seed, **hyper)
+
+    return _stepping(step_bucket, grads, sizes)
+
+
+def _stepping(step_bucket: Callable, grads: list[torch.Tensor], sizes: list[int]) -> Callable:
+    """Step a twin with ``step_bucket(bucket, grad, entry_grads, step)``, one gradient of ``grads``
+    per step, split into the entries' gradients by ``sizes``."""
+
     def run(twin):
         bucket, grad, entry_grads, _ = twin
         for step, values in enumerate(grads, start=1):
             for entry_grad, entry_values in zip(entry_grads, values.split(sizes)):
                 entry_grad.copy_(entry_values)
-            fused_muon_bucket_step_(
-                bucket, strategy, grad, entry_grads, orthogonal_steps, step=step, sr_seed=sr_seed, **hyper
-            )
+            step_bucket(bucket, grad, entry_grads, step)
 
     return run
 
