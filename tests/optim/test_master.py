@@ -279,8 +279,10 @@ def _skip_touches_nothing(params, optimizer):
 
 @pytest.mark.parametrize("option", MASTER_OPTIONS)
 def test_a_skipped_step_leaves_the_remainder_untouched(option, device):
+    """Tracking update quality, so that the fused step is the one compiled for the bit-for-bit test
+    above (tracking reads the step's values and changes none; a skipped step reads none)."""
     for fused in _paths(device):
-        _skip_touches_nothing(*_optimizer(option, "remainder", fused, device))
+        _skip_touches_nothing(*_optimizer(option, "remainder", fused, device, track_update_quality=True))
 
 
 def test_a_skip_that_drops_one_remainder_bit_is_caught(monkeypatch):
