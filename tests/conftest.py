@@ -6,7 +6,9 @@ so that they import it), so that code placing a tensor on the CPU where a GPU ru
 fails here as it would on a GPU.
 
 Those processes also load ``tests/subprocess_site/sitecustomize.py``: ranks that compile the same graph
-take turns, so that all but the first find it in Inductor's cache (a lock folder per pytest process).
+take turns, so that all but the first find it in Inductor's cache. One lock folder per pytest run: the
+pytest-xdist workers, started with this process's environment, keep it, so that two files' tests
+compiling the same graph at the same time take turns too.
 
 ``device``: the devices a device-agnostic test runs on, one test per device. The CPU always, CUDA
 where ``torch.cuda.is_available()``: on a GPU machine ``python3 -m pytest`` runs such a test on both
@@ -34,8 +36,9 @@ os.environ.setdefault(CHECK_ENV_VARIABLE, CHECK_SPEC)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, (str(REPOSITORY_ROOT), str(REPOSITORY_ROOT / "tests" / "subprocess_site"), os.environ.get("PYTHONPATH")))
 )
-os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"] = tempfile.mkdtemp(prefix="megatron-lowprec-compile-locks-")
-atexit.register(shutil.rmtree, os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"], True)
+if not os.path.isdir(os.environ.get("MEGATRON_LOWPREC_TEST_COMPILE_LOCKS", "")):
+    os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"] = tempfile.mkdtemp(prefix="megatron-lowprec-compile-locks-")
+    atexit.register(shutil.rmtree, os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"], True)
 
 SLOW_FILES_FIRST = (
     "tests/megatron/test_distributed_optimizer.py",

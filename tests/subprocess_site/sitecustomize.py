@@ -16,7 +16,7 @@ import os
 import sys
 
 LOCK_DIRECTORY_VARIABLE = "MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"
-"""The folder of the lock files, one per graph; set by ``tests/conftest.py``, one per pytest process."""
+"""The folder of the lock files, one per graph; set by ``tests/conftest.py``, one per pytest run (shared by its xdist workers)."""
 
 
 def _serialized(compile_fx):
