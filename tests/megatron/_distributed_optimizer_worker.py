@@ -289,14 +289,16 @@ def _backward(model, optimizer, data_seed: int) -> None:
 
 def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size: int, hidden_size: int) -> dict:
     """DP=2, per option and with and without the distributed optimizer (fused; stochastic rounding
-    one call per bucket, as on GPUs): the bytes the optimizer's construction leaves allocated
+    one call per bucket, as on GPUs; gradients reduced in FP32 for the options with FP32 masters, as
+    ``lowprec-train`` configures DDP, whose runs in tests/train/test_app.py then compile the same
+    steps): the bytes the optimizer's construction leaves allocated
     (:func:`tests.allocations.kept_allocations`, less the flat buffer that the unsharded optimizer
     moves the parameters into, their old storage freed), against the state it reports; and for ``stepped_options``, what a step keeps allocated,
     the compiled calls of one step against the number of its state buckets and of its parameters,
     and host-to-device copies during a step."""
     from megatron.core import parallel_state
 
-    from megatron_lowprec.optim import fused
+    from megatron_lowprec.optim import fused, get_strategy
     from tests.allocations import kept_allocations
 
     parallel_state.initialize_model_parallel()
@@ -307,8 +309,9 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
     config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0, hidden_size=hidden_size, num_layers=1)
     result = {}
     for option in options:
+        master_weights = get_strategy(option.partition(":")[0]).master_weights
         for distributed in (False, True):
-            model = _ddp(config, distributed, bucket_size)
+            model = _ddp(config, distributed, bucket_size, grad_reduce_in_fp32=master_weights)
             numel = sum(param.numel() for param in model.parameters())
             built = kept_allocations(lambda: _optimizer(option, model, distributed, fused=True))
             optimizer = built.result
