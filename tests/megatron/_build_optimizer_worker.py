@@ -21,7 +21,11 @@ GROUP_FIELDS = ("wd_mult", "lr_mult", "max_lr", "min_lr", "is_decoupled_lr", "de
 
 
 def _model():
-    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    """The seeded GPT in DDP at the tensor-parallel size of the initialized model parallelism."""
+    from megatron.core import parallel_state
+
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     return _ddp(config, grad_reduce_in_fp32=True)
 
 
@@ -412,7 +416,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
         resumed = _named_tensors(model, optimizer)
         whole = {key: " ".join(key.split(" ")[:2]) for key in resumed}
         compared = [key for key in resumed if whole[key] in straight]
-        held = [None, None]
+        held = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(held, [sorted({whole[key] for key in compared}), sorted({*straight, *whole.values()})])
         result[run] = {
             "compared": len(compared),
@@ -435,7 +439,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
             step(model, optimizer, index)
         compare(f"trained by {chain}", model, optimizer)
         if chain == "layer_wise":
-            path = f"{checkpoint_dir}/layer_wise_optimizer_{data_rank}.pt"
+            path = f"{checkpoint_dir}/layer_wise_optimizer_{torch.distributed.get_rank()}.pt"
             optimizer.save_state_dict_to_file(path)
             reloaded = fresh(chain)[1]
             reloaded.load_state_dict_from_file(path)
@@ -510,7 +514,8 @@ def _layer_wise_layout_model():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
 
-    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    transformer = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     module = _seeded_model(transformer)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     tag_params_for_buffer_routing([module])
@@ -611,7 +616,29 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params), "split": split}
 
 
-SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}
+def muon_chains_at_tensor_and_data_parallel_two(steps: int, checkpoint_dir: str, chains: list[list]) -> dict:
+    """At TP=2 x DP=2 (4 ranks, ``muon_tp_mode="blockwise"``): the checkpoints and layer-wise
+    sharding of ``chains`` (:func:`_muon_chains_agree`), with this rank's place in the grid."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    return {
+        "chains": {
+            option: _muon_chains_agree(option, steps, f"{checkpoint_dir}/{option}", saved_by, loaded_by, trained_by)
+            for option, saved_by, loaded_by, trained_by in chains
+        },
+        "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights,
+        muon_chains_at_tensor_and_data_parallel_two,
+    )
+}
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ def _megatron_core_muon_imports() -> bool:
     return HAVE_EMERGING_OPTIMIZERS
 
 
-def _run(result_dir: Path, scenario: str, **arguments) -> list[dict]:
+def _run(result_dir: Path, scenario: str, world_size: int = 2, **arguments) -> list[dict]:
     result_dir.mkdir(parents=True, exist_ok=True)
-    return run_ranks(WORKER, result_dir, 2, scenario, json.dumps(arguments))
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments))
 
 
 def test_signature_takes_get_megatron_optimizers_parameters_in_its_order():
@@ -178,6 +178,30 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
         assert all(held["unsharded"] == unsharded and held["layer_wise"] < 0.75 * unsharded for held in state_bytes), state_bytes
         assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
         assert all(held.get("layer_wise_layout", 0) < 0.75 * unsharded for held in state_bytes), state_bytes
+
+
+def test_layer_wise_muon_at_tensor_and_data_parallel_two_is_the_unsharded_chain(tmp_path):
+    """At TP=2 x DP=2 (4 ranks, blockwise), option sr: both layer-wise chains (DDP all-reducing, and
+    megatron's shard-aligned layout where megatron-core has it) load the unsharded chain's dist
+    checkpoint and train as it does, every parameter and held state bit for bit; each rank holds
+    part of its tensor-parallel rank's state, and the two data-parallel ranks together all of it."""
+    chains = [_muon_chains()[0]]
+    ranks = _run(tmp_path, "muon_chains_at_tensor_and_data_parallel_two", world_size=4, steps=2,
+                 checkpoint_dir=str(tmp_path / "checkpoint"), chains=chains)
+    for option, saved_by, loaded_by, trained_by in chains:
+        for rank in ranks:
+            assert rank["data_parallel_size"] == 2
+            ran = rank["chains"][option]
+            assert set(MUON_CHECKPOINT_STATES[option]) <= set(ran["keys"]), (option, ran["keys"])
+            for run in [f"loaded by {chain}" for chain in loaded_by] + [f"trained by {chain}" for chain in trained_by]:
+                assert ran[run]["unequal"] == [] and ran[run]["uncompared"] == [] and ran[run]["compared"] > 0, (option, run, ran[run])
+            assert ran["reloaded from its file"] is True, option
+        for tensor_rank in (0, 1):
+            state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks if rank["tensor_rank"] == tensor_rank]
+            unsharded = state_bytes[0]["unsharded"]
+            for chain in trained_by:
+                assert all(held["unsharded"] == unsharded and held[chain] < 0.75 * unsharded for held in state_bytes), state_bytes
+            assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
