@@ -47,7 +47,9 @@ Newton-Schulz per parameter (:func:`orthogonal_step_`: BF16 matmuls), and the el
 update (:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`). The eager step
 (:func:`muon_step_`) runs them one parameter at a time; the fused step
 (:func:`fused_muon_bucket_step_`) compiles the element-wise parts as AdamW's fused step is compiled
-and runs each once per bucket (the matmuls stay per parameter), with the same bits.
+and runs each once per bucket (the matmuls stay per parameter), with the same bits, over a flat
+parameter buffer of its own or, where the parameters must stay in another owner's buffer (megatron
+DDP's, in its shard-aligned layer-wise layout), over rows of that buffer, in place.
 """
 
 from __future__ import annotations
@@ -318,7 +320,9 @@ def fused_muon_bucket_step_(
     buffer), then the compiled calls of the update kernel that AdamW's fused step would make
     (:func:`~megatron_lowprec.optim.fused.fused_call_arguments`: one per bucket, or per entry for
     stochastic rounding on CPUs). ``grad`` and ``entry_grads``: as for
-    :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`."""
+    :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`; the parameters are the bucket's own
+    flat buffer or rows of another (:attr:`~megatron_lowprec.optim.buckets.Bucket.param_rows`),
+    read and written in place."""
     scalars = {bucket.group_index: MuonScalars.for_step(lr, weight_decay, momentum)}
     momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
     momentum_calls = (
