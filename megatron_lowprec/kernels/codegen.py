@@ -436,6 +436,10 @@ def _shard_bucket(
     return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 
 
+LAYOUT_GAP = 64
+"""Elements before each parameter of :func:`_layout_bucket` in DDP's buffer."""
+
+
 def _layout_bucket(
     strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int,
     device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
@@ -461,10 +465,6 @@ def _layout_bucket(
     bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
     entry_grads = [grad_data[start : start + numel] for start, numel in zip(starts, numels)]
     return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
-
-
-LAYOUT_GAP = 64
-"""Elements before each parameter of :func:`_layout_bucket` in DDP's buffer."""
 
 
 @dataclasses.dataclass(frozen=True)

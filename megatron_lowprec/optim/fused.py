@@ -534,8 +534,7 @@ def _master_windows(bucket: Bucket, stored: torch.Tensor, compile_codec: bool) -
     """The bucket's compiled master windows, where its master is a remainder, its parameters sit in a
     buffer of its layout, compiling is asked for and this device can compile; ``None`` (join and
     split per entry) otherwise."""
-    laid_out = bucket.param_buffer is not None or bucket.param_rows is not None
-    if stored.dtype == torch.float32 or not laid_out or not compile_codec or not fused_available(bucket.device):
+    if stored.dtype == torch.float32 or not bucket.laid_out or not compile_codec or not fused_available(bucket.device):
         return None
     return BucketMasterWindows(bucket, stored)
 
