@@ -1,5 +1,5 @@
 """The precision-aware Muon, tested against torch.optim.Muon and fp64 references, option by option.
-Every test but the fused one runs the eager step (``fused=False``), whose bits the fused step has
+Every test but the fused ones runs the eager step (``fused=False``), whose bits the fused step has
 (``test_fused_step_is_the_eager_step_bit_for_bit_for_every_option``), without compiling each option."""
 
 import copy
