@@ -41,9 +41,9 @@ def _megatron_core_muon_imports() -> bool:
     return HAVE_EMERGING_OPTIMIZERS
 
 
-def _run(result_dir: Path, scenario: str, world_size: int = 2, **arguments) -> list[dict]:
+def _run(result_dir: Path, scenario: str, world_size: int = 2, on_cpu: bool = False, **arguments) -> list[dict]:
     result_dir.mkdir(parents=True, exist_ok=True)
-    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments))
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), on_cpu=on_cpu)
 
 
 def test_signature_takes_get_megatron_optimizers_parameters_in_its_order():
@@ -87,10 +87,11 @@ def test_callers_get_megatrons_groups_and_biases_and_norms_no_weight_decay(tmp_p
 
 @pytest.fixture(scope="module")
 def tensor_and_data_parallel_two(tmp_path_factory) -> list[dict]:
-    """One launch of 4 ranks at TP=2 x DP=2: Megatron-Bridge's call beside the plugin's, and the
-    layer-wise Muon chains against the unsharded one (:data:`MUON_TP2_DP2_CHAINS`)."""
+    """One launch of 4 ranks at TP=2 x DP=2, on the CPU bridge on every machine (a GPU machine has
+    rarely four): Megatron-Bridge's call beside the plugin's, and the layer-wise Muon chains against
+    the unsharded one (:func:`_muon_tp2_dp2_chains`)."""
     result_dir = tmp_path_factory.mktemp("tp2_dp2")
-    return _run(result_dir, "at_tensor_and_data_parallel_two", world_size=4, provide_steps=3, steps=1,
+    return _run(result_dir, "at_tensor_and_data_parallel_two", world_size=4, on_cpu=True, provide_steps=3, steps=1,
                 checkpoint_dir=str(result_dir / "checkpoint"), chains=_muon_tp2_dp2_chains())
 
 
