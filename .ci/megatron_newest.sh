@@ -19,7 +19,8 @@
 # Runs there the tests that megatron-core's changes between versions reach: the CPU bridge, the
 # optimizer hook (stock-megatron equality, SR replicas at TP=2, dist checkpoints), build_optimizer's
 # calls and parameter groups (with Muon under megatron's layer-wise distributed optimizer, whose
-# config field 0.19 added, and beside megatron-core's own Muon), our Muon against megatron-core's
+# config field and shard-aligned layout 0.19 added, at DP=2 and TP=2 x DP=2, and beside
+# megatron-core's own Muon), our Muon against megatron-core's
 # TensorParallelMuon (Newton-Schulz bit for bit, option D's steps), the Megatron-LM entry against
 # megatron.training, the distributed optimizer with FP32 reduction and clipping, the layer converters
 # and one app run (TP x DP). Exits non-zero if any fails, if none ran, or if the venv does not hold

@@ -28,7 +28,9 @@ Muon's fused step (:func:`audit_muon`: its two compiled calls per bucket around 
 matmuls stay eager) is held to the same rules for every option and master storage over a plain
 bucket (``one launch``: one per call, two per bucket; ``bytes``: each call's against
 :func:`muon_layout_bytes`, which counts the BF16 direction the momentum call hands Newton-Schulz and
-the FP32 orthogonalized step the update call takes from it).
+the FP32 orthogonalized step the update call takes from it), and from the command line over its
+bucket in megatron's shard-aligned layer-wise layout (kind ``shard``: whole parameters read and
+written as rows of DDP's buffer, ``Muon(params_in_buffer=True)``).
 
 Run ``python -m megatron_lowprec.kernels.audit`` for the tables (``--help`` for a subset;
 ``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
@@ -438,9 +440,12 @@ def audit_configuration(
     return audits
 
 
-def audit_muon(option: str, master_storage: str = "fp32", arches: tuple[int, ...] = ARCHES) -> list[StepAudit]:
-    """Muon's fused step of ``option`` over a plain bucket, generated for ``arches`` and audited."""
-    return audit_configuration(option, master_storage, "plain", arches, optimizer="muon")
+def audit_muon(
+    option: str, master_storage: str = "fp32", arches: tuple[int, ...] = ARCHES, kind: str = "plain"
+) -> list[StepAudit]:
+    """Muon's fused step of ``option`` over a ``kind`` bucket (``shard``: megatron's shard-aligned
+    layer-wise layout), generated for ``arches`` and audited."""
+    return audit_configuration(option, master_storage, kind, arches, optimizer="muon")
 
 
 def run_audit(
@@ -449,12 +454,14 @@ def run_audit(
     arches: tuple[int, ...] = ARCHES,
     workers: int = 1,
     muon_pairs: Iterable[tuple[str, str]] = (),
+    muon_kinds: Iterable[str] = ("plain",),
 ) -> list[StepAudit]:
     """Generate and audit every (option, master storage) of ``pairs`` (default :func:`configurations`)
-    for each kind and arch, and Muon's plain step for each of ``muon_pairs``, in ``workers``
-    processes (each generates whole configurations; results in the order of ``muon_pairs``, then
-    ``pairs`` and ``kinds``: Muon's first, so that the pool starts its longest tasks early)."""
-    tasks = [(option, storage, "plain", tuple(arches), "muon") for option, storage in muon_pairs]
+    for each kind and arch, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``, in
+    ``workers`` processes (each generates whole configurations; results in the order of
+    ``muon_pairs`` and ``muon_kinds``, then ``pairs`` and ``kinds``: Muon's first, so that the pool
+    starts its longest tasks early)."""
+    tasks = [(option, storage, kind, tuple(arches), "muon") for option, storage in muon_pairs for kind in muon_kinds]
     tasks += [
         (option, storage, kind, tuple(arches), "adamw")
         for option, storage in (configurations() if pairs is None else pairs) for kind in kinds
@@ -517,15 +524,15 @@ def _call_bytes_text(read: float, written: float) -> str:
 
 
 def muon_table(audits: list[StepAudit]) -> str:
-    """A Markdown table of Muon's fused steps: one row per option and master storage, each call's
+    """A Markdown table of Muon's fused steps: one row per option, master storage and kind, each call's
     layout bytes (:func:`muon_layout_bytes`) and PTX bytes at sm_90 (read + written), the step's
     total and its roofline time, and each rule's result (✓, or ✗ with the arches that fail)."""
     header = [
-        "option", "master", "momentum call: layout B/elem", "update call: layout B/elem", "PTX B/elem (sm_90)",
+        "option", "master", "kind", "momentum call: layout B/elem", "update call: layout B/elem", "PTX B/elem (sm_90)",
         "layout total", "1.3B element-wise at 3.35 TB/s", *RULES,
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (option, storage, _), group in _by_configuration(audits, "muon").items():
+    for (option, storage, kind), group in _by_configuration(audits, "muon").items():
         layout = group[0].call_layout
         measured = next((a for a in group if a.code.arch == 90), group[0])
         ptx = "—" if measured.call_bytes is None else ", ".join(
@@ -533,7 +540,7 @@ def muon_table(audits: list[StepAudit]) -> str:
         )
         total = sum(group[0].layout)
         lines.append(
-            f"| {option} | {storage} | {_call_bytes_text(*layout['momentum'])} | {_call_bytes_text(*layout['update'])} | "
+            f"| {option} | {storage} | {kind} | {_call_bytes_text(*layout['momentum'])} | {_call_bytes_text(*layout['update'])} | "
             f"{ptx} | {total:g} | {roofline_ms(total):.1f} ms | " + " | ".join(_rule_results(group)) + " |"
         )
     return "\n".join(lines)
@@ -563,7 +570,7 @@ def gradient_norm_reads(dtype: torch.dtype, arch: int = 90) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
-    parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both; Muon: plain)")
+    parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both; Muon's shard: its bucket in megatron's layer-wise layout)")
     parser.add_argument("--arch", action="append", type=int, choices=ARCHES, help="compute capability (default: 90 and 80)")
     parser.add_argument(
         "--optimizer", action="append", choices=OPTIMIZERS, help="whose fused step (repeatable; default: AdamW's and Muon's)"
@@ -581,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizers = args.optimizer or OPTIMIZERS
     adamw_pairs = pairs if "adamw" in optimizers else []
     muon_pairs = pairs if "muon" in optimizers else []
-    audits = run_audit(adamw_pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers, muon_pairs)
+    audits = run_audit(adamw_pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers, muon_pairs, args.kind or KINDS)
     if adamw_pairs:
         print(table(audits))
         for dtype in (torch.float32, torch.bfloat16):
@@ -597,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interpret:
         from megatron_lowprec.kernels import interpret
 
-        comparisons = interpret.run_comparisons(adamw_pairs, args.kind or KINDS, args.workers, muon_pairs)
+        comparisons = interpret.run_comparisons(adamw_pairs, args.kind or KINDS, args.workers, muon_pairs, args.kind or KINDS)
         print(interpret.report(comparisons))
         differing = [result for result in comparisons if not result.identical]
     return 1 if failed or differing else 0

@@ -46,7 +46,8 @@ CALLS_PER_STEP = {"adamw": 1, "muon": 2}
 KINDS = ("plain", "shard")
 """``plain``: a bucket that owns its parameters and gradients (:class:`~megatron_lowprec.optim.AdamW`);
 ``shard``: a distributed optimizer's shard, whose parameters and gradients are rows of megatron's
-DDP buffers."""
+DDP buffers (Muon: its bucket in megatron's shard-aligned layer-wise layout, whole parameters left
+in DDP's buffer, ``params_in_buffer``)."""
 
 DEVICE_PROPERTIES = {
     90: dict(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, total_memory=80 << 30),
@@ -435,6 +436,37 @@ def _shard_bucket(
     return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 
 
+LAYOUT_GAP = 64
+"""Elements before each parameter of :func:`_layout_bucket` in DDP's buffer."""
+
+
+def _layout_bucket(
+    strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int,
+    device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
+    """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True)``):
+    whole parameters of ``shapes`` of parameter group ``group`` that stay in a DDP buffer, each after
+    a gap of :data:`LAYOUT_GAP` elements (another rank's or optimizer's), read and written as its
+    rows, as are their gradients in DDP's gradient buffer (last). ``fill`` sets the parameter
+    buffer's values before the bucket is built (zeros otherwise)."""
+    numels = [math.prod(shape) for shape in shapes]
+    starts = [LAYOUT_GAP * (index + 1) + sum(numels[:index]) for index in range(len(shapes))]
+    total = starts[-1] + numels[-1]
+    param_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    grad_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    if fill:
+        fill(param_data)
+    params = []
+    for shape, start, numel in zip(shapes, starts, numels):
+        param = torch.nn.Parameter(torch.zeros(0, dtype=torch.bfloat16, device=device))
+        param.data = param_data[start : start + numel].view(shape)
+        params.append(param)
+    bucket, _ = build_bucket(strategy, group, params, own_params=False)
+    bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
+    entry_grads = [grad_data[start : start + numel] for start, numel in zip(starts, numels)]
+    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCase:
     """One optimizer step of a generated sequence: which bucket, which step, which scalars."""
@@ -525,11 +557,13 @@ def _run_cases(strategy: PrecisionStrategy, kind: str, capture: _Capture, optimi
     for case in muon_step_cases() if optimizer == "muon" else step_cases(kind):
         if case.bucket not in buckets:
             shapes, groups = BUCKETS[case.bucket]
-            if optimizer == "muon":
-                shapes = MUON_SHAPES
-            buckets[case.bucket] = (
-                _plain_bucket(strategy, shapes, groups[0]) if kind == "plain" else _shard_bucket(strategy, shapes, groups)
-            )
+            if kind == "plain":
+                built = _plain_bucket(strategy, MUON_SHAPES if optimizer == "muon" else shapes, groups[0])
+            elif optimizer == "muon":
+                built = _layout_bucket(strategy, MUON_SHAPES, groups[0])
+            else:
+                built = _shard_bucket(strategy, shapes, groups)
+            buckets[case.bucket] = built
         bucket, grad, entry_grads, _ = buckets[case.bucket]
         graphs, calls = len(capture.wrappers), len(capture.calls)
         if optimizer == "muon":
@@ -557,7 +591,8 @@ def generate_for(
     recompilations of the steps of :func:`step_cases`. Traced once per group of :func:`trace_groups`
     (Inductor writes the same Triton code for every arch of a group), with its first arch's device
     properties; a graph compiled again after the first step is counted but not generated.
-    ``optimizer="muon"``: Muon's fused step (:func:`muon_step_cases`, plain buckets only)."""
+    ``optimizer="muon"``: Muon's fused step (:func:`muon_step_cases`; ``kind="shard"``: its bucket in
+    megatron's shard-aligned layer-wise layout, :func:`_layout_bucket`)."""
     strategy = get_strategy(option)
     if master_storage != strategy.master_storage:
         strategy = strategy.with_master_storage(master_storage)
@@ -567,8 +602,8 @@ def generate_for(
         from megatron_lowprec.optim.muon import muon_strategy
 
         strategy = muon_strategy(strategy)
-    if kind not in (KINDS if optimizer == "adamw" else ("plain",)):
-        raise ValueError(f"kind={kind!r} is not valid for {optimizer}; choose one of {', '.join(KINDS)} (muon: plain)")
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not valid; choose one of {', '.join(KINDS)}")
     for arch in arches:
         _device_properties(arch)
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -315,8 +315,9 @@ def eager_steps() -> Iterator[None]:
         yield
 
 
-def _twin(strategy, kind: str, shapes: tuple[tuple[int, ...], ...] = SHAPES):
-    """A bucket of ``shapes`` on the CPU, parameters drawn from :data:`SEED`."""
+def _twin(strategy, kind: str, shapes: tuple[tuple[int, ...], ...] = SHAPES, optimizer: str = "adamw"):
+    """A bucket of ``shapes`` on the CPU, parameters drawn from :data:`SEED` (Muon's shard: its
+    bucket in megatron's layer-wise layout)."""
     generator = torch.Generator().manual_seed(SEED)
 
     def fill(tensor):
@@ -324,6 +325,8 @@ def _twin(strategy, kind: str, shapes: tuple[tuple[int, ...], ...] = SHAPES):
 
     if kind == "plain":
         return codegen._plain_bucket(strategy, shapes, 0, device="cpu", fill=fill)
+    if optimizer == "muon":
+        return codegen._layout_bucket(strategy, shapes, 0, device="cpu", fill=fill)
     return codegen._shard_bucket(strategy, shapes, [0] * len(shapes), device="cpu", fill=fill)
 
 
@@ -399,7 +402,8 @@ def compare(
 ) -> Comparison:
     """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
     eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit.
-    ``optimizer="muon"``: Muon's fused step over a plain bucket of :data:`MUON_SHAPES`."""
+    ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
+    in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer)."""
     from megatron_lowprec.kernels.audit import strategy_for
 
     started = time.perf_counter()
@@ -409,9 +413,7 @@ def compare(
         from megatron_lowprec.optim.muon import muon_strategy
 
         strategy, shapes, stepper = muon_strategy(strategy), MUON_SHAPES, _muon_steps
-        if kind != "plain":
-            raise ValueError(f"kind={kind!r} is not valid for muon; choose plain")
-    twins = {"interpreted": _twin(strategy, kind, shapes), "eager": _twin(strategy, kind, shapes)}
+    twins = {"interpreted": _twin(strategy, kind, shapes, optimizer), "eager": _twin(strategy, kind, shapes, optimizer)}
     generator = torch.Generator().manual_seed(SEED + 1)
     sizes = [grad.numel() for grad in twins["eager"][2]]
     grads = [torch.randn(sum(sizes), generator=generator) * 10.0 ** (step - steps) for step in range(steps)]
@@ -449,16 +451,17 @@ def _compare_in_worker(option: str, master_storage: str, kind: str, arch: int, o
 def run_comparisons(
     pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1,
     muon_pairs: Iterable[tuple[str, str]] = (),
+    muon_kinds: Iterable[str] = ("plain",),
 ) -> list[Comparison]:
     """:func:`compare` every (option, master storage) of ``pairs`` (default: the audit's
-    configurations) for each kind, and Muon's plain step for each of ``muon_pairs``, each on its
-    :func:`compared_arches`, in ``workers`` processes started with ``TRITON_INTERPRET=1`` (results
-    in the order of ``muon_pairs``, then ``pairs``, ``kinds`` and arches)."""
+    configurations) for each kind, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``,
+    each on its :func:`compared_arches`, in ``workers`` processes started with ``TRITON_INTERPRET=1``
+    (results in the order of ``muon_pairs``, ``muon_kinds``, then ``pairs``, ``kinds`` and arches)."""
     from megatron_lowprec.kernels.audit import configurations
 
     tasks = [
-        (option, storage, "plain", arch, "muon")
-        for option, storage in muon_pairs for arch in compared_arches(option, storage, "plain", "muon")
+        (option, storage, kind, arch, "muon")
+        for option, storage in muon_pairs for kind in muon_kinds for arch in compared_arches(option, storage, kind, "muon")
     ]
     tasks += [
         (option, storage, kind, arch, "adamw")
@@ -523,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.interpret", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
-    parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both; Muon: plain)")
+    parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both; Muon's shard: its bucket in megatron's layer-wise layout)")
     parser.add_argument(
         "--optimizer", action="append", choices=OPTIMIZERS, help="whose fused step (repeatable; default: AdamW's and Muon's)"
     )
@@ -541,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [pair for pair in pairs if pair[0] in names]
     optimizers = args.optimizer or OPTIMIZERS
     comparisons = run_comparisons(
-        pairs if "adamw" in optimizers else [], args.kind or codegen.KINDS, args.workers, pairs if "muon" in optimizers else []
+        pairs if "adamw" in optimizers else [], args.kind or codegen.KINDS, args.workers,
+        pairs if "muon" in optimizers else [], args.kind or codegen.KINDS,
     )
     print(report(comparisons))
     return 0 if all(result.identical for result in comparisons) else 1

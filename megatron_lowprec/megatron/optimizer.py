@@ -733,9 +733,9 @@ def _build_muon(
     ``layer_wise``, :class:`LayerWiseLowPrecisionMuonOptimizer`: Muon holds only this data-parallel
     rank's parameters, and AdamW too where DDP all-reduces the gradients, or is the distributed
     optimizer over DDP's other buffers where megatron's shard-aligned layout reduce-scatters them.
-    Muon takes ``lowprec_fused`` as AdamW does (its fused step owns flat parameter buffers), but in
-    that shard-aligned layout, whose Muon parameters stay in DDP's buffer for its all-gather: there
-    it steps eagerly (the same bits)."""
+    Muon takes ``lowprec_fused`` as AdamW does: its fused step owns flat parameter buffers, but in
+    that shard-aligned layout, whose Muon parameters stay in DDP's buffer for its all-gather, it
+    reads and writes them there in place (``params_in_buffer``)."""
     muon_groups = [{**group, "params": [p for p in group["params"] if is_muon_param(p)]} for group in groups]
     adam_groups = [{**group, "params": [p for p in group["params"] if not is_muon_param(p)]} for group in groups]
     muon_groups = [group for group in muon_groups if group["params"]]
@@ -768,7 +768,8 @@ def _build_muon(
         scale_mode=MUON_SCALE_MODES[config.muon_scale_mode],
         extra_scale_factor=config.muon_extra_scale_factor,
         option=strategy,
-        fused=config.lowprec_fused if layout_owners is None else False,
+        fused=config.lowprec_fused,
+        params_in_buffer=layout_owners is not None,
         background_compile=config.lowprec_background_compile,
         seed=config.lowprec_seed + seed_offset,
         check_grads_finite=False,

@@ -125,15 +125,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         return self.seed if self.strategy.param_update == "stochastic" else None
 
     def _fused_step_grads(self, bucket: Bucket) -> tuple[torch.Tensor | BufferRows | None, int | None]:
-        """(the bucket's gradients, its next step) where the bucket takes its fused step (it owns its
-        parameters, its entries are at one step and their gradients gather:
+        """(the bucket's gradients, its next step) where the bucket takes its fused step (its
+        parameters are laid out in a flat buffer, :attr:`~megatron_lowprec.optim.buckets.Bucket.laid_out`, its entries are at one step and their gradients gather:
         :func:`~megatron_lowprec.optim.buckets.gather_grads`), each entry's step advanced; else
         ``(None, None)``, with an :class:`~megatron_lowprec.optim.fused.EagerFallbackWarning` where a
         fused bucket has gradients but cannot (its entries then step one by one)."""
         steps = {self.state[param]["step"] for param in bucket.params}
-        grad = gather_grads(bucket) if bucket.param_buffer is not None and len(steps) == 1 else None
+        grad = gather_grads(bucket) if bucket.laid_out and len(steps) == 1 else None
         if grad is None:
-            if bucket.param_buffer is not None and any(param.grad is not None for param in bucket.params):
+            if bucket.laid_out and any(param.grad is not None for param in bucket.params):
                 warn_eager_fallback(*self._fallback_reason(bucket, len(steps) > 1))
             return None, None
         step = steps.pop() + 1

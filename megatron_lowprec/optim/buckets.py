@@ -168,6 +168,9 @@ class Bucket:
     """Per call window, the first step and seed of its block of SR round keys, and the keys on the device."""
     grad_rows: tuple[list[int], BufferRows] | None = field(default=None, repr=False)
     """The gradients' source starts and :class:`BufferRows` when they live in another buffer."""
+    per_group_scalars: bool = False
+    """Whether its calls take each element's scalars from its entry's parameter group (a distributed
+    optimizer's shard, whose entries may belong to several groups) rather than one group's."""
 
     def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
         """The flat slice of ``buffer`` that belongs to entry ``index`` (``per_group`` > 1: FP8 scales)."""
@@ -177,6 +180,11 @@ class Bucket:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    @property
+    def laid_out(self) -> bool:
+        """Whether its entries' parameters sit in a flat buffer of its layout: its own, or rows of another."""
+        return self.param_buffer is not None or self.param_rows is not None
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -267,7 +275,8 @@ def build_bucket(
     ``streams`` defaults to a whole stream per parameter, numbered by position. ``runs``: the
     entries are runs (first element, elements) of the parameters' flattened elements rather than
     whole parameters; their masters start from ``master_source`` (the runs' 16-bit values).
-    ``entry_groups``: each entry's parameter group (default: ``group_index``)."""
+    ``entry_groups``: each entry's parameter group (default: ``group_index``); given, the bucket's
+    calls take per-group scalars (:attr:`Bucket.per_group_scalars`)."""
     if streams is None:
         streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
     if runs is None:
@@ -280,6 +289,7 @@ def build_bucket(
     bucket = Bucket(
         group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
+        per_group_scalars=entry_groups is not None,
     )
     if strategy.master_weights:
         master = new_master(strategy, numel, params[0])
@@ -320,10 +330,12 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
         for index, grad in enumerate(grads)
     ):
         return bucket.grad_buffer
-    storage = grads[0].untyped_storage()
-    shared = all(grad.is_contiguous() and grad.untyped_storage().data_ptr() == storage.data_ptr() for grad in grads)
-    if shared and (len(grads) > 1 or storage.nbytes() > grads[0].nbytes):
-        return _rows_of(bucket, grads, storage)
+    rows = None
+    if len(grads) > 1 or grads[0].untyped_storage().nbytes() > grads[0].nbytes:
+        rows = _rows_of(bucket, grads, bucket.grad_rows)
+    if rows is not None:
+        bucket.grad_rows = rows
+        return rows[1]
     dtype = grads[0].dtype
     if bucket.grad_buffer is None or bucket.grad_buffer.dtype != dtype:
         bucket.grad_buffer = grads[0].new_zeros(bucket.numel, dtype=dtype)
@@ -334,14 +346,27 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
     return bucket.grad_buffer
 
 
-def _rows_of(bucket: Bucket, grads: list[torch.Tensor], storage: torch.UntypedStorage) -> BufferRows:
-    """The :class:`BufferRows` of gradients that are contiguous views of one shared ``storage`` (kept
-    with the bucket while the storage, the dtype and the views' places stay the same)."""
-    starts = [grad.storage_offset() for grad in grads]
-    if bucket.grad_rows is not None:
-        cached_starts, rows = bucket.grad_rows
-        if cached_starts == starts and rows.source.dtype == grads[0].dtype and rows.source.untyped_storage().data_ptr() == storage.data_ptr():
-            return rows
-    source = grads[0].new_empty(0).set_(storage, 0, (storage.nbytes() // grads[0].element_size(),))
-    bucket.grad_rows = (starts, bucket.rows_in(source, starts))
-    return bucket.grad_rows[1]
+def param_rows_in_place(bucket: Bucket) -> tuple[list[int], BufferRows] | None:
+    """Where the bucket's parameters (whole, one per entry) are contiguous views of one storage that
+    the bucket does not own (megatron DDP's parameter buffer): their starts in it and its
+    :class:`BufferRows`, the bucket's own (:attr:`Bucket.param_rows`) while the parameters stay
+    there; ``None`` where they are not views of one storage."""
+    return _rows_of(bucket, [param.detach() for param in bucket.params], bucket.param_rows)
+
+
+def _rows_of(
+    bucket: Bucket, tensors: list[torch.Tensor], cached: tuple[list[int], BufferRows] | None
+) -> tuple[list[int], BufferRows] | None:
+    """The starts and :class:`BufferRows` of ``tensors`` (one per entry) where they are contiguous
+    views of one storage (``cached`` while the storage, the dtype and the views' places stay the
+    same); ``None`` otherwise."""
+    storage = tensors[0].untyped_storage()
+    if not all(tensor.is_contiguous() and tensor.untyped_storage().data_ptr() == storage.data_ptr() for tensor in tensors):
+        return None
+    starts = [tensor.storage_offset() for tensor in tensors]
+    if cached is not None:
+        cached_starts, rows = cached
+        if cached_starts == starts and rows.source.dtype == tensors[0].dtype and rows.source.untyped_storage().data_ptr() == storage.data_ptr():
+            return cached
+    source = tensors[0].new_empty(0).set_(storage, 0, (storage.nbytes() // tensors[0].element_size(),))
+    return starts, bucket.rows_in(source, starts)

@@ -534,8 +534,7 @@ def _master_windows(bucket: Bucket, stored: torch.Tensor, compile_codec: bool) -
     """The bucket's compiled master windows, where its master is a remainder, its parameters sit in a
     buffer of its layout, compiling is asked for and this device can compile; ``None`` (join and
     split per entry) otherwise."""
-    laid_out = bucket.param_buffer is not None or bucket.param_rows is not None
-    if stored.dtype == torch.float32 or not laid_out or not compile_codec or not fused_available(bucket.device):
+    if stored.dtype == torch.float32 or not bucket.laid_out or not compile_codec or not fused_available(bucket.device):
         return None
     return BucketMasterWindows(bucket, stored)
 
@@ -566,9 +565,9 @@ def _scalars_of(
     bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
 ) -> StepScalars | GroupScalars:
     """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's
-    for a bucket of its own parameters; for a distributed optimizer's shard (parameters in rows of
-    another buffer), whose entries may belong to several groups, :class:`GroupScalars` with the
-    elements where each group begins (entries of a group are contiguous), in a power of two of at
+    for a bucket of one group's parameters; for a distributed optimizer's shard
+    (:attr:`~megatron_lowprec.optim.buckets.Bucket.per_group_scalars`), whose entries may belong to
+    several groups, :class:`GroupScalars` with the elements where each group begins (entries of a group are contiguous), in a power of two of at
     least two slots (the last group repeated from ``end``, which no element reaches; each slot its own
     tensors, or Dynamo would guard on which are the same object), so that shards of one and of two
     parameter groups take the same compiled step."""
@@ -576,7 +575,7 @@ def _scalars_of(
         (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
         if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
     ]
-    if len(runs) == 1 and bucket.param_rows is None:
+    if len(runs) == 1 and not bucket.per_group_scalars:
         return scalars[runs[0][0]].as_kernel_scalars()
     padding = max(2, 1 << (len(runs) - 1).bit_length()) - len(runs)
     boundaries = [offset - start for _, offset in runs[1:]] + [end - start] * padding

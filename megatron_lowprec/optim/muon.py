@@ -47,7 +47,9 @@ Newton-Schulz per parameter (:func:`orthogonal_step_`: BF16 matmuls), and the el
 update (:func:`~megatron_lowprec.optim.kernel.muon_update_kernel_`). The eager step
 (:func:`muon_step_`) runs them one parameter at a time; the fused step
 (:func:`fused_muon_bucket_step_`) compiles the element-wise parts as AdamW's fused step is compiled
-and runs each once per bucket (the matmuls stay per parameter), with the same bits.
+and runs each once per bucket (the matmuls stay per parameter), with the same bits, over a flat
+parameter buffer of its own or, where the parameters must stay in another owner's buffer (megatron
+DDP's, in its shard-aligned layer-wise layout), over rows of that buffer, in place.
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ import torch
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.adamw import PrecisionOptimizer
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, CompileRecipe
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, param_rows_in_place
 from megatron_lowprec.optim.fused import (
+    bucket_entries,
     compile_step_function,
     fused_call_arguments,
     group_statistics_in_kernel,
     resolve_fused,
     run_calls,
+    warn_eager_fallback,
 )
 from megatron_lowprec.optim.kernel import (
     MuonScalars,
@@ -316,7 +320,9 @@ def fused_muon_bucket_step_(
     buffer), then the compiled calls of the update kernel that AdamW's fused step would make
     (:func:`~megatron_lowprec.optim.fused.fused_call_arguments`: one per bucket, or per entry for
     stochastic rounding on CPUs). ``grad`` and ``entry_grads``: as for
-    :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`."""
+    :func:`~megatron_lowprec.optim.fused.fused_bucket_step_`; the parameters are the bucket's own
+    flat buffer or rows of another (:attr:`~megatron_lowprec.optim.buckets.Bucket.param_rows`),
+    read and written in place."""
     scalars = {bucket.group_index: MuonScalars.for_step(lr, weight_decay, momentum)}
     momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
     momentum_calls = (
@@ -388,6 +394,11 @@ class Muon(PrecisionOptimizer):
     after Newton-Schulz, are one compiled call each per bucket (:func:`fused_muon_bucket_step_`;
     parameters' ``.data`` and ``.grad`` re-pointed at flat buffers, as AdamW does), the matmuls stay
     per parameter; ``fused=False`` runs :func:`muon_step_` per parameter. Both give the same bits.
+    ``params_in_buffer``: the parameters are contiguous views of flat buffers that another owner
+    needs them in (megatron DDP's parameter buffer, whose all-gather carries them to the other
+    ranks): the fused step leaves them there and reads and writes them in place, one bucket per
+    buffer (:class:`~megatron_lowprec.optim.buckets.BufferRows`, as the distributed optimizer's
+    shards); should a parameter later leave its buffer, its bucket steps eagerly (a warning says so).
     ``background_compile`` is AdamW's: the fused calls run uncompiled until a child process has
     compiled them (:mod:`~megatron_lowprec.optim.background_compile`).
     """
@@ -409,6 +420,7 @@ class Muon(PrecisionOptimizer):
         master_weights: bool | None = None,
         master_storage: str | None = None,
         fused: bool | None = None,
+        params_in_buffer: bool = False,
         background_compile: bool = False,
         seed: int = 0,
         check_grads_finite: bool = True,
@@ -420,6 +432,7 @@ class Muon(PrecisionOptimizer):
         self.sharded_matrix = sharded_matrix or (lambda param: None)
         self.split_rows = split_rows or (lambda param: None)
         self._fused_request = fused
+        self.params_in_buffer = params_in_buffer
         self.background_compile = background_compile
         self.seed = seed
         self.check_grads_finite = check_grads_finite
@@ -439,7 +452,7 @@ class Muon(PrecisionOptimizer):
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
         _check_hyperparameters(group)
-        by_layout: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        by_layout: dict[tuple[torch.device, torch.dtype, int | None], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):
             where = f"parameter {index} of group {group_index}"
             check_muon_param(param, self.strategy, where)
@@ -450,10 +463,20 @@ class Muon(PrecisionOptimizer):
                     "and their sum must divide the rows"
                 )
             self._stream_layouts[param] = self._checked_stream_layout(param, where)
-            by_layout.setdefault((param.device, param.dtype), []).append(param)
-        for (device, _), params in by_layout.items():
+            buffer = param.untyped_storage().data_ptr() if self.params_in_buffer else None
+            by_layout.setdefault((param.device, param.dtype, buffer), []).append(param)
+        for (device, _, _), params in by_layout.items():
             streams = [self._stream_layouts[param] for param in params]
-            bucket, states = build_bucket(self.strategy, group_index, params, resolve_fused(device, self._fused_request), streams)
+            fused = resolve_fused(device, self._fused_request)
+            bucket, states = build_bucket(self.strategy, group_index, params, fused and not self.params_in_buffer, streams)
+            if fused and self.params_in_buffer:
+                bucket.param_rows = param_rows_in_place(bucket)
+                if bucket.param_rows is None:
+                    shapes = [tuple(param.shape) for param in params if not param.is_contiguous()]
+                    raise ValueError(
+                        f"params_in_buffer=True, but parameters of shapes {shapes} in group {group_index} are not contiguous "
+                        "views of a flat buffer; use params_in_buffer=False (the fused step then owns their buffer)"
+                    )
             self.buckets.append(bucket)
             for param, state in zip(params, states):
                 self.state[param] = state
@@ -467,6 +490,10 @@ class Muon(PrecisionOptimizer):
     def _step_bucket(self, bucket: Bucket) -> None:
         group = self.param_groups[bucket.group_index]
         hyper = {key: group[key] for key in ELEMENT_WISE}
+        if bucket.param_rows is not None:
+            bucket.param_rows = param_rows_in_place(bucket)
+            if bucket.param_rows is None:
+                warn_eager_fallback(bucket_entries(bucket), "its parameters are no longer contiguous views of one buffer")
         grad, step = self._fused_step_grads(bucket)
         if grad is not None:
 

@@ -21,7 +21,11 @@ GROUP_FIELDS = ("wd_mult", "lr_mult", "max_lr", "min_lr", "is_decoupled_lr", "de
 
 
 def _model():
-    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    """The seeded GPT in DDP at the tensor-parallel size of the initialized model parallelism."""
+    from megatron.core import parallel_state
+
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     return _ddp(config, grad_reduce_in_fp32=True)
 
 
@@ -121,16 +125,17 @@ def calls_of_each_caller(dump_path: str) -> dict:
     return result
 
 
-def provide_trains_as_build_optimizer(steps: int) -> dict:
+def _provide_trains_as_build_optimizer(steps: int) -> dict:
     """Megatron-Bridge's call (``provide``) and the plugin's ``build_optimizer("C", ...)`` from the
-    same weights on the same data, with the distributed optimizer: their losses."""
+    same weights on the same data, with the distributed optimizer, at the initialized model
+    parallelism, uncompiled (the subject is the call, not the compiled step): their losses."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
-    parallel_state.initialize_model_parallel()
-    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    transformer = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     losses = {}
     for caller in ("provide", "build_optimizer"):
         model = DistributedDataParallel(
@@ -140,11 +145,11 @@ def provide_trains_as_build_optimizer(steps: int) -> dict:
         )
         distributed = dataclasses.replace(_optimizer_config(), use_distributed_optimizer=True)
         if caller == "provide":
-            config = _precision_config(use_distributed_optimizer=True, lowprec_seed=4)
+            config = _precision_config(use_distributed_optimizer=True, lowprec_seed=4, lowprec_fused=False)
             optimizer = config.provide(model_chunks=[model], config_overrides=None, use_gloo_process_groups=True,
                                        pg_collection=None)
         else:
-            optimizer = build_optimizer("C", [model], distributed, seed=4)
+            optimizer = build_optimizer("C", [model], distributed, seed=4, fused=False)
         scheduler = _scheduler(optimizer, steps)
         losses[caller] = []
         for step in range(steps):
@@ -363,7 +368,9 @@ def _muon_resumes_from_its_state_dict(model, optimizer, data_seed: int) -> dict:
     return {"resumed": all(torch.equal(a, b) for a, b in zip(first, second)), "compared": len(first)}
 
 
-def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: str, loaded_by: list[str], trained_by: list[str]) -> dict:
+def _muon_chains_agree(
+    option: str, steps: int, checkpoint_dir: str, saved_by: str, loaded_by: list[str], trained_by: list[str], fused: bool | None = None
+) -> dict:
     """``optimizer="muon"`` with ``option`` in the chain ``saved_by`` (:data:`CHAINS`) at DP=2: ``steps``
     steps, a megatron dist checkpoint of the model and the chained optimizer (``sharded_state_dict``),
     one more step. Then for each chain of ``loaded_by``, a fresh model and chain, moved off by a step
@@ -373,7 +380,8 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
     state tensor came back the same). Returns the state keys, and per chain the number
     of its tensors compared, those of the parameters and state tensors that did not come out as the
     saving chain's, bit for bit (where one is layer-wise, the state this rank holds in both), the
-    tensors that neither rank compared, and the bytes of its optimizers' state tensors on this rank."""
+    tensors that neither rank compared, and the bytes of its optimizers' state tensors on this rank.
+    ``fused``: the chains' ``lowprec_fused``."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_lowprec.megatron.optimizer import build_optimizer
@@ -383,7 +391,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
     def fresh(chain: str):
         fields, build_model = CHAINS[chain]
         model = build_model()
-        return model, build_optimizer(_muon_config(option, **fields()), [model])
+        return model, build_optimizer(_muon_config(option, lowprec_fused=fused, **fields()), [model])
 
     def step(model, optimizer, index: int) -> None:
         model.zero_grad_buffer()
@@ -412,7 +420,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
         resumed = _named_tensors(model, optimizer)
         whole = {key: " ".join(key.split(" ")[:2]) for key in resumed}
         compared = [key for key in resumed if whole[key] in straight]
-        held = [None, None]
+        held = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(held, [sorted({whole[key] for key in compared}), sorted({*straight, *whole.values()})])
         result[run] = {
             "compared": len(compared),
@@ -435,7 +443,7 @@ def _muon_chains_agree(option: str, steps: int, checkpoint_dir: str, saved_by: s
             step(model, optimizer, index)
         compare(f"trained by {chain}", model, optimizer)
         if chain == "layer_wise":
-            path = f"{checkpoint_dir}/layer_wise_optimizer_{data_rank}.pt"
+            path = f"{checkpoint_dir}/layer_wise_optimizer_{torch.distributed.get_rank()}.pt"
             optimizer.save_state_dict_to_file(path)
             reloaded = fresh(chain)[1]
             reloaded.load_state_dict_from_file(path)
@@ -510,7 +518,8 @@ def _layer_wise_layout_model():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
 
-    transformer = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    transformer = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     module = _seeded_model(transformer)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     tag_params_for_buffer_routing([module])
@@ -611,7 +620,31 @@ def _muon_at_tensor_parallel_two(option: str, steps: int) -> dict:
     return {"losses": losses, "duplicated_is_tp1": same, "sharded": sharded, "muon_params": len(params), "split": split}
 
 
-SCENARIOS = {f.__name__: f for f in (calls_of_each_caller, provide_trains_as_build_optimizer, refusals, muon_is_torch_muon_on_hidden_weights)}
+def at_tensor_and_data_parallel_two(provide_steps: int, steps: int, checkpoint_dir: str, chains: list[list]) -> dict:
+    """At TP=2 x DP=2 (4 ranks): Megatron-Bridge's call against the plugin's
+    (:func:`_provide_trains_as_build_optimizer`), and the checkpoints and layer-wise sharding of the
+    Muon ``chains`` (:func:`_muon_chains_agree`, ``muon_tp_mode="blockwise"``) uncompiled (the
+    compiled steps' bits are the uncompiled ones'), with this rank's place in the grid."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    return {
+        "provide": _provide_trains_as_build_optimizer(provide_steps),
+        "chains": {
+            option: _muon_chains_agree(option, steps, f"{checkpoint_dir}/{option}", saved_by, loaded_by, trained_by, fused=False)
+            for option, saved_by, loaded_by, trained_by in chains
+        },
+        "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        calls_of_each_caller, refusals, muon_is_torch_muon_on_hidden_weights, at_tensor_and_data_parallel_two,
+    )
+}
 
 
 if __name__ == "__main__":

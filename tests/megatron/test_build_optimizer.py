@@ -1,7 +1,7 @@
 """``build_optimizer`` takes the call of ``get_megatron_optimizer`` on every supported megatron-core
 (0.16.1 to 0.19), builds megatron's own parameter groups there, and implements Megatron-Bridge's
 ``provide`` contract; what it cannot honour stops with one clear error. Multi-process checks run at
-DP=2 on CPU with gloo (NCCL on GPUs)."""
+DP=2 and at TP=2 x DP=2 on CPU with gloo (NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _megatron_core_muon_imports() -> bool:
     return HAVE_EMERGING_OPTIMIZERS
 
 
-def _run(result_dir: Path, scenario: str, **arguments) -> list[dict]:
+def _run(result_dir: Path, scenario: str, world_size: int = 2, on_cpu: bool = False, **arguments) -> list[dict]:
     result_dir.mkdir(parents=True, exist_ok=True)
-    return run_ranks(WORKER, result_dir, 2, scenario, json.dumps(arguments))
+    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), on_cpu=on_cpu)
 
 
 def test_signature_takes_get_megatron_optimizers_parameters_in_its_order():
@@ -85,12 +85,24 @@ def test_callers_get_megatrons_groups_and_biases_and_norms_no_weight_decay(tmp_p
     assert result["dumped"]
 
 
-def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimizer(tmp_path):
-    """Megatron-Bridge's call and the plugin's form of the same option and seed: identical losses."""
-    for rank in _run(tmp_path, "provide_trains_as_build_optimizer", steps=3):
-        assert rank["type"] == "DistributedLowPrecisionOptimizer"
-        assert rank["losses"]["provide"] == rank["losses"]["build_optimizer"]
-        assert len(rank["losses"]["provide"]) == 6
+@pytest.fixture(scope="module")
+def tensor_and_data_parallel_two(tmp_path_factory) -> list[dict]:
+    """One launch of 4 ranks at TP=2 x DP=2, on the CPU bridge on every machine (a GPU machine has
+    rarely four): Megatron-Bridge's call beside the plugin's, and the layer-wise Muon chains against
+    the unsharded one (:func:`_muon_tp2_dp2_chains`)."""
+    result_dir = tmp_path_factory.mktemp("tp2_dp2")
+    return _run(result_dir, "at_tensor_and_data_parallel_two", world_size=4, on_cpu=True, provide_steps=3, steps=1,
+                checkpoint_dir=str(result_dir / "checkpoint"), chains=_muon_tp2_dp2_chains())
+
+
+def test_bridges_provide_trains_as_build_optimizer_with_the_distributed_optimizer(tensor_and_data_parallel_two):
+    """Megatron-Bridge's call and the plugin's form of the same option and seed, with the distributed
+    optimizer at TP=2 x DP=2, uncompiled: identical losses."""
+    for rank in tensor_and_data_parallel_two:
+        provided = rank["provide"]
+        assert provided["type"] == "DistributedLowPrecisionOptimizer"
+        assert provided["losses"]["provide"] == provided["losses"]["build_optimizer"]
+        assert len(provided["losses"]["provide"]) == 6
 
 
 MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], "C": ["param", "momentum", "param_lo", "exp_avg_sq_lo"]}
@@ -98,13 +110,26 @@ MUON_CHECKPOINT_STATES = {"sr": ["param", "momentum", "exp_avg", "exp_avg_sq"], 
 
 def _muon_chains() -> list[list]:
     """(option, the chain that saves a dist checkpoint, the chains that load it, the chains that train
-    from scratch): the layer-wise chain trains as the unsharded one, loads its checkpoint (sr), and
-    saves one that the unsharded chain loads (C), each a step as the other chain takes it; so does
-    the layer-wise chain in megatron's shard-aligned layout where megatron-core has it (0.19+)."""
+    from scratch) at DP=2: the layer-wise chains train as the unsharded one (sr), and the all-reduced
+    one saves a checkpoint that the unsharded chain loads (C), each a step as the other chain takes
+    it; the unsharded chain resumes its own (sr). They load the unsharded chain's at TP=2 x DP=2
+    (:func:`_muon_tp2_dp2_chains`)."""
+    return [["sr", "unsharded", ["unsharded"], _layer_wise_chains()], ["C", "layer_wise", ["unsharded"], []]]
+
+
+def _layer_wise_chains() -> list[str]:
+    """The layer-wise chains: DDP all-reducing, and megatron's shard-aligned layout where
+    megatron-core has it (0.19+)."""
     from megatron.core.optimizer import layer_wise_optimizer
 
     layout = ["layer_wise_layout"] if hasattr(layer_wise_optimizer.LayerWiseDistributedOptimizer, "compute_full_param_layout") else []
-    return [["sr", "unsharded", ["unsharded", "layer_wise", *layout], ["layer_wise", *layout]], ["C", "layer_wise", ["unsharded"], []]]
+    return ["layer_wise", *layout]
+
+
+def _muon_tp2_dp2_chains() -> list[list]:
+    """The Muon chains at TP=2 x DP=2: the unsharded chain saves a dist checkpoint (option sr), which
+    each layer-wise chain loads."""
+    return [["sr", "unsharded", _layer_wise_chains(), []]]
 
 
 MUON_MASTER_TOLERANCE = 2**-6
@@ -130,10 +155,12 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
     megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
     ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
     every parameter and each rank's state bit for bit (option sr; from megatron-core 0.19 also in
-    megatron's shard-aligned layout, DDP reduce-scattering), with each rank holding part of the
-    state and both ranks together all of it (sr and C); it resumes from the unsharded chain's dist
-    checkpoint (sr) and the unsharded chain from its own (C), bit for bit; and its state dict in a
-    file per rank (Megatron-LM's torch checkpoints) restores every state tensor.
+    megatron's shard-aligned layout, DDP reduce-scattering, its Muon fused in DDP's buffer), with
+    each rank holding part of the state and both ranks together all of it (sr and C); the unsharded
+    chain resumes from the layer-wise chain's dist checkpoint (C) and from its own (sr), bit for bit;
+    and its state dict in a file per rank (Megatron-LM's torch checkpoints) restores every state
+    tensor. (Loading the unsharded chain's checkpoint: at TP=2 x DP=2, in
+    :func:`test_layer_wise_muon_at_tensor_and_data_parallel_two_is_the_unsharded_chain`.)
 
     Where megatron-core's own Muon imports (the newest-megatron CI job), ``get_megatron_optimizer``
     with ``optimizer="muon"`` (megatron's ``TensorParallelMuon``) and ``build_optimizer`` with option
@@ -178,6 +205,29 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
         assert all(held["unsharded"] == unsharded and held["layer_wise"] < 0.75 * unsharded for held in state_bytes), state_bytes
         assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
         assert all(held.get("layer_wise_layout", 0) < 0.75 * unsharded for held in state_bytes), state_bytes
+
+
+def test_layer_wise_muon_at_tensor_and_data_parallel_two_is_the_unsharded_chain(tensor_and_data_parallel_two):
+    """At TP=2 x DP=2 (4 ranks, blockwise), option sr, uncompiled: each layer-wise chain (DDP
+    all-reducing, and megatron's shard-aligned layout where megatron-core has it) loads the unsharded
+    chain's dist checkpoint and takes its next step as it does, every parameter and held state bit
+    for bit; each rank holds part of its tensor-parallel rank's state (its two data-parallel ranks
+    together all of it, all-reduced)."""
+    ranks = tensor_and_data_parallel_two
+    for option, _, loaded_by, _ in _muon_tp2_dp2_chains():
+        for rank in ranks:
+            assert rank["data_parallel_size"] == 2
+            ran = rank["chains"][option]
+            assert set(MUON_CHECKPOINT_STATES[option]) <= set(ran["keys"]), (option, ran["keys"])
+            for chain in loaded_by:
+                run = ran[f"loaded by {chain}"]
+                assert run["unequal"] == [] and run["uncompared"] == [] and run["compared"] > 0, (option, chain, run)
+        for tensor_rank in (0, 1):
+            state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks if rank["tensor_rank"] == tensor_rank]
+            unsharded = state_bytes[0]["unsharded"]
+            assert all(held["unsharded"] == unsharded for held in state_bytes), state_bytes
+            assert all(held[chain] < 0.75 * unsharded for held in state_bytes for chain in loaded_by), state_bytes
+            assert sum(held["layer_wise"] for held in state_bytes) == unsharded, state_bytes
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -1,5 +1,5 @@
 """The precision-aware Muon, tested against torch.optim.Muon and fp64 references, option by option.
-Every test but the fused one runs the eager step (``fused=False``), whose bits the fused step has
+Every test but the fused ones runs the eager step (``fused=False``), whose bits the fused step has
 (``test_fused_step_is_the_eager_step_bit_for_bit_for_every_option``), without compiling each option."""
 
 import copy
@@ -399,6 +399,62 @@ def test_fused_step_is_the_eager_step_bit_for_bit_for_every_option():
                 other = fused.state[q][key]
                 same = torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other
                 assert same, (option, index, key)
+
+
+def _in_one_buffer(values: list[torch.Tensor], gap: int = 64) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
+    """Parameters of ``values`` that are views of one flat BF16 buffer, each after ``gap`` elements of
+    another owner (as in megatron DDP's parameter buffer), that buffer, and the mask of its gaps."""
+    starts = [gap * (index + 1) + sum(v.numel() for v in values[:index]) for index in range(len(values))]
+    buffer = torch.full((starts[-1] + values[-1].numel() + gap,), 7.0, dtype=torch.bfloat16)
+    gaps = torch.ones(buffer.numel(), dtype=torch.bool)
+    params = []
+    for start, value in zip(starts, values):
+        view = buffer[start : start + value.numel()].view(value.shape)
+        view.copy_(value)
+        gaps[start : start + value.numel()] = False
+        param = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+        param.data = view
+        params.append(param)
+    return params, buffer, gaps
+
+
+@pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
+def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
+    """``params_in_buffer=True`` (megatron's shard-aligned layer-wise layout), option D-BF16: the
+    parameters stay views of the buffer they live in (another owner's elements between them
+    untouched), whose elements the fused step reads and writes in place as rows of it (the remainder
+    master joined and split there), with the eager step's bits in every parameter and state tensor
+    over 3 steps. A parameter moved out of the buffer then makes its bucket step eagerly, with a
+    warning, the same bits. (Stochastic rounding, whose calls on a CPU run per weight over its slice
+    of the buffer, the plain step's code: tests/megatron/test_build_optimizer.py, in megatron's layout.)"""
+    option = "D-BF16"
+    from megatron_lowprec.optim.fused import EagerFallbackWarning
+
+    start = [_random(shape, index).bfloat16() for index, shape in enumerate(FUSED_SHAPES)]
+    eager_params = [torch.nn.Parameter(value.clone()) for value in start]
+    params, buffer, gaps = _in_one_buffer(start)
+    eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
+    fused = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, seed=3)
+    assert fused.buckets[0].param_buffer is None and fused.buckets[0].param_rows is not None
+    for step in range(4):
+        if step == 3:
+            params[1].data = params[1].detach().clone()
+        for index, (p, q) in enumerate(zip(eager_params, params)):
+            p.grad = (_random(p.shape, 100 * step + index) * 10.0 ** (step - 1)).bfloat16()
+            q.grad = p.grad.clone()
+        eager.step()
+        if step < 3:
+            fused.step()
+            assert all(param.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for param in params)
+        else:
+            with pytest.warns(EagerFallbackWarning, match="no longer contiguous views of one buffer"):
+                fused.step()
+        assert torch.equal(buffer[gaps], torch.full_like(buffer[gaps], 7.0)), step
+        for index, (p, q) in enumerate(zip(eager_params, params)):
+            assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), (step, index)
+            for key, value in eager.state[p].items():
+                other = fused.state[q][key]
+                assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other, key
 
 
 def _megatron_core_muon():
