@@ -325,8 +325,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 entry_groups=[piece.group_index for piece in kind_pieces],
             )
             starts = [piece.bucket_start for piece in kind_pieces]
-            state_bucket.param_rows = (starts, state_bucket.rows_in(bucket.param_data, starts))
-            grad_rows.append(state_bucket.rows_in(bucket.grad_data, starts))
+            grad_rows.append(state_bucket.place_params_in(bucket.param_data, starts).with_source(bucket.grad_data))
             state_buckets.append(state_bucket)
             pieces.extend(kind_pieces)
         return Shard(bucket, group, rank, bounds, pieces, state_buckets, grad_rows)
@@ -451,6 +450,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for saved, state_bucket in pairs:
             for key, buffer in state_bucket.state.items():
                 buffer.copy_(saved[key])
+            state_bucket.repeat_into_padding_()
         self.step_count = extra["step"]
         self.skipped_steps = extra["skipped_steps"]
         self.seed = extra["seed"]
@@ -708,6 +708,8 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 restore_checkpoint_state(
                     self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
                 )
+            for state_bucket in shard.state_buckets:
+                state_bucket.repeat_into_padding_()
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.step_count = loaded["state"]["common_step"]

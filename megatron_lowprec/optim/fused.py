@@ -506,10 +506,15 @@ def _split_master_window_(param: torch.Tensor | BufferRows, stored: torch.Tensor
 @functools.cache
 def compiled_master_codec() -> tuple[Callable, Callable]:
     """:func:`_join_master_window` and :func:`_split_master_window_` compiled (integer operations:
-    the same bits as eager on every backend), one pass over a window each."""
+    the same bits as eager on every backend), one pass over a window each. Without duck shapes: a
+    window is a slice of the bucket's remainder buffer, and with them a window of the whole buffer
+    gives the slice and its base one size symbol, so that Dynamo guards on their equality and compiles
+    again for a window of a part (a shard of two parameter groups)."""
+    from torch.fx.experimental import _config as symbolic_shapes_config
+
     options = _inductor_options()
     return tuple(
-        torch.compile(function, dynamic=True, fullgraph=True, options=options)
+        symbolic_shapes_config.patch(use_duck_shape=False)(torch.compile(function, dynamic=True, fullgraph=True, options=options))
         for function in (_join_master_window, _split_master_window_)
     )
 
