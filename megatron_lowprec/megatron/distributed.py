@@ -494,6 +494,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 if stored is not None:
                     for index, param in enumerate(state_bucket.entry_params()):
                         reset_master_(param, state_bucket.view(stored, index))
+                    state_bucket.repeat_into_padding_()
 
     def release_grads(self) -> None:
         """Nothing to release: the step reads the gradients in DDP's buffer, no parameter gets a ``.grad``."""

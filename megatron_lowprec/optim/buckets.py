@@ -8,7 +8,9 @@ entry's offset, so the eager reference (per entry) and the fused step (per bucke
 the very same memory. An entry is a parameter, or a contiguous run of a parameter's flattened
 elements (the distributed optimizer's shard of it). Offsets are aligned to :data:`ALIGNMENT`
 elements (and to the FP8 group size), so FP8 groups never straddle two entries and the zero padding
-between entries stays zero under every strategy (zero gradient, zero moments, zero parameter).
+between entries stays zero under every strategy (zero gradient, zero moments, zero parameter). In a
+bucket whose parameters live in another buffer (a distributed optimizer's shard) the padding instead
+repeats its entry's last elements (:meth:`Bucket.repeat_into_padding_`).
 
 With ``own_params=True`` the bucket also owns a flat parameter buffer and re-points each
 parameter's ``.data`` at its view, as megatron-core's DistributedDataParallel does with its
@@ -98,9 +100,8 @@ class BufferRows(NamedTuple):
     :meth:`write` gather the bucket-shaped values (padding zero) and store them back;
     :meth:`read_repeating` and :meth:`store_repeating` do so for a call whose padding elements
     compute exactly what the element they repeat computes (a distributed optimizer's shard, whose
-    state padding repeats its entries' last elements: :meth:`Bucket.repeat_into_padding_`), which
-    Inductor compiles into the step's one kernel. Indices are int64 (megatron's buffers can exceed
-    2^31 elements)."""
+    state padding repeats its entries' last elements: :meth:`Bucket.repeat_into_padding_`), so that
+    the step's kernel stores them. Indices are int64 (megatron's buffers can exceed 2^31 elements)."""
 
     source: torch.Tensor
     row_entries: torch.Tensor
@@ -172,7 +173,8 @@ class BufferRows(NamedTuple):
         """Store the bucket-shaped ``values``, whose padding elements hold the values of the elements
         they repeat (:meth:`read_repeating` of a step that computes each element from its own state),
         back into the source: duplicate indices carry equal values, and Inductor stores them from the
-        kernel that computes them."""
+        kernel that computes them, unless they read the source (its ``index_put_`` then realizes
+        them, and the reads of the source go to a kernel before it)."""
         self._store(self._places(values.shape)[2].reshape(-1), values.reshape(-1))
 
     def _store(self, place: torch.Tensor, values: torch.Tensor) -> None:

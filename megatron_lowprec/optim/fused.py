@@ -99,14 +99,17 @@ GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
     "realize_acc_reads_threshold": 16,
     "realize_cpu_acc_reads_threshold": 16,
+    "max_fusion_size": 256,
 }
 """Inductor options for strategies with FP8 moments (COAT): each group's updated moments feed the
 master update, two group reductions (max|x|, smallest non-zero) and the re-quantization, and under
 Inductor's defaults (4 reads; 8 or 12 accumulated) they are stored in bucket-sized FP32 buffers
 between those loops. With these thresholds they are recomputed from the FP8 payloads instead, so
 the step reads the state a few times but allocates only per-group buffers. Options this torch's
-Inductor lacks are left out (it then stores them). GPUs only (:func:`group_statistics_in_kernel`),
-with :func:`fusion_after_reordering`."""
+Inductor lacks are left out (it then stores them). ``max_fusion_size`` (64 nodes by default): a
+shard's step, which also places each element in megatron's buffers, has more nodes than that where
+FP8 payloads are integer codes (sm_80), and its last moment's payload store was left to a kernel of
+its own. GPUs only (:func:`group_statistics_in_kernel`), with :func:`fusion_after_reordering`."""
 
 POST_FUSION_OPTION = "_post_fusion_custom_pass"
 FUSION_ROUNDS = 10
