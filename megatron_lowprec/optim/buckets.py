@@ -302,7 +302,8 @@ class Bucket:
         last group). A bucket whose parameters live in another buffer keeps its state so, so that its
         compiled step computes each padding element exactly as the element it repeats and may store
         both into the one place they share (:meth:`BufferRows.store_repeating`); call it whenever the
-        state is written other than by a step (built, loaded)."""
+        state is written other than by such a step (built, loaded). A step entry by entry (stochastic
+        rounding on CPUs) leaves the padding as it was: no step there reads it."""
         group_size = self.state_group_size
         for index, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
             last, end = offset + numel - 1, self._padded_end(index)
