@@ -430,9 +430,9 @@ def _shard_bucket(
         master_source=[param_data[start : start + numel] for start, (_, numel) in zip(starts, runs)],
         entry_groups=entry_groups,
     )
-    grad_rows = bucket.place_params_in(param_data, starts).with_source(grad_data)
+    bucket.place_params_in(param_data, starts)
     entry_grads = [grad_data[start : start + numel] for start, (_, numel) in zip(starts, runs)]
-    return bucket, grad_rows, entry_grads, grad_data
+    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 
 
 @dataclasses.dataclass(frozen=True)

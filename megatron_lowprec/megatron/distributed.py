@@ -325,7 +325,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 entry_groups=[piece.group_index for piece in kind_pieces],
             )
             starts = [piece.bucket_start for piece in kind_pieces]
-            grad_rows.append(state_bucket.place_params_in(bucket.param_data, starts).with_source(bucket.grad_data))
+            state_bucket.place_params_in(bucket.param_data, starts)
+            grad_rows.append(state_bucket.rows_in(bucket.grad_data, starts))
             state_buckets.append(state_bucket)
             pieces.extend(kind_pieces)
         return Shard(bucket, group, rank, bounds, pieces, state_buckets, grad_rows)

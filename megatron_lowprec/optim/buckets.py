@@ -121,10 +121,6 @@ class BufferRows(NamedTuple):
         """The same rows for a call that starts at bucket row ``row``."""
         return self._replace(first_row=torch.tensor(row, dtype=torch.int32))
 
-    def with_source(self, source: torch.Tensor) -> BufferRows:
-        """The same rows of another buffer of the same layout (megatron's gradients beside its parameters)."""
-        return self._replace(source=source)
-
     def _places(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per element of a call in ``shape``: its bucket index, the bucket index of the element it
         repeats (:func:`repeated_index`), and that element's source index. Its row (whose entry it
@@ -157,9 +153,11 @@ class BufferRows(NamedTuple):
         index, repeated, place = self._places(shape)
         return torch.where(index == repeated, self.source[place], 0)
 
-    def read_repeating(self, shape: torch.Size) -> torch.Tensor:
-        """The bucket's values in ``shape``, each padding element the value of the element it repeats."""
-        return self.source[self._places(shape)[2]]
+    def read_repeating(self, shape: torch.Size, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's values in ``shape``, each padding element the value of the element it repeats;
+        of ``source``, another buffer that holds the entries at the same places (megatron's gradients
+        beside its parameters: one set of tables for both), where given."""
+        return (self.source if source is None else source)[self._places(shape)[2]]
 
     def write(self, values: torch.Tensor) -> None:
         """Store the bucket-shaped ``values`` back into the source, each padding element's place
@@ -284,13 +282,12 @@ class Bucket:
             torch.tensor(0, dtype=torch.int32),
         )
 
-    def place_params_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
+    def place_params_in(self, source: torch.Tensor, source_starts: list[int]) -> None:
         """Read and write the entries' 16-bit parameters at ``source_starts`` of the flat ``source``
         (megatron's DDP parameter buffer under the distributed optimizer): :attr:`param_rows`, and
-        the state's padding made to repeat (:meth:`repeat_into_padding_`). Returns the rows."""
+        the state's padding made to repeat (:meth:`repeat_into_padding_`)."""
         self.param_rows = (list(source_starts), self.rows_in(source, source_starts))
         self.repeat_into_padding_()
-        return self.param_rows[1]
 
     def _padded_end(self, index: int) -> int:
         return self.offsets[index + 1] if index + 1 < len(self.offsets) else self.numel

@@ -436,7 +436,8 @@ def bucket_kernel_(
     """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
     (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
     place) and whose scalars may differ by parameter group (:class:`GroupScalars`). Where the
-    parameters do (a distributed optimizer's shard), each padding element reads the parameter, the
+    parameters do (a distributed optimizer's shard, whose gradients lie at the same places of
+    another buffer: read through the parameters' tables), each padding element reads the parameter, the
     gradient and the random word of the element it repeats, whose state its own repeats
     (:meth:`~megatron_lowprec.optim.buckets.Bucket.repeat_into_padding_`): it computes the same
     values, so that the new parameters are stored into megatron's buffer from the step's one kernel
@@ -449,7 +450,7 @@ def bucket_kernel_(
     counted = None
     if isinstance(param, BufferRows):
         counted, repeated = param.repetition(shape)
-        values, grad = param.read_repeating(shape), grad.read_repeating(shape)
+        values, grad = param.read_repeating(shape), param.read_repeating(shape, grad.source)
         if isinstance(random_source, BucketStream):
             random_source = random_source.words(like, repeated)
     else:
