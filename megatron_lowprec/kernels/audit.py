@@ -123,12 +123,13 @@ def layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> tuple[floa
     the stream tables each group of ``SR_GROUP_SIZE`` elements reads (``SR_GROUP_TABLE_BYTES``: its
     entry, and that entry's place in its stream and round keys). A ``shard`` step (its parameters
     and gradients in megatron's buffers) also reads, per row of ``ALIGNMENT`` elements, where the
-    row lies in those buffers (``ROW_TABLE_BYTES``)."""
+    row lies in those buffers (``ROW_TABLE_BYTES``), but for torch's fused AdamW (D), which steps
+    each entry's view."""
     group = strategy.fp8_group_size
     state = strategy.state_bytes(group) / group
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
     stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
-    row_tables = ROW_TABLE_BYTES / ALIGNMENT if kind == "shard" else 0
+    row_tables = ROW_TABLE_BYTES / ALIGNMENT if kind == "shard" and strategy.adam_kernel != "torch_fused" else 0
     return LOW_PRECISION_BYTES + param_read + state + stream_tables + row_tables, LOW_PRECISION_BYTES + state
 
 
