@@ -274,9 +274,9 @@ class Bucket:
         group_size = self.state_group_size if self.state_group_size % ALIGNMENT else 1
         return BufferRows(
             source,
-            torch.tensor(_at_least_two(entries), dtype=torch.int32, device=device),
-            torch.tensor(_at_least_two(shifts), dtype=torch.int64, device=device),
-            torch.tensor(_at_least_two(lasts), dtype=torch.int64, device=device),
+            torch.tensor(at_least_two(entries), dtype=torch.int32, device=device),
+            torch.tensor(at_least_two(shifts), dtype=torch.int64, device=device),
+            torch.tensor(at_least_two(lasts), dtype=torch.int64, device=device),
             ALIGNMENT,
             group_size,
             torch.tensor(0, dtype=torch.int32),
@@ -315,8 +315,10 @@ class Bucket:
                     values[padding] = values[repeated_index(padding, last, group_size)]
 
 
-def _at_least_two(values: list) -> list:
-    """A table with its one value repeated when it has only one (see :meth:`Bucket.rows_in`)."""
+def at_least_two(values: list) -> list:
+    """A table of a compiled step (:meth:`Bucket.rows_in`; the stochastic-rounding stream's, per group
+    or per entry) with its one value repeated when it has only one: a compiled step specialises a
+    size of one (it broadcasts) and would compile again for a bucket or window of one entry or row."""
     return values * 2 if len(values) == 1 else values
 
 
