@@ -58,6 +58,7 @@ from megatron_lowprec.kernels.codegen import (
     generate_function,
 )
 from megatron_lowprec.numerics import square_sum
+from megatron_lowprec.optim.buckets import ALIGNMENT, ROW_TABLE_BYTES
 from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
@@ -116,18 +117,22 @@ def strategy_for(option: str, master_storage: str) -> PrecisionStrategy:
     return strategy if strategy.master_storage == master_storage else strategy.with_master_storage(master_storage)
 
 
-def layout_bytes(strategy: PrecisionStrategy) -> tuple[float, float]:
+def layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> tuple[float, float]:
     """The least bytes per element one step reads and writes, from the option's state layout: the
     16-bit gradient and every state buffer read; the 16-bit parameter read unless an FP32 master
     replaces it; the parameter and every state buffer written. FP8 group metadata (scale, expansion
     exponent) per group of ``fp8_group_size`` elements. Stochastic rounding with shared randomness:
     the stream tables each group of ``SR_GROUP_SIZE`` elements reads (``SR_GROUP_TABLE_BYTES``: its
-    entry, and that entry's place in its stream and round keys)."""
+    entry, and that entry's place in its stream and round keys). A ``shard`` step (its parameters
+    and gradients in megatron's buffers) also reads, per row of ``ALIGNMENT`` elements, where the
+    row lies in those buffers (``ROW_TABLE_BYTES``), but for torch's fused AdamW (D), which steps
+    each entry's view."""
     group = strategy.fp8_group_size
     state = strategy.state_bytes(group) / group
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
     stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
-    return LOW_PRECISION_BYTES + param_read + state + stream_tables, LOW_PRECISION_BYTES + state
+    row_tables = ROW_TABLE_BYTES / ALIGNMENT if kind == "shard" and strategy.adam_kernel != "torch_fused" else 0
+    return LOW_PRECISION_BYTES + param_read + state + stream_tables + row_tables, LOW_PRECISION_BYTES + state
 
 
 def muon_layout_bytes(strategy: PrecisionStrategy) -> dict[str, tuple[float, float]]:
@@ -362,7 +367,7 @@ def audit_step(code: StepCode) -> StepAudit:
         from megatron_lowprec.optim.muon import muon_strategy
 
         strategy = muon_strategy(strategy)
-    layout = layout_bytes(strategy)
+    layout = layout_bytes(strategy, code.kind)
     calls = CALLS_PER_STEP[code.optimizer]
     kernels = code.first_step_kernels
     torch_kernel = strategy.adam_kernel == "torch_fused"

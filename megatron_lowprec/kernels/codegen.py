@@ -431,7 +431,7 @@ def _shard_bucket(
         master_source=[param_data[start : start + numel] for start, (_, numel) in zip(starts, runs)],
         entry_groups=entry_groups,
     )
-    bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
+    bucket.place_params_in(param_data, starts)
     entry_grads = [grad_data[start : start + numel] for start, (_, numel) in zip(starts, runs)]
     return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 

@@ -325,7 +325,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 entry_groups=[piece.group_index for piece in kind_pieces],
             )
             starts = [piece.bucket_start for piece in kind_pieces]
-            state_bucket.param_rows = (starts, state_bucket.rows_in(bucket.param_data, starts))
+            state_bucket.place_params_in(bucket.param_data, starts)
             grad_rows.append(state_bucket.rows_in(bucket.grad_data, starts))
             state_buckets.append(state_bucket)
             pieces.extend(kind_pieces)
@@ -451,6 +451,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for saved, state_bucket in pairs:
             for key, buffer in state_bucket.state.items():
                 buffer.copy_(saved[key])
+            state_bucket.repeat_into_padding_()
         self.step_count = extra["step"]
         self.skipped_steps = extra["skipped_steps"]
         self.seed = extra["seed"]
@@ -494,6 +495,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 if stored is not None:
                     for index, param in enumerate(state_bucket.entry_params()):
                         reset_master_(param, state_bucket.view(stored, index))
+                    state_bucket.repeat_into_padding_()
 
     def release_grads(self) -> None:
         """Nothing to release: the step reads the gradients in DDP's buffer, no parameter gets a ``.grad``."""
@@ -708,6 +710,8 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 restore_checkpoint_state(
                     self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
                 )
+            for state_bucket in shard.state_buckets:
+                state_bucket.repeat_into_padding_()
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.step_count = loaded["state"]["common_step"]

@@ -8,7 +8,9 @@ entry's offset, so the eager reference (per entry) and the fused step (per bucke
 the very same memory. An entry is a parameter, or a contiguous run of a parameter's flattened
 elements (the distributed optimizer's shard of it). Offsets are aligned to :data:`ALIGNMENT`
 elements (and to the FP8 group size), so FP8 groups never straddle two entries and the zero padding
-between entries stays zero under every strategy (zero gradient, zero moments, zero parameter).
+between entries stays zero under every strategy (zero gradient, zero moments, zero parameter). In a
+bucket whose parameters live in another buffer (a distributed optimizer's shard) the padding instead
+repeats its entry's last elements (:meth:`Bucket.repeat_into_padding_`).
 
 With ``own_params=True`` the bucket also owns a flat parameter buffer and re-points each
 parameter's ``.data`` at its view, as megatron-core's DistributedDataParallel does with its
@@ -69,25 +71,49 @@ def bucket_alignment(strategy: PrecisionStrategy) -> int:
     return ALIGNMENT
 
 
+ROW_TABLE_BYTES = 4 + 8 + 8
+"""Bytes a call over :class:`BufferRows` reads per row to place its elements in the other buffer:
+the row's entry (int32), and that entry's shift and last element (int64)."""
+
+
+def repeated_index(index: torch.Tensor, last: torch.Tensor | int, group_size: int) -> torch.Tensor:
+    """The bucket element whose values the bucket element ``index`` repeats, in an entry whose last
+    element is ``last``: itself, or, in the padding after ``last``, the element of the entry's last
+    group of ``group_size`` elements (FP8 state: per-group statistics; 1 otherwise) in the same
+    column, or ``last`` where that column lies past it. So a group of padding holds a copy of the
+    entry's last group (the same group statistics), and padding within that group copies of ``last``
+    (which leave its statistics, a largest and a smallest magnitude, unchanged)."""
+    if group_size == 1:
+        return torch.clamp(index, max=last)
+    group = torch.clamp(index // group_size, max=last // group_size)
+    return group * group_size + torch.minimum(index % group_size, last - group * group_size)
+
+
 class BufferRows(NamedTuple):
     """A bucket's values that live in another flat buffer: entry e's elements [0, numel_e) sit at
-    ``source[source_starts[e] : source_starts[e] + numel_e]``, and at the bucket's offsets in its own
-    layout. Viewed as rows of ``width`` elements (the bucket's alignment, so that each row belongs to
-    one entry), each row is a contiguous run of the source: each element finds its entry by a binary
-    search of its row in the entries' first rows (inside the step's kernels: a few loads from a
-    table of a few words per entry, no per-row table and no kernel of its own), and its source
-    index arithmetically. :meth:`read` gathers the bucket-shaped values, :meth:`write` stores them
-    back. Both run inside compiled steps; indices are int64 (megatron's buffers can exceed 2^31
-    elements)."""
+    ``source[source_start_e : source_start_e + numel_e]``, and at the bucket's offsets in its own
+    layout. The bucket is cut into rows of ``width`` elements (the bucket's alignment, so that each
+    row belongs to one entry): an element finds its entry in a table of one value per row, and its
+    source index by adding its entry's shift to its bucket index (inside the step's kernels: a few
+    words per row, no search and no kernel of its own). Padding elements have no place in the
+    source; they read the element they repeat (:func:`repeated_index`). :meth:`read` and
+    :meth:`write` gather the bucket-shaped values (padding zero) and store them back;
+    :meth:`read_repeating` and :meth:`store_repeating` do so for a call whose padding elements
+    compute exactly what the element they repeat computes (a distributed optimizer's shard, whose
+    state padding repeats its entries' last elements: :meth:`Bucket.repeat_into_padding_`), so that
+    the step's kernel stores them. Indices are int64 (megatron's buffers can exceed 2^31 elements)."""
 
     source: torch.Tensor
-    first_rows: torch.Tensor
-    """[entries] int32: the first row of each entry in the bucket (at least two entries: :meth:`Bucket.rows_in`)."""
-    source_starts: torch.Tensor
-    """[entries] int64: where each entry starts in ``source``."""
-    numels: torch.Tensor
-    """[entries] int64: elements of each entry."""
+    row_entries: torch.Tensor
+    """[rows] int32: the entry of each row of the bucket (at least two values: :meth:`Bucket.rows_in`)."""
+    shifts: torch.Tensor
+    """[entries] int64: each entry's source index less its bucket index."""
+    lasts: torch.Tensor
+    """[entries] int64: the bucket index of each entry's last element."""
     width: int
+    group_size: int
+    """Elements of a group whose padding repeats a whole group (:func:`repeated_index`): the FP8
+    group size where it is not a multiple of ``width`` (else padding never fills a group), 1 otherwise."""
     first_row: torch.Tensor
     """0-d int32 host tensor: the bucket row where a call's values start (a window of the bucket)."""
 
@@ -95,42 +121,71 @@ class BufferRows(NamedTuple):
         """The same rows for a call that starts at bucket row ``row``."""
         return self._replace(first_row=torch.tensor(row, dtype=torch.int32))
 
-    def _elements(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per element of a call of ``numel`` elements: its row's source start, its row's last valid
-        column, and its column (elements counted in int64, rows in int32). Per element throughout (a
-        tensor of one value per row would be stored by a kernel of its own, and would specialise the
-        step on a call of one row)."""
-        element = torch.arange(numel, dtype=torch.int64, device=self.source.device)
-        row = (element // self.width).to(torch.int32) + self.first_row
-        owner = torch.searchsorted(self.first_rows, row, right=True, out_int32=True) - 1
-        done = (row - self.first_rows[owner]).to(torch.int64) * self.width
-        last = torch.clamp(self.numels[owner] - done, max=self.width) - 1
-        return self.source_starts[owner] + done, last, element % self.width
+    def _places(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per element of a call in ``shape``: its bucket index, the bucket index of the element it
+        repeats (:func:`repeated_index`), and that element's source index. Its row (whose entry it
+        reads, once per row) is its index shifted by log2 of the row width, a power of two; in a call
+        over [groups, group_size] (FP8 moments), the row of its group's first element (a group lies
+        in one row, or its rows belong to one entry), so that a kernel over groups reads it once per group."""
+        shift = self.width.bit_length() - 1
+        device = self.source.device
+        if len(shape) == 2:
+            groups, group_size = shape
+            element = torch.arange(groups * group_size, dtype=torch.int64, device=device).view(shape)
+            row = (torch.arange(groups, dtype=torch.int64, device=device) * group_size >> shift).view(-1, 1)
+        else:
+            element = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
+            row = element >> shift
+        entry = self.row_entries[row + self.first_row]
+        index = element + self.first_row.to(torch.int64) * self.width
+        repeated = repeated_index(index, self.lasts[entry], self.group_size)
+        return index, repeated, repeated + self.shifts[entry]
+
+    def repetition(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element of a call in ``shape``: whether it is its entry's own (not padding), and the
+        index in the call (int32) of the element whose values it repeats."""
+        index, repeated, _ = self._places(shape)
+        call_index = repeated - self.first_row.to(torch.int64) * self.width
+        return index == repeated, call_index.to(torch.int32)
 
     def read(self, shape: torch.Size) -> torch.Tensor:
         """The bucket's values in ``shape`` (padding elements zero)."""
-        start, last, column = self._elements(math.prod(shape))
-        values = self.source[start + torch.minimum(column, last)]
-        return torch.where(column <= last, values, 0).view(shape)
+        index, repeated, place = self._places(shape)
+        return torch.where(index == repeated, self.source[place], 0)
+
+    def read_repeating(self, shape: torch.Size, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's values in ``shape``, each padding element the value of the element it repeats;
+        of ``source``, another buffer that holds the entries at the same places (megatron's gradients
+        beside its parameters: one set of tables for both), where given."""
+        return (self.source if source is None else source)[self._places(shape)[2]]
 
     def write(self, values: torch.Tensor) -> None:
-        """Store the bucket-shaped ``values`` back into the source. A padding element is written to
-        its row's last valid element with that element's value, so that duplicate indices always
-        carry equal values and the result does not depend on the order of the stores. An
-        ``index_put_``, which Inductor compiles to stores into the source itself; under
-        ``torch.use_deterministic_algorithms`` (where Inductor would fall back to ATen's
-        ``index_put_``, which sorts its indices on CUDA) a ``scatter_``, which Inductor compiles to
-        plain stores, but into a copy of the whole source, copied back (its functional form is not
-        made in place again): two more kernels that move the whole buffer."""
-        start, last, column = self._elements(values.numel())
-        valid_column = torch.minimum(column, last)
-        index = start + valid_column
-        element = torch.arange(values.numel(), dtype=torch.int64, device=values.device)
-        written = values.reshape(-1)[element - column + valid_column]
+        """Store the bucket-shaped ``values`` back into the source, each padding element's place
+        written by it with the value of the element it repeats (so that duplicate indices carry
+        equal values): a gather of ``values``, which Inductor computes into a buffer of the call's
+        shape first, in a kernel of its own."""
+        _, repeated, place = self._places(values.shape)
+        self._store(place.reshape(-1), values.reshape(-1)[repeated.reshape(-1) - self.first_row.to(torch.int64) * self.width])
+
+    def store_repeating(self, values: torch.Tensor) -> None:
+        """Store the bucket-shaped ``values``, whose padding elements hold the values of the elements
+        they repeat (:meth:`read_repeating` of a step that computes each element from its own state),
+        back into the source: duplicate indices carry equal values, and Inductor stores them from the
+        kernel that computes them, unless they read the source (its ``index_put_`` then realizes
+        them, and the reads of the source go to a kernel before it)."""
+        self._store(self._places(values.shape)[2].reshape(-1), values.reshape(-1))
+
+    def _store(self, place: torch.Tensor, values: torch.Tensor) -> None:
+        """``source[place] = values`` with equal values at equal places: an ``index_put_``, which
+        Inductor compiles to stores into the source itself; under ``torch.use_deterministic_algorithms``
+        (where Inductor would fall back to ATen's ``index_put_``, which sorts its indices on CUDA) a
+        ``scatter_``, which Inductor compiles to plain stores, but into a copy of the whole source,
+        copied back (its functional form is not made in place again): two more kernels that move the
+        whole buffer."""
         if torch.are_deterministic_algorithms_enabled():
-            self.source.scatter_(0, index, written)
+            self.source.scatter_(0, place, values)
         else:
-            self.source.index_put_((index,), written)
+            self.source.index_put_((place,), values)
 
 
 @dataclass
@@ -171,6 +226,8 @@ class Bucket:
     per_group_scalars: bool = False
     """Whether its calls take each element's scalars from its entry's parameter group (a distributed
     optimizer's shard, whose entries may belong to several groups) rather than one group's."""
+    state_group_size: int = 1
+    """Elements per value of the per-group state (the FP8 group size; 1 without FP8 state)."""
 
     def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
         """The flat slice of ``buffer`` that belongs to entry ``index`` (``per_group`` > 1: FP8 scales)."""
@@ -212,21 +269,65 @@ class Bucket:
 
     def rows_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
         """A :class:`BufferRows` for this bucket's entries at ``source_starts`` of the flat ``source``
-        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset). The tables of a bucket of one
-        entry hold it twice (the search finds the second, equal copy): a compiled step specialises a
-        size of one and would compile again for it."""
+        (rows of :data:`ALIGNMENT`, a divisor of every entry's offset). Every table holds at least two
+        values (a bucket of one row or one entry repeats it; no element reaches the copy): a compiled
+        step specialises a size of one and would compile again for it."""
         device = source.device
-        first_rows, numels = [offset // ALIGNMENT for offset in self.offsets], list(self.numels)
-        if len(first_rows) == 1:
-            first_rows, source_starts, numels = first_rows * 2, list(source_starts) * 2, numels * 2
+        entries = [
+            index for index, offset in enumerate(self.offsets)
+            for _ in range((self._padded_end(index) - offset) // ALIGNMENT)
+        ]
+        shifts = [start - offset for start, offset in zip(source_starts, self.offsets)]
+        lasts = [offset + numel - 1 for offset, numel in zip(self.offsets, self.numels)]
+        group_size = self.state_group_size if self.state_group_size % ALIGNMENT else 1
         return BufferRows(
             source,
-            torch.tensor(first_rows, dtype=torch.int32, device=device),
-            torch.tensor(source_starts, dtype=torch.int64, device=device),
-            torch.tensor(numels, dtype=torch.int64, device=device),
+            torch.tensor(at_least_two(entries), dtype=torch.int32, device=device),
+            torch.tensor(at_least_two(shifts), dtype=torch.int64, device=device),
+            torch.tensor(at_least_two(lasts), dtype=torch.int64, device=device),
             ALIGNMENT,
+            group_size,
             torch.tensor(0, dtype=torch.int32),
         )
+
+    def place_params_in(self, source: torch.Tensor, source_starts: list[int]) -> None:
+        """Read and write the entries' 16-bit parameters at ``source_starts`` of the flat ``source``
+        (megatron's DDP parameter buffer under the distributed optimizer): :attr:`param_rows`, and
+        the state's padding made to repeat (:meth:`repeat_into_padding_`)."""
+        self.param_rows = (list(source_starts), self.rows_in(source, source_starts))
+        self.repeat_into_padding_()
+
+    def _padded_end(self, index: int) -> int:
+        return self.offsets[index + 1] if index + 1 < len(self.offsets) else self.numel
+
+    @torch.no_grad()
+    def repeat_into_padding_(self) -> None:
+        """Set every state buffer's padding to the values of the elements it repeats
+        (:func:`repeated_index`; FP8 scales and exponents of a group of padding: those of its entry's
+        last group). A bucket whose parameters live in another buffer keeps its state so, so that its
+        compiled step computes each padding element exactly as the element it repeats and may store
+        both into the one place they share (:meth:`BufferRows.store_repeating`); call it whenever the
+        state is written other than by such a step (built, loaded). A step entry by entry (stochastic
+        rounding on CPUs) leaves the padding as it was: no step there reads it."""
+        group_size = self.state_group_size
+        for index, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
+            last, end = offset + numel - 1, self._padded_end(index)
+            if end == last + 1:
+                continue
+            for key, buffer in self.state.items():
+                values = buffer.view(torch.uint8) if buffer.element_size() == 1 else buffer
+                if key.endswith(PER_GROUP_PARTS):
+                    values[last // group_size + 1 : end // group_size] = values[last // group_size]
+                else:
+                    padding = torch.arange(last + 1, end, device=buffer.device)
+                    values[padding] = values[repeated_index(padding, last, group_size)]
+
+
+def at_least_two(values: list) -> list:
+    """A table of a compiled step (:meth:`Bucket.rows_in`; the stochastic-rounding stream's, per group
+    or per entry) with its one value repeated when it has only one: a compiled step specialises a
+    size of one (it broadcasts) and would compile again for a bucket or window of one entry or row."""
+    return values * 2 if len(values) == 1 else values
 
 
 def zero_state(
@@ -290,6 +391,7 @@ def build_bucket(
         group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
         per_group_scalars=entry_groups is not None,
+        state_group_size=strategy.fp8_group_size if strategy.moments == "fp8" else 1,
     )
     if strategy.master_weights:
         master = new_master(strategy, numel, params[0])

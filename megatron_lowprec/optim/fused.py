@@ -67,7 +67,7 @@ from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
-from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, elements_per_value
+from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, at_least_two, elements_per_value
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
@@ -99,14 +99,17 @@ GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
     "realize_acc_reads_threshold": 16,
     "realize_cpu_acc_reads_threshold": 16,
+    "max_fusion_size": 256,
 }
 """Inductor options for strategies with FP8 moments (COAT): each group's updated moments feed the
 master update, two group reductions (max|x|, smallest non-zero) and the re-quantization, and under
 Inductor's defaults (4 reads; 8 or 12 accumulated) they are stored in bucket-sized FP32 buffers
 between those loops. With these thresholds they are recomputed from the FP8 payloads instead, so
 the step reads the state a few times but allocates only per-group buffers. Options this torch's
-Inductor lacks are left out (it then stores them). GPUs only (:func:`group_statistics_in_kernel`),
-with :func:`fusion_after_reordering`."""
+Inductor lacks are left out (it then stores them). ``max_fusion_size`` (64 nodes by default): a
+shard's step, which also places each element in megatron's buffers, has more nodes than that where
+FP8 payloads are integer codes (sm_80), and its last moment's payload store was left to a kernel of
+its own. GPUs only (:func:`group_statistics_in_kernel`), with :func:`fusion_after_reordering`."""
 
 POST_FUSION_OPTION = "_post_fusion_custom_pass"
 FUSION_ROUNDS = 10
@@ -506,10 +509,15 @@ def _split_master_window_(param: torch.Tensor | BufferRows, stored: torch.Tensor
 @functools.cache
 def compiled_master_codec() -> tuple[Callable, Callable]:
     """:func:`_join_master_window` and :func:`_split_master_window_` compiled (integer operations:
-    the same bits as eager on every backend), one pass over a window each."""
+    the same bits as eager on every backend), one pass over a window each. Without duck shapes: a
+    window is a slice of the bucket's remainder buffer, and with them a window of the whole buffer
+    gives the slice and its base one size symbol, so that Dynamo guards on their equality and compiles
+    again for a window of a part (a shard of two parameter groups)."""
+    from torch.fx.experimental import _config as symbolic_shapes_config
+
     options = _inductor_options()
     return tuple(
-        torch.compile(function, dynamic=True, fullgraph=True, options=options)
+        symbolic_shapes_config.patch(use_duck_shape=False)(torch.compile(function, dynamic=True, fullgraph=True, options=options))
         for function in (_join_master_window, _split_master_window_)
     )
 
@@ -658,7 +666,7 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
     first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
     if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
         first_step, seed = step, sr_seed
-        streams = _at_least_two([bucket.streams[i].stream for i in entries])
+        streams = at_least_two([bucket.streams[i].stream for i in entries])
         block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
         keys = block.reshape(-1).to(device)
         bucket.stream_keys[(start, end)] = (first_step, seed, keys)
@@ -669,7 +677,7 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
     """:class:`BucketStream`'s tables of the window [start, end) of the bucket whose entries
     ``entries`` overlap it: each group's entry, and each entry's column shift (its first column less
     its offset in the window), row length, first row's start and row stride in its stream (each
-    table of at least two values: :func:`_at_least_two`)."""
+    table of at least two values: :func:`~megatron_lowprec.optim.buckets.at_least_two`)."""
     if start % SR_GROUP_SIZE or (end - start) % SR_GROUP_SIZE:
         raise ValueError(f"a stochastic-rounding call [{start}, {end}) must hold whole groups of {SR_GROUP_SIZE} elements")
     group_entries, shifts, row_lengths, row_starts, row_strides = [], [], [], [], []
@@ -692,16 +700,9 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
         row_strides.append(_signed_int64(layout.row_stride))
     device = bucket.device
     return (
-        *(torch.tensor(_at_least_two(values), dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
-        *(torch.tensor(_at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
+        *(torch.tensor(at_least_two(values), dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
+        *(torch.tensor(at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
     )
-
-
-def _at_least_two(values: list) -> list:
-    """A table of :class:`BucketStream` (per group, or per entry: the round keys' streams too) with
-    its one value repeated when it has only one: a compiled step specialises a size of one (it
-    broadcasts) and would compile again for a window of one entry or one group."""
-    return values * 2 if len(values) == 1 else values
 
 
 def _signed_int64(value: int) -> int:

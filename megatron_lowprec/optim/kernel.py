@@ -141,11 +141,14 @@ class BucketStream(NamedTuple):
     row_strides: torch.Tensor
     """[entries] int64 global index distance between consecutive rows of each entry's stream."""
 
-    def words(self, like: torch.Tensor) -> torch.Tensor:
-        """Per element: one lookup in the per-group table, then seven in the per-entry tables (:data:`SR_GROUP_TABLE_BYTES`)."""
+    def words(self, like: torch.Tensor, repeated: torch.Tensor | None = None) -> torch.Tensor:
+        """Per element: one lookup in the per-group table, then seven in the per-entry tables
+        (:data:`SR_GROUP_TABLE_BYTES`). ``repeated``: the index in the call of the element whose word
+        each element takes (a shard's padding repeats an element of its own entry,
+        :meth:`~megatron_lowprec.optim.buckets.BufferRows.repetition`); itself by default."""
         element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
         entry = self.group_entries[element >> SR_GROUP_SHIFT]
-        local = element + self.column_shifts[entry]
+        local = (element if repeated is None else repeated.reshape(-1)) + self.column_shifts[entry]
         row_length = self.row_lengths[entry]
         row = torch.div(local, row_length, rounding_mode="trunc")
         column = local - row * row_length
@@ -432,21 +435,36 @@ def bucket_kernel_(
 ) -> torch.Tensor | None:
     """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
     (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
-    place) and whose scalars may differ by parameter group (:class:`GroupScalars`). The fused step
+    place) and whose scalars may differ by parameter group (:class:`GroupScalars`). Where the
+    parameters do (a distributed optimizer's shard, whose gradients lie at the same places of
+    another buffer: read through the parameters' tables), each padding element reads the parameter, the
+    gradient and the random word of the element it repeats, whose state its own repeats
+    (:meth:`~megatron_lowprec.optim.buckets.Bucket.repeat_into_padding_`): it computes the same
+    values, so that the new parameters are stored into megatron's buffer from the step's one kernel
+    (:meth:`~megatron_lowprec.optim.buckets.BufferRows.store_repeating`), and it counts for nothing
+    in the update quality. The fused step
     compiles this function (and calls it uncompiled where compiling cannot pay); its caller has
     checked the gradients, so it never synchronises with the host to check the moments again."""
     like = _per_element_state(state)
     shape = like.shape
-    values = param.read(shape) if isinstance(param, BufferRows) else param
-    if isinstance(grad, BufferRows):
-        grad = grad.read(shape)
+    counted = None
+    if isinstance(param, BufferRows):
+        counted, repeated = param.repetition(shape)
+        values, grad = param.read_repeating(shape), param.read_repeating(shape, grad.source)
+        if isinstance(random_source, BucketStream):
+            random_source = random_source.words(like, repeated)
+    else:
+        values = param
+        if isinstance(grad, BufferRows):
+            grad = grad.read(shape)
     if isinstance(scalars, GroupScalars):
         scalars = scalars.resolve(like)
     pieces = adamw_kernel_(
-        values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality, check_finite=False
+        values, grad, state, strategy, scalars, beta2_expansion, random_source, track_update_quality,
+        check_finite=False, counted=counted,
     )
     if isinstance(param, BufferRows):
-        param.write(values)
+        param.store_repeating(values)
     return pieces
 
 
@@ -460,6 +478,7 @@ def adamw_kernel_(
     random_source: RandomSource,
     track_update_quality: bool,
     check_finite: bool = True,
+    counted: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The elementwise body of one step, in place. Every operation is one correctly rounded FP32
     operation (no lerp, addcmul or addcdiv, whose CPU kernels fuse multiply-adds; a correctly rounded
@@ -470,6 +489,7 @@ def adamw_kernel_(
     against the change of the represented value), reduced inside the step: compiled, it keeps no
     tensor-sized FP64 temporary. ``check_finite=False`` when the caller has checked the gradients:
     FP8 moments are then stored without the host synchronisation that refuses non-finite values.
+    ``counted``: the elements whose update counts in the update quality (default: all).
     """
     before = represented_value(param, state) if track_update_quality else None
     grad = grad.float()
@@ -488,7 +508,10 @@ def adamw_kernel_(
         encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy, check_finite)
     if not track_update_quality:
         return None
-    return update_quality_pieces(update, before, represented_value(param, state))
+    after = represented_value(param, state)
+    if counted is not None:
+        update, before, after = (torch.where(counted, value, 0) for value in (update, before, after))
+    return update_quality_pieces(update, before, after)
 
 
 def muon_momentum_kernel_(
