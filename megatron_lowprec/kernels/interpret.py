@@ -402,9 +402,10 @@ def compare(
 ) -> Comparison:
     """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
     eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit.
-    Stochastic rounding steps a shard over the whole bucket on a GPU, its state padding repeating
-    its entries' last elements, and entry by entry on a CPU, which leaves the padding as it was: the
-    eager twin's padding is repeated before the comparison.
+    Stochastic rounding steps an AdamW shard over the whole bucket on a GPU, its state padding
+    repeating its entries' last elements, and entry by entry on a CPU, which leaves the padding as it
+    was: the eager twin's padding is repeated before the comparison (AdamW only: Muon's bucket in
+    megatron's layout keeps its state padding as built on both paths).
     ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
     in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer)."""
     from megatron_lowprec.kernels.audit import strategy_for
@@ -427,7 +428,7 @@ def compare(
     with eager_steps():
         run(twins["eager"])
     interpreted, eager = twins["interpreted"][0], twins["eager"][0]
-    if kind == "shard" and strategy.param_update == "stochastic":
+    if optimizer == "adamw" and kind == "shard" and strategy.param_update == "stochastic":
         eager.repeat_into_padding_()
     tensors = {"param": (_params_of(interpreted), _params_of(eager))}
     tensors.update({key: (value, eager.state[key]) for key, value in interpreted.state.items() if torch.is_tensor(value)})

@@ -305,16 +305,19 @@ def test_muon_layout_bytes_count_the_state_and_what_newton_schulz_exchanges():
 
 
 def test_readme_muon_audit_table_states_each_calls_layout_bytes():
-    """The README's Muon audit table: every option and master storage, each call's layout bytes, the
-    total and its 1.3B roofline time are the audit's."""
+    """The README's Muon audit table: every option and master storage of each kind (a plain bucket,
+    megatron's layer-wise layout), each call's layout bytes, the total and its 1.3B roofline time are
+    the audit's."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    header = "| option | master | momentum call: layout B/elem |"
+    header = "| option | master | kind | momentum call: layout B/elem |"
     lines = readme.split(header, 1)[1].splitlines()[2:]
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[: next(
         index for index, line in enumerate(lines) if not line.startswith("| ")
     )]]
-    assert [(option, storage) for option, storage, *_ in rows] == audit.configurations()
-    for option, storage, momentum, update, _, total, roofline, *_ in rows:
+    assert [(option, storage, kind) for option, storage, kind, *_ in rows] == [
+        (option, storage, kind) for kind in codegen.KINDS for option, storage in audit.configurations()
+    ]
+    for option, storage, _, momentum, update, _, total, roofline, *_ in rows:
         layout = audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)))
         assert (momentum, update) == tuple(f"{read:g} + {written:g}" for read, written in layout.values())
         whole = sum(sum(pair) for pair in layout.values())
