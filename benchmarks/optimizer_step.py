@@ -21,6 +21,7 @@ runs, and each option with an FP32 master also in its other storage, next to it.
 
     python benchmarks/optimizer_step.py --sizes 1M 16M 64M
     python benchmarks/optimizer_step.py --sizes 16M --options D D:remainder coat coat:remainder D-BF16 D-BF16:fp32
+    python benchmarks/optimizer_step.py --sizes 256M --kernels    # CUDA: also each step's kernels and their times
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, fused: bool) -> None:
+def run(
+    sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, fused: bool, kernels: bool = False
+) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
@@ -180,7 +183,24 @@ def run(sizes: list[int], options: list[str], warmup: int, repeats: int, device:
             largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
             print(_row(numel, "torch32", 16, baseline_time, FP32_ADAMW_TRAFFIC_BYTES, 1.0, bandwidth, baseline_peak, 4 * numel))
             print(_row(numel, option, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak, largest_bucket))
+            if kernels:
+                print(f"{'':>8} {option:>12} {kernel_summary(optimizer.step)}")
             del optimizer, params
+
+
+def kernel_summary(step) -> str:
+    """The GPU kernels one ``step()`` launches (torch.profiler): count, their summed GPU time, and each
+    kernel's name and time, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda event: -event.device_time)
+    listed = ", ".join(f"{event.name[:60]} {event.device_time / 1e3:.2f} ms" for event in kernels)
+    return f"{len(kernels)} kernels, {sum(event.device_time for event in kernels) / 1e3:.2f} ms: {listed}"
 
 
 def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak, bucket_bytes) -> str:
@@ -199,9 +219,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eager", action="store_true", help="time the eager reference instead of the fused step")
+    parser.add_argument("--kernels", action="store_true", help="also list the GPU kernels of one step per option (CUDA)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.kernels and device.type != "cuda":
+        parser.error(f"--kernels lists GPU kernels and needs --device cuda; got --device {args.device}")
     sizes = [parse_size(s) for s in args.sizes]
-    run(sizes, args.options, args.warmup, args.repeats, torch.device(args.device), fused=not args.eager)
+    run(sizes, args.options, args.warmup, args.repeats, device, fused=not args.eager, kernels=args.kernels)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ rounds them away (nearest-even or stochastic), removing exponent bits narrows th
 ends. E8M7 is BF16. Range handling, each end switchable for the paper's ablation (its Fig. 4):
 
 - outer range (``clamp_outer_range``): magnitudes above the format's largest finite value saturate
-  to +-max (the paper thresholds them). torch's cast to float8_e4m3fn saturates the same way, so
-  E4M3 emulation equals that cast; torch's cast to float8_e5m2 overflows to +-inf instead, so E5M2
-  emulation equals torch's cast of the input clamped to +-57344 (they agree wherever the cast is
-  finite). Off: large magnitudes keep the 8-bit exponent range (they are rounded as E8My).
+  to +-max (the paper thresholds them), so E4M3 and E5M2 emulation equal torch's casts of the
+  input clamped to +-448 and +-57344 (torch's own casts differ above that: to float8_e4m3fn, NaN on
+  torch 2.11's CPU, +-448 on torch 2.13's; to float8_e5m2, +-inf). Off: large magnitudes keep the
+  8-bit exponent range (they are rounded as E8My).
 - inner range (``clamp_inner_range``): below the smallest normal the format's subnormals and zero
   apply (gradual underflow, bit-exact to torch's float8 casts). Off: small magnitudes keep y
   mantissa bits down to the 8-bit exponent range.

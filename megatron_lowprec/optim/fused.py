@@ -124,8 +124,12 @@ def fusion_after_reordering() -> Any:
     more rounds each moment's new-scale store ([groups] pointwise, after every read of the old
     scales) stays a kernel of its own: with them the plain step is one kernel, which stores each new
     scale once per group. A :class:`CustomSchedulerPass` with a ``uuid``, so that Inductor's FX graph
-    cache keys on it."""
-    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+    cache keys on it; None where this torch has the option but not that class (torch 2.11, seen on an
+    H200): the step then stores each new scale in a kernel of its own."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
+    except ImportError:
+        return None
 
     class FusionAfterReordering(CustomSchedulerPass):
         def __call__(self, nodes):
@@ -271,7 +275,7 @@ def compile_step_function(function: Callable, group_statistics: bool = False) ->
     options = _inductor_options()
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
-        if hasattr(inductor_config, POST_FUSION_OPTION):
+        if hasattr(inductor_config, POST_FUSION_OPTION) and fusion_after_reordering() is not None:
             options[POST_FUSION_OPTION] = fusion_after_reordering()
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)

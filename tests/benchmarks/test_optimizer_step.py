@@ -42,3 +42,11 @@ def test_by_default_every_option_with_a_master_runs_in_both_storages():
     assert options[options.index("coat") + 1] == "coat:remainder"
     assert options[options.index("D-BF16") + 1] == "D-BF16:fp32"
     assert module.parse_option("coat:remainder").bytes_per_param() == 8.125
+
+
+def test_listing_kernels_needs_a_gpu():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "A", "--kernels", "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 2 and "--kernels lists GPU kernels and needs --device cuda; got --device cpu" in result.stderr

@@ -45,7 +45,8 @@ def test_e8m7_is_bf16_rounding_bit_for_bit(device):
 
 def test_e4m3_is_torchs_saturating_float8_cast(device):
     x = torch.cat([finite_float32_sample(200_000, seed=2), torch.tensor([float("inf"), -float("inf"), 464.0, -480.0])])
-    assert bits_equal(emulate_format(x.to(device), "E4M3"), x.to(torch.float8_e4m3fn))
+    # Above the largest E4M3 value torch 2.11's CPU cast gives NaN, torch 2.13's saturates.
+    assert bits_equal(emulate_format(x.to(device), "E4M3"), x.clamp(-448, 448).to(torch.float8_e4m3fn))
     assert torch.isnan(emulate_format(torch.tensor([float("nan")], device=device), "E4M3")).all()
 
 

@@ -155,6 +155,29 @@ def test_fp8_group_statistics_are_recomputed_in_the_kernel_on_gpus_only(option, 
     assert asked and set(asked) == {False}
 
 
+def test_group_statistics_compile_without_the_scheduler_pass_class(monkeypatch):
+    """torch 2.11 has Inductor's post-fusion pass option but not ``CustomSchedulerPass`` (on an H200
+    every COAT step failed to compile on that import): the step then compiles without the pass."""
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    def compile_options() -> dict:
+        captured = {}
+        monkeypatch.setattr(torch, "compile", lambda function, **kwargs: captured.update(kwargs) or function)
+        step = fused_module.compile_step_function(lambda x: x + 1, group_statistics=True)
+        assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0))
+        return captured["options"]
+
+    fused_module.fusion_after_reordering.cache_clear()
+    assert fused_module.POST_FUSION_OPTION in compile_options()
+    monkeypatch.delattr(custom_graph_pass, "CustomSchedulerPass")
+    fused_module.fusion_after_reordering.cache_clear()
+    try:
+        assert fused_module.fusion_after_reordering() is None
+        assert fused_module.POST_FUSION_OPTION not in compile_options()
+    finally:
+        fused_module.fusion_after_reordering.cache_clear()
+
+
 def test_without_background_compile_the_first_step_compiles_in_the_training_process(monkeypatch):
     from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 
