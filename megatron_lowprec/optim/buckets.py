@@ -417,6 +417,21 @@ def build_bucket(
     return bucket, states
 
 
+def own_grad_buffer(bucket: Bucket) -> torch.Tensor | None:
+    """The bucket's gradient buffer if every parameter's gradient is its contiguous view there (the
+    buffer's padding stays zero), else ``None``."""
+    buffer = bucket.grad_buffer
+    if buffer is None:
+        return None
+    for index, param in enumerate(bucket.params):
+        grad = param.grad
+        if grad is None or grad.dtype != buffer.dtype or not grad.is_contiguous():
+            return None
+        if grad.data_ptr() != bucket.view(buffer, index).data_ptr():
+            return None
+    return buffer
+
+
 def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
     """The bucket's gradients for a fused step, or ``None`` if some parameter has no gradient or the
     gradients do not share one dtype. Without a copy where possible: the bucket's own gradient buffer
@@ -427,11 +442,8 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
     grads = [param.grad for param in bucket.params]
     if any(grad is None for grad in grads) or len({grad.dtype for grad in grads}) != 1:
         return None
-    if bucket.grad_buffer is not None and bucket.grad_buffer.dtype == grads[0].dtype and all(
-        grad.data_ptr() == bucket.view(bucket.grad_buffer, index).data_ptr() and grad.is_contiguous()
-        for index, grad in enumerate(grads)
-    ):
-        return bucket.grad_buffer
+    if (own := own_grad_buffer(bucket)) is not None:
+        return own
     rows = None
     if len(grads) > 1 or grads[0].untyped_storage().nbytes() > grads[0].nbytes:
         rows = _rows_of(bucket, grads, bucket.grad_rows)

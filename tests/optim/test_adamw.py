@@ -562,3 +562,35 @@ def test_non_finite_flag_uses_no_op_that_lacks_a_bf16_cuda_kernel():
     with Record():
         non_finite_flag([torch.ones(3, dtype=torch.bfloat16)], torch.device("cpu"))
     assert called and not set(called) & set(OPS_WITHOUT_BF16_CUDA_KERNELS)
+
+
+def test_the_finiteness_check_reads_a_bucket_s_own_gradient_buffer_in_one_pass():
+    """Once the gradients are views of their bucket's buffer (from the first fused step on), the
+    check is one reduction over that buffer instead of one per gradient; a NaN in any view is found."""
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_lowprec.optim.buckets import gather_grads
+
+    params = [torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)) for numel in (1000, 129, 4097)]
+    optimizer = AdamW(params, option="A", fused=False)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    reduced = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.aminmax:
+                reduced.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        assert optimizer._grads_ready()
+    assert sorted(reduced) == [129, 1000, 4097]
+    [bucket] = optimizer.buckets
+    gather_grads(bucket)
+    reduced.clear()
+    with Record():
+        assert optimizer._grads_ready()
+    assert reduced == [bucket.grad_buffer.numel()]
+    params[1].grad[-1] = math.nan
+    assert not optimizer._grads_ready() and optimizer.skipped_steps == 1
