@@ -4,7 +4,9 @@ Each run is a ``lowprec-train`` process (``torchrun`` with ``--nproc`` > 1) on t
 batch and layout, differing only in the precision config; stock megatron-core (``precision=megatron``:
 its own ``get_megatron_optimizer``, BF16 parameters, FP32 master weights) is always among them and is
 the baseline of the ratios. Runs go one after another, ``--rounds`` times in turn (so that a machine
-whose speed drifts slows every run alike), and each figure is the median over the rounds.
+whose speed drifts slows every run alike), and each figure is the median over the rounds. Each run
+prints a line as it ends; a run that fails or outlasts ``--timeout`` gets a row saying so, the others
+still run, and the exit status is 1.
 
 Per run, from the run's ``metrics.jsonl`` (one row per step): tokens/s over the steps after
 ``--warmup`` (total tokens / total step time; evaluation and checkpoints are not timed; the fused
@@ -92,17 +94,24 @@ def measure(rows: list[dict], summary: dict, warmup: int, world_size: int) -> di
     return result
 
 
+class RunFailed(RuntimeError):
+    """A run that exited with an error or outlasted ``--timeout``; its first line says which."""
+
+
 def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], work_dir: Path) -> dict:
     run_dir = work_dir / label.replace("/", "_").replace(":", "_").replace(",", "_").replace("=", "-")
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    finished = subprocess.run(
-        train_command(arguments, overrides, run_dir), capture_output=True, text=True, env=environment,
-        timeout=arguments.timeout,
-    )
-    if finished.returncode != 0:
-        raise RuntimeError(
-            f"run {label!r} failed (exit {finished.returncode}):\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}"
+    try:
+        finished = subprocess.run(
+            train_command(arguments, overrides, run_dir), capture_output=True, text=True, env=environment,
+            timeout=arguments.timeout,
         )
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout or b""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        raise RunFailed(f"outlasted --timeout {arguments.timeout:g} s\n{output[-3000:]}") from None
+    if finished.returncode != 0:
+        raise RunFailed(f"exit {finished.returncode}\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return measure(rows, summary, arguments.warmup, arguments.nproc)
@@ -112,22 +121,28 @@ def median_results(rounds: list[dict]) -> dict:
     return {key: statistics.median(result[key] for result in rounds) for key in rounds[0]}
 
 
-def table(results: dict[str, dict]) -> str:
-    """A Markdown table, one row per run, stock first."""
-    stock = results[STOCK]
+def table(results: dict[str, dict], failures: dict[str, str] | None = None) -> str:
+    """A Markdown table, one row per run in the order of ``results`` (stock first); a failed run's
+    row names its failure, and without stock's figures the ratios are left out."""
+    failures = failures or {}
+    stock = results.get(STOCK)
     mfu = any("mfu" in result for result in results.values())
     header = ["run", "tokens/s", "TFLOP/s/GPU", *(["MFU"] if mfu else []), "peak GiB", "tokens/s vs stock", "peak vs stock"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, result in results.items():
-        cells = [
-            label,
-            f"{result['tokens_per_second']:,.0f}",
-            f"{result['tflops_per_gpu']:.3g}",
-            *([f"{100 * result['mfu']:.1f}%" if "mfu" in result else "-"] if mfu else []),
-            f"{result['peak_gib']:.2f}",
-            f"{result['tokens_per_second'] / stock['tokens_per_second']:.2f}",
-            f"{result['peak_gib'] / stock['peak_gib']:.2f}",
-        ]
+    for label in [*results, *failures]:
+        if label in failures:
+            cells = [label, f"failed: {failures[label]}", *["-"] * (len(header) - 2)]
+        else:
+            result = results[label]
+            cells = [
+                label,
+                f"{result['tokens_per_second']:,.0f}",
+                f"{result['tflops_per_gpu']:.3g}",
+                *([f"{100 * result['mfu']:.1f}%" if "mfu" in result else "-"] if mfu else []),
+                f"{result['peak_gib']:.2f}",
+                f"{result['tokens_per_second'] / stock['tokens_per_second']:.2f}" if stock else "-",
+                f"{result['peak_gib'] / stock['peak_gib']:.2f}" if stock else "-",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -148,19 +163,32 @@ def main() -> None:
     arguments = parser.parse_args()
     runs = dict(parse_run(text) for text in [STOCK, *(run for run in arguments.runs if run != STOCK)])
     measured: dict[str, list[dict]] = {label: [] for label in runs}
+    failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="train_throughput_") as work:
         for round_index in range(arguments.rounds):
             for label, overrides in runs.items():
-                measured[label].append(run_once(arguments, label, overrides, Path(work) / f"round{round_index}"))
-    results = {label: median_results(rounds) for label, rounds in measured.items()}
+                if label in failures:
+                    continue
+                try:
+                    result = run_once(arguments, label, overrides, Path(work) / f"round{round_index}")
+                except RunFailed as error:
+                    failures[label] = str(error).splitlines()[0]
+                    print(f"run {label!r} failed: {error}", file=sys.stderr, flush=True)
+                    continue
+                measured[label].append(result)
+                print(f"round {round_index + 1}, {label}: {result['tokens_per_second']:,.0f} tokens/s, "
+                      f"peak {result['peak_gib']:.2f} GiB", flush=True)
+    results = {label: median_results(rounds) for label, rounds in measured.items() if label not in failures}
     print(
         f"model {arguments.model}, micro-batch {arguments.micro_batch}, global batch {arguments.global_batch}, "
         f"{arguments.nproc} process(es), {arguments.steps} timed steps after {arguments.warmup}, "
         f"median of {arguments.rounds} round(s); overrides {' '.join(arguments.set) or 'none'}"
     )
-    print(table(results))
+    print(table(results, failures))
     if arguments.json is not None:
-        arguments.json.write_text(json.dumps(results, indent=1))
+        arguments.json.write_text(json.dumps({**results, **{label: {"failed": why} for label, why in failures.items()}}, indent=1))
+    if failures:
+        raise SystemExit(f"{len(failures)} run(s) failed: {', '.join(failures)}")
     if not all(math.isfinite(result["final_train_loss"]) for result in results.values()):
         raise SystemExit("a run ended with a non-finite loss")
 

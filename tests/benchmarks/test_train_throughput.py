@@ -10,18 +10,39 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughp
 
 
 def test_the_benchmark_reports_each_run_against_stock_megatron_core(tmp_path):
+    """Every run gets its row; one that fails (here a bad override) is reported in its row, the
+    others still run, and the exit status says so."""
     results_file = tmp_path / "results.json"
     command = [
-        sys.executable, str(BENCHMARK), "--runs", "A", "A:model.attention_backend=unfused", "--steps", "2",
-        "--warmup", "1", "--micro-batch", "2", "--global-batch", "4", "--json", str(results_file),
+        sys.executable, str(BENCHMARK), "--runs", "A", "A:trainer.no_such_setting=1", "A:model.attention_backend=unfused",
+        "--steps", "2", "--warmup", "1", "--micro-batch", "2", "--global-batch", "4", "--json", str(results_file),
         "--set", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32",
     ]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert finished.returncode == 1, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert "1 run(s) failed: A:trainer.no_such_setting=1" in finished.stderr
     rows = [line.split("|")[1:-1] for line in finished.stdout.splitlines() if line.startswith("| ")]
-    assert [cells[0].strip() for cells in rows] == ["run", "megatron", "A", "A:model.attention_backend=unfused"]
+    assert [cells[0].strip() for cells in rows] == [
+        "run", "megatron", "A", "A:model.attention_backend=unfused", "A:trainer.no_such_setting=1",
+    ]
     assert [cell.strip() for cell in rows[1][-2:]] == ["1.00", "1.00"]
+    assert rows[4][1].strip().startswith("failed: exit")
     results = json.loads(results_file.read_text())
+    assert results.pop("A:trainer.no_such_setting=1")["failed"].startswith("exit")
     for result in results.values():
         assert result["tokens_per_second"] > 0 and result["tflops_per_gpu"] > 0 and result["peak_gib"] > 0
         assert math.isfinite(result["final_train_loss"]) and "mfu" not in result
+
+
+def test_a_run_that_outlasts_its_timeout_is_a_failed_run(tmp_path):
+    import argparse
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("train_throughput", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    arguments = argparse.Namespace(nproc=1, model="tiny", micro_batch=2, global_batch=2, warmup=1, steps=1, set=[], timeout=0.2)
+    with pytest.raises(module.RunFailed, match="outlasted --timeout 0.2 s"):
+        module.run_once(arguments, "A", ["precision=A"], tmp_path)
