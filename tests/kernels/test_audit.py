@@ -263,6 +263,24 @@ def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
         assert roofline == f"{audit.roofline_ms(read + written):.1f} ms"
 
 
+def test_readme_gpu_step_table_divides_each_layouts_bytes_by_the_measured_time():
+    """The README's H200 table: each row's bytes are its layout's (plain bucket) and its bandwidth
+    is those bytes for 256M elements over the measured kernel time."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
+        if line.startswith("  | ") and line.count("|") == 7
+    ]
+    options = {option for option, _ in audit.configurations()}
+    rows = [cells for cells in rows if cells[0].split()[0] in options]
+    assert {cells[0].split()[0] for cells in rows} == options
+    for name, _, milliseconds, layout, bandwidth, _ in rows:
+        option, _, storage = name.partition(" ")
+        read, written = audit.layout_bytes(audit.strategy_for(option, storage.strip("()") or "fp32"))
+        assert float(layout) == read + written
+        assert bandwidth == f"{(read + written) * 256e6 / (float(milliseconds) * 1e-3) / 1e12:.2f}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
     """On CUDA the norm's digit sums compile to one kernel that loads each value once (BF16: 2 bytes,
