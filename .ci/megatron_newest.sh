@@ -78,8 +78,16 @@ REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
 status=0
 # --dist worksteal (not the project's loadfile): Megatron-LM's layout tests, about half of this job's
-# test time, lie in one file, which loadfile would hand to one worker whole.
+# test time, lie in one file, which loadfile would hand to one worker whole. Of those, the layouts
+# TP=2 with C and PP=2 with sr and the TP=2 -> TP=1 resume with kahan are left to the main job
+# (megatron-core 0.16.1): here TP x PP with D-BF16's remainders, PP with virtual stages (coat) and
+# TP x DP with the distributed optimizer (sr, compiled) train, and C resumes from TP=2 at TP=1 and
+# coat from DP=2 at DP=1 (about 160 s of 2 workers' test time less).
+LM_TESTS=tests/megatron/test_megatron_lm.py
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --dist worksteal --junitxml="$REPORT" \
+    --deselect "$LM_TESTS::test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer[tp2-C]" \
+    --deselect "$LM_TESTS::test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer[pp2-sr]" \
+    --deselect "$LM_TESTS::test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit[tp2-to-tp1-kahan]" \
     tests/megatron/test_cpu_bridge.py \
     "tests/optim/test_muon.py::test_newton_schulz_is_megatron_cores_bit_for_bit_where_the_normalization_is_exact" \
     "tests/optim/test_muon.py::test_option_d_steps_as_megatron_cores_muon" \
@@ -87,7 +95,7 @@ status=0
     "tests/megatron/test_optimizer_hook.py::test_replicas_stay_bit_identical[C-2-2-False]" \
     "tests/megatron/test_optimizer_hook.py::test_dist_checkpoint_saved_at_tp2_loads_at_tp1[C]" \
     tests/megatron/test_build_optimizer.py \
-    tests/megatron/test_megatron_lm.py \
+    "$LM_TESTS" \
     "tests/megatron/test_distributed_optimizer.py::test_sharded_states_train_bit_identically_and_hold_their_share[dp2-fp32-reduction]" \
     tests/megatron/test_layers.py \
     "tests/train/test_app.py::test_tensor_and_data_parallel_together" || status=$?
