@@ -298,14 +298,16 @@ def test_a_fused_step_creates_no_device_tensor_from_host_data(option, monkeypatc
 def test_gradients_in_one_shared_buffer_are_read_in_place(option):
     """Gradients that are views of one flat buffer (as megatron DDP's ``main_grad``) are read where they
     are: the fused step allocates no gradient buffer of its own and stays bit-identical to the eager
-    step."""
-    eager, fused = _twin_optimizers(option)
-    shared = torch.zeros(sum(p.numel() for p in fused[0]) + 37, dtype=torch.bfloat16)
+    step. FP32 gradients, as megatron reduces them for the options with FP32 masters
+    (``grad_reduce_in_fp32``, as ``lowprec-train`` configures DDP): coat's step is then the one the
+    distributed-optimizer tests and the app compile, and CI compiles it once."""
+    eager, fused = _twin_optimizers(option, grad_dtype=torch.float32)
+    shared = torch.zeros(sum(p.numel() for p in fused[0]) + 37, dtype=torch.float32)
     generator = torch.Generator().manual_seed(4)
     for _ in range(4):
         offset = 37
         for p, q in zip(eager[0], fused[0]):
-            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            grad = torch.randn(p.shape, generator=generator)
             p.grad = grad.clone()
             view = shared[offset : offset + q.numel()].view(q.shape)
             view.copy_(grad)
