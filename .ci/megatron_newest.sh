@@ -78,11 +78,14 @@ REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
 status=0
 # --dist worksteal (not the project's loadfile): Megatron-LM's layout tests, about half of this job's
-# test time, lie in one file, which loadfile would hand to one worker whole. Of those, the layouts
-# TP=2 with C and PP=2 with sr and the TP=2 -> TP=1 resume with kahan are left to the main job
-# (megatron-core 0.16.1): here TP x PP with D-BF16's remainders, PP with virtual stages (coat) and
-# TP x DP with the distributed optimizer (sr, compiled) train, and C resumes from TP=2 at TP=1 and
-# coat from DP=2 at DP=1 (about 160 s of 2 workers' test time less).
+# test time, lie in one file, which loadfile would hand to one worker whole. They run only here
+# (megatron.training ships with megatron-core 0.17+). Megatron-LM's loop trains TP x PP with
+# D-BF16's remainders, PP with virtual stages (coat) and TP x DP with the distributed optimizer (sr,
+# compiled), C trains at TP=2 and resumes at TP=1, coat at DP=2 and resumes at DP=1. Three cases
+# are left out (about 160 s of the two workers' test time), their behaviours tested through
+# megatron-core in the main job: TP=2 with C (the C resume trains at TP=2), PP=2 with sr (sr's
+# bits across a tied embedding's stages: test_distributed_optimizer's pp2xdp2) and the TP=2 -> TP=1
+# resume with kahan (Kahan's compensation resharded: its dist-checkpoint test, every option).
 LM_TESTS=tests/megatron/test_megatron_lm.py
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --dist worksteal --junitxml="$REPORT" \
     --deselect "$LM_TESTS::test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer[tp2-C]" \
