@@ -44,9 +44,9 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
     """Each option, with and without the distributed optimizer, from the same weights on the same
     data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
     boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
-    DP=2 with the embedding tied across stages; the compiled kernel on stochastic rounding's row
-    grids, coat's group-aligned chunks and remainder masters read below megatron's parameter
-    buffer; masters stored as remainders, D's through torch's fused kernel; DP=2 with Megatron-LM's defaults, FP32 gradient
+    DP=2 with the embedding tied across stages; the distributed optimizer's compiled kernel on
+    stochastic rounding's row grids, coat's group-aligned chunks and remainder masters read below
+    megatron's parameter buffer, against the unsharded optimizer's eager step; masters stored as remainders, D's through torch's fused kernel; DP=2 with Megatron-LM's defaults, FP32 gradient
     reduction and clipping at 1.0, where both find the same gradient norms, which clip). Without
     the zero padding of its state buckets' layout, each rank holds at most its share of the
     unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
