@@ -41,6 +41,10 @@ root, as ``div.rn.f32``/``sqrt.rn.f32``; the kernels are generated without FP fu
 ``emulate_precision_casts``), so a GPU contracts no multiply-add, and the interpreter never does;
 an explicit ``tl.fma`` rounds once in both; numpy keeps FP32 subnormals as ``disable_ftz`` kernels do.
 
+One more patch changes no arithmetic, only the interpreter's speed (:func:`language_patched_once_per_launch`):
+Triton's interpreter patches ``triton.language`` again at every call of a helper function inside a
+kernel, which within a launch (whose own patch stays in force until it ends) changes nothing.
+
 Triton reads ``TRITON_INTERPRET`` when a kernel (or a helper of Inductor's) is decorated, so each
 comparison runs in a process of its own started with it set (:func:`run_comparisons`).
 
@@ -298,7 +302,46 @@ def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Laun
             fused, "fp8_payloads_as_codes", lambda device: payloads_as_codes(torch.device("cuda", 0))
         ))
         stack.enter_context(gpu_conversions())
+        stack.enter_context(language_patched_once_per_launch())
         yield launches
+
+
+class _LaunchPatch:
+    """The language patch of one interpreted launch; until it is restored, :func:`language_patched_once_per_launch`
+    skips the patches of the ``triton.language`` modules it (or a helper since) has patched."""
+
+    def __init__(self, scope: Any, patched: set[int]) -> None:
+        self.scope, self.patched = scope, patched
+
+    def restore(self) -> None:
+        self.patched.clear()
+        self.scope.restore()
+
+
+@contextlib.contextmanager
+def language_patched_once_per_launch() -> Iterator[None]:
+    """Triton's interpreter patches the ``triton.language`` modules that a kernel's globals name (an
+    ``inspect`` walk of each) at the start of each launch, and again at every call of a helper
+    function inside the kernel, for the modules the helper's globals name: a coat step made 135,441
+    such calls, 20 of its 66 s. A helper's patch of modules already patched in the launch changes
+    nothing and is skipped; the others are made, as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = codegen._private(interpreter, "_patch_lang", "Triton's interpreter")
+    patched: set[int] = set()
+
+    def patched_once(fn):
+        modules = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if patched and modules <= patched:
+            return None
+        launch = not patched
+        scope = patch_lang(fn)
+        patched.update(modules)
+        return _LaunchPatch(scope, patched) if launch else scope
+
+    with mock.patch.object(interpreter, "_patch_lang", patched_once):
+        yield
 
 
 @contextlib.contextmanager
