@@ -211,14 +211,25 @@ def _sharded_masters(optimizer) -> torch.Tensor | None:
     ])
 
 
-def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
-    """Another layout loads each option's checkpoint with and without the distributed optimizer:
-    whether the loaded states agree bit for bit, and both runs' losses over the next ``steps``. An
-    option ``LOADED<-SAVED`` loads the checkpoint of option SAVED (another master storage): whether
-    its FP32 masters equal, bit for bit, those that SAVED (listed before it) loaded."""
+def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel_sizes: list[int], steps: int) -> dict:
+    """Other layouts, one after another in the same processes (``tensor_parallel_sizes``), load each
+    option's checkpoint with and without the distributed optimizer (:func:`_load_at`), per tensor-parallel
+    size."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    results = {}
+    for tensor_parallel in tensor_parallel_sizes:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        results[str(tensor_parallel)] = _load_at(options, checkpoint_dir, tensor_parallel, steps)
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def _load_at(options: list[str], checkpoint_dir: str, tensor_parallel: int, steps: int) -> dict:
+    """At ``tensor_parallel``: whether the loaded states agree bit for bit, and both runs' losses over
+    the next ``steps``. An option ``LOADED<-SAVED`` loads the checkpoint of option SAVED (another
+    master storage): whether its FP32 masters equal, bit for bit, those that SAVED (listed before it)
+    loaded."""
     config = _transformer_config(tensor_parallel=tensor_parallel, hidden_dropout=0.0, attention_dropout=0.0)
     result, masters = {}, {}
     for entry in options:

@@ -92,12 +92,12 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
         for option in saved_options:
             assert rank[option] == {"losses_identical": True, "params_identical": True}, option
     across_storages = ["D:remainder<-D", "coat<-coat:remainder"]
+    ranks = _run(tmp_path / "load", 4, "load_elsewhere", options=saved_options + across_storages,
+                 checkpoint_dir=str(checkpoint), tensor_parallel_sizes=[1, 2], steps=2)
     for tensor_parallel in (1, 2):
-        ranks = _run(tmp_path / f"load_tp{tensor_parallel}", 4, "load_elsewhere", options=saved_options + across_storages,
-                     checkpoint_dir=str(checkpoint), tensor_parallel=tensor_parallel, steps=2)
         for rank in ranks:
             for option in saved_options + across_storages:
-                result = rank[option]
+                result = rank[str(tensor_parallel)][option]
                 assert result["same_state"], (tensor_parallel, option)
                 assert result.get("same_masters", True), (tensor_parallel, option)
                 assert result["sharded"][:2] == result["unsharded"][:2], (tensor_parallel, option)
