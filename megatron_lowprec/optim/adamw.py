@@ -58,8 +58,9 @@ def _extremes(grads: list[torch.Tensor]) -> torch.Tensor:
     """Values whose finiteness is that of ``grads`` (one dtype): each large tensor's min and max
     (``aminmax``, one pass), and on CUDA the small ones' max-norms in one multi-tensor kernel
     (``torch._foreach_norm``, ord=inf; on CPUs the max-norm of BF16 runs per tensor and 10x slower)."""
-    together = [grad for grad in grads if grad.device.type == "cuda" and grad.numel() < LARGE_GRADIENT_NUMEL]
-    alone = [grad for grad in grads if not (grad.device.type == "cuda" and grad.numel() < LARGE_GRADIENT_NUMEL)]
+    together, alone = [], []
+    for grad in grads:
+        (together if grad.device.type == "cuda" and grad.numel() < LARGE_GRADIENT_NUMEL else alone).append(grad)
     extremes = [torch.stack(torch.aminmax(grad)) for grad in alone]
     if together:
         extremes.append(torch.stack(torch._foreach_norm(together, float("inf"))))
