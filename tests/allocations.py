@@ -1,11 +1,13 @@
 """What torch allocates while a function runs.
 
-- :func:`measure_allocations`: bytes that torch's CPU allocator hands out, through torch's profiler.
-  Every allocation is reported to the profiler (inside an operator, as that operator's own memory;
-  outside one, such as the buffers of Inductor-compiled code, as a ``[memory]`` event), and so is
-  every free of memory allocated while it runs. Summing them in time order gives the bytes live at
-  each moment: the peak, and what is left at the end. Frees of memory allocated before the call are
-  not reported, and events of other threads (a collective's) interleave: use it in one process.
+- :func:`measure_allocations`: bytes that torch's CPU allocator hands out, through torch's profiler,
+  which records every allocation, and every free of memory allocated while it runs, as a ``[memory]``
+  event with its time and size (inside operators, in compiled code and between operators alike).
+  Summing them in time order gives the bytes live at each moment: the peak, and what is left at the
+  end. (The per-operator "self memory" of the profiler's summary is no substitute: a free between two
+  operators is booked to the range around them, such as the ``record_function`` that
+  ``torch.optim.Optimizer.step`` opens, as of its start.) Frees of memory allocated before the call
+  are not reported, and events of other threads (a collective's) interleave: use it in one process.
 - :func:`kept_allocations`: the bytes of the tensors that operators create during the call and that
   are still alive afterwards (each storage once), through a dispatch mode. An operator that returns
   the storage of one of its arguments creates none, whether or not its schema marks the alias
@@ -42,9 +44,14 @@ def measure_allocations(function: Callable[[], Any]) -> Allocations:
     """Call ``function`` and measure what the CPU allocator gave out meanwhile."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = function()
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
     live = peak = 0
-    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
-        live += event.self_cpu_memory_usage
+    for _, change in changes:
+        live += change
         peak = max(peak, live)
     return Allocations(peak, live, result)
 
