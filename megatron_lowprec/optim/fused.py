@@ -52,13 +52,14 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -67,12 +68,15 @@ from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
-from megatron_lowprec.optim.buckets import FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, at_least_two, elements_per_value
+from megatron_lowprec.optim.buckets import (
+    FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, at_least_two, bucket_alignment, elements_per_value,
+)
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
     SR_GROUP_SIZE,
     GroupScalars,
+    RandomSource,
     StepScalars,
     beta2_expansion_for,
     bucket_kernel_,
@@ -390,6 +394,38 @@ MAX_CALL_ELEMENTS = 1 << 30
 """Elements of one compiled call at most where the call counts its elements in int32 (stochastic
 rounding over a whole bucket): a larger bucket is stepped in windows of this size."""
 
+EAGER_WINDOW_ELEMENTS = 1 << 24
+"""Elements of a bucket per piece where a call of the fused step runs uncompiled (the first steps
+under background compilation, a fallback): the uncompiled kernel allocates every intermediate
+(32 to 70 bytes per element of its call, measured on CPU), which over a whole model's bucket would
+outgrow a GPU's memory; in pieces of this size they stay near 1 GiB. The pieces give the bits of the
+whole call (every value is per element or per FP8 group, and pieces hold whole groups)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """The arguments of one call of the fused step, over elements [start, end) of its bucket."""
+
+    param: torch.Tensor | BufferRows
+    grad: torch.Tensor | BufferRows
+    state: dict[str, Any]
+    scalars: StepScalars | GroupScalars
+    random_source: RandomSource
+    start: int = 0
+    end: int = 0
+    over: Callable[[int, int], StepCall] | None = None
+    """The call of the same kind over other elements [start, end) of the bucket (``None``: one that
+    is not cut, such as an entry's grid of stochastic-rounding rows)."""
+    unit: int = 1
+    """Where the call may be cut: every piece starts at a multiple of this many elements."""
+
+    def pieces(self, elements: int) -> list[StepCall]:
+        """The call cut into pieces of at most ``elements`` elements (rounded down to :attr:`unit`)."""
+        if self.over is None or self.end - self.start <= elements:
+            return [self]
+        size = max(elements // self.unit, 1) * self.unit
+        return [self.over(start, min(start + size, self.end)) for start in range(self.start, self.end, size)]
+
 
 @torch.no_grad()
 def fused_bucket_step_(
@@ -428,36 +464,48 @@ def fused_bucket_step_(
         None if part is None else kernel_scalar(part, dtype) for part in beta2_expansion_for(strategy, betas.pop(), dtype)
     )
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
-    calls = (
-        (state, (param, call_grad, state, strategy, call_scalars, beta2_expansion, random_source, track_update_quality))
-        for param, call_grad, state, call_scalars, random_source in fused_call_arguments(
-            bucket, strategy, grad, entry_grads, scalars, sr_seed, step
-        )
-    )
     recipe = CompileRecipe(compiled_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
-    pieces = run_calls(recipe, bucket_kernel_, bucket, strategy, calls, background_compile)
-    return sum(pieces) if track_update_quality else None
+    pieces = run_calls(
+        recipe, bucket_kernel_, bucket, strategy, fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, step),
+        lambda call: (
+            call.param, call.grad, call.state, strategy, call.scalars, beta2_expansion, call.random_source, track_update_quality
+        ),
+        sum_of_pieces,
+        background_compile,
+    )
+    return sum_of_pieces(pieces)
+
+
+def sum_of_pieces(pieces: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The update-quality pieces of several calls added (``None`` where they are not tracked)."""
+    return None if pieces[0] is None else sum(pieces)
 
 
 def run_calls(
-    recipe: CompileRecipe, eager: Callable, bucket: Bucket, strategy: PrecisionStrategy,
-    calls: Iterable[tuple[dict[str, Any], tuple[Any, ...]]], background_compile: bool = False,
+    recipe: CompileRecipe, eager: Callable, bucket: Bucket, strategy: PrecisionStrategy, calls: Iterable[StepCall],
+    arguments: Callable[[StepCall], tuple[Any, ...]], combine: Callable[[list[Any]], Any], background_compile: bool = False,
 ) -> list[Any]:
-    """The results of the compiled ``eager`` that ``recipe`` builds on the arguments of each of
-    ``calls``, given with the call's state: a call of one FP8 group runs ``eager``
-    (:func:`_one_fp8_group`), the others :func:`_compiled_or_eager`."""
+    """The result of the compiled ``eager`` that ``recipe`` builds, on ``arguments(call)``, for each of
+    ``calls``: a call of one FP8 group runs ``eager`` (:func:`_one_fp8_group`), the others
+    :func:`_compiled_or_eager`. A call that runs uncompiled runs in pieces of at most
+    :data:`EAGER_WINDOW_ELEMENTS` elements (:meth:`StepCall.pieces`), whose results ``combine`` joins."""
+
+    def run_in_pieces(call: StepCall) -> Any:
+        return combine([eager(*arguments(piece)) for piece in call.pieces(EAGER_WINDOW_ELEMENTS)])
+
     return [
-        eager(*args) if _one_fp8_group(strategy, state) else _compiled_or_eager(recipe, eager, bucket, background_compile, *args)
-        for state, args in calls
+        eager(*arguments(call)) if _one_fp8_group(strategy, call.state)
+        else _compiled_or_eager(recipe, functools.partial(run_in_pieces, call), bucket, background_compile, arguments(call))
+        for call in calls
     ]
 
 
-def _compiled_or_eager(recipe: CompileRecipe, eager: Callable, bucket: Bucket, background_compile: bool, *args: Any) -> Any:
-    """One call of the compiled kernel that ``recipe`` builds (in the background:
-    :data:`BACKGROUND_COMPILES` runs ``eager``, the same function uncompiled, until a child process
-    has compiled it); ``eager`` on the same arguments, with an :class:`EagerFallbackWarning`, where
-    Dynamo refuses to compile it again (its recompile limit: raised before the call runs, so nothing
-    is stepped twice)."""
+def _compiled_or_eager(recipe: CompileRecipe, uncompiled: Callable[[], Any], bucket: Bucket, background_compile: bool, args: tuple) -> Any:
+    """One call of the compiled kernel that ``recipe`` builds on ``args`` (in the background:
+    :data:`BACKGROUND_COMPILES` runs ``uncompiled()``, the same function uncompiled, until a child
+    process has compiled it); ``uncompiled()``, with an :class:`EagerFallbackWarning`, where Dynamo
+    refuses to compile it again (its recompile limit: raised before the call runs, so nothing is
+    stepped twice)."""
 
     def warn_failed(error: str) -> None:
         warnings.warn(
@@ -467,7 +515,7 @@ def _compiled_or_eager(recipe: CompileRecipe, eager: Callable, bucket: Bucket, b
 
     try:
         if background_compile:
-            return BACKGROUND_COMPILES.call(recipe, eager, args, warn_failed)
+            return BACKGROUND_COMPILES.call(recipe, lambda *_: uncompiled(), args, warn_failed)
         return recipe.build()(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warn_eager_fallback(
@@ -475,7 +523,7 @@ def _compiled_or_eager(recipe: CompileRecipe, eager: Callable, bucket: Bucket, b
             f"torch.compile hit its recompile limit (torch._dynamo.config.recompile_limit = "
             f"{torch._dynamo.config.recompile_limit})",
         )
-        return eager(*args)
+        return uncompiled()
 
 
 def group_statistics_in_kernel(strategy: PrecisionStrategy, device: torch.device) -> bool:
@@ -606,8 +654,8 @@ def fused_call_arguments(
     scalars: dict[int, StepScalars],
     sr_seed: int | None,
     step: int,
-):
-    """The (parameter, gradient, state, scalars, random source) of each compiled call of the step:
+) -> Iterator[StepCall]:
+    """The compiled calls of the step:
 
     - stochastic rounding where integer division is cheap (:data:`BUCKET_STREAM_DEVICES`): the
       whole bucket, in windows of at most :data:`MAX_CALL_ELEMENTS` (:class:`BucketStream`);
@@ -618,31 +666,57 @@ def fused_call_arguments(
     """
     param = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1]
     buffers = kernel_state(bucket, strategy)
+    unit = bucket_alignment(strategy)
     if sr_seed is not None and bucket.device.type in BUCKET_STREAM_DEVICES and _whole_bucket_step(strategy):
-        for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
-            end = min(start + MAX_CALL_ELEMENTS, bucket.numel)
-            state = {key: buffer[start:end] for key, buffer in buffers.items()}
-            yield (
-                _window(param, start, end), _window(grad, start, end), state, _scalars_of(bucket, scalars, start, end),
-                _bucket_stream(bucket, start, end, sr_seed, step),
+
+        def stream_call(start: int, end: int) -> StepCall:
+            return StepCall(
+                _window(param, start, end), _window(grad, start, end), {key: _window(buffer, start, end) for key, buffer in buffers.items()},
+                _scalars_of(bucket, scalars, start, end), _bucket_stream(bucket, start, end, sr_seed, step),
+                start, end, stream_call, unit,
             )
+
+        for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
+            yield stream_call(start, min(start + MAX_CALL_ELEMENTS, bucket.numel))
     elif sr_seed is not None:
         yield from _entry_grid_calls(bucket, strategy, entry_grads, scalars, sr_seed, step)
     elif strategy.moments == "fp8":
         group_size = strategy.fp8_group_size
 
-        def grid(buffer):
-            return buffer.view(-1, group_size) if torch.is_tensor(buffer) else buffer
+        def grid(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
+            window = _window(source, start, end)
+            return window.view(-1, group_size) if torch.is_tensor(window) else window
 
-        state = {key: value if key.endswith(PER_GROUP_PARTS) else grid(value) for key, value in buffers.items()}
-        yield grid(param), grid(grad), state, _scalars_of(bucket, scalars, 0, bucket.numel), None
+        def group_call(start: int, end: int) -> StepCall:
+            state = {
+                key: _window(value, start // group_size, end // group_size) if key.endswith(PER_GROUP_PARTS) else grid(value, start, end)
+                for key, value in buffers.items()
+            }
+            return StepCall(
+                grid(param, start, end), grid(grad, start, end), state, _scalars_of(bucket, scalars, start, end), None,
+                start, end, group_call, unit,
+            )
+
+        yield group_call(0, bucket.numel)
     else:
-        yield param, grad, buffers, _scalars_of(bucket, scalars, 0, bucket.numel), None
+
+        def flat_call(start: int, end: int) -> StepCall:
+            return StepCall(
+                _window(param, start, end), _window(grad, start, end), {key: _window(buffer, start, end) for key, buffer in buffers.items()},
+                _scalars_of(bucket, scalars, start, end), None, start, end, flat_call, unit,
+            )
+
+        yield flat_call(0, bucket.numel)
 
 
 def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
-    """Elements [start, end) of a bucket-shaped flat buffer, or of the bucket a :class:`BufferRows` maps."""
-    return source[start:end] if torch.is_tensor(source) else source.from_row(start // source.width)
+    """Elements [start, end) of a bucket-shaped flat buffer, or of the bucket a :class:`BufferRows` maps:
+    the buffer itself where they are all of it (a view of it, though of the same elements, traces
+    apart from the tensor a compile child makes of the call's description, and so misses the cache
+    entry that the child filled)."""
+    if torch.is_tensor(source):
+        return source if start == 0 and end == source.shape[0] else source[start:end]
+    return source if start == 0 else source.from_row(start // source.width)
 
 
 def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
@@ -747,7 +821,7 @@ def _entry_grid_calls(
                 for key_, buffer in buffers.items()
             }
             stream = CounterStream.at_step(sr_seed, step, layout.stream, *bucket.row_start_words[key])
-            yield (
+            yield StepCall(
                 param[local].view(rows, length), grad.reshape(-1)[local].view(rows, length), state,
                 kernel_scalars[bucket.entry_groups[index]], stream,
             )

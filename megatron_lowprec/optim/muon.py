@@ -325,23 +325,27 @@ def fused_muon_bucket_step_(
     read and written in place."""
     scalars = {bucket.group_index: MuonScalars.for_step(lr, weight_decay, momentum)}
     momentum_recipe = CompileRecipe(compiled_muon_momentum_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
-    momentum_calls = (
-        (state, (call_grad, _momentum_state(state), strategy, call_scalars, nesterov, False))
-        for _, call_grad, state, call_scalars, _ in fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, None, step)
+    calls = fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, None, step)
+    (direction,) = run_calls(
+        momentum_recipe, muon_momentum_kernel_, bucket, strategy, calls,
+        lambda call: (call.grad, _momentum_state(call.state), strategy, call.scalars, nesterov, False), _joined, background_compile,
     )
-    (direction,) = run_calls(momentum_recipe, muon_momentum_kernel_, bucket, strategy, momentum_calls, background_compile)
     direction = direction.view(-1)
     terms = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
     entry_terms = [bucket.view(terms, index) for index in range(len(bucket.params))]
     for index, (param, term) in enumerate(zip(bucket.params, entry_terms)):
         orthogonal_steps(index, term.view(param.shape), bucket.view(direction, index).view(param.shape))
-    update_calls = (
-        (state, (param, term, _update_state(state), strategy, call_scalars, random_source))
-        for param, term, state, call_scalars, random_source in fused_call_arguments(
-            bucket, strategy, terms, entry_terms, scalars, sr_seed, step
-        )
+    run_calls(
+        CompileRecipe(compiled_muon_update_kernel), muon_update_kernel_, bucket, strategy,
+        fused_call_arguments(bucket, strategy, terms, entry_terms, scalars, sr_seed, step),
+        lambda call: (call.param, call.grad, _update_state(call.state), strategy, call.scalars, call.random_source),
+        lambda results: None, background_compile,
     )
-    run_calls(CompileRecipe(compiled_muon_update_kernel), muon_update_kernel_, bucket, strategy, update_calls, background_compile)
+
+
+def _joined(directions: list[torch.Tensor]) -> torch.Tensor:
+    """The directions of a momentum call run in pieces, as one tensor."""
+    return directions[0] if len(directions) == 1 else torch.cat(directions)
 
 
 ELEMENT_WISE = ("lr", "weight_decay", "momentum", "nesterov")
