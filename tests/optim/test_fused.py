@@ -558,3 +558,86 @@ def test_fp8_payloads_as_codes_step_to_the_eager_bits(option, monkeypatch):
     _step_twins(eager, fused, steps=5, seed=11, scale=lambda step: 10.0 ** (step - 3))
     _assert_bit_identical(eager, fused)
     assert payloads and set(payloads) == {torch.uint8}
+
+
+PIECE_SHAPES = ((64,), (300,), (256, 16), (700,), (129,))
+"""A bucket of 5.3k elements (its shard: the last 2.6k, three entries of two parameter groups)."""
+
+
+def _stepped_uncompiled(strategy, kind, window, monkeypatch):
+    """A bucket of :data:`PIECE_SHAPES` stepped 3 times while its compile is pending (a background
+    compile that never starts), uncompiled calls in pieces of ``window`` elements; its parameters
+    and state, and how many uncompiled calls ran."""
+    from megatron_lowprec.kernels import codegen
+    from megatron_lowprec.optim.background_compile import BackgroundCompiles
+
+    monkeypatch.setattr(fused_module, "EAGER_WINDOW_ELEMENTS", window)
+    monkeypatch.setattr(fused_module, "BACKGROUND_COMPILES", BackgroundCompiles())
+    calls, kernel = [], fused_module.bucket_kernel_
+    monkeypatch.setattr(fused_module, "bucket_kernel_", lambda *args: calls.append(1) or kernel(*args))
+    generator = torch.Generator().manual_seed(7)
+
+    def fill(tensor):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+
+    if kind == "plain":
+        bucket, grad, entry_grads, grad_data = codegen._plain_bucket(strategy, PIECE_SHAPES, 0, device="cpu", fill=fill)
+        params = bucket.param_buffer
+    else:
+        bucket, grad, entry_grads, grad_data = codegen._shard_bucket(strategy, PIECE_SHAPES, [0, 0, 0, 1, 1], device="cpu", fill=fill)
+        params = bucket.param_rows[1].source
+    hyper = {0: dict(codegen.STEP_HYPER), 1: dict(codegen.STEP_HYPER, lr=3e-3, weight_decay=0.0)}
+    for step in range(1, 4):
+        grad_data.copy_(torch.randn(grad_data.shape, generator=generator) * 10.0 ** (step - 2))
+        fused_module.fused_bucket_step_(
+            bucket, strategy, grad, entry_grads, hyper, step=step,
+            sr_seed=codegen.SR_SEED if strategy.param_update == "stochastic" else None,
+            track_update_quality=False, background_compile=True,
+        )
+    return params, bucket.state, len(calls)
+
+
+@pytest.mark.parametrize("kind", ["plain", "shard"])
+@pytest.mark.parametrize("option", [option for option in OPTIONS if get_strategy(option).adam_kernel != "torch_fused"])
+def test_an_uncompiled_call_runs_in_pieces_with_the_whole_calls_bits(option, kind, monkeypatch):
+    """While its compile is pending (background compilation) a call of the fused step runs
+    uncompiled, in pieces of at most ``EAGER_WINDOW_ELEMENTS`` elements, which bound the uncompiled
+    kernel's temporaries. Pieces of 256 elements (entries and runs of FP8 groups cut across pieces)
+    give, over 3 steps, the bits of the whole call run uncompiled, the function the fused step
+    compiles (compiled against it: the fused-vs-eager tests), in a bucket that owns its parameters
+    and in a distributed optimizer's shard of two parameter groups, stochastic rounding over the
+    whole bucket as on GPUs."""
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    strategy = get_strategy(option)
+    whole_params, whole_state, whole_calls = _stepped_uncompiled(strategy, kind, 1 << 30, monkeypatch)
+    params, state, calls = _stepped_uncompiled(strategy, kind, 256, monkeypatch)
+    assert calls >= 3 * 10 > whole_calls
+    assert torch.equal(params.view(torch.int16), whole_params.view(torch.int16))
+    for key, value in whole_state.items():
+        if torch.is_tensor(value):
+            assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("option", ["A", "sr", "coat"])
+def test_a_whole_bucket_call_passes_the_buckets_own_tensors(option, monkeypatch):
+    """A call over a whole bucket passes its buffers themselves, not views of all their elements:
+    Dynamo names a view's sizes after its base, so a view traces to another FX graph key than the
+    tensor that a background compile child makes of the call's description, and the training process
+    would miss the entry the child filled (seen with stochastic rounding over the whole bucket, as on
+    GPUs: a miss and a full compile in the training process, where now it hits). FP8 calls pass the
+    buffers viewed as [groups, group_size], as the child does."""
+    from megatron_lowprec.kernels import codegen
+
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    strategy = get_strategy(option)
+    bucket, grad, entry_grads, _ = codegen._plain_bucket(strategy, PIECE_SHAPES, 0, device="cpu")
+    sr_seed = 1 if strategy.param_update == "stochastic" else None
+    scalars = {0: fused_module.StepScalars.for_step(1, **codegen.STEP_HYPER)}
+    (call,) = fused_module.fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, 1)
+    buffers = fused_module.kernel_state(bucket, strategy)
+
+    def whole(tensor, buffer):
+        return tensor is buffer if tensor.dim() == 1 or buffer.dim() > 1 else tensor._base is buffer
+
+    assert whole(call.param, bucket.param_buffer) and whole(call.grad, grad)
+    assert all(whole(call.state[key], buffer) for key, buffer in buffers.items())

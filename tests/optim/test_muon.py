@@ -401,6 +401,43 @@ def test_fused_step_is_the_eager_step_bit_for_bit_for_every_option():
                 assert same, (option, index, key)
 
 
+@pytest.mark.parametrize("option", OPTIONS)
+def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, monkeypatch):
+    """While their compile is pending (background compilation) the fused step's momentum and update
+    calls run uncompiled, in pieces of at most ``EAGER_WINDOW_ELEMENTS`` elements (here 128: the
+    bucket in 9 pieces, the wide weight in 3), whose directions are joined for Newton-Schulz: the
+    eager step's bits in every parameter and state tensor over 3 steps, stochastic rounding over the
+    whole bucket as on GPUs."""
+    from megatron_lowprec.optim import fused as fused_module
+    from megatron_lowprec.optim import muon as muon_module
+    from megatron_lowprec.optim.background_compile import BackgroundCompiles
+
+    monkeypatch.setattr(fused_module, "EAGER_WINDOW_ELEMENTS", 128)
+    monkeypatch.setattr(fused_module, "BACKGROUND_COMPILES", BackgroundCompiles())
+    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
+    calls, kernel = [], muon_module.muon_momentum_kernel_
+    monkeypatch.setattr(muon_module, "muon_momentum_kernel_", lambda *args: calls.append(1) or kernel(*args))
+    start = [_random(shape, index).bfloat16() for index, shape in enumerate(FUSED_SHAPES)]
+    twins = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(values.clone()) for values in start]
+        twins.append((params, Muon(params, lr=0.02, option=option, fused=fused, seed=3, background_compile=fused)))
+    (eager_params, eager), (fused_params, fused) = twins
+    for step in range(3):
+        for index, (p, q) in enumerate(zip(eager_params, fused_params)):
+            p.grad = (_random(p.shape, 100 * step + index) * 10.0 ** (step - 1)).bfloat16()
+            q.grad = p.grad.clone()
+        eager.step()
+        calls.clear()
+        fused.step()
+        assert len(calls) == fused.buckets[0].numel // 128
+    for index, (p, q) in enumerate(zip(eager_params, fused_params)):
+        assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), index
+        for key, value in eager.state[p].items():
+            other = fused.state[q][key]
+            assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other, key
+
+
 def _in_one_buffer(values: list[torch.Tensor], gap: int = 64) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
     """Parameters of ``values`` that are views of one flat BF16 buffer, each after ``gap`` elements of
     another owner (as in megatron DDP's parameter buffer), that buffer, and the mask of its gaps."""
