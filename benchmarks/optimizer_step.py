@@ -16,17 +16,26 @@ serve every allocation above 64 KiB by mmap during that one step, so that freed 
 resident set at once (and to return its free heap first, ``malloc_trim``). Timed steps run with a 32 MiB threshold (glibc's own dynamic maximum), so that
 they do not pay a page fault per temporary page.
 
+``--uncompiled``: the fused step while its compile is pending (background compilation, the default
+of ``lowprec-train``: the first steps, before the compile child is done; here a child that never
+starts), whose calls run the step's kernel uncompiled in pieces of ``fused.EAGER_WINDOW_ELEMENTS``
+elements; each option also runs with the whole bucket in one uncompiled call (``whole``), the
+baseline of its peak memory, in the same run.
+
 An option may name its master's storage (``D:remainder``, ``D-BF16:fp32``); by default every option
 runs, and each option with an FP32 master also in its other storage, next to it.
 
     python benchmarks/optimizer_step.py --sizes 1M 16M 64M
     python benchmarks/optimizer_step.py --sizes 16M --options D D:remainder coat coat:remainder D-BF16 D-BF16:fp32
     python benchmarks/optimizer_step.py --sizes 256M --kernels    # CUDA: also each step's kernels and their times
+    python benchmarks/optimizer_step.py --sizes 64M --uncompiled --options A coat
+    python benchmarks/optimizer_step.py --sizes 8M --uncompiled --pieces 1M    # pieces smaller than the bucket on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import statistics
@@ -35,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies, get_strategy
+from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies, fused, get_strategy
+from megatron_lowprec.optim.background_compile import BackgroundCompiles
 from megatron_lowprec.optim.strategies import MASTER_STORAGES
 
 M_MMAP_THRESHOLD = -3
@@ -150,18 +160,40 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
+@contextlib.contextmanager
+def compile_pending(window: int | None):
+    """The fused step's calls run uncompiled, as while their background compile is pending (a child
+    that never starts), in pieces of ``window`` elements (``None``: the package's default)."""
+    compiles = BackgroundCompiles()
+    compiles.start = lambda: None
+    saved = fused.BACKGROUND_COMPILES, fused.EAGER_WINDOW_ELEMENTS
+    fused.BACKGROUND_COMPILES = compiles
+    fused.EAGER_WINDOW_ELEMENTS = saved[1] if window is None else window
+    try:
+        yield
+    finally:
+        fused.BACKGROUND_COMPILES, fused.EAGER_WINDOW_ELEMENTS = saved
+
+
+PATHS = {"fused": dict(fused=True), "eager": dict(fused=False), "uncompiled": dict(fused=True, background_compile=True)}
+"""The step each ``--path`` (flag) times: the compiled fused step, the eager reference, the fused step uncompiled."""
+
+
 def run(
-    sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, fused: bool, kernels: bool = False
+    sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, path: str = "fused",
+    kernels: bool = False, pieces: int | None = None,
 ) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
-        f"warmup={warmup} repeats={repeats} path={'fused' if fused else 'eager'}"
+        f"warmup={warmup} repeats={repeats} path={path}"
+        + (f" pieces={pieces or fused.EAGER_WINDOW_ELEMENTS}" if path == "uncompiled" else "")
     )
     header = (
         f"{'params':>8} {'option':>12} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
         f"{'copy %':>7} {'peak MB':>8} {'bucket MB':>9}"
     )
+    windows = {"": pieces, " whole": 1 << 62} if path == "uncompiled" else {"": None}
     for numel in sizes:
         bandwidth = copy_bandwidth(numel, device, repeats, sync)
         print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")
@@ -173,19 +205,24 @@ def run(
         baseline_peak = peak_extra_bytes(baseline.step, device)
         for option in options:
             strategy = parse_option(option)
-            params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
-            optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, fused=fused)
-            state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
-            bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
-            traffic = 2 * 2 + 2 + 2 * state_bytes / numel
-            baseline_time, seconds = paired_median_seconds(baseline, optimizer, warmup, repeats, sync)
-            peak = peak_extra_bytes(optimizer.step, device)
-            largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
-            print(_row(numel, "torch32", 16, baseline_time, FP32_ADAMW_TRAFFIC_BYTES, 1.0, bandwidth, baseline_peak, 4 * numel))
-            print(_row(numel, option, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak, largest_bucket))
-            if kernels:
-                print(f"{'':>8} {option:>12} {kernel_summary(optimizer.step)}")
-            del optimizer, params
+            for suffix, window in windows.items():
+                with compile_pending(window) if path == "uncompiled" else contextlib.nullcontext():
+                    params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
+                    optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, **PATHS[path])
+                    state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
+                    bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
+                    traffic = 2 * 2 + 2 + 2 * state_bytes / numel
+                    baseline_time, seconds = paired_median_seconds(baseline, optimizer, warmup, repeats, sync)
+                    peak = peak_extra_bytes(optimizer.step, device)
+                    largest_bucket = max(b.numel * params[0].element_size() for b in optimizer.buckets)
+                    print(_row(numel, "torch32", 16, baseline_time, FP32_ADAMW_TRAFFIC_BYTES, 1.0, bandwidth, baseline_peak, 4 * numel))
+                    print(_row(
+                        numel, option + suffix, bytes_per_param, seconds, traffic, seconds / baseline_time, bandwidth, peak,
+                        largest_bucket,
+                    ))
+                    if kernels:
+                        print(f"{'':>8} {option:>12} {kernel_summary(optimizer.step)}")
+                    del optimizer, params
 
 
 def kernel_summary(step) -> str:
@@ -218,14 +255,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eager", action="store_true", help="time the eager reference instead of the fused step")
+    paths = parser.add_mutually_exclusive_group()
+    paths.add_argument("--eager", action="store_true", help="time the eager reference instead of the fused step")
+    paths.add_argument(
+        "--uncompiled", action="store_true",
+        help="time the fused step while its compile is pending (uncompiled, in pieces; and whole, as the baseline)",
+    )
+    parser.add_argument(
+        "--pieces", type=parse_size, default=None,
+        help=f"with --uncompiled: elements per piece (default fused.EAGER_WINDOW_ELEMENTS, {fused.EAGER_WINDOW_ELEMENTS})",
+    )
     parser.add_argument("--kernels", action="store_true", help="also list the GPU kernels of one step per option (CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.pieces is not None and not args.uncompiled:
+        parser.error("--pieces sets the uncompiled step's pieces and needs --uncompiled")
     if args.kernels and device.type != "cuda":
         parser.error(f"--kernels lists GPU kernels and needs --device cuda; got --device {args.device}")
     sizes = [parse_size(s) for s in args.sizes]
-    run(sizes, args.options, args.warmup, args.repeats, device, fused=not args.eager, kernels=args.kernels)
+    path = "eager" if args.eager else "uncompiled" if args.uncompiled else "fused"
+    run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces)
 
 
 if __name__ == "__main__":
