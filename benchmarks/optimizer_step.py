@@ -19,7 +19,7 @@ they do not pay a page fault per temporary page.
 ``--uncompiled``: the fused step while its compile is pending (background compilation, the default
 of ``lowprec-train``: the first steps, before the compile child is done; here a child that never
 starts), whose calls run the step's kernel uncompiled in pieces of ``fused.EAGER_WINDOW_ELEMENTS``
-elements; each option also runs with the whole bucket in one uncompiled call (``whole``), the
+elements; each option also runs with the whole bucket in one uncompiled call (``A(whole)``), the
 baseline of its peak memory, in the same run.
 
 An option may name its master's storage (``D:remainder``, ``D-BF16:fp32``); by default every option
@@ -193,7 +193,7 @@ def run(
         f"{'params':>8} {'option':>12} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
         f"{'copy %':>7} {'peak MB':>8} {'bucket MB':>9}"
     )
-    windows = {"": pieces, " whole": 1 << 62} if path == "uncompiled" else {"": None}
+    windows = {"": pieces, "(whole)": 1 << 62} if path == "uncompiled" else {"": None}
     for numel in sizes:
         bandwidth = copy_bandwidth(numel, device, repeats, sync)
         print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")

@@ -50,3 +50,23 @@ def test_listing_kernels_needs_a_gpu():
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 2 and "--kernels lists GPU kernels and needs --device cuda; got --device cpu" in result.stderr
+
+
+def test_the_uncompiled_step_runs_in_pieces_and_whole_in_the_same_run():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "A", "--uncompiled", "--pieces", "1024",
+         "--warmup", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    assert "path=uncompiled pieces=1024" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["5e+03"]]
+    assert [row[1] for row in rows] == ["torch32", "A", "torch32", "A(whole)"]
+    assert all(float(row[3]) > 0 for row in rows)
+
+
+def test_pieces_need_the_uncompiled_step():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "A", "--pieces", "1024"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 2 and "--pieces sets the uncompiled step's pieces and needs --uncompiled" in result.stderr
