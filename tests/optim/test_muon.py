@@ -401,13 +401,16 @@ def test_fused_step_is_the_eager_step_bit_for_bit_for_every_option():
                 assert same, (option, index, key)
 
 
-@pytest.mark.parametrize("option", OPTIONS)
-def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, monkeypatch):
+@pytest.mark.parametrize(
+    "option,in_buffer", [(option, False) for option in OPTIONS] + [(option, True) for option in ("sr", "coat", "D-BF16")]
+)
+def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, in_buffer, monkeypatch):
     """While their compile is pending (background compilation) the fused step's momentum and update
     calls run uncompiled, in pieces of at most ``EAGER_WINDOW_ELEMENTS`` elements (here 128: the
     bucket in 9 pieces, the wide weight in 3), whose directions are joined for Newton-Schulz: the
     eager step's bits in every parameter and state tensor over 3 steps, stochastic rounding over the
-    whole bucket as on GPUs."""
+    whole bucket as on GPUs; also with the weights left in a buffer of megatron's layout
+    (``params_in_buffer``), read and written there a piece at a time."""
     from megatron_lowprec.optim import fused as fused_module
     from megatron_lowprec.optim import muon as muon_module
     from megatron_lowprec.optim.background_compile import BackgroundCompiles
@@ -420,9 +423,12 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     start = [_random(shape, index).bfloat16() for index, shape in enumerate(FUSED_SHAPES)]
     twins = []
     for fused in (False, True):
-        params = [torch.nn.Parameter(values.clone()) for values in start]
-        twins.append((params, Muon(params, lr=0.02, option=option, fused=fused, seed=3, background_compile=fused)))
+        params = _in_one_buffer(start)[0] if fused and in_buffer else [torch.nn.Parameter(values.clone()) for values in start]
+        twins.append((params, Muon(
+            params, lr=0.02, option=option, fused=fused, seed=3, background_compile=fused, params_in_buffer=fused and in_buffer,
+        )))
     (eager_params, eager), (fused_params, fused) = twins
+    assert (fused.buckets[0].param_rows is not None) == in_buffer
     for step in range(3):
         for index, (p, q) in enumerate(zip(eager_params, fused_params)):
             p.grad = (_random(p.shape, 100 * step + index) * 10.0 ** (step - 1)).bfloat16()
