@@ -20,6 +20,10 @@ inside the compiled call), so the step allocates no second copy of either. One c
   element's scalars from per-group values (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in
   a power of two of at least two slots: one compilation for shards of one and of two groups).
 
+A call that runs uncompiled (while its background compile is pending, or past Dynamo's recompile
+limit) runs in pieces of at most :data:`EAGER_WINDOW_ELEMENTS` elements (:meth:`StepCall.pieces`),
+so that the uncompiled kernel's intermediates stay bounded however large the bucket.
+
 Strategies with ``adam_kernel="torch_fused"`` (D) run torch's own fused AdamW kernel instead
 (``torch_fused.py``), in the fused and the eager step alike.
 
