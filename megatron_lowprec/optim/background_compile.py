@@ -81,7 +81,9 @@ class CompileRecipe:
 @dataclasses.dataclass(frozen=True)
 class TensorSkeleton:
     """A tensor without its values: the size of its storage (shared by the skeletons of one storage,
-    by ``storage`` index), its dtype, device, storage offset, sizes and strides."""
+    by ``storage`` index), its dtype, device, storage offset, sizes and strides, and whether it is a
+    view of another tensor (Dynamo names a view's sizes apart from a base's, and Inductor's cache key
+    holds those names: a base in the child would miss the entry of a view in the parent)."""
 
     storage: int
     storage_bytes: int
@@ -90,6 +92,7 @@ class TensorSkeleton:
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    view: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +267,11 @@ def compile_jobs(spec_path: Path, results_path: Path) -> None:
 
 
 def call_kind(args: Any) -> Hashable:
-    """What a compiled function's guards depend on in ``args``, as a hashable: the structure, the
-    types and Python values, and of each tensor its dtype, device, rank, the sizes that are 0 or 1,
-    which of its other sizes equal which (Dynamo gives equal sizes one symbol), contiguity, a zero
-    storage offset, and which tensors share a storage. Not the tensors' values or other sizes."""
+    """What a compiled function's guards (and Inductor's cache key) depend on in ``args``, as a
+    hashable: the structure, the types and Python values, and of each tensor its dtype, device, rank,
+    the sizes that are 0 or 1, which of its other sizes equal which (Dynamo gives equal sizes one
+    symbol), contiguity, a zero storage offset, which tensors share a storage, and whether it is a
+    view. Not the tensors' values or other sizes."""
     sizes: dict[int, int] = {}
     storages: dict[tuple, int] = {}
 
@@ -275,7 +279,10 @@ def call_kind(args: Any) -> Hashable:
         if torch.is_tensor(value):
             dims = tuple(size if size < 2 else -1 - sizes.setdefault(size, len(sizes)) for size in value.shape)
             storage = storages.setdefault(_storage_key(value), len(storages))
-            return (value.dtype, value.device, dims, value.is_contiguous(), value.storage_offset() == 0, storage)
+            return (
+                value.dtype, value.device, dims, value.is_contiguous(), value.storage_offset() == 0, storage,
+                value._base is not None,
+            )
         return _map_structure(
             value, kind, lambda original, items: (type(original), original if items is None else tuple(items))
         )
@@ -293,6 +300,7 @@ def skeleton(args: Any) -> Any:
             return TensorSkeleton(
                 storages.setdefault(_storage_key(value), len(storages)), value.untyped_storage().nbytes(),
                 value.dtype, str(value.device), value.storage_offset(), tuple(value.shape), tuple(value.stride()),
+                value._base is not None,
             )
         return _map_structure(value, strip, _rebuild)
 
@@ -301,16 +309,20 @@ def skeleton(args: Any) -> Any:
 
 def materialize(value: Any) -> Any:
     """``value`` with every :class:`TensorSkeleton` replaced by a tensor of its dtype, offset, sizes
-    and strides on a zero-filled storage (one per storage index)."""
+    and strides on a zero-filled storage (one per storage index): a view (``as_strided``) of a flat
+    tensor over the whole storage where the skeleton's tensor was a view, else the storage's own."""
     storages: dict[int, torch.UntypedStorage] = {}
 
     def build(item: Any) -> Any:
         if isinstance(item, TensorSkeleton):
             if item.storage not in storages:
                 storages[item.storage] = torch.zeros(item.storage_bytes, dtype=torch.uint8, device=item.device).untyped_storage()
-            return torch.empty(0, dtype=item.dtype, device=item.device).set_(
-                storages[item.storage], item.offset, item.shape, item.stride
-            )
+            storage = storages[item.storage]
+            if item.view:
+                whole = (item.storage_bytes // item.dtype.itemsize,)
+                base = torch.empty(0, dtype=item.dtype, device=item.device).set_(storage, 0, whole, (1,))
+                return base.as_strided(item.shape, item.stride, item.offset)
+            return torch.empty(0, dtype=item.dtype, device=item.device).set_(storage, item.offset, item.shape, item.stride)
         return _map_structure(item, build, _rebuild)
 
     return build(value)

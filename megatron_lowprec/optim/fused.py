@@ -715,9 +715,7 @@ def fused_call_arguments(
 
 def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
     """Elements [start, end) of a bucket-shaped flat buffer, or of the bucket a :class:`BufferRows` maps:
-    the buffer itself where they are all of it (a view of it, though of the same elements, traces
-    apart from the tensor a compile child makes of the call's description, and so misses the cache
-    entry that the child filled)."""
+    the buffer itself where they are all of it (as the fused step passed it before windows)."""
     if torch.is_tensor(source):
         return source if start == 0 and end == source.shape[0] else source[start:end]
     return source if start == 0 else source.from_row(start // source.width)

@@ -126,11 +126,33 @@ def test_a_skeleton_keeps_every_tensors_metadata_and_which_share_a_storage():
         assert (copy.dtype, copy.shape, copy.stride(), copy.storage_offset()) == (
             original.dtype, original.shape, original.stride(), original.storage_offset())
         assert copy.untyped_storage().nbytes() == original.untyped_storage().nbytes()
+        assert (copy._base is None) == (original._base is None)
         assert torch.count_nonzero(copy) == 0
     storages = {copy.untyped_storage().data_ptr() for copy in copies}
     assert len(storages) == 3 and copies[0].untyped_storage().data_ptr() == copies[5].untyped_storage().data_ptr()
     assert isinstance(built[2][0], Pair) and built[2][1].name == "kept"
     assert call_kind(built) == call_kind(args)
+
+
+def _add_twice_(x: torch.Tensor, y: torch.Tensor) -> None:
+    x.add_(y * 2)
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_compile_on_the_materialized_skeleton_fills_the_cache_entry_of_the_call(tmp_path, views):
+    """What background compilation rests on: compiling a function on ``materialize(skeleton(args))``
+    (the child's tensors) fills the FX graph cache entry that compiling it on ``args`` looks up,
+    whether the arguments are buffers or views of them (Dynamo names a view's sizes apart from a
+    base's: a base in the child missed the entry of a view of all of a buffer's elements, the window
+    of a one-window bucket, until the skeleton kept which tensors are views)."""
+    buffers = torch.zeros(3000), torch.zeros(3000)
+    args = tuple(buffer[0:3000] for buffer in buffers) if views else buffers
+    with temporary_cache_dir(str(tmp_path / "inductor")):
+        for call_args in (materialize(skeleton(args)), args):
+            torch._dynamo.reset()
+            misses, hits = counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+            torch.compile(_add_twice_, dynamic=True, fullgraph=True)(*call_args)
+        assert (counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]) == (misses, hits + 1)
 
 
 EXITING_WITH_A_CHILD = """

@@ -617,27 +617,3 @@ def test_an_uncompiled_call_runs_in_pieces_with_the_whole_calls_bits(option, kin
         if torch.is_tensor(value):
             assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), key
 
-
-@pytest.mark.parametrize("option", ["A", "sr", "coat"])
-def test_a_whole_bucket_call_passes_the_buckets_own_tensors(option, monkeypatch):
-    """A call over a whole bucket passes its buffers themselves, not views of all their elements:
-    Dynamo names a view's sizes after its base, so a view traces to another FX graph key than the
-    tensor that a background compile child makes of the call's description, and the training process
-    would miss the entry the child filled (seen with stochastic rounding over the whole bucket, as on
-    GPUs: a miss and a full compile in the training process, where now it hits). FP8 calls pass the
-    buffers viewed as [groups, group_size], as the child does."""
-    from megatron_lowprec.kernels import codegen
-
-    monkeypatch.setattr(fused_module, "BUCKET_STREAM_DEVICES", ("cuda", "cpu"))
-    strategy = get_strategy(option)
-    bucket, grad, entry_grads, _ = codegen._plain_bucket(strategy, PIECE_SHAPES, 0, device="cpu")
-    sr_seed = 1 if strategy.param_update == "stochastic" else None
-    scalars = {0: fused_module.StepScalars.for_step(1, **codegen.STEP_HYPER)}
-    (call,) = fused_module.fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, 1)
-    buffers = fused_module.kernel_state(bucket, strategy)
-
-    def whole(tensor, buffer):
-        return tensor is buffer if tensor.dim() == 1 or buffer.dim() > 1 else tensor._base is buffer
-
-    assert whole(call.param, bucket.param_buffer) and whole(call.grad, grad)
-    assert all(whole(call.state[key], buffer) for key, buffer in buffers.items())
