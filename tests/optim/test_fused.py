@@ -616,4 +616,3 @@ def test_an_uncompiled_call_runs_in_pieces_with_the_whole_calls_bits(option, kin
     for key, value in whole_state.items():
         if torch.is_tensor(value):
             assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), key
-
