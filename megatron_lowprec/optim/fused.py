@@ -470,7 +470,8 @@ def fused_bucket_step_(
     scalars = {group: StepScalars.for_step(step, **values) for group, values in hyper.items()}
     recipe = CompileRecipe(compiled_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
     pieces = run_calls(
-        recipe, bucket_kernel_, bucket, strategy, fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, step),
+        recipe, bucket_kernel_, bucket, strategy,
+        fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, step),
         lambda call: (
             call.param, call.grad, call.state, strategy, call.scalars, beta2_expansion, call.random_source, track_update_quality
         ),
@@ -504,7 +505,9 @@ def run_calls(
     ]
 
 
-def _compiled_or_eager(recipe: CompileRecipe, uncompiled: Callable[[], Any], bucket: Bucket, background_compile: bool, args: tuple) -> Any:
+def _compiled_or_eager(
+    recipe: CompileRecipe, uncompiled: Callable[[], Any], bucket: Bucket, background_compile: bool, args: tuple,
+) -> Any:
     """One call of the compiled kernel that ``recipe`` builds on ``args`` (in the background:
     :data:`BACKGROUND_COMPILES` runs ``uncompiled()``, the same function uncompiled, until a child
     process has compiled it); ``uncompiled()``, with an :class:`EagerFallbackWarning`, where Dynamo
@@ -675,7 +678,7 @@ def fused_call_arguments(
 
         def stream_call(start: int, end: int) -> StepCall:
             return StepCall(
-                _window(param, start, end), _window(grad, start, end), {key: _window(buffer, start, end) for key, buffer in buffers.items()},
+                _window(param, start, end), _window(grad, start, end), _state_window(buffers, start, end),
                 _scalars_of(bucket, scalars, start, end), _bucket_stream(bucket, start, end, sr_seed, step),
                 start, end, stream_call, unit,
             )
@@ -693,7 +696,8 @@ def fused_call_arguments(
 
         def group_call(start: int, end: int) -> StepCall:
             state = {
-                key: _window(value, start // group_size, end // group_size) if key.endswith(PER_GROUP_PARTS) else grid(value, start, end)
+                key: _window(value, start // group_size, end // group_size)
+                if key.endswith(PER_GROUP_PARTS) else grid(value, start, end)
                 for key, value in buffers.items()
             }
             return StepCall(
@@ -706,16 +710,21 @@ def fused_call_arguments(
 
         def flat_call(start: int, end: int) -> StepCall:
             return StepCall(
-                _window(param, start, end), _window(grad, start, end), {key: _window(buffer, start, end) for key, buffer in buffers.items()},
+                _window(param, start, end), _window(grad, start, end), _state_window(buffers, start, end),
                 _scalars_of(bucket, scalars, start, end), None, start, end, flat_call, unit,
             )
 
         yield flat_call(0, bucket.numel)
 
 
+def _state_window(buffers: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Elements [start, end) of each flat state buffer of a bucket."""
+    return {key: _window(buffer, start, end) for key, buffer in buffers.items()}
+
+
 def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
     """Elements [start, end) of a bucket-shaped flat buffer, or of the bucket a :class:`BufferRows` maps:
-    the buffer itself where they are all of it (as the fused step passed it before windows)."""
+    the buffer itself where they are all of it (a whole-bucket call passes the bucket's own tensors)."""
     if torch.is_tensor(source):
         return source if start == 0 and end == source.shape[0] else source[start:end]
     return source if start == 0 else source.from_row(start // source.width)
