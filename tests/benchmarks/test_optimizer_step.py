@@ -4,7 +4,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "optimizer_step.py"
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("optimizer_step", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_benchmark_reports_each_option_against_torch_fused_adamw():
@@ -32,11 +43,7 @@ def test_the_benchmark_measures_both_master_storages_from_the_state_tensors():
 
 
 def test_by_default_every_option_with_a_master_runs_in_both_storages():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("optimizer_step", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _benchmark_module()
     options = module.default_options()
     assert options[options.index("D") + 1] == "D:remainder"
     assert options[options.index("coat") + 1] == "coat:remainder"
@@ -44,12 +51,15 @@ def test_by_default_every_option_with_a_master_runs_in_both_storages():
     assert module.parse_option("coat:remainder").bytes_per_param() == 8.125
 
 
-def test_listing_kernels_needs_a_gpu():
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "A", "--kernels", "--device", "cpu"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 2 and "--kernels lists GPU kernels and needs --device cuda; got --device cpu" in result.stderr
+@pytest.mark.parametrize("arguments,message", [
+    (["--kernels", "--device", "cpu"], "--kernels lists GPU kernels and needs --device cuda; got --device cpu"),
+    (["--pieces", "1024"], "--pieces sets the uncompiled step's pieces and needs --uncompiled"),
+])
+def test_options_that_need_another_are_refused_by_name(arguments, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARK), "--sizes", "5000", "--options", "A", *arguments])
+    with pytest.raises(SystemExit) as exit_info:
+        _benchmark_module().main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_the_uncompiled_step_runs_in_pieces_and_whole_in_the_same_run():
@@ -62,11 +72,3 @@ def test_the_uncompiled_step_runs_in_pieces_and_whole_in_the_same_run():
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["5e+03"]]
     assert [row[1] for row in rows] == ["torch32", "A", "torch32", "A(whole)"]
     assert all(float(row[3]) > 0 for row in rows)
-
-
-def test_pieces_need_the_uncompiled_step():
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "A", "--pieces", "1024"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 2 and "--pieces sets the uncompiled step's pieces and needs --uncompiled" in result.stderr
