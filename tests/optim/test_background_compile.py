@@ -141,9 +141,9 @@ def _add_twice_(x: torch.Tensor, y: torch.Tensor) -> None:
 def test_a_compile_on_the_materialized_skeleton_of_views_fills_the_cache_entry_of_the_call(tmp_path):
     """What background compilation rests on: compiling a function on ``materialize(skeleton(args))``
     (the child's tensors) fills the FX graph cache entry that compiling it on ``args`` looks up, also
-    where the arguments are views (Dynamo names a view's sizes apart from a buffer's: a buffer in the
-    child missed the entry of a view of all of a buffer's elements, the window of a one-window
-    bucket, until the skeleton kept which tensors are views). Buffers: the first test above."""
+    where the arguments are views of all of a buffer's elements: Dynamo names a view's sizes apart
+    from a buffer's, so a buffer in the child would miss the view's entry, and the skeleton keeps
+    which tensors are views. Buffers: the first test above."""
     args = tuple(torch.zeros(3000)[0:3000] for _ in range(2))
     with temporary_cache_dir(str(tmp_path / "inductor")):
         for call_args in (materialize(skeleton(args)), args):
