@@ -165,6 +165,9 @@ with them and 49 s without (2 cores, one 4M-parameter bucket), while the compile
 LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
 """Added to torch.compile's cache key while :func:`_low_precision_tiling` is in force."""
 
+NO_OUTER_LOOP_FUSION_TAG = "|megatron_lowprec.no_outer_loop_fusion.v1"
+"""Added to torch.compile's cache key while :func:`_without_outer_loop_fusion` is in force."""
+
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
 a per-group table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
@@ -290,7 +293,7 @@ def compile_step_function(function: Callable, group_statistics: bool = False) ->
     division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
     def call(*args):
-        with _low_precision_tiling(), division():
+        with _low_precision_tiling(), _without_outer_loop_fusion(), division():
             return compiled(*args)
 
     return call
@@ -349,6 +352,39 @@ def _low_precision_tiling():
             yield
     finally:
         cpp.TilingSelect = original
+
+
+@contextlib.contextmanager
+def _without_outer_loop_fusion():
+    """While compiling, Inductor's C++ scheduler does not fuse loop nests by their outer loops.
+
+    COAT's step offers it one such fusion (its group reductions and the element passes over the same
+    groups). Inductor then generates every kernel of the fused node around shared local buffers,
+    finds that their loop levels do not line up, and generates them all again apart: the same loops
+    in the end (in another order), after 10-13 s of a 55 s cold compile spent on the first pass (2
+    cores, torch 2.13). Declining the fusion up front skips that pass. CPU code only (Triton's scheduler is another class),
+    and part of the compile caches' key (``cache_key_tag``). Where this torch's C++ scheduler has no
+    ``can_fuse_vertical_outer_loop``, nothing is changed."""
+    from torch._inductor.codegen import cpp
+
+    scheduling = getattr(cpp, "CppScheduling", None)
+    if not hasattr(scheduling, "can_fuse_vertical_outer_loop") or not hasattr(
+        getattr(torch.compiler, "config", None), "cache_key_tag"
+    ):
+        yield
+        return
+    original = scheduling.can_fuse_vertical_outer_loop
+    scheduling.can_fuse_vertical_outer_loop = _no_outer_loop_fusion
+    try:
+        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + NO_OUTER_LOOP_FUSION_TAG):
+            yield
+    finally:
+        scheduling.can_fuse_vertical_outer_loop = original
+
+
+def _no_outer_loop_fusion(scheduling: Any, node1: Any, node2: Any) -> bool:
+    """``CppScheduling.can_fuse_vertical_outer_loop`` under :func:`_without_outer_loop_fusion`."""
+    return False
 
 
 @functools.cache

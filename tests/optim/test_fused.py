@@ -389,6 +389,19 @@ def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_
     assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
 
 
+def test_outer_loop_fusion_is_declined_only_while_the_step_compiles_and_tags_the_cache_key(monkeypatch):
+    from torch._inductor.codegen import cpp
+
+    original, tag = cpp.CppScheduling.can_fuse_vertical_outer_loop, torch.compiler.config.cache_key_tag
+    with fused_module._without_outer_loop_fusion():
+        assert cpp.CppScheduling.can_fuse_vertical_outer_loop(None, None, None) is False
+        assert torch.compiler.config.cache_key_tag == tag + fused_module.NO_OUTER_LOOP_FUSION_TAG
+    assert cpp.CppScheduling.can_fuse_vertical_outer_loop is original and torch.compiler.config.cache_key_tag == tag
+    monkeypatch.delattr(cpp.CppScheduling, "can_fuse_vertical_outer_loop")
+    with fused_module._without_outer_loop_fusion():
+        assert not hasattr(cpp.CppScheduling, "can_fuse_vertical_outer_loop") and torch.compiler.config.cache_key_tag == tag
+
+
 def test_without_the_inductor_pieces_it_needs_the_tiling_is_inductor_s_own(monkeypatch):
     from torch._inductor.codegen import cpp
 
