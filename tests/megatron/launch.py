@@ -6,20 +6,33 @@ group with :func:`init_process_group` and writes ``RESULT_DIR/rank<N>.json``. Wi
 talk over gloo (the workers run megatron through the CUDA→CPU bridge); with CUDA over NCCL, one GPU
 per rank, and a run needing more GPUs than the machine has is skipped. A run ``on_cpu`` hides the GPUs
 from its workers: they take the CPU bridge and gloo on every machine, GPU machines included.
+
+Without CUDA, each rank is forked from a server process that has already imported torch, megatron-core
+and the package (:data:`PRELOADED`; Python's ``forkserver``): a fresh interpreter spends about 4 CPU
+seconds on those imports, and the suite starts hundreds of ranks on CI's two cores. The rank then runs
+its worker as ``python WORKER ...`` would (``__main__``, its folder first on ``sys.path``, its own
+environment, output to its log, exit handlers at the end). With CUDA every rank is a new interpreter:
+a process forked after CUDA's initialization cannot use it, and which GPUs a rank sees is read then.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import functools
+import importlib.util
 import json
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -87,6 +100,89 @@ def worker_environment(world_size: int, on_cpu: bool) -> dict[str, str]:
     return environment
 
 
+PRELOADED = (
+    "torch",
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.models.gpt",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "megatron.training",
+    "megatron_lowprec.megatron",
+    "megatron_lowprec.optim",
+    "tests.megatron.launch",
+)
+"""What the rank server imports before it forks ranks; a module that does not import is left out
+(``megatron.training``, Megatron-LM's loop, ships with megatron-core 0.17+ only)."""
+
+
+@functools.cache
+def _rank_server() -> multiprocessing.context.BaseContext:
+    """Python's ``forkserver``, started once per test process with :data:`PRELOADED` imported and the
+    threading and warning settings every rank gets (:func:`worker_environment`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([name for name in PRELOADED if importlib.util.find_spec(name.split(".")[0])])
+    from multiprocessing import forkserver
+
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}):
+        forkserver.ensure_running()
+    return context
+
+
+def _run_forked_rank(worker: str, args: list[str], environment: dict[str, str], log: str) -> None:
+    """In a rank forked from the server: run ``worker`` as ``python WORKER *ARGS`` with ``environment``
+    and its output in ``log``. Its multiprocessing start method is unset, as in a new interpreter (a
+    process that the forkserver starts inherits "forkserver", and a DataLoader's workers, which
+    Megatron-LM gives a local ``worker_init_fn``, cannot be pickled for it)."""
+    descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    os.environ.clear()
+    os.environ.update(environment)
+    multiprocessing.set_start_method(None, force=True)
+    sys.argv = [worker, *args]
+    sys.path.insert(0, os.path.dirname(worker))
+    try:
+        runpy.run_path(worker, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+
+
+class _ForkedRank:
+    """A rank forked from the server, with the part of ``subprocess.Popen`` that :func:`run_ranks` uses."""
+
+    def __init__(self, worker: Path, args: tuple[str, ...], environment: dict[str, str], log: Path) -> None:
+        self.process = _rank_server().Process(target=_run_forked_rank, args=(str(worker), list(args), environment, str(log)))
+        self.process.start()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+
+def _start_rank(worker: Path, args: tuple[str, ...], environment: dict[str, str], log: Path, open_logs: contextlib.ExitStack):
+    """One rank: forked from the rank server without CUDA, a new interpreter with it."""
+    if not torch.cuda.is_available():
+        return _ForkedRank(worker, args, environment, log)
+    return subprocess.Popen(
+        [sys.executable, str(worker), *args], env=environment,
+        stdout=open_logs.enter_context(log.open("w")), stderr=subprocess.STDOUT,
+    )
+
+
 PORT_ATTEMPTS = 3
 """Launches of one run: the free port :func:`_free_port` finds is free only until rank 0 binds it, and
 another process (a parallel test run, an outgoing connection) can take it in between."""
@@ -119,12 +215,8 @@ def run_ranks(
         environment = worker_environment(world_size, on_cpu)
         with contextlib.ExitStack() as open_logs:
             workers = [
-                subprocess.Popen(
-                    [sys.executable, str(worker), str(result_dir), *args],
-                    env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=open_logs.enter_context(log.open("w")),
-                    stderr=subprocess.STDOUT,
-                )
+                _start_rank(worker, (str(result_dir), *args), {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            log, open_logs)
                 for rank, log in enumerate(logs)
             ]
             try:
