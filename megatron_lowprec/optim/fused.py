@@ -362,9 +362,9 @@ def _without_outer_loop_fusion():
     groups). Inductor then generates every kernel of the fused node around shared local buffers,
     finds that their loop levels do not line up, and generates them all again apart: the same loops
     in the end (in another order), after 10-13 s of a 55 s cold compile spent on the first pass (2
-    cores, torch 2.13). Declining the fusion up front skips that pass. CPU code only (Triton's scheduler is another class),
-    and part of the compile caches' key (``cache_key_tag``). Where this torch's C++ scheduler has no
-    ``can_fuse_vertical_outer_loop``, nothing is changed."""
+    cores, torch 2.13). Declining the fusion up front skips that pass. CPU code only (Triton's
+    scheduler is another class), and part of the compile caches' key (``cache_key_tag``). Where this
+    torch's C++ scheduler has no ``can_fuse_vertical_outer_loop``, nothing is changed."""
     from torch._inductor.codegen import cpp
 
     scheduling = getattr(cpp, "CppScheduling", None)
