@@ -79,18 +79,10 @@ trap 'rm -f "$REPORT"' EXIT
 status=0
 # --dist worksteal (not the project's loadfile): Megatron-LM's layout tests, about half of this job's
 # test time, lie in one file, which loadfile would hand to one worker whole. They run only here
-# (megatron.training ships with megatron-core 0.17+). Megatron-LM's loop trains TP x PP with
-# D-BF16's remainders, PP with virtual stages (coat) and TP x DP with the distributed optimizer (sr,
-# compiled), C trains at TP=2 and resumes at TP=1, coat at DP=2 and resumes at DP=1. Three cases
-# are left out (about 160 s of the two workers' test time), their behaviours tested through
-# megatron-core in the main job: TP=2 with C (the C resume trains at TP=2), PP=2 with sr (sr's
-# bits across a tied embedding's stages: test_distributed_optimizer's pp2xdp2) and the TP=2 -> TP=1
-# resume with kahan (Kahan's compensation resharded: its dist-checkpoint test, every option).
-LM_TESTS=tests/megatron/test_megatron_lm.py
+# (megatron.training ships with megatron-core 0.17+): Megatron-LM's loop trains TP=2 (C), PP=2 (sr),
+# TP x PP with D-BF16's remainders, PP with virtual stages (coat) and TP x DP with the distributed
+# optimizer (sr, compiled), and resumes C and kahan trained at TP=2 at TP=1, coat at DP=2 at DP=1.
 "$PYTHON" -m pytest -p no:cacheprovider --durations=10 --dist worksteal --junitxml="$REPORT" \
-    --deselect "$LM_TESTS::test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer[tp2-C]" \
-    --deselect "$LM_TESTS::test_every_layout_trains_through_megatron_lms_loop_on_an_indexed_dataset_as_its_own_optimizer[pp2-sr]" \
-    --deselect "$LM_TESTS::test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit[tp2-to-tp1-kahan]" \
     tests/megatron/test_cpu_bridge.py \
     "tests/optim/test_muon.py::test_newton_schulz_is_megatron_cores_bit_for_bit_where_the_normalization_is_exact" \
     "tests/optim/test_muon.py::test_option_d_steps_as_megatron_cores_muon" \
@@ -98,7 +90,7 @@ LM_TESTS=tests/megatron/test_megatron_lm.py
     "tests/megatron/test_optimizer_hook.py::test_replicas_stay_bit_identical[C-2-2-False]" \
     "tests/megatron/test_optimizer_hook.py::test_dist_checkpoint_saved_at_tp2_loads_at_tp1[C]" \
     tests/megatron/test_build_optimizer.py \
-    "$LM_TESTS" \
+    tests/megatron/test_megatron_lm.py \
     "tests/megatron/test_distributed_optimizer.py::test_sharded_states_train_bit_identically_and_hold_their_share[dp2-fp32-reduction]" \
     tests/megatron/test_layers.py \
     "tests/train/test_app.py::test_tensor_and_data_parallel_together" || status=$?

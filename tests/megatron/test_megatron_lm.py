@@ -359,14 +359,18 @@ FP8_MOMENTS = tuple(f"{moment}_{part}" for moment in MOMENTS for part in ("paylo
     (TP2_TO_TP1, ["--lowprec-option", "C"], (*MOMENTS, "param_lo", "exp_avg_sq_lo")),
     (TP2_TO_TP1, ["--lowprec-option", "kahan"], (*MOMENTS, "kahan_compensation")),
     (DP2_TO_DP1, ["--lowprec-option", "coat", "--lowprec-master-storage", "remainder"], (*FP8_MOMENTS, "master")),
-], ids=["tp2-to-tp1-C", "tp2-to-tp1-kahan", "dp2-to-dp1-distopt-coat-remainder"])
+    (TP2_TO_TP1, ["--lowprec-option", "D-BF16", "--lowprec-master-storage", "remainder"], (*MOMENTS, "master")),
+    (DP2_TO_DP1, ["--lowprec-option", "D-BF16", "--lowprec-master-storage", "remainder"], (*MOMENTS, "master")),
+], ids=["tp2-to-tp1-C", "tp2-to-tp1-kahan", "dp2-to-dp1-distopt-coat-remainder", "tp2-to-tp1-D-BF16-remainder",
+        "dp2-to-dp1-distopt-D-BF16-remainder"])
 def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bit_for_bit(
     tmp_path, indexed_corpus, layouts, option, states
 ):
     """Megatron-LM trains 2 iterations at one layout and saves (``torch_dist``); a run at another layout
     loads it and, with nothing left to train, saves again: both checkpoints hold the same tensors, bit
     for bit (parameters, moments, δθ and δv, Kahan's compensation, COAT's FP8 payloads with their
-    group scales and expansion exponents per element, FP32 masters from their remainders), and the
+    group scales and expansion exponents per element, FP32 masters from their remainders, D-BF16's
+    BF16 moments), and the
     optimizer states are the option's ``states``. The vocabulary is padded to 128 at both
     tensor-parallel sizes (by default megatron pads to 128 x TP). COAT is resharded across
     data-parallel sizes: across tensor-parallel sizes a group at TP=1 that gathers elements of two
