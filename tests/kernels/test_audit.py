@@ -1,7 +1,8 @@
 """The audit of the fused step's CUDA kernels (issue 27 item 1), generated on this CPU-only machine.
 
 The module generates every step once (:func:`audits`, the slow part: every configuration of AdamW's
-step and of Muon's, issue 28 item 5, each in a plain bucket and a distributed shard) and each test
+step and of Muon's, issue 28 item 5, each in a plain bucket and in megatron's distributed layout:
+AdamW's shard, Muon's layer-wise layout) and each test
 reads one rule of one (optimizer, option, master storage, kind, arch). Defects of the kernels as they are today are strict
 xfails that name the defect (:data:`KNOWN_DEFECTS`): they pass, and must then be removed, once fixed.
 """

@@ -1,7 +1,7 @@
 """The fused step's generated CUDA kernels, run by Triton's interpreter on CPU tensors (issue 27 item 2).
 
-The module compares every configuration of AdamW's step and of Muon's, each in a plain bucket and a
-distributed shard, once
+The module compares every configuration of AdamW's step and of Muon's, each in a plain bucket and in
+megatron's distributed layout (AdamW's shard, Muon's layer-wise layout), once
 (:func:`comparisons`, in processes started with ``TRITON_INTERPRET=1``, so that this process's
 Triton is untouched) and each test reads one (optimizer, option, master storage, kind, arch). Every generated kernel agrees today, so none is marked xfail.
 """
