@@ -42,8 +42,8 @@ KNOWN_DEFECTS = [
 """(rule, the cases it fails in today, the defect) of the kernels on main (issue 27 items 1 and 4)."""
 
 
-def _marks(rule, case):
-    reasons = [defect for rule_, applies, defect in KNOWN_DEFECTS if rule_ == rule and applies(*case)]
+def _marks(rule, case, defects):
+    reasons = [defect for rule_, applies, defect in defects if rule_ == rule and applies(*case)]
     return [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
 
 
@@ -64,15 +64,15 @@ def audits():
     }
 
 
-def _params():
+def _params(defects):
     return [
-        pytest.param(rule, *case, marks=_marks(rule, case), id="-".join(map(str, (rule, *case))))
+        pytest.param(rule, *case, marks=_marks(rule, case, defects), id="-".join(map(str, (rule, *case))))
         for rule in audit.RULES
         for case in CASES
     ]
 
 
-@pytest.mark.parametrize("rule,option,storage,kind,arch", _params())
+@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_DEFECTS))
 def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage, kind, arch):
     """Each rule of :data:`~megatron_lowprec.kernels.audit.RULES` (compiles; no approximate, flushing or
     contracted instruction; no FP64; one launch per bucket; no recompilation; global bytes equal to
@@ -289,11 +289,6 @@ def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
     assert audit.gradient_norm_reads(dtype) == [dtype.itemsize]
 
 
-MUON_CASES = [
-    (option, storage, kind, arch)
-    for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
-]
-
 MUON_LAYOUT_KERNELS = (
     "in megatron's shard-aligned layer-wise layout, Muon's update call writes the parameters into DDP's buffer at "
     "places loaded from its row tables and, as a distributed AdamW shard that reads the 16-bit parameter "
@@ -307,13 +302,7 @@ KNOWN_MUON_DEFECTS = [
 """(rule, the cases it fails in today, the defect) of Muon's kernels on main (issue 28 item 5)."""
 
 
-@pytest.mark.parametrize("rule,option,storage,kind,arch", [
-    pytest.param(rule, *case, id="-".join(map(str, (rule, *case))), marks=[
-        pytest.mark.xfail(strict=True, reason=defect)
-        for rule_, applies, defect in KNOWN_MUON_DEFECTS if rule_ == rule and applies(*case)
-    ])
-    for rule in audit.RULES for case in MUON_CASES
-])
+@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_MUON_DEFECTS))
 def test_every_rule_holds_for_muon_s_fused_step(audits, rule, option, storage, kind, arch):
     """Muon's element-wise calls (momentum before Newton-Schulz, update after it), for every option
     and master storage, in a plain bucket and in megatron's layer-wise layout: every kernel compiles;
