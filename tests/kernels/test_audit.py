@@ -2,9 +2,10 @@
 
 The module generates every step once (:func:`audits`, the slow part: every configuration of AdamW's
 step and of Muon's, issue 28 item 5, each in a plain bucket and in megatron's distributed layout:
-AdamW's shard, Muon's layer-wise layout) and each test
-reads one rule of one (optimizer, option, master storage, kind, arch). Defects of the kernels as they are today are strict
-xfails that name the defect (:data:`KNOWN_DEFECTS`): they pass, and must then be removed, once fixed.
+AdamW's shard, Muon's layer-wise layout) and each test reads one rule of one (optimizer, option,
+master storage, kind, arch). Defects of the kernels as they are today are strict xfails that name
+the defect (:data:`KNOWN_DEFECTS`, :data:`KNOWN_MUON_DEFECTS`): they pass, and must then be
+removed, once fixed.
 """
 
 import ctypes
