@@ -32,9 +32,8 @@ does; nothing else of the arithmetic is changed:
 * FP32 -> FP8 E4M3 (``tl.float8e4nv``): the interpreter misrounds (a carry out of the significand is
   dropped, ties round up, subnormals truncate); a GPU rounds to nearest even and saturates finite
   values at ±448 (``cvt.rn.satfinite.e4m3x2.f32``).
-* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales) and ``libdevice.floor``
-  (the exact gradient norm's digits, :func:`compare_norm`): the interpreter has no libdevice;
-  :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy, ``cvt.rmi``).
+* ``libdevice.nearbyint`` and ``libdevice.copysign`` (COAT's FP8 group scales): the interpreter has
+  no libdevice; :data:`LIBDEVICE_SHIMS` computes them as the GPU does (``cvt.rni``, a sign copy).
 
 What needs no shim: ``div_rn`` and ``sqrt_rn`` are numpy's correctly rounded FP32 division and square
 root, as ``div.rn.f32``/``sqrt.rn.f32``; the kernels are generated without FP fusion (Inductor's
@@ -49,8 +48,8 @@ Triton reads ``TRITON_INTERPRET`` when a kernel (or a helper of Inductor's) is d
 comparison runs in a process of its own started with it set (:func:`run_comparisons`).
 
 Run ``python -m megatron_lowprec.kernels.interpret`` (``--help`` for a subset), or
-``python -m megatron_lowprec.kernels.audit --interpret``; ``--norm`` runs :func:`compare_norm` (not
-in CI: about 20 s of one process).
+``python -m megatron_lowprec.kernels.audit --interpret``; ``--norm`` runs :func:`compare_norm` (the
+exact gradient norm's kernels, integer arithmetic only: no shim).
 """
 
 from __future__ import annotations
@@ -163,7 +162,6 @@ SHIMS = {
 LIBDEVICE_SHIMS = {
     "nearbyint": ("cvt.rni: rounds to the nearest integer, ties to even", np.rint),
     "copysign": ("exact: the magnitude of the first operand with the sign bit of the second", np.copysign),
-    "floor": ("cvt.rmi: rounds toward minus infinity (exact)", np.floor),
 }
 """libdevice functions the generated kernels call (the interpreter runs no libdevice: each call gives
 ``None``), as numpy functions that compute what the GPU's does: name -> (the GPU's result, numpy)."""
@@ -524,7 +522,8 @@ def run_comparisons(
         return list(pool.map(_compare_in_worker, *zip(*tasks)))
 
 
-NORM_VALUES = 4096
+NORM_VALUES = 4400
+"""Values of :func:`compare_norm`: eight rows of ``square_sum.ROW_ELEMENTS`` and a padded ninth."""
 
 
 def compare_norm(dtype: torch.dtype = torch.float32, arch: int = ARCH) -> str | None:
@@ -600,16 +599,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(result.identical for result in comparisons) else 1
 
 
-def _main_norm() -> int:
-    """:func:`compare_norm` of FP32 and BF16 values in a process started with ``TRITON_INTERPRET=1``."""
+def norm_comparisons() -> dict[str, str | None]:
+    """:func:`compare_norm` of FP32 and BF16 values, in a process started with ``TRITON_INTERPRET=1``
+    (this process's Triton untouched): dtype name -> its result."""
     context = multiprocessing.get_context("spawn")
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
         max_workers=1, mp_context=context
     ) as pool:
-        results = list(pool.map(compare_norm, (torch.float32, torch.bfloat16)))
-    for dtype, result in zip(("float32", "bfloat16"), results):
+        return dict(zip(("float32", "bfloat16"), pool.map(compare_norm, (torch.float32, torch.bfloat16))))
+
+
+def _main_norm() -> int:
+    results = norm_comparisons()
+    for dtype, result in results.items():
         print(f"exact gradient norm, {dtype}: {'exact' if result is None else 'DIFFERS ' + result}")
-    return 0 if all(result is None for result in results) else 1
+    return 0 if all(result is None for result in results.values()) else 1
 
 
 if __name__ == "__main__":

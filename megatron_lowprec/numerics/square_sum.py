@@ -13,9 +13,10 @@ its square root. 16-bit values are converted to float32 exactly first.
 
 On the CPU the digits are computed by a small C kernel (``square_sum.c``), compiled with the system's
 C compiler at first use and cached, in one pass over each gradient that visits only the digits its
-block of values can reach; on CUDA by torch operations compiled by Inductor into one kernel that
-reads each value once; on a CPU without a compiler by the same torch operations, eagerly. All
-compute the same integers, so all give the same bits.
+block of values can reach; on CUDA by integer torch operations (:func:`_torch_digit_sums`) that
+Inductor compiles into one kernel reading each value once, then one over its rows' sums, one call
+per gradient; on a CPU without a compiler by float64 torch operations, eagerly. All compute the
+same integers, so all give the same bits.
 """
 
 from __future__ import annotations
@@ -52,16 +53,23 @@ NAN = DIGITS + 1
 """Index of the count of NaNs in the sums."""
 
 TORCH_CHUNK_ELEMENTS = 1 << 18
-"""Elements per call of the eager torch operations (a CPU without a compiler): bounds their float64
-temporaries."""
+"""Elements per call of the eager torch operations (a CPU without a compiler, CUDA without Triton):
+bounds their temporaries."""
 
-COMPILED_CHUNK_ELEMENTS = 1 << 22
-"""Elements per call of the compiled torch operations (CUDA): keeps each call's int64 digit sums
-below 2^62."""
+ROW_ELEMENTS = 512
+"""Values per row of :func:`_torch_digit_sums`: Inductor reduces a row of this many values at once in
+registers (a persistent reduction), and a row's digit sums stay below 2^56."""
+
+COMPILED_CHUNK_ELEMENTS = 1 << 31
+"""Most values per call of :func:`_torch_digit_sums`: its rows' carried sums (each below 2^40 + 2^16)
+add up below 2^63."""
+
+PARTIALS_PER_CARRY = 1 << 20
+"""Calls' results (each digit below 2^41) added up before a carry: their sum stays below 2^63."""
 
 COMPILE_OPTIONS = {"realize_opcount_threshold": 1 << 16}
-"""Inductor otherwise stores the digits' chain of floors to memory after about 30 operations and
-reads it back in a second kernel; with this, every digit is computed from the one load of a value."""
+"""Inductor otherwise stores a value's digit parts to memory after about 30 operations and reads them
+back in a second kernel; with this, every digit is computed from the one load of a value."""
 
 PARALLEL_ELEMENTS = 1 << 18
 """A CPU tensor at least this long is split over ``torch.get_num_threads()`` threads."""
@@ -83,43 +91,74 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
     values and of NaNs among them."""
     sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
     thread_sums = torch.zeros(torch.get_num_threads(), DIGITS + 2, dtype=torch.int64)
-    summed_on_device = False
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
+    partials = []
+    for flat in _contiguous_runs(tensors):
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
             continue
-        summed_on_device = True
         if flat.is_cuda:
-            digit_sums, chunk = _compiled_digit_sums(), COMPILED_CHUNK_ELEMENTS
+            digit_sums = _compiled_digit_sums()
+            chunk = TORCH_CHUNK_ELEMENTS if digit_sums is _torch_digit_sums else COMPILED_CHUNK_ELEMENTS
         else:
             digit_sums, chunk = _eager_digit_sums, TORCH_CHUNK_ELEMENTS
-        for start in range(0, flat.numel(), chunk):
-            sums = _partial_carry(sums + digit_sums(flat[start : start + chunk]).to(device))
+        partials += [digit_sums(flat[start : start + chunk]).to(device) for start in range(0, flat.numel(), chunk)]
+    for start in range(0, len(partials), PARTIALS_PER_CARRY):
+        sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).sum(dim=0))
     host = torch.tensor(_carried(thread_sums.sum(dim=0).tolist()), dtype=torch.int64)
-    return _carry(sums + host.to(device)) if summed_on_device else sums + host.to(device)
+    return _carry(sums + host.to(device)) if partials else sums + host.to(device)
+
+
+def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` flattened, with those that lie back to back in one storage (the parameters'
+    gradients in a megatron gradient buffer) joined into one view each: a sum over fewer, longer
+    tensors, the same integers."""
+    runs: list[torch.Tensor] = []
+    end = None
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        if not flat.numel():
+            continue
+        start = (flat.untyped_storage().data_ptr(), flat.dtype, flat.device, flat.storage_offset())
+        if flat.is_contiguous() and end == start:
+            runs[-1] = runs[-1].as_strided((runs[-1].numel() + flat.numel(),), (1,))
+        else:
+            runs.append(flat)
+        end = (*start[:3], flat.storage_offset() + flat.numel()) if flat.is_contiguous() else None
+    return runs
 
 
 def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
     """The digit sums and counts of at most ``COMPILED_CHUNK_ELEMENTS`` values (converted to float32),
-    in torch operations: one sum per digit, which Inductor fuses into one pass over ``values``."""
-    values = values.float()
-    bits = values.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
+    carried so that every digit is below 2^41, in integer torch operations that Inductor
+    compiles into one pass over ``values`` (CUDA). Each ``u = s² · 2^p`` (``s`` the significand, ``p``
+    twice the biased exponent less 2) has two parts: ``s²``'s low ``40 - p mod 40`` bits, shifted,
+    are digit ``p // 40``; the rest, ``s² >> (40 - p mod 40)`` (below 2^47), is added to digit
+    ``p // 40 + 1`` (the carries make the digits canonical). Rows of ``ROW_ELEMENTS`` values are
+    summed first, each in registers, then carried and added up."""
+    values = values.reshape(-1).float()
+    rows = torch.nn.functional.pad(values, (0, -values.numel() % ROW_ELEMENTS)).view(-1, ROW_ELEMENTS)
+    magnitude = rows.view(torch.int32) & 0x7FFFFFFF
     finite = magnitude < 0x7F800000
-    rest = torch.where(finite, values.double().square() * 2.0**SCALE_EXPONENT, 0.0)
-    sums = []
-    for _ in range(DIGITS):
-        upper = torch.floor(rest * 2.0**-DIGIT_BITS)
-        sums.append((rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum())
-        rest = upper
-    sums += [(~finite).sum(), (magnitude > 0x7F800000).sum()]
-    return torch.stack(sums)
+    exponent = magnitude >> 23
+    significand = torch.where(exponent > 0, (magnitude & 0x7FFFFF) | 0x800000, magnitude).to(torch.int64)
+    square = torch.where(finite, significand * significand, 0)
+    position = 2 * exponent.clamp(min=1) - 2
+    digit = position // DIGIT_BITS
+    low_bits = DIGIT_BITS - (position - DIGIT_BITS * digit).to(torch.int64)
+    rest = square >> low_bits
+    low = (square - (rest << low_bits)) << (DIGIT_BITS - low_bits)
+    row_sums = [
+        torch.where(digit == index, low, torch.where(digit == index - 1, rest, 0)).sum(dim=1) for index in range(DIGITS - 1)
+    ]
+    row_sums += [torch.zeros_like(row_sums[0]), (~finite).sum(dim=1), (magnitude > 0x7F800000).sum(dim=1)]
+    return _partial_carry(_partial_carry(torch.stack(row_sums, dim=1)).sum(dim=0))
 
 
 def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
-    """:func:`_torch_digit_sums` run eagerly over the digits that ``values`` reach alone (their
-    largest and smallest nonzero finite magnitudes bound them): a CPU without a C compiler."""
+    """The digit sums and counts of at most ``TORCH_CHUNK_ELEMENTS`` values, carried as
+    :func:`_torch_digit_sums` carries them, in float64 torch operations run eagerly over the digits
+    that ``values`` reach alone (their largest and smallest nonzero finite magnitudes bound them): a
+    CPU without a C compiler."""
     values = values.float()
     magnitude = values.view(torch.int32) & 0x7FFFFFFF
     finite = magnitude < 0x7F800000
@@ -136,17 +175,17 @@ def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
         upper = torch.floor(rest * 2.0**-DIGIT_BITS)
         sums[digit] = (rest - upper * 2.0**DIGIT_BITS).to(torch.int64).sum()
         rest = upper
-    return torch.cat((sums, counts))
+    return _partial_carry(torch.cat((sums, counts)))
 
 
 @functools.cache
 def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`_torch_digit_sums` compiled (CUDA): one kernel reads each value once (audited in
-    ``kernels/audit.py``), for any length and one compilation per dtype; run eagerly, with a
-    warning, where Triton is not installed."""
+    ``kernels/audit.py``), for any length and one compilation per dtype; run eagerly (on
+    ``TORCH_CHUNK_ELEMENTS`` values at a time), with a warning, where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
-                      "(the same bits, about 80 kernels per 4M values instead of one)", stacklevel=3)
+                      "(the same bits, about 100 kernels per 256K values instead of 5 per gradient)", stacklevel=3)
         return _torch_digit_sums
     return torch.compile(_torch_digit_sums, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
@@ -176,13 +215,14 @@ def _thread_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _partial_carry(sums: torch.Tensor) -> torch.Tensor:
-    """The same value with every digit but the last below 2^40 plus the carry of one digit (so that
-    adding another pass's sums cannot overflow), in three operations on any device."""
-    digits = sums[:DIGITS]
-    carried = digits & ((1 << DIGIT_BITS) - 1)
-    carried[1:] += digits[:-1] >> DIGIT_BITS
-    carried[-1] += (digits[-1] >> DIGIT_BITS) << DIGIT_BITS
-    return torch.cat((carried, sums[DIGITS:]))
+    """The same values (along the last dimension) with every digit but the last below 2^40 plus the
+    carry of one digit (so that adding another pass's sums cannot overflow), the counts unchanged:
+    pointwise, so that Inductor fuses it into the kernels around it."""
+    index = torch.arange(sums.shape[-1], device=sums.device)
+    carries = index < DIGITS - 1
+    low = torch.where(carries, sums & ((1 << DIGIT_BITS) - 1), sums)
+    high = torch.where(carries, sums >> DIGIT_BITS, 0)
+    return low + torch.nn.functional.pad(high[..., :-1], (1, 0))
 
 
 def _carried(sums: list[int]) -> list[int]:

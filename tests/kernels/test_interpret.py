@@ -56,6 +56,13 @@ def test_interpreted_kernels_are_bit_identical_to_the_eager_step(comparisons, op
     assert (result.launches == 0) if torch_kernel_only else (result.launches >= interpret.STEPS)
 
 
+def test_the_exact_gradient_norms_generated_kernels_give_the_exact_sums():
+    """The exact gradient norm's CUDA kernels (``numerics/square_sum.py``, compiled as on a GPU) interpreted
+    on FP32 and BF16 values from every binade, with zeros, subnormals, the largest finite value,
+    infinities and a NaN, in full rows and a padded one: Σ x² · 2^298 exactly, and the counts."""
+    assert interpret.norm_comparisons() == {"float32": None, "bfloat16": None}
+
+
 @pytest.mark.parametrize("option,storage,kind,arch", [pytest.param(*case, id="-".join(map(str, case))) for case in MUON_CASES])
 def test_interpreted_muon_kernels_are_bit_identical_to_the_eager_muon_step(comparisons, option, storage, kind, arch):
     """Three Muon steps through the generated CUDA kernels of its momentum and update calls

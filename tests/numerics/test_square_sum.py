@@ -133,3 +133,36 @@ def test_deterministic_mode_is_kept_and_allows_the_exact_sums(device):
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_gradients_back_to_back_in_one_buffer_are_summed_as_one_tensor():
+    buffer = torch.arange(40, dtype=torch.float32)
+    views = [buffer[0:10].view(2, 5), buffer[10:16], buffer[16:16], buffer[16:30]]
+    runs = square_sum._contiguous_runs(views)
+    assert len(runs) == 1 and runs[0].data_ptr() == buffer.data_ptr() and torch.equal(runs[0], buffer[:30])
+    apart = square_sum._contiguous_runs([buffer[0:10], buffer[12:20], buffer[20:30].bfloat16(), buffer[30:40:2]])
+    assert [run.numel() for run in apart] == [10, 8, 10, 5]
+    assert square_sum._contiguous_runs([buffer[10:20], buffer[0:10]])[1].storage_offset() == 0
+
+
+def test_the_largest_values_in_every_row_stay_exact():
+    """Every value the largest finite float32, or the largest of one digit: the bounds of the row sums
+    (below 2^56) and their carries, summed over many rows."""
+    largest = torch.full((5 * square_sum.ROW_ELEMENTS + 3,), 3.4028234663852886e38)
+    digit_top = torch.full((3 * square_sum.ROW_ELEMENTS,), float.fromhex("0x1.fffffep-130"))
+    for values in (largest, digit_top, torch.cat((largest, -digit_top))):
+        exact = sum(int(x * x * 2.0**square_sum.SCALE_EXPONENT) for x in values.double().tolist())
+        sums = square_sum._carry(square_sum._torch_digit_sums(values)).tolist()
+        assert sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS])) == exact
+        assert norm_from_bins(square_sum_bins([values], torch.device("cpu"))) == exact_norm(values)
+
+
+def test_many_partial_sums_are_carried_before_they_could_overflow(monkeypatch):
+    """Without the C kernel, each chunk's sums are a partial of their own; carried every
+    ``PARTIALS_PER_CARRY`` of them, the same bins as the C kernel's."""
+    values = mixed_values(torch.Generator().manual_seed(7), 3000)
+    kernel = square_sum_bins([values[:1000], values[1000:]], torch.device("cpu"))
+    monkeypatch.setattr(square_sum, "_cpu_kernel", lambda: None)
+    monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 100)
+    monkeypatch.setattr(square_sum, "PARTIALS_PER_CARRY", 3)
+    assert torch.equal(square_sum_bins([values[:1000], values[1000:]], torch.device("cpu")), kernel)
