@@ -556,7 +556,7 @@ def failures(audits: list[StepAudit]) -> list[Check]:
 
 
 NORM_ELEMENTS = 1 << 20
-"""Gradient elements of the generated exact norm: enough for Inductor to split its reduction in two."""
+"""Gradient elements of the generated exact norm: enough rows for Inductor to split their sum in two."""
 
 TRITON_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 

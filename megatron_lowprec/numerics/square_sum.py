@@ -62,10 +62,14 @@ registers (a persistent reduction), and a row's digit sums stay below 2^56."""
 
 COMPILED_CHUNK_ELEMENTS = 1 << 31
 """Most values per call of :func:`_torch_digit_sums`: its rows' carried sums (each below 2^40 + 2^16)
-add up below 2^63."""
+add up below 2^63. At least four rows."""
 
 PARTIALS_PER_CARRY = 1 << 20
 """Calls' results (each digit below 2^41) added up before a carry: their sum stays below 2^63."""
+
+RECOMPILE_LIMIT = 16
+"""Dynamo's recompile limit is raised to at least this: :func:`_row_partials` makes one graph per
+gradient dtype (FP32, BF16, FP16) and storage offset (Dynamo specializes offsets 0 and 1), at most 9."""
 
 COMPILE_OPTIONS = {"realize_opcount_threshold": 1 << 16}
 """Inductor otherwise stores a value's digit parts to memory after about 30 operations and reads them
@@ -91,19 +95,21 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
     values and of NaNs among them."""
     sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
     thread_sums = torch.zeros(torch.get_num_threads(), DIGITS + 2, dtype=torch.int64)
-    partials = []
+    partials, cuda_runs = [], []
     for flat in _contiguous_runs(tensors):
         if flat.device.type == "cpu" and _cpu_kernel() is not None:
             _add_cpu_digit_sums(flat, thread_sums)
-            continue
-        if flat.is_cuda:
-            digit_sums = _compiled_digit_sums()
-            chunk = TORCH_CHUNK_ELEMENTS if digit_sums is _torch_digit_sums else COMPILED_CHUNK_ELEMENTS
+        elif flat.is_cuda:
+            cuda_runs.append(flat)
         else:
-            digit_sums, chunk = _eager_digit_sums, TORCH_CHUNK_ELEMENTS
-        partials += [digit_sums(flat[start : start + chunk]).to(device) for start in range(0, flat.numel(), chunk)]
+            chunks = range(0, flat.numel(), TORCH_CHUNK_ELEMENTS)
+            partials += [_eager_digit_sums(flat[start : start + TORCH_CHUNK_ELEMENTS]) for start in chunks]
+    if cuda_runs:
+        digit_sums = _compiled_digit_sums()
+        chunk = TORCH_CHUNK_ELEMENTS if digit_sums is _torch_digit_sums else COMPILED_CHUNK_ELEMENTS
+        partials += _row_partials(cuda_runs, digit_sums, chunk // ROW_ELEMENTS)
     for start in range(0, len(partials), PARTIALS_PER_CARRY):
-        sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).sum(dim=0))
+        sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).to(device).sum(dim=0))
     host = torch.tensor(_carried(thread_sums.sum(dim=0).tolist()), dtype=torch.int64)
     return _carry(sums + host.to(device)) if partials else sums + host.to(device)
 
@@ -127,17 +133,40 @@ def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return runs
 
 
+def _row_partials(
+    runs: list[torch.Tensor], digit_sums: Callable[[torch.Tensor], torch.Tensor], max_rows: int
+) -> list[torch.Tensor]:
+    """``digit_sums`` (:func:`_torch_digit_sums`, compiled or not) of ``runs`` of one device, as rows
+    of ``ROW_ELEMENTS`` values: each run's whole rows as one view, in near-equal pieces of at most
+    ``max_rows`` rows (at least 4), then the runs' last, partial rows and the runs shorter than two
+    rows together, in float32 (exact), zero-padded to whole rows. Every call takes two rows or more
+    of one dtype, so that no size makes a compiled graph of its own (:data:`RECOMPILE_LIMIT`)."""
+    partials, leftovers = [], []
+    for run in runs:
+        rows = run.numel() // ROW_ELEMENTS if run.numel() >= 2 * ROW_ELEMENTS else 0
+        if rows:
+            whole = run[: rows * ROW_ELEMENTS].view(rows, ROW_ELEMENTS)
+            partials += [digit_sums(piece.reshape(-1)) for piece in whole.tensor_split(-(-rows // max_rows))]
+        if run.numel() > rows * ROW_ELEMENTS:
+            leftovers.append(run[rows * ROW_ELEMENTS :].float())
+    if leftovers:
+        rest = torch.cat(leftovers)
+        rows = max(2, -(-rest.numel() // ROW_ELEMENTS))
+        rest = torch.nn.functional.pad(rest, (0, rows * ROW_ELEMENTS - rest.numel())).view(rows, ROW_ELEMENTS)
+        partials += [digit_sums(piece.reshape(-1)) for piece in rest.tensor_split(-(-rows // max_rows))]
+    return partials
+
+
 def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
-    """The digit sums and counts of at most ``COMPILED_CHUNK_ELEMENTS`` values (converted to float32),
-    carried so that every digit is below 2^41, in integer torch operations that Inductor
-    compiles into one pass over ``values`` (CUDA). Each ``u = s² · 2^p`` (``s`` the significand, ``p``
-    twice the biased exponent less 2) has two parts: ``s²``'s low ``40 - p mod 40`` bits, shifted,
-    are digit ``p // 40``; the rest, ``s² >> (40 - p mod 40)`` (below 2^47), is added to digit
-    ``p // 40 + 1`` (the carries make the digits canonical). Rows of ``ROW_ELEMENTS`` values are
-    summed first, each in registers, then carried and added up."""
-    values = values.reshape(-1).float()
-    rows = torch.nn.functional.pad(values, (0, -values.numel() % ROW_ELEMENTS)).view(-1, ROW_ELEMENTS)
-    magnitude = rows.view(torch.int32) & 0x7FFFFFFF
+    """The digit sums and counts of whole rows of ``ROW_ELEMENTS`` values (converted to float32; at
+    most ``COMPILED_CHUNK_ELEMENTS``), carried so that every digit is below 2^41, in integer torch
+    operations that Inductor compiles into one pass over ``values`` (CUDA; the row length a
+    constant, so that each row is reduced at once). Each ``u = s² · 2^p`` (``s`` the significand,
+    ``p`` twice the biased exponent less 2) has two parts: ``s²``'s low ``40 - p mod 40`` bits,
+    shifted, are digit ``p // 40``; the rest, ``s² >> (40 - p mod 40)`` (below 2^47), is added to
+    digit ``p // 40 + 1`` (the carries make the digits canonical). Each row is summed first, in
+    registers, then the rows' sums are carried and added up."""
+    magnitude = values.float().view(-1, ROW_ELEMENTS).view(torch.int32) & 0x7FFFFFFF
     finite = magnitude < 0x7F800000
     exponent = magnitude >> 23
     significand = torch.where(exponent > 0, (magnitude & 0x7FFFFF) | 0x800000, magnitude).to(torch.int64)
@@ -187,6 +216,7 @@ def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
         warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
                       "(the same bits, about 100 kernels per 256K values instead of 5 per gradient)", stacklevel=3)
         return _torch_digit_sums
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(_torch_digit_sums, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
 

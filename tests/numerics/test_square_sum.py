@@ -11,6 +11,12 @@ from megatron_lowprec.numerics import square_sum
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 
 
+def torch_operations_sums(values: torch.Tensor) -> torch.Tensor:
+    """The bins of ``values`` by the torch operations that CUDA compiles, run eagerly, in calls of at
+    most four rows of ``ROW_ELEMENTS``."""
+    return square_sum._carry(torch.stack(square_sum._row_partials([values], square_sum._torch_digit_sums, 4)).sum(dim=0))
+
+
 def exact_norm(values: torch.Tensor) -> float:
     """sqrt(Σ x²) with the sum exact (Fraction), rounded once to float64, as norm_from_bins promises."""
     total = sum(Fraction(value) ** 2 for value in values.double().tolist())
@@ -41,7 +47,7 @@ def test_any_split_order_and_chunking_gives_the_same_bits(device, monkeypatch):
     ranks = [square_sum_bins(pieces[:2], device), square_sum_bins(pieces[2:], device)]
     assert torch.equal(square_sum._carry(ranks[0] + ranks[1]), whole)
     monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 64)
-    monkeypatch.setattr(square_sum, "COMPILED_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(square_sum, "COMPILED_CHUNK_ELEMENTS", 4 * square_sum.ROW_ELEMENTS)
     monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 100)
     assert torch.equal(square_sum_bins([values], device), whole)
     assert norm_from_bins(whole.cpu()) == exact_norm(values.cpu())
@@ -66,7 +72,7 @@ def test_the_c_kernel_and_the_torch_operations_give_the_same_sums(monkeypatch, d
     values = make(generator, 5000).to(dtype)
     monkeypatch.setattr(square_sum, "PARALLEL_ELEMENTS", 1000)
     kernel = square_sum_bins([values[:1500], values[1500:]], torch.device("cpu"))
-    full_range = square_sum._carry(square_sum._torch_digit_sums(values.flip(0)))
+    full_range = torch_operations_sums(values.flip(0))
     monkeypatch.setattr(square_sum, "_cpu_kernel", lambda: None)
     monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 1024)
     eager = square_sum_bins([values.flip(0)], torch.device("cpu"))
@@ -152,7 +158,7 @@ def test_the_largest_values_in_every_row_stay_exact():
     digit_top = torch.full((3 * square_sum.ROW_ELEMENTS,), float.fromhex("0x1.fffffep-130"))
     for values in (largest, digit_top, torch.cat((largest, -digit_top))):
         exact = sum(int(x * x * 2.0**square_sum.SCALE_EXPONENT) for x in values.double().tolist())
-        sums = square_sum._carry(square_sum._torch_digit_sums(values)).tolist()
+        sums = torch_operations_sums(values).tolist()
         assert sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS])) == exact
         assert norm_from_bins(square_sum_bins([values], torch.device("cpu"))) == exact_norm(values)
 
@@ -166,3 +172,28 @@ def test_many_partial_sums_are_carried_before_they_could_overflow(monkeypatch):
     monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 100)
     monkeypatch.setattr(square_sum, "PARTIALS_PER_CARRY", 3)
     assert torch.equal(square_sum_bins([values[:1000], values[1000:]], torch.device("cpu")), kernel)
+
+
+def test_every_call_takes_two_rows_or_more_so_one_graph_per_dtype_serves_every_gradient():
+    """Gradients of any length (one value, part of a row, whole rows, rows and a part), FP32 and BF16,
+    as the compiled calls take them: each call two rows or more, at most ``max_rows``; torch.compile
+    traces no graph for a size (row counts 0 and 1 would each be one), only per dtype and storage
+    offset (0, as the padded last rows have, or more), and the sums are the C kernel's."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(square_sum._torch_digit_sums, dynamic=True, fullgraph=True, backend=counter)
+    shapes = []
+
+    def digit_sums(values):
+        shapes.append((values.numel() // square_sum.ROW_ELEMENTS, values.numel() % square_sum.ROW_ELEMENTS))
+        return compiled(values)
+
+    buffer = mixed_values(torch.Generator().manual_seed(8), 40000)
+    runs = [buffer[:1], buffer[1:3], buffer[3:514], buffer[514:1026], buffer[1026:2050], buffer[2050:3075],
+            buffer[3075:9000], buffer[9000:].bfloat16()]
+    partials = square_sum._row_partials(runs, digit_sums, max_rows=8)
+    assert all(2 <= rows <= 8 and rest == 0 for rows, rest in shapes)
+    assert counter.frame_count <= 4
+    expected = square_sum_bins(runs, torch.device("cpu"))
+    assert torch.equal(square_sum._carry(torch.stack(partials).sum(dim=0)), expected)
