@@ -266,17 +266,20 @@ def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
 
 
 def test_readme_gpu_step_table_divides_each_layouts_bytes_by_the_measured_time():
-    """The README's H200 table: each row's bytes are its layout's (plain bucket) and its bandwidth
-    is those bytes for 256M elements over the measured kernel time."""
+    """The README's H200 tables (two sessions; the second adds the whole step's times): each row's
+    bytes are its layout's (plain bucket) and its bandwidth is those bytes for 256M elements over
+    the measured kernel time."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    rows = [
-        [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
-        if line.startswith("  | ") and line.count("|") == 7
-    ]
     options = {option for option, _ in audit.configurations()}
-    rows = [cells for cells in rows if cells[0].split()[0] in options]
-    assert {cells[0].split()[0] for cells in rows} == options
-    for name, _, milliseconds, layout, bandwidth, _ in rows:
+    tables = [
+        [
+            [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
+            if line.startswith("  | ") and line.count("|") == columns + 1 and line.split("|")[1].split()[0] in options
+        ]
+        for columns in (6, 8)
+    ]
+    assert [{cells[0].split()[0] for cells in rows} for rows in tables] == [options, options]
+    for name, _, milliseconds, layout, bandwidth, *_ in tables[0] + tables[1]:
         option, _, storage = name.partition(" ")
         read, written = audit.layout_bytes(audit.strategy_for(option, storage.strip("()") or "fp32"))
         assert float(layout) == read + written
