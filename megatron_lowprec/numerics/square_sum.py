@@ -115,15 +115,15 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
 
 
 def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` flattened, with those that lie back to back in one storage (the parameters'
-    gradients in a megatron gradient buffer) joined into one view each: a sum over fewer, longer
-    tensors, the same integers."""
+    """``tensors`` flattened, in the order of their places in memory, with those that lie back to
+    back in one storage (the parameters' gradients in a megatron gradient buffer, which holds them
+    in reverse order) joined into one view each: a sum over fewer, longer tensors, the same
+    integers."""
+    flats = [tensor.detach().reshape(-1) for tensor in tensors if tensor.numel()]
+    flats.sort(key=lambda flat: (flat.untyped_storage().data_ptr(), flat.storage_offset()))
     runs: list[torch.Tensor] = []
     end = None
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        if not flat.numel():
-            continue
+    for flat in flats:
         start = (flat.untyped_storage().data_ptr(), flat.dtype, flat.device, flat.storage_offset())
         if flat.is_contiguous() and end == start:
             runs[-1] = runs[-1].as_strided((runs[-1].numel() + flat.numel(),), (1,))
