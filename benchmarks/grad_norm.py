@@ -5,7 +5,14 @@ For each element count and gradient dtype, both run in the same process on the s
 their calls alternating (so that both see the same machine load); each time is the median of
 ``--repeats`` calls after ``--warmup``; the ratio compares the two medians (lower is faster).
 
+``--tensors N`` splits the elements into N gradients of near-equal size, as a model's are: separate
+tensors, or with ``--buffer`` consecutive views of one buffer, as megatron's DDP holds them (which the
+exact norm joins into one run). The FP32 norm is ``torch._foreach_norm`` over them and the norm of
+those norms, as megatron's ``get_grad_norm_fp32`` computes it without apex.
+
     python benchmarks/grad_norm.py --sizes 1M 8M --dtypes float32 bfloat16
+    python benchmarks/grad_norm.py --sizes 1G --tensors 300            # CUDA: a GPT-1.3B's gradients
+    python benchmarks/grad_norm.py --sizes 1G --tensors 300 --buffer
 """
 
 from __future__ import annotations
@@ -43,22 +50,31 @@ def paired_medians(functions, warmup: int, repeats: int, sync) -> list[float]:
     return [statistics.median(function_times) for function_times in times]
 
 
-def run(sizes: list[int], dtypes: list[str], warmup: int, repeats: int, device: torch.device) -> None:
+def gradients(numel: int, dtype: torch.dtype, tensors: int, buffer: bool, device: torch.device) -> list[torch.Tensor]:
+    """``numel`` random values of ``dtype`` as ``tensors`` near-equal gradients: views of one buffer,
+    or separate tensors."""
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    pieces = values.tensor_split(tensors)
+    return list(pieces) if buffer else [piece.clone() for piece in pieces]
+
+
+def run(sizes: list[int], dtypes: list[str], warmup: int, repeats: int, device: torch.device, tensors: int = 1,
+        buffer: bool = False) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    print(f"{'elements':>10} {'dtype':>9} {'fp32 ms':>9} {'exact ms':>9} {'ratio':>7}")
-    generator = torch.Generator().manual_seed(0)
+    print(f"{'elements':>10} {'dtype':>9} {'tensors':>7} {'fp32 ms':>9} {'exact ms':>9} {'ratio':>7}")
     for numel in sizes:
         for name in dtypes:
-            grad = torch.randn(numel, generator=generator).to(device, DTYPES[name])
+            grads = gradients(numel, DTYPES[name], tensors, buffer, device)
 
             def fp32_norm():
-                return torch.linalg.vector_norm(grad, dtype=torch.float32).item()
+                norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+                return torch.linalg.vector_norm(torch.stack(norms)).item()
 
             def exact_norm():
-                return norm_from_bins(square_sum_bins([grad], device))
+                return norm_from_bins(square_sum_bins(grads, device))
 
             fp32_seconds, exact_seconds = paired_medians((fp32_norm, exact_norm), warmup, repeats, sync)
-            print(f"{numel:>10.3g} {name:>9} {fp32_seconds * 1e3:>9.3f} {exact_seconds * 1e3:>9.3f} "
+            print(f"{numel:>10.3g} {name:>9} {tensors:>7} {fp32_seconds * 1e3:>9.3f} {exact_seconds * 1e3:>9.3f} "
                   f"{exact_seconds / fp32_seconds:>7.1f}")
 
 
@@ -69,9 +85,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tensors", type=int, default=1, help="gradients the elements are split into")
+    parser.add_argument("--buffer", action="store_true", help="the gradients are consecutive views of one buffer")
     arguments = parser.parse_args()
     run([parse_size(size) for size in arguments.sizes], arguments.dtypes, arguments.warmup, arguments.repeats,
-        torch.device(arguments.device))
+        torch.device(arguments.device), arguments.tensors, arguments.buffer)
 
 
 if __name__ == "__main__":

@@ -15,5 +15,20 @@ def test_the_benchmark_reports_the_exact_norm_against_the_fp32_norm():
     )
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["5e+03"]]
     assert [row[1] for row in rows] == ["float32", "bfloat16"]
-    for _, _, fp32_ms, exact_ms, ratio in rows:
-        assert float(fp32_ms) > 0 and float(exact_ms) > 0 and float(ratio) > 0
+    for _, _, tensors, fp32_ms, exact_ms, ratio in rows:
+        assert tensors == "1" and float(fp32_ms) > 0 and float(exact_ms) > 0 and float(ratio) > 0
+
+
+def test_the_gradients_are_split_into_tensors_or_views_of_one_buffer():
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("grad_norm", BENCHMARK)
+    grad_norm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grad_norm)
+    separate = grad_norm.gradients(1000, torch.bfloat16, 3, False, torch.device("cpu"))
+    views = grad_norm.gradients(1000, torch.bfloat16, 3, True, torch.device("cpu"))
+    assert [g.numel() for g in separate] == [334, 333, 333] and all(torch.equal(a, b) for a, b in zip(separate, views))
+    assert len({g.untyped_storage().data_ptr() for g in separate}) == 3
+    assert len({g.untyped_storage().data_ptr() for g in views}) == 1
