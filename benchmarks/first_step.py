@@ -93,8 +93,10 @@ MEGATRON_LM_GPT = [
     "--bf16", "--seed", "7", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000", "--mock-data",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--transformer-impl", "local",
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
 ]
-"""A 2-layer GPT for Megatron-LM's ``pretrain_gpt.py`` on mock data, with the flags a CPU run needs."""
+"""A 2-layer GPT for Megatron-LM's ``pretrain_gpt.py`` on mock data, with the flags a CPU run needs (and
+a GPU without apex: no gradient-accumulation fusion)."""
 
 FIRST_ITERATION = re.compile(r"iteration\s+1/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
