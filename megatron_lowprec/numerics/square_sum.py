@@ -14,9 +14,10 @@ its square root. 16-bit values are converted to float32 exactly first.
 On the CPU the digits are computed by a small C kernel (``square_sum.c``), compiled with the system's
 C compiler at first use and cached, in one pass over each gradient that visits only the digits its
 block of values can reach; on CUDA by integer torch operations (:func:`_torch_digit_sums`) that
-Inductor compiles into one kernel reading each value once, then one over its rows' sums, one call
-per gradient; on a CPU without a compiler by float64 torch operations, eagerly. All compute the
-same integers, so all give the same bits.
+Inductor compiles into one kernel reading each value once, then one over its rows' sums: one call per
+run of gradients that lie back to back in memory, and one for the runs' partial last rows
+(:func:`_row_partials`); on a CPU without a compiler by float64 torch operations, eagerly. All
+compute the same integers, so all give the same bits.
 """
 
 from __future__ import annotations
@@ -210,8 +211,9 @@ def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`_torch_digit_sums` compiled (CUDA): one kernel reads each value once (audited in
-    ``kernels/audit.py``), for any length and one compilation per dtype; run eagerly (on
-    ``TORCH_CHUNK_ELEMENTS`` values at a time), with a warning, where Triton is not installed."""
+    ``kernels/audit.py``), for any number of rows, one compilation per dtype and storage offset
+    (:data:`RECOMPILE_LIMIT`); run eagerly (on ``TORCH_CHUNK_ELEMENTS`` values at a time), with a
+    warning, where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
                       "(the same bits, about 100 kernels per 256K values instead of 5 per gradient)", stacklevel=3)
