@@ -423,11 +423,12 @@ def own_grad_buffer(bucket: Bucket) -> torch.Tensor | None:
     buffer = bucket.grad_buffer
     if buffer is None:
         return None
-    for index, param in enumerate(bucket.params):
+    start, element_size = buffer.data_ptr(), buffer.element_size()
+    for offset, param in zip(bucket.offsets, bucket.params):
         grad = param.grad
         if grad is None or grad.dtype != buffer.dtype or not grad.is_contiguous():
             return None
-        if grad.data_ptr() != bucket.view(buffer, index).data_ptr():
+        if grad.data_ptr() != start + offset * element_size:
             return None
     return buffer
 
