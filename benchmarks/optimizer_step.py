@@ -30,6 +30,7 @@ runs, and each option with an FP32 master also in its other storage, next to it.
     python benchmarks/optimizer_step.py --sizes 256M --kernels    # CUDA: also each step's kernels and their times
     python benchmarks/optimizer_step.py --sizes 64M --uncompiled --options A coat
     python benchmarks/optimizer_step.py --sizes 8M --uncompiled --pieces 1M    # pieces smaller than the bucket on a CPU
+    python benchmarks/optimizer_step.py --sizes 1G --tensors 300 --options A C   # CUDA: a GPT-1.3B's weights
 """
 
 from __future__ import annotations
@@ -79,10 +80,20 @@ def default_options() -> list[str]:
     return options
 
 
-def layout(numel: int) -> list[int]:
-    """A transformer-like mix of tensor sizes (none a multiple of 128) adding up to ``numel``."""
-    sizes = [numel // 2 + 1, numel // 4 - 3, numel // 8 + 5]
-    sizes.append(numel - sum(sizes))
+def layout(numel: int, tensors: int = 4) -> list[int]:
+    """Tensor sizes adding up to ``numel``: for 4, a transformer-like mix (a half, a quarter, an eighth
+    and the rest; none a multiple of 128); otherwise near-equal sizes, as a model's weights (equal
+    shares, pairs of them moved 0 to 2 elements apart)."""
+    if tensors == 4:
+        sizes = [numel // 2 + 1, numel // 4 - 3, numel // 8 + 5]
+        sizes.append(numel - sum(sizes))
+    else:
+        sizes = [numel * (index + 1) // tensors - numel * index // tensors for index in range(tensors)]
+        for index in range(0, tensors - 1, 2):
+            sizes[index] += index // 2 % 3
+            sizes[index + 1] -= index // 2 % 3
+    if min(sizes) < 1:
+        raise ValueError(f"{numel} elements cannot be {tensors} tensors")
     return sizes
 
 
@@ -146,10 +157,12 @@ def copy_bandwidth(numel: int, device: torch.device, repeats: int, sync) -> floa
     return 8 * numel / statistics.median(times[1:])
 
 
-def make_params(numel: int, dtype: torch.dtype, device: torch.device, grad_dtype: torch.dtype) -> list[torch.Tensor]:
+def make_params(
+    numel: int, dtype: torch.dtype, device: torch.device, grad_dtype: torch.dtype, tensors: int = 4
+) -> list[torch.Tensor]:
     generator = torch.Generator(device="cpu").manual_seed(0)
     params = []
-    for size in layout(numel):
+    for size in layout(numel, tensors):
         param = torch.nn.Parameter(torch.randn(size, generator=generator).to(device=device, dtype=dtype))
         param.grad = (torch.randn(size, generator=generator) * 1e-3).to(device=device, dtype=grad_dtype)
         params.append(param)
@@ -181,13 +194,13 @@ PATHS = {"fused": dict(fused=True), "eager": dict(fused=False), "uncompiled": di
 
 def run(
     sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, path: str = "fused",
-    kernels: bool = False, pieces: int | None = None,
+    kernels: bool = False, pieces: int | None = None, tensors: int = 4,
 ) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
         f"warmup={warmup} repeats={repeats} path={path}"
-        + (f" pieces={pieces or fused.EAGER_WINDOW_ELEMENTS}" if path == "uncompiled" else "")
+        + (f" pieces={pieces or fused.EAGER_WINDOW_ELEMENTS}" if path == "uncompiled" else "") + f" tensors={tensors}"
     )
     header = (
         f"{'params':>8} {'option':>12} {'B/param':>8} {'step ms':>9} {'Gparam/s':>9} {'eff GB/s':>9} {'ratio':>7} "
@@ -199,7 +212,7 @@ def run(
         print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")
         print(header)
         baseline = torch.optim.AdamW(
-            make_params(numel, torch.float32, device, torch.float32), lr=1e-4, weight_decay=0.1, fused=True
+            make_params(numel, torch.float32, device, torch.float32, tensors), lr=1e-4, weight_decay=0.1, fused=True
         )
         baseline.step()
         baseline_peak = peak_extra_bytes(baseline.step, device)
@@ -207,7 +220,7 @@ def run(
             strategy = parse_option(option)
             for suffix, window in windows.items():
                 with compile_pending(window) if path == "uncompiled" else contextlib.nullcontext():
-                    params = make_params(numel, torch.bfloat16, device, torch.bfloat16)
+                    params = make_params(numel, torch.bfloat16, device, torch.bfloat16, tensors)
                     optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, **PATHS[path])
                     state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
                     bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
@@ -266,6 +279,10 @@ def main() -> None:
         help=f"with --uncompiled: elements per piece (default fused.EAGER_WINDOW_ELEMENTS, {fused.EAGER_WINDOW_ELEMENTS})",
     )
     parser.add_argument("--kernels", action="store_true", help="also list the GPU kernels of one step per option (CUDA)")
+    parser.add_argument(
+        "--tensors", type=int, default=4, help="parameters the elements are split into (4: a transformer-like mix; "
+        "more: near-equal, as a model's weights, where the step's host work shows)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.pieces is not None and not args.uncompiled:
@@ -274,7 +291,8 @@ def main() -> None:
         parser.error(f"--kernels lists GPU kernels and needs --device cuda; got --device {args.device}")
     sizes = [parse_size(s) for s in args.sizes]
     path = "eager" if args.eager else "uncompiled" if args.uncompiled else "fused"
-    run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces)
+    run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces,
+        tensors=args.tensors)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,12 @@ def test_the_uncompiled_step_runs_in_pieces_and_whole_in_the_same_run(capsys):
     rows = [line.split() for line in output.splitlines() if line.split()[:1] == ["5e+03"]]
     assert [row[1] for row in rows] == ["torch32", "A", "torch32", "A(whole)"]
     assert all(float(row[3]) > 0 for row in rows)
+
+
+def test_the_elements_split_into_a_mix_of_four_or_into_a_models_many_weights():
+    module = _benchmark_module()
+    assert module.layout(1000) == [501, 247, 130, 122]
+    many = module.layout(10_000, 300)
+    assert len(many) == 300 and sum(many) == 10_000 and max(many) - min(many) <= 5
+    with pytest.raises(ValueError, match="10 elements cannot be 300 tensors"):
+        module.layout(10, 300)
