@@ -544,7 +544,7 @@ def compare_norm(dtype: torch.dtype = torch.float32, arch: int = ARCH) -> str | 
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
         with interpreted_cuda_kernels(cache_dir, arch) as launches:
             partials = square_sum._row_partials([values], square_sum._compiled_digit_sums.__wrapped__(), max_rows=4)
-            sums = square_sum._carry(torch.stack(partials).sum(dim=0)).tolist()
+            sums = square_sum._carry(square_sum._added_partials(partials, values.device)).tolist()
     if not launches.launches:
         return "no generated kernel ran"
     finite = [x for x in values.double().tolist() if math.isfinite(x)]

@@ -94,7 +94,6 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
     DIGITS`` the sum of the 40-bit digits ``d`` of every ``x² · 2^298``, carried so that every entry
     but the last digit is below 2^40 (one value has one such form), then the count of non-finite
     values and of NaNs among them."""
-    sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
     thread_sums = torch.zeros(torch.get_num_threads(), DIGITS + 2, dtype=torch.int64)
     partials, cuda_runs = [], []
     for flat in _contiguous_runs(tensors):
@@ -109,10 +108,18 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
         digit_sums = _compiled_digit_sums()
         chunk = TORCH_CHUNK_ELEMENTS if digit_sums is _torch_digit_sums else COMPILED_CHUNK_ELEMENTS
         partials += _row_partials(cuda_runs, digit_sums, chunk // ROW_ELEMENTS)
-    for start in range(0, len(partials), PARTIALS_PER_CARRY):
-        sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).to(device).sum(dim=0))
+    sums = _added_partials(partials, device)
     host = torch.tensor(_carried(thread_sums.sum(dim=0).tolist()), dtype=torch.int64)
     return _carry(sums + host.to(device)) if partials else sums + host.to(device)
+
+
+def _added_partials(partials: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The calls' partial sums (each digit below 2^41) added up on ``device``, carried partially every
+    ``PARTIALS_PER_CARRY`` of them (:func:`_carry` makes the result canonical)."""
+    sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
+    for start in range(0, len(partials), PARTIALS_PER_CARRY):
+        sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).to(device).sum(dim=0))
+    return sums
 
 
 def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

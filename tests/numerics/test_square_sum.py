@@ -14,7 +14,8 @@ from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 def torch_operations_sums(values: torch.Tensor) -> torch.Tensor:
     """The bins of ``values`` by the torch operations that CUDA compiles, run eagerly, in calls of at
     most four rows of ``ROW_ELEMENTS``."""
-    return square_sum._carry(torch.stack(square_sum._row_partials([values], square_sum._torch_digit_sums, 4)).sum(dim=0))
+    partials = square_sum._row_partials([values], square_sum._torch_digit_sums, 4)
+    return square_sum._carry(square_sum._added_partials(partials, values.device))
 
 
 def exact_norm(values: torch.Tensor) -> float:
@@ -197,4 +198,4 @@ def test_every_call_takes_two_rows_or_more_so_one_graph_per_dtype_serves_every_g
     assert all(2 <= rows <= 8 and rest == 0 for rows, rest in shapes)
     assert counter.frame_count <= 4
     expected = square_sum_bins(runs, torch.device("cpu"))
-    assert torch.equal(square_sum._carry(torch.stack(partials).sum(dim=0)), expected)
+    assert torch.equal(square_sum._carry(square_sum._added_partials(partials, torch.device("cpu"))), expected)
