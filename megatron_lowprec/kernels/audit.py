@@ -5,7 +5,8 @@ the rules (issue 27):
 
 * ``compiles``: every kernel compiles for the architecture (the rules on PTX fail for one that does not);
 * ``instructions``: no approximate or flushing floating-point instruction (:data:`FORBIDDEN`) and no
-  contracted multiply-add (the step plans none: TwoProdFMA is computed exactly in a wider format);
+  contracted multiply-add (the step plans none: TwoProdFMA is computed exactly in a wider format),
+  but for the BF16 adds and products that LLVM narrows from FP32 ones (:func:`narrowed_bf16_operations`);
 * ``fp32 only``: no FP64 arithmetic (it runs at 1/64 of FP32 on L4, L40S and RTX cards);
 * ``one launch``: one kernel launch per bucket (per shard) in a step;
 * ``no recompilation``: a later step, another learning rate, another parameter group's scalars, a
@@ -154,8 +155,32 @@ def muon_layout_bytes(strategy: PrecisionStrategy) -> dict[str, tuple[float, flo
     }
 
 
+_BF16_FMA = re.compile(r"^\s*fma\.rn\.bf16\s+%\w+,\s*(%\w+),\s*(%\w+),\s*(%\w+);\s*$", re.MULTILINE)
+_BF16_CONSTANT = re.compile(r"mov\.b16\s+(%rs\d+),\s*(0x[0-9A-Fa-f]{4});")
+BF16_ONE, BF16_NEGATIVE_ZERO = 0x3F80, 0x8000
+
+
+def narrowed_bf16_operations(ptx: str) -> list[str]:
+    """The ``fma.rn.bf16`` lines of ``ptx`` that are one BF16 add (a factor 1.0) or one BF16 product
+    (an addend -0.0): LLVM narrows an FP32 add or product of two BF16 values that is rounded to BF16
+    into the BF16 operation, which sm_80 runs as such an FMA (sm_90 has ``add.rn.bf16`` and
+    ``mul.rn.bf16``). The bits are those of the FP32 operation then the rounding: rounding twice,
+    first to 24 bits, gives the correctly rounded 8-bit result of a sum or product of 8-bit values
+    (24 >= 2 x 8 + 2; the audit's tests check it against exact rationals), and the
+    multiply by 1.0 or add of -0.0 is exact."""
+    constants = {register: int(value, 16) for register, value in _BF16_CONSTANT.findall(ptx)}
+    return [
+        match.group(0).strip() for match in _BF16_FMA.finditer(ptx)
+        if BF16_ONE in (constants.get(match.group(1)), constants.get(match.group(2)))
+        or constants.get(match.group(3)) == BF16_NEGATIVE_ZERO
+    ]
+
+
 def forbidden_instructions(ptx: str) -> list[str]:
-    """The fragments of :data:`FORBIDDEN` that occur in ``ptx``."""
+    """The fragments of :data:`FORBIDDEN` that occur in ``ptx``, leaving out its
+    :func:`narrowed_bf16_operations`."""
+    for line in narrowed_bf16_operations(ptx):
+        ptx = ptx.replace(line, "")
     return [
         fragment for fragment in FORBIDDEN
         if re.search(re.escape(fragment) if fragment.startswith(".") else r"\b" + re.escape(fragment), ptx)

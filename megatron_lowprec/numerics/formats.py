@@ -304,17 +304,39 @@ CAST_ROUNDING_DEVICES = ("cpu",)
 """Device types whose compiled code keeps float round trips: Inductor's C++ backend compiles
 ``x.to(bf16).to(fp32)`` into a real rounding (the fused-vs-eager tests check every option bit for
 bit), and AVX2 vectorizes that cast far better than the integer form (which made compiled B, C and
-kahan 2 to 5 times slower on CPU). Elsewhere (Triton on GPUs) :func:`round_to_16bit` is used."""
+kahan 2 to 5 times slower on CPU). Elsewhere (Triton on GPUs) :func:`round_to_bfloat16_through_bits`
+rounds to bfloat16 and :func:`round_to_16bit` to float16."""
+
+_BF16_HIGH_HALF = 1 << _BF16_DROPPED_BITS
+"""Multiplying a bfloat16 pattern (sign-extended to int32) by this puts it in a float32 pattern's high half."""
 
 
 def round_to_16bit_on_device(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype).to(torch.float32)`` for float32 ``x``, computed the way that survives compilation
-    on ``x``'s device: the cast itself on :data:`CAST_ROUNDING_DEVICES`, else :func:`round_to_16bit`.
-    Both give the same bits for every finite value (tested against torch's casts and ml_dtypes), so
-    the choice is how, never what."""
+    on ``x``'s device: the cast itself on :data:`CAST_ROUNDING_DEVICES`, else
+    :func:`round_to_bfloat16_through_bits` for bfloat16 and :func:`round_to_16bit` for float16. All
+    give the same bits for every finite value (tested against torch's casts and ml_dtypes), so the
+    choice is how, never what."""
     if x.device.type in CAST_ROUNDING_DEVICES:
         return x.to(dtype).to(torch.float32)
+    if dtype == torch.bfloat16:
+        return round_to_bfloat16_through_bits(x)
     return round_to_16bit(x, dtype)
+
+
+def round_to_bfloat16_through_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(torch.bfloat16).to(torch.float32)`` for float32 ``x``, written so that no compiler drops
+    the rounding: the cast's 16 bits, read as an integer, become the high half of a float32 pattern
+    (sign-extended, times 2^16: no overflow, no shift of a negative number). Inductor's Triton code
+    removes the plain round trip between two FP32 operations (see :func:`round_to_16bit`), but keeps a
+    cast whose bits are used, and a GPU rounds with one instruction (``cvt.rn.bf16.f32``) where
+    :func:`round_to_16bit` takes about eight integer ones (the kernel audit's tests check that every
+    rounding survives). The same bits as torch's cast for every value, NaN payloads aside (``cvt``
+    makes 0x7FFF, torch 0x7FC0: never in the optimizer, whose gradients are checked first)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_bfloat16_through_bits takes float32 values, got {x.dtype}")
+    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    return (bits * _BF16_HIGH_HALF).view(torch.float32)
 
 
 def round_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -324,7 +346,7 @@ def round_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Compilers keep every integer operation, but not a float round trip: Inductor's Triton code drops
     ``x.to(bf16).to(fp32)`` between two FP32 operations even with ``emulate_precision_casts``
-    (measured on an H100, gpu/FINDINGS.md), which silently removes roundings that MCF arithmetic
+    (measured on an H100; the kernel audit's tests check it), which silently removes roundings that MCF arithmetic
     needs. A rounding written this way is the same on every backend, eager or compiled.
 
     The magnitude is rounded and the sign put back:
@@ -392,7 +414,7 @@ def split_bf16_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Integer operations on the bit pattern only, none of which can overflow or depends on how a
     compiler shifts negative numbers: eager and compiled code (Inductor's C++ and Triton) compute
-    the same bits, and no compiler can drop a float round trip here (gpu/FINDINGS.md).
+    the same bits, and no compiler can drop a float round trip here.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"split_bf16_remainder takes float32 values, got {x.dtype}")

@@ -21,13 +21,16 @@ float16, float64 for float32), computes ONE operation there and rounds the resul
 Intermediate values are kept in W (holding P values exactly); results come back in P.
 
 For P = bfloat16 and float16 the rounding to P is :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`:
-on GPUs :func:`~megatron_lowprec.numerics.formats.round_to_16bit`, integer operations on the float32
-bit pattern, not the cast round trip ``w.to(P).to(float32)`` (on CPUs, whose compiler keeps the round
-trip, the cast, which is faster there and gives the same bits).
+on GPUs, for bfloat16, the cast's bits widened by integer arithmetic
+(:func:`~megatron_lowprec.numerics.formats.round_to_bfloat16_through_bits`), for float16 integer
+operations on the float32 bit pattern (:func:`~megatron_lowprec.numerics.formats.round_to_16bit`),
+never the bare cast round trip ``w.to(P).to(float32)`` (on CPUs, whose compiler keeps the round trip,
+the cast, which is faster there and gives the same bits).
 Compilers may remove such a round trip between two float32 operations (Inductor's Triton code does,
-even with ``emulate_precision_casts``: gpu/FINDINGS.md), and every error term of Fast2Sum and TwoSum
-would then be computed from unrounded values; an integer rounding cannot be optimised away, so eager
-and compiled code, on every device, round alike. The casts that remain (to P on return, to W on
+even with ``emulate_precision_casts``, as measured on an H100 and checked by the kernel audit's tests),
+and every error term of Fast2Sum and TwoSum would then be computed from unrounded values; a rounding
+whose bits feed integer operations cannot be optimised away, so eager and compiled code, on every
+device, round alike. The casts that remain (to P on return, to W on
 entry) convert values that are already exact in P, so dropping them changes nothing. For P = float32
 (W = float64) the rounding is the cast, which eager code runs exactly; the compiled optimizer step
 never uses float32 MCF.

@@ -17,9 +17,10 @@ Rounding points of the reference, for every strategy:
   Grow, every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
 * Where a value is rounded to the 16-bit parameter dtype and then computed with again (the inputs
   of Grow, Fast2Sum and Mul, and every operation inside them), the rounding is
-  :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`: on GPUs integer operations
-  on the FP32 bits, never the cast round trip ``x.to(bf16).to(fp32)``, which Inductor's Triton code
-  removes (gpu/FINDINGS.md); on CPUs the cast, which Inductor's C++ code keeps. So the compiled step
+  :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`: on GPUs the BF16 cast read
+  back through its bits (one ``cvt.rn.bf16.f32``; FP16: integer operations on the FP32 bits), never
+  the bare cast round trip ``x.to(bf16).to(fp32)``, which Inductor's Triton code removes (measured on
+  an H100); on CPUs the cast, which Inductor's C++ code keeps. So the compiled step
   rounds exactly where this specification does, on every backend. Casts to 16 bits that remain either store a result or convert an exact value.
 * The update Δθ = -lr (m̂ / (√v̂ + ε) + λθ) is computed in FP32 (Collage App. D) as
   λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2), a correctly
@@ -283,8 +284,8 @@ class MuonScalars(KernelScalars):
 
 
 def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` (by integer operations where a
-    compiler could drop a cast), as a ``dtype`` tensor (an exact conversion, which no compiler pass
+    """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` (in a form that no compiler
+    drops: :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`), as a ``dtype`` tensor (an exact conversion, which no compiler pass
     can make inexact)."""
     return round_to_16bit_on_device(values, dtype).to(dtype)
 

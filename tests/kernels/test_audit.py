@@ -9,13 +9,17 @@ removed, once fixed.
 """
 
 import ctypes
+import math
+import operator
 import os
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_lowprec.kernels import audit, codegen
+from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
 
 CASES = [
@@ -216,6 +220,97 @@ def test_audit_rejects_a_plain_fp32_division():
     """The audit can fail: Inductor's FP32 ``/`` is ``div.full.f32`` (approximate) on CUDA."""
     kernels = codegen.generate_function(lambda a, b: a / b, ((64,), (64,)), torch.float32, arch=90)
     assert [fragment for kernel in kernels for fragment in audit.forbidden_instructions(kernel.ptx)] == ["div.full"]
+
+
+def _fast_two_sum_error(rounding):
+    """Fast2Sum's error term e = r(b - r(r(a + b) - a)): three roundings to bfloat16 between FP32 operations."""
+    return lambda a, b: rounding(b - rounding(rounding(a + b) - a))
+
+
+BF16_MAGNITUDE_MASK = "2147418112"
+"""0x7FFF0000 in PTX: the integer form clears a rounded magnitude's low 16 bits with it, once per rounding."""
+
+
+@pytest.mark.parametrize(
+    "form,conversions,masks",
+    [
+        (lambda x: x.to(torch.bfloat16).to(torch.float32), 0, 0),
+        (formats.round_to_bfloat16_through_bits, 3, 0),
+        (lambda x: formats.round_to_16bit(x, torch.bfloat16), 0, 3),
+    ],
+    ids=["cast-round-trip", "through-bits", "integer"],
+)
+def test_roundings_to_bfloat16_between_fp32_operations_survive_cuda_codegen(form, conversions, masks):
+    """Per element, Inductor's Triton code drops all three cast round trips (the error term is then
+    computed from unrounded sums: why MCF arithmetic cannot use them on GPUs); the cast read back
+    through its bits keeps each rounding as one ``cvt.rn.bf16.f32``, the integer form as integer
+    operations (one magnitude mask each)."""
+    (kernel,) = codegen.generate_function(_fast_two_sum_error(form), ((64,), (64,)), torch.float32, arch=90)
+    per_element = kernel.elements_per_thread
+    assert kernel.ptx.count("cvt.rn.bf16.f32") == conversions * per_element
+    assert kernel.ptx.count(BF16_MAGNITUDE_MASK) == masks * per_element
+
+
+def _bf16_nearest_even(value: Fraction) -> float:
+    """The exact rational ``value`` rounded to the nearest BF16 value, ties to even (8 significant
+    bits, subnormals below 2^-126 in steps of 2^-133, inf from the largest value's half step up)."""
+    if value == 0:
+        return 0.0
+    magnitude = abs(value)
+    exponent = max(math.floor(math.log2(magnitude)), -126)
+    while Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    while Fraction(2) ** (exponent + 1) <= magnitude:
+        exponent += 1
+    step = Fraction(2) ** (max(exponent, -126) - 7)
+    steps, remainder = divmod(magnitude, step)
+    if remainder * 2 > step or (remainder * 2 == step and steps % 2):
+        steps += 1
+    rounded = steps * step
+    result = math.inf if rounded >= Fraction(2) ** 128 else float(rounded)
+    return -result if value < 0 else result
+
+
+def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
+    """What :func:`~megatron_lowprec.kernels.audit.narrowed_bf16_operations` accepts: for BF16 ``a`` and
+    ``b``, ``fp32(a + b)`` and ``fp32(a * b)`` rounded to BF16 are the exact sum and product rounded
+    once, against exact rationals: random patterns, operands of close exponents (sums that cancel or
+    carry), subnormals and values near the largest."""
+    generator = torch.Generator().manual_seed(5)
+
+    def bf16_values(count, low_exponent, high_exponent):
+        exponent = torch.randint(low_exponent, high_exponent + 1, (count,), generator=generator)
+        mantissa = torch.randint(0, 128, (count,), generator=generator)
+        sign = torch.randint(0, 2, (count,), generator=generator)
+        bits = (sign << 15) | (exponent << 7) | mantissa
+        return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
+
+    pairs = [
+        (bf16_values(4000, 0, 254), bf16_values(4000, 0, 254)),
+        (bf16_values(4000, 100, 104), bf16_values(4000, 100, 104)),
+        (bf16_values(2000, 0, 3), bf16_values(2000, 0, 12)),
+        (bf16_values(2000, 0, 2), bf16_values(2000, 120, 134)),
+        (bf16_values(1000, 250, 254), bf16_values(1000, 125, 128)),
+    ]
+    for a, b in pairs:
+        for operation in (operator.add, operator.mul):
+            got = operation(a.float(), b.float()).to(torch.bfloat16).float().tolist()
+            exact = [
+                _bf16_nearest_even(operation(Fraction(x), Fraction(y)))
+                for x, y in zip(a.float().tolist(), b.float().tolist())
+            ]
+            assert got == exact, next((x, y) for x, y, g, e in zip(a.tolist(), b.tolist(), got, exact) if g != e)
+
+
+def test_audit_accepts_only_the_narrowed_bf16_fmas():
+    """An FMA of BF16 values with a factor 1.0 or an addend -0.0 is one narrowed add or product; any
+    other FMA, of any type, stays forbidden."""
+    constants = "\tmov.b16 \t%rs1, 0x3F80;\n\tmov.b16 \t%rs2, 0x8000;\n\tmov.b16 \t%rs3, 0x4000;\n"
+    narrowed = "\tfma.rn.bf16 \t%rs5, %rs4, %rs1, %rs6;\n\tfma.rn.bf16 \t%rs7, %rs4, %rs6, %rs2;\n"
+    assert audit.forbidden_instructions(constants + narrowed) == []
+    assert len(audit.narrowed_bf16_operations(constants + narrowed)) == 2
+    for other in ("\tfma.rn.bf16 \t%rs8, %rs4, %rs3, %rs6;\n", "\tfma.rn.f32 \t%r1, %r2, %r3, %r4;\n"):
+        assert audit.forbidden_instructions(constants + narrowed + other) == ["fma."]
 
 
 def test_codegen_restores_what_it_patches():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_lowprec.numerics import formats
 from megatron_lowprec.numerics.formats import (
     BF16,
     E4M3,
@@ -17,6 +18,8 @@ from megatron_lowprec.numerics.formats import (
     from_fp8_codes,
     join_bf16_remainder,
     round_to_16bit,
+    round_to_16bit_on_device,
+    round_to_bfloat16_through_bits,
     round_to_format,
     split_bf16_remainder,
     to_fp8_codes,
@@ -441,6 +444,39 @@ def test_integer_rounding_keeps_infinities_and_quiet_nans(dtype):
     assert torch.equal(got.view(torch.int32) < 0, quiet_nans < 0)
     infinities = torch.tensor([torch.inf, -torch.inf, 3.4e38, -3.4e38])
     assert torch.equal(round_to_16bit(infinities, dtype), torch.tensor([1, -1, 1, -1]) * torch.inf)
+
+
+def test_rounding_to_bfloat16_through_bits_equals_the_casts():
+    """The GPUs' rounding to bfloat16 (the cast, read back through its bits) against ml_dtypes and the
+    integer form on the same probes (every tie, its neighbours and every carry, then 2^18 random
+    patterns); infinities and NaNs stay what they are."""
+    generator = torch.Generator().manual_seed(1)
+    random = torch.randint(-(2**31), 2**31, (2**18,), dtype=torch.int32, generator=generator).view(torch.float32)
+    for x in (_sixteen_bit_rounding_probes(lambda field: 16), random):
+        got = round_to_bfloat16_through_bits(x)
+        with np.errstate(over="ignore", invalid="ignore"):
+            _assert_rounds_like(got, torch.from_numpy(x.numpy().astype(ml_dtypes.bfloat16).astype(np.float32)), x)
+        _assert_rounds_like(got, round_to_16bit(x, torch.bfloat16), x)
+        assert torch.equal(torch.isnan(got), torch.isnan(x))
+    infinities = torch.tensor([torch.inf, -torch.inf, 3.4e38, -3.4e38])
+    assert torch.equal(round_to_bfloat16_through_bits(infinities), torch.tensor([1, -1, 1, -1]) * torch.inf)
+    with pytest.raises(TypeError, match="float32"):
+        round_to_bfloat16_through_bits(torch.ones(2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_on_a_device_without_cast_rounding_takes_the_form_that_survives_compilation(monkeypatch, dtype):
+    """Off :data:`CAST_ROUNDING_DEVICES` (on GPUs) bfloat16 goes through the cast's bits, float16
+    through the integer form; the bits are the cast's either way."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 1e-3
+    monkeypatch.setattr("megatron_lowprec.numerics.formats.CAST_ROUNDING_DEVICES", ())
+    calls = []
+    for name in ("round_to_bfloat16_through_bits", "round_to_16bit"):
+        original = getattr(formats, name)
+        monkeypatch.setattr(formats, name, lambda *args, _name=name, _original=original: calls.append(_name) or _original(*args))
+    got = round_to_16bit_on_device(x, dtype)
+    assert calls == ["round_to_bfloat16_through_bits" if dtype == torch.bfloat16 else "round_to_16bit"]
+    assert torch.equal(got, x.to(dtype).to(torch.float32))
 
 
 def test_integer_rounding_rejects_other_dtypes():

@@ -1,6 +1,6 @@
 """The fused step as Inductor's Triton code computes it, emulated on CPU: bit for bit the eager step.
 
-Measured on an H100 (gpu/FINDINGS.md, issue 12): Inductor's Triton code keeps the casts at loads and
+Measured on an H100 (issue 12): Inductor's Triton code keeps the casts at loads and
 stores but removes every round trip ``x.to(bf16).to(fp32)`` between two FP32 operations, even with
 ``emulate_precision_casts``. The CPU fused tests cannot see that, since Inductor's C++ code keeps
 them. Here the fused step's compiled call is replaced by that compiler's behaviour: the very
@@ -111,8 +111,8 @@ class RoundTripFreeKernel:
 
 @pytest.fixture
 def round_trip_free_kernel(monkeypatch):
-    """The fused step as Triton compiles it, run on CPU: the code GPUs run (integer roundings, not the
-    casts that CPUs keep) with every float round trip dropped."""
+    """The fused step as Triton compiles it, run on CPU: the code GPUs run (roundings that survive
+    compilation, not the bare round trips that CPUs keep) with every float round trip dropped."""
     kernel = RoundTripFreeKernel()
     monkeypatch.setattr(fused_module, "compiled_kernel", lambda *flags: kernel)
     monkeypatch.setattr(formats, "CAST_ROUNDING_DEVICES", ())
@@ -200,8 +200,9 @@ def test_the_stochastic_rounding_step_has_no_64_bit_integer(round_trip_free_kern
     [(option, dtype) for option in OPTIONS for dtype in (torch.bfloat16, torch.float16)
      if dtype == torch.bfloat16 or get_strategy(option).master_storage != "remainder"],
 )
-def test_the_integer_roundings_of_gpus_and_the_casts_of_cpus_give_the_same_steps(option, param_dtype, monkeypatch):
-    """The eager step with GPU roundings (integer) equals the eager step with CPU roundings (casts)."""
+def test_the_roundings_of_gpus_and_the_casts_of_cpus_give_the_same_steps(option, param_dtype, monkeypatch):
+    """The eager step with GPU roundings (BF16: the cast through its bits; FP16: integer) equals the
+    eager step with CPU roundings (casts)."""
     runs = []
     for devices in (("cpu",), ()):
         monkeypatch.setattr(formats, "CAST_ROUNDING_DEVICES", devices)
@@ -215,8 +216,8 @@ def test_the_integer_roundings_of_gpus_and_the_casts_of_cpus_give_the_same_steps
         runs.append([param.detach().clone() for param in params] + [
             value.clone() for param in params for value in optimizer.state[param].values() if torch.is_tensor(value)
         ])
-    for integer, cast in zip(*runs):
-        assert torch.equal(integer.view(torch.uint8), cast.view(torch.uint8))
+    for gpu, cpu in zip(*runs):
+        assert torch.equal(gpu.view(torch.uint8), cpu.view(torch.uint8))
 
 
 EXACT_FLOAT_OPS = {
@@ -329,7 +330,7 @@ COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "re
 
 @pytest.fixture
 def gpu_formulation(monkeypatch):
-    """What the fused step computes where Inductor emits Triton: integer 16-bit roundings, division
+    """What the fused step computes where Inductor emits Triton: 16-bit roundings that survive compilation, division
     and square root through float64 (as on a device outside ``elementary.IEEE_FP32_DEVICES``; CUDA's
     FP32 ``div.rn``/``sqrt.rn`` formulation is checked in its PTX by ``kernels/audit.py``), stochastic
     rounding once per bucket."""
