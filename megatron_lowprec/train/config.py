@@ -279,6 +279,15 @@ class TrainerConfig:
     deterministic: bool = False
     """Make a GPU run repeat bit for bit (``train/determinism.py``: deterministic algorithms, attention
     backward and NCCL reductions); costs attention-backward speed on GPUs."""
+    profile: bool = False
+    """Profile a window of steps with torch.profiler (Megatron-LM's ``--profile --use-pytorch-profiler``):
+    a Chrome trace and a table of operators by time per profiled rank in ``<run_dir>/profile/``."""
+    profile_step_start: int = 10
+    """Steps done when profiling starts: the first profiled step is the one the log numbers this + 1."""
+    profile_step_end: int = 12
+    """Steps done when profiling stops: the last profiled step is the one the log numbers this."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile."""
 
 
 @dataclass
@@ -549,6 +558,20 @@ def _validate_indexed_data(data: DataConfig) -> None:
             raise ConfigError(f"data.{key}={value!r}: {str(path)!r} does not exist")
 
 
+def _validate_profile(trainer: TrainerConfig, world_size: int) -> None:
+    if not 0 <= trainer.profile_step_start < min(trainer.profile_step_end, trainer.max_steps):
+        raise ConfigError(
+            f"trainer.profile_step_start={trainer.profile_step_start} and trainer.profile_step_end={trainer.profile_step_end} "
+            f"profile no step of trainer.max_steps={trainer.max_steps}; they must satisfy "
+            "0 <= profile_step_start < profile_step_end and profile_step_start < max_steps"
+        )
+    outside = [rank for rank in trainer.profile_ranks if not 0 <= rank < world_size]
+    if outside or not trainer.profile_ranks:
+        raise ConfigError(
+            f"trainer.profile_ranks={list(trainer.profile_ranks)} must name ranks of this run: 0 to {world_size - 1}"
+        )
+
+
 def to_yaml(config: TrainConfig) -> str:
     """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
     from omegaconf import OmegaConf
@@ -590,6 +613,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"trainer.sharpness_eps={trainer.sharpness_eps} > 0"
         )
     _positive("trainer.max_steps", trainer.max_steps)
+    if trainer.profile:
+        _validate_profile(trainer, world_size)
     if trainer.max_nonfinite_steps < 0:
         raise ConfigError(
             f"trainer.max_nonfinite_steps={trainer.max_nonfinite_steps} is not valid; it must be a positive integer, or 0 never to stop"

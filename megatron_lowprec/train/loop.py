@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from megatron_lowprec.train import checkpoint
+from megatron_lowprec.train import checkpoint, profiling
 from megatron_lowprec.train.config import ConfigError, TrainConfig, data_parallel_size, precision_strategy
 from megatron_lowprec.train.config import OptimizerConfig as AppOptimizerConfig
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
@@ -320,13 +320,16 @@ def train_step(run: Run) -> dict:
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     step_batches = batches(run.data.train, run.config, run.iteration * run.config.trainer.global_batch_size, run.num_microbatches)
-    loss = _forward_backward(run, step_batches, forward_only=False)
-    success, grad_norm, _ = run.optimizer.step()
+    with torch.profiler.record_function(profiling.FORWARD_BACKWARD):
+        loss = _forward_backward(run, step_batches, forward_only=False)
+    with torch.profiler.record_function(profiling.OPTIMIZER_STEP):
+        success, grad_norm, _ = run.optimizer.step()
     record = {"loss": loss, "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "skipped": not success}
     if success:
         run.scheduler.step(increment=1)
         if run.config.precision.track_update_quality:
-            quality = run.optimizer.update_quality()
+            with torch.profiler.record_function(profiling.UPDATE_QUALITY):
+                quality = run.optimizer.update_quality()
             record.update(edq=quality.edq, imprecision_percent=quality.imprecision_percent)
     run.iteration += 1
     return record
@@ -437,6 +440,21 @@ def _train_in(config: TrainConfig, run_dir: Path) -> dict:
 
 
 def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resumed: int | None) -> dict:
+    """:func:`_train_steps` under ``trainer.profile``'s profiler (``train/profiling.py``)."""
+    trainer = run.config.trainer
+    profiler = profiling.StepProfiler(
+        trainer.profile, trainer.profile_step_start, trainer.profile_step_end, list(trainer.profile_ranks),
+        torch.distributed.get_rank(), run.run_dir,
+    )
+    try:
+        return _train_steps(run, logger, exit_signals, resumed, profiler)
+    finally:
+        profiler.close()
+
+
+def _train_steps(
+    run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resumed: int | None, profiler: profiling.StepProfiler
+) -> dict:
     """Steps until ``trainer.max_steps`` (then evaluation, the last checkpoint and the summary) or until
     an exit signal (then a checkpoint and one line)."""
     config, trainer = run.config, run.config.trainer
@@ -446,9 +464,11 @@ def _train_loop(run: Run, logger: MetricsLogger, exit_signals: ExitSignals, resu
     saved_at = None
     nonfinite_steps: list[int] = []
     while run.iteration < trainer.max_steps:
+        profiler.before_step(run.iteration)
         started = time.perf_counter()
         interval.append(train_step(run))
         step_seconds.append(time.perf_counter() - started)
+        profiler.after_step(run.iteration)
         nonfinite_steps = [] if _finite(interval[-1]) else [*nonfinite_steps, run.iteration]
         diverged = trainer.max_nonfinite_steps and len(nonfinite_steps) >= trainer.max_nonfinite_steps
         stop_signal = exit_signals.received()

@@ -182,13 +182,15 @@ def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
 @pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="torchrun at DP=2 needs a GPU per NCCL rank: 2 GPUs")
 def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     """``torchrun -m megatron_lowprec.train`` at DP=2 with wandb offline: metrics, summary, wandb files
-    and a final checkpoint in the run directory; the plotting example draws its metrics."""
+    and a final checkpoint in the run directory; the plotting example draws its metrics; both ranks
+    profile step 2 (``trainer.profile``): a trace and a table with the step's phases each."""
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "megatron_lowprec.train",
         *_tiny(cache_dir, run_dir, "precision=sr", "trainer.max_steps=2", "trainer.save=true", "logging.wandb=true",
-               background_compile=True),
+               "trainer.profile=true", "trainer.profile_step_start=1", "trainer.profile_step_end=2",
+               "trainer.profile_ranks=[0,1]", background_compile=True),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
     finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
@@ -212,6 +214,11 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     assert f"train loss {summary['final_train_loss']:.4f} (last step)" in last_line
     assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002"
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    for rank in (0, 1):
+        table = (run_dir / "profile" / f"rank{rank}.txt").read_text()
+        assert "lowprec.forward_backward" in table and "lowprec.optimizer_step" in table, table
+        assert (run_dir / "profile" / f"rank{rank}.pt.trace.json").stat().st_size > 0
+        assert f"profile of steps 2-2 (rank {rank}): {run_dir / 'profile' / f'rank{rank}.txt'}" in finished.stdout
     plot = tmp_path / "loss.png"
     example = Path(__file__).parents[2] / "examples" / "plot_metrics.py"
     plotted = subprocess.run([sys.executable, str(example), str(run_dir), "--output", str(plot)], capture_output=True, text=True, timeout=120)

@@ -353,6 +353,11 @@ def test_fault_handling_keys_are_checked(capsys, overrides, named):
          "model.seq_length=128 is above model.max_position_embeddings=64"),
         (["data.split='100,0,0'"], "data.split='100,0,0' leaves no training or no validation samples"),
         (["data.split='980,-10,10'"], "data.split='980,-10,10' is not valid; give up to three comma-separated"),
+        (["trainer.profile=true", "trainer.profile_step_start=3", "trainer.profile_step_end=3"],
+         "trainer.profile_step_start=3 and trainer.profile_step_end=3 profile no step of trainer.max_steps=300"),
+        (["trainer.profile=true", "trainer.max_steps=5", "trainer.profile_step_start=5", "trainer.profile_step_end=7"],
+         "profile_step_start < max_steps"),
+        (["trainer.profile=true", "trainer.profile_ranks=[0,1]"], "trainer.profile_ranks=[0, 1] must name ranks of this run: 0 to 0"),
     ],
 )
 def test_bad_cadence_length_and_split_values_stop_before_any_work(capsys, overrides, named):
