@@ -157,21 +157,22 @@ def muon_layout_bytes(strategy: PrecisionStrategy) -> dict[str, tuple[float, flo
 
 _BF16_FMA = re.compile(r"^\s*fma\.rn\.bf16\s+%\w+,\s*(%\w+),\s*(%\w+),\s*(%\w+);\s*$", re.MULTILINE)
 _BF16_CONSTANT = re.compile(r"mov\.b16\s+(%rs\d+),\s*(0x[0-9A-Fa-f]{4});")
-BF16_ONE, BF16_NEGATIVE_ZERO = 0x3F80, 0x8000
+BF16_UNITS, BF16_NEGATIVE_ZERO = (0x3F80, 0xBF80), 0x8000
+"""BF16 patterns of ±1.0 (the factor of a narrowed add or subtraction) and of -0.0 (the addend of a narrowed product)."""
 
 
 def narrowed_bf16_operations(ptx: str) -> list[str]:
-    """The ``fma.rn.bf16`` lines of ``ptx`` that are one BF16 add (a factor 1.0) or one BF16 product
-    (an addend -0.0): LLVM narrows an FP32 add or product of two BF16 values that is rounded to BF16
-    into the BF16 operation, which sm_80 runs as such an FMA (sm_90 has ``add.rn.bf16`` and
+    """The ``fma.rn.bf16`` lines of ``ptx`` that are one BF16 add or subtraction (a factor ±1.0) or one
+    BF16 product (an addend -0.0): LLVM narrows an FP32 add, subtraction or product of two BF16 values that is
+    rounded to BF16 into the BF16 operation, which sm_80 runs as such an FMA (sm_90 has ``add.rn.bf16`` and
     ``mul.rn.bf16``). The bits are those of the FP32 operation then the rounding: rounding twice,
     first to 24 bits, gives the correctly rounded 8-bit result of a sum or product of 8-bit values
     (24 >= 2 x 8 + 2; the audit's tests check it against exact rationals), and the
-    multiply by 1.0 or add of -0.0 is exact."""
+    multiply by ±1.0 or add of -0.0 is exact."""
     constants = {register: int(value, 16) for register, value in _BF16_CONSTANT.findall(ptx)}
     return [
         match.group(0).strip() for match in _BF16_FMA.finditer(ptx)
-        if BF16_ONE in (constants.get(match.group(1)), constants.get(match.group(2)))
+        if {constants.get(match.group(1)), constants.get(match.group(2))} & set(BF16_UNITS)
         or constants.get(match.group(3)) == BF16_NEGATIVE_ZERO
     ]
 

@@ -274,7 +274,7 @@ def _bf16_nearest_even(value: Fraction) -> float:
 def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
     """What :func:`~megatron_lowprec.kernels.audit.narrowed_bf16_operations` accepts: for BF16 ``a`` and
     ``b``, ``fp32(a + b)`` and ``fp32(a * b)`` rounded to BF16 are the exact sum and product rounded
-    once, against exact rationals: random patterns, operands of close exponents (sums that cancel or
+    once (a subtraction is the sum with -b), against exact rationals: random patterns, operands of close exponents (sums that cancel or
     carry), subnormals and values near the largest."""
     generator = torch.Generator().manual_seed(5)
 
@@ -303,12 +303,15 @@ def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
 
 
 def test_audit_accepts_only_the_narrowed_bf16_fmas():
-    """An FMA of BF16 values with a factor 1.0 or an addend -0.0 is one narrowed add or product; any
-    other FMA, of any type, stays forbidden."""
-    constants = "\tmov.b16 \t%rs1, 0x3F80;\n\tmov.b16 \t%rs2, 0x8000;\n\tmov.b16 \t%rs3, 0x4000;\n"
-    narrowed = "\tfma.rn.bf16 \t%rs5, %rs4, %rs1, %rs6;\n\tfma.rn.bf16 \t%rs7, %rs4, %rs6, %rs2;\n"
+    """An FMA of BF16 values with a factor ±1.0 or an addend -0.0 is one narrowed add, subtraction or
+    product; any other FMA, of any type, stays forbidden."""
+    constants = "\tmov.b16 \t%rs1, 0x3F80;\n\tmov.b16 \t%rs2, 0x8000;\n\tmov.b16 \t%rs3, 0x4000;\n\tmov.b16 \t%rs9, 0xBF80;\n"
+    narrowed = (
+        "\tfma.rn.bf16 \t%rs5, %rs4, %rs1, %rs6;\n\tfma.rn.bf16 \t%rs7, %rs4, %rs6, %rs2;\n"
+        "\tfma.rn.bf16 \t%rs10, %rs9, %rs4, %rs6;\n"
+    )
     assert audit.forbidden_instructions(constants + narrowed) == []
-    assert len(audit.narrowed_bf16_operations(constants + narrowed)) == 2
+    assert len(audit.narrowed_bf16_operations(constants + narrowed)) == 3
     for other in ("\tfma.rn.bf16 \t%rs8, %rs4, %rs3, %rs6;\n", "\tfma.rn.f32 \t%r1, %r2, %r3, %r4;\n"):
         assert audit.forbidden_instructions(constants + narrowed + other) == ["fma."]
 
