@@ -17,6 +17,11 @@ on GPUs whose dense BF16 peak is known), and the peak memory of the whole run on
 ``torch.cuda.max_memory_allocated`` on GPUs, the resident set size on CPUs (which also holds
 the Python process, its libraries and the data). Ratios: tokens/s and peak memory over stock's.
 
+With ``--profile DIR`` each run of the first round trains :data:`PROFILED_STEPS` more steps after
+the timed ones under torch.profiler (``trainer.profile``; they are not timed) and its table of
+operators by time and its Chrome trace are copied to ``DIR/<run>.txt`` and ``DIR/<run>.pt.trace.json``:
+where a run spends the time that stock does not.
+
 A run is ``NAME`` or ``NAME:OVERRIDE,OVERRIDE``, with NAME a member of ``configs/precision`` and
 Hydra overrides for that run alone, e.g. ``A:model.attention_backend=unfused``. ``--set`` gives
 overrides for every run.
@@ -27,7 +32,7 @@ overrides for every run.
     python benchmarks/train_throughput.py --model gpt_125m --micro-batch 8 --global-batch 8 \\
         --runs A B C D sr coat --steps 30 --warmup 5
     python benchmarks/train_throughput.py --model gpt_1.3b --micro-batch 2 --global-batch 2 \\
-        --runs A B C D sr coat --steps 30 --warmup 5
+        --runs A B C D sr coat --steps 30 --warmup 5 --profile profiles/
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,6 +49,8 @@ import tempfile
 from pathlib import Path
 
 STOCK = "megatron"
+PROFILED_STEPS = 2
+"""Steps profiled after the timed ones with ``--profile``."""
 DEFAULT_RUNS = ("A", "B", "C", "D", "D-MW", "kahan", "sr", "coat")
 
 
@@ -52,8 +60,13 @@ def parse_run(text: str) -> tuple[str, list[str]]:
     return text, [f"precision={name}", *(override for override in extra.split(",") if override)]
 
 
-def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: Path) -> list[str]:
-    """The ``lowprec-train`` command line of one run."""
+def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: Path, profile: bool = False) -> list[str]:
+    """The ``lowprec-train`` command line of one run (``profile``: :data:`PROFILED_STEPS` more steps,
+    profiled)."""
+    timed_end = arguments.warmup + arguments.steps
+    profiling = [
+        "trainer.profile=true", f"trainer.profile_step_start={timed_end}", f"trainer.profile_step_end={timed_end + PROFILED_STEPS}",
+    ] if profile else []
     launcher = [sys.executable]
     if arguments.nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={arguments.nproc}"]
@@ -61,7 +74,7 @@ def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: 
         f"model={arguments.model}",
         f"trainer.micro_batch_size={arguments.micro_batch}",
         f"trainer.global_batch_size={arguments.global_batch}",
-        f"trainer.max_steps={arguments.warmup + arguments.steps}",
+        f"trainer.max_steps={timed_end + (PROFILED_STEPS if profile else 0)}",
         "trainer.log_interval=1",
         f"trainer.eval_interval={10**9}",
         "trainer.eval_iters=1",
@@ -69,13 +82,15 @@ def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: 
         "logging.wandb=false",
         "precision.background_compile=false",
         f"run_dir={run_dir}",
+        *profiling,
     ]
     return [*launcher, "-m", "megatron_lowprec.train", *settings, *arguments.set, *overrides]
 
 
-def measure(rows: list[dict], summary: dict, warmup: int, world_size: int) -> dict:
-    """Throughput after the warmup steps and the run's peak memory, from its metrics rows and summary."""
-    timed = [row for row in rows if row["split"] == "train" and row["step"] > warmup]
+def measure(rows: list[dict], summary: dict, warmup: int, steps: int, world_size: int) -> dict:
+    """Throughput over the ``steps`` steps after the warmup ones and the run's peak memory, from its
+    metrics rows and summary."""
+    timed = [row for row in rows if row["split"] == "train" and warmup < row["step"] <= warmup + steps]
     if not timed:
         raise ValueError("no timed steps: --steps must be at least 1")
     tokens_per_second = len(timed) / sum(1.0 / row["tokens_per_second"] for row in timed)
@@ -98,12 +113,16 @@ class RunFailed(RuntimeError):
     """A run that exited with an error or outlasted ``--timeout``; its first line says which."""
 
 
-def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], work_dir: Path) -> dict:
-    run_dir = work_dir / label.replace("/", "_").replace(":", "_").replace(",", "_").replace("=", "-")
+def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], work_dir: Path, profile_dir: Path | None = None) -> dict:
+    """One run's figures; with ``profile_dir``, its profile copied there as ``<run>.txt`` and
+    ``<run>.pt.trace.json``."""
+    name = label.replace("/", "_").replace(":", "_").replace(",", "_").replace("=", "-")
+    run_dir = work_dir / name
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     try:
         finished = subprocess.run(
-            train_command(arguments, overrides, run_dir), capture_output=True, text=True, env=environment,
+            train_command(arguments, overrides, run_dir, profile_dir is not None), capture_output=True, text=True,
+            env=environment,
             timeout=arguments.timeout,
         )
     except subprocess.TimeoutExpired as expired:
@@ -114,7 +133,11 @@ def run_once(arguments: argparse.Namespace, label: str, overrides: list[str], wo
         raise RunFailed(f"exit {finished.returncode}\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return measure(rows, summary, arguments.warmup, arguments.nproc)
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        for suffix in (".txt", ".pt.trace.json"):
+            shutil.copyfile(run_dir / "profile" / f"rank0{suffix}", profile_dir / f"{name}{suffix}")
+    return measure(rows, summary, arguments.warmup, arguments.steps, arguments.nproc)
 
 
 def median_results(rounds: list[dict]) -> dict:
@@ -160,6 +183,8 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help=f"profile {PROFILED_STEPS} untimed steps after the timed ones of each run's first round into DIR")
     arguments = parser.parse_args()
     runs = dict(parse_run(text) for text in [STOCK, *(run for run in arguments.runs if run != STOCK)])
     measured: dict[str, list[dict]] = {label: [] for label in runs}
@@ -170,7 +195,9 @@ def main() -> None:
                 if label in failures:
                     continue
                 try:
-                    result = run_once(arguments, label, overrides, Path(work) / f"round{round_index}")
+                    result = run_once(
+                        arguments, label, overrides, Path(work) / f"round{round_index}", arguments.profile if round_index == 0 else None
+                    )
                 except RunFailed as error:
                     failures[label] = str(error).splitlines()[0]
                     print(f"run {label!r} failed: {error}", file=sys.stderr, flush=True)
