@@ -8,19 +8,20 @@ import torch
 from megatron_lowprec.train.profiling import OPTIMIZER_STEP, StepProfiler
 
 
-def _steps(profiler: StepProfiler, first: int, last: int) -> None:
-    """Steps ``first`` to ``last`` as the log numbers them, each a labelled matrix product."""
+def _steps(profiler: StepProfiler, first: int, last: int, device: str = "cpu") -> None:
+    """Steps ``first`` to ``last`` as the log numbers them, each a labelled matrix product on ``device``."""
     for iteration in range(first - 1, last):
         profiler.before_step(iteration)
         with torch.profiler.record_function(OPTIMIZER_STEP):
-            torch.ones(8, 8) @ torch.ones(8, 8)
+            torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
         profiler.after_step(iteration + 1)
 
 
-def test_profiles_the_window_megatron_lm_names_and_writes_a_trace_and_a_table(tmp_path, capsys):
-    """profile_step_start=2, profile_step_end=4: steps 3 and 4 as the log numbers them."""
+def test_profiles_the_window_megatron_lm_names_and_writes_a_trace_and_a_table(tmp_path, capsys, device):
+    """profile_step_start=2, profile_step_end=4: steps 3 and 4 as the log numbers them (on a GPU the
+    table is sorted by GPU time)."""
     profiler = StepProfiler(True, 2, 4, [0], 0, tmp_path)
-    _steps(profiler, 1, 6)
+    _steps(profiler, 1, 6, device.type)
     assert profiler.steps == [3, 4]
     table = (tmp_path / "profile" / "rank0.txt").read_text()
     row = next(line for line in table.splitlines() if line.strip().startswith(OPTIMIZER_STEP))
