@@ -97,6 +97,10 @@ def global_grad_norm(grads: list[torch.Tensor], group: torch.distributed.Process
     return norm_from_bins(bins)
 
 
+GRAD_NORM_LABEL = "lowprec.grad_norm"
+"""The ``torch.profiler.record_function`` label of the exact gradient norm's computation."""
+
+
 class ExactGradientStatistics(GradNormInterface):
     """Gradient norm, clipping and update quality of both megatron optimizers (unsharded and
     distributed), one implementation. A subclass says which gradients and pieces are its own:
@@ -121,8 +125,11 @@ class ExactGradientStatistics(GradNormInterface):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """The global L2 norm of :meth:`grads_for_norm` (:func:`global_grad_norm`): the same bits for
-        the unsharded and the distributed optimizer, for FP32 and 16-bit gradients alike."""
-        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.statistics_device)
+        the unsharded and the distributed optimizer, for FP32 and 16-bit gradients alike. Labelled
+        :data:`GRAD_NORM_LABEL` for torch.profiler (``lowprec-train trainer.profile``, Megatron-LM's
+        ``--use-pytorch-profiler``)."""
+        with torch.profiler.record_function(GRAD_NORM_LABEL):
+            return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.statistics_device)
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:

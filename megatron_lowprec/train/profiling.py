@@ -9,7 +9,9 @@ window) on the ranks of ``trainer.profile_ranks``, and writes for each of them, 
   plugin pointed at the directory);
 * ``rank<R>.txt``: the operators by their own time (GPU time where CUDA ran, else CPU time), the
   step's phases among them: ``lowprec.forward_backward`` (every micro-batch of the step),
-  ``lowprec.optimizer_step`` (gradient norm, clipping and the update) and ``lowprec.update_quality``.
+  ``lowprec.optimizer_step`` (gradient norm, clipping and the update; the exact norm alone is
+  ``lowprec.grad_norm``, labelled by the megatron optimizer, so also in Megatron-LM's own profiles)
+  and ``lowprec.update_quality``.
 """
 
 from __future__ import annotations

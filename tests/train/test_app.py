@@ -216,7 +216,7 @@ def test_torchrun_runs_the_console_entry_point(tmp_path, cache_dir):
     assert list((run_dir / "wandb").glob("offline-run-*"))
     for rank in (0, 1):
         table = (run_dir / "profile" / f"rank{rank}.txt").read_text()
-        assert "lowprec.forward_backward" in table and "lowprec.optimizer_step" in table, table
+        assert all(label in table for label in ("lowprec.forward_backward", "lowprec.optimizer_step", "lowprec.grad_norm")), table
         assert (run_dir / "profile" / f"rank{rank}.pt.trace.json").stat().st_size > 0
         assert f"profile of steps 2-2 (rank {rank}): {run_dir / 'profile' / f'rank{rank}.txt'}" in finished.stdout
     plot = tmp_path / "loss.png"
