@@ -9,7 +9,6 @@ removed, once fixed.
 """
 
 import ctypes
-import math
 import operator
 import os
 from fractions import Fraction
@@ -21,6 +20,7 @@ import torch
 from megatron_lowprec.kernels import audit, codegen
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
+from tests.numerics.test_mcf import BF16, round_nearest_even
 
 CASES = [
     (option, storage, kind, arch)
@@ -251,26 +251,6 @@ def test_roundings_to_bfloat16_between_fp32_operations_survive_cuda_codegen(form
     assert kernel.ptx.count(BF16_MAGNITUDE_MASK) == masks * per_element
 
 
-def _bf16_nearest_even(value: Fraction) -> float:
-    """The exact rational ``value`` rounded to the nearest BF16 value, ties to even (8 significant
-    bits, subnormals below 2^-126 in steps of 2^-133, inf from the largest value's half step up)."""
-    if value == 0:
-        return 0.0
-    magnitude = abs(value)
-    exponent = max(math.floor(math.log2(magnitude)), -126)
-    while Fraction(2) ** exponent > magnitude:
-        exponent -= 1
-    while Fraction(2) ** (exponent + 1) <= magnitude:
-        exponent += 1
-    step = Fraction(2) ** (max(exponent, -126) - 7)
-    steps, remainder = divmod(magnitude, step)
-    if remainder * 2 > step or (remainder * 2 == step and steps % 2):
-        steps += 1
-    rounded = steps * step
-    result = math.inf if rounded >= Fraction(2) ** 128 else float(rounded)
-    return -result if value < 0 else result
-
-
 def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
     """What :func:`~megatron_lowprec.kernels.audit.narrowed_bf16_operations` accepts: for BF16 ``a`` and
     ``b``, ``fp32(a + b)`` and ``fp32(a * b)`` rounded to BF16 are the exact sum and product rounded
@@ -296,7 +276,7 @@ def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
         for operation in (operator.add, operator.mul):
             got = operation(a.float(), b.float()).to(torch.bfloat16).float().tolist()
             exact = [
-                _bf16_nearest_even(operation(Fraction(x), Fraction(y)))
+                float(round_nearest_even(operation(Fraction(x), Fraction(y)), BF16))
                 for x, y in zip(a.float().tolist(), b.float().tolist())
             ]
             assert got == exact, next((x, y) for x, y, g, e in zip(a.tolist(), b.tolist(), got, exact) if g != e)
