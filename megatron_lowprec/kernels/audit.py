@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import multiprocessing
 import re
 import sys
@@ -58,7 +59,9 @@ from megatron_lowprec.kernels.codegen import (
     generate_for,
     generate_function,
 )
-from megatron_lowprec.numerics import square_sum
+from megatron_lowprec.numerics import quant, square_sum
+from megatron_lowprec.numerics.compiled import inductor_options
+from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.optim.buckets import ALIGNMENT, ROW_TABLE_BYTES
 from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
@@ -596,6 +599,19 @@ def gradient_norm_reads(dtype: torch.dtype, arch: int = 90) -> list[float]:
         kernels = generate_function(square_sum._torch_digit_sums, ((NORM_ELEMENTS,),), dtype, arch)
     gradient = f"'in_ptr0': '{TRITON_POINTER_TYPES[dtype]}'"
     return [access_bytes(kernel.ptx)[0] / kernel.elements_per_thread for kernel in kernels if gradient in kernel.source]
+
+
+ACTIVATION_ELEMENTS = 1 << 16
+"""Elements of the activation whose FP8 quantization :func:`fp8_quantization_kernels` generates."""
+
+
+def fp8_quantization_kernels(fp8_dtype: torch.dtype, group_size: int | None, arch: int = 90) -> list[Kernel]:
+    """The CUDA kernels of COAT's FP8 quantization of a BF16 activation (``numerics/quant.py:
+    quantize_rows``, compiled as on a GPU that converts FP8 in Triton): per tensor (``group_size``
+    None: one row) or per 1 x ``group_size`` group."""
+    shape = (1, ACTIVATION_ELEMENTS) if group_size is None else (ACTIVATION_ELEMENTS // group_size, group_size)
+    with torch._inductor.config.patch(inductor_options()), ieee_fp32_division():
+        return generate_function(functools.partial(quant._quantize_rows, fp8_dtype=fp8_dtype), (shape,), torch.bfloat16, arch)
 
 
 def main(argv: list[str] | None = None) -> int:

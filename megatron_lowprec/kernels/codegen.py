@@ -635,9 +635,9 @@ def generate_for(
 
 def trace_groups(strategy: PrecisionStrategy, arches: tuple[int, ...]) -> list[tuple[int, ...]]:
     """``arches`` grouped by the step the fused path traces for them: one group, but for FP8 moments
-    the arches below :data:`~megatron_lowprec.optim.fused.FP8_CONVERSION_CAPABILITY` apart (their
+    the arches below :data:`~megatron_lowprec.numerics.compiled.FP8_CONVERSION_CAPABILITY` apart (their
     payloads are integer codes: :func:`~megatron_lowprec.optim.fused.fp8_payloads_as_codes`)."""
-    from megatron_lowprec.optim.fused import FP8_CONVERSION_CAPABILITY
+    from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY
 
     groups: dict[bool, list[int]] = {}
     for arch in arches:

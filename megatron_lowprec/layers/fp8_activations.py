@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_rows, quantize_rows
 
 GROUP_SIZE = 16
 """COAT's 1 x 16 per-group quantization of non-linear layer activations (section 6.1)."""
@@ -36,22 +36,21 @@ def quantize_along_last_dim(x: torch.Tensor, group_size: int = GROUP_SIZE) -> Qu
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     rows = x.detach().reshape(-1, x.shape[-1])
     rows = F.pad(rows, (0, -rows.shape[-1] % group_size))
-    quantized = QuantizedTensor(
-        payload=torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device),
-        scale=torch.empty(rows.numel() // group_size, dtype=torch.float32, device=x.device),
+    payload, scale = quantize_rows(rows.reshape(-1, group_size), torch.float8_e4m3fn)
+    return QuantizedTensor(
+        payload=payload.view(rows.shape),
+        scale=scale.view(-1),
         expansion_exponent=None,
         group_size=group_size,
         shape=rows.shape,
         fp8_dtype=torch.float8_e4m3fn,
     )
-    quantize_fp8_into(rows, quantized.payload, quantized.scale, group_size=group_size, check_finite=False)
-    return quantized
 
 
 def _dequantized_rows(payload: torch.Tensor, scale: torch.Tensor, group_size: int, width: int) -> torch.Tensor:
     """FP32 rows [tokens, width] from what :func:`quantize_along_last_dim` saved."""
-    quantized = QuantizedTensor(payload, scale, None, group_size, payload.shape, payload.dtype)
-    return dequantize_fp8(quantized)[:, :width]
+    values = dequantize_rows(payload.view(-1, group_size), scale.view(-1, 1))
+    return values.view(payload.shape)[:, :width]
 
 
 def _save_fp8_input(ctx, x: torch.Tensor, group_size: int, *parameters: torch.Tensor | None) -> None:

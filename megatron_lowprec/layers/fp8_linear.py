@@ -4,8 +4,11 @@ Forward: the input X and the weight W are quantized to E4M3 per tensor with curr
 
     scale = amax / 448,    payload = RNE_E4M3(x / scale)    (numerics/quant.py's formula, one group),
 
-where amax comes from COAT's Group Scaling: the max over each 1 x G group, then the max of those
-(equal to max|x|; the first stage is what a kernel fuses into the producer of x). The product
+with amax = max|x| (COAT's Group Scaling takes it in two stages, per 1 x G group and then over the
+groups, so that a kernel can fuse the first stage into the producer of x; the maximum is exact in any
+order). On GPUs that convert FP8 in Triton the maximum, the division and the cast are one compiled
+call (``numerics/quant.py: quantize_rows``), which reads x twice and writes one byte per element;
+elsewhere they are eager operations, the same bits. The product
 E4M3(X) E4M3(W)^T is accumulated in FP32 and returned in the input's dtype. Backward: the output
 gradient dY is quantized to E5M2 per tensor; dX = E5M2(dY) E4M3(W) and dW = E5M2(dY)^T E4M3(X).
 Only the FP8 input and its scale are saved for backward: W is a parameter (no activation memory)
@@ -35,11 +38,8 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_lowprec.numerics.elementary import div_rn
-from megatron_lowprec.numerics.quant import fp8_dtype_of, fp8_max
+from megatron_lowprec.numerics.quant import fp8_dtype_of, quantize_rows
 
-AMAX_GROUP_SIZE = 128
-"""G of the first max-reduction stage of COAT's Group Scaling (1 x G consecutive elements)."""
 BACKENDS = ("auto", "scaled_mm", "emulated")
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -78,32 +78,20 @@ def _cached_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     return cached[1], cached[2]
 
 
-def group_scaling_amax(x: torch.Tensor, group_size: int = AMAX_GROUP_SIZE) -> torch.Tensor:
-    """max|x| in two stages (COAT section 5.2, Group Scaling): per 1 x G group, then over the groups.
-
-    Float32 0-d tensor; 0 for an empty tensor; NaN if x holds NaN.
-    """
-    magnitudes = x.detach().reshape(-1).abs()
-    if magnitudes.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    padding = -magnitudes.numel() % group_size
-    group_maxima = torch.nn.functional.pad(magnitudes, (0, padding)).view(-1, group_size).amax(dim=1)
-    return group_maxima.amax().float()
-
-
 def quantize_per_tensor(x: torch.Tensor, fp8_format: str | torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, scale): x ~ payload * scale, one float32 scale = amax / fp8_max (1 for an all-zero x).
 
     ``fp8_format`` is "e4m3" or "e5m2" (or the torch dtype); the cast is torch's round-to-nearest-even.
     The scale is the correctly rounded quotient on every device (eager CUDA multiplies a tensor by a
-    Python float's reciprocal instead of dividing: 1 ulp off, seen on an H200).
+    Python float's reciprocal instead of dividing: 1 ulp off, seen on an H200). x is quantized as
+    one row by :func:`~megatron_lowprec.numerics.quant.quantize_rows` (one compiled call on GPUs that
+    convert FP8 in Triton).
     """
     fp8_dtype = fp8_dtype_of(fp8_format)
-    format_max = fp8_max(fp8_dtype)
-    amax = group_scaling_amax(x)
-    scale = torch.where(amax > 0, div_rn(amax, format_max).clamp_min(torch.finfo(torch.float32).tiny), 1.0)
-    payload = (x.detach().float() / scale).clamp(-format_max, format_max).to(fp8_dtype)
-    return payload, scale
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), torch.ones((), dtype=torch.float32, device=x.device)
+    payload, scale = quantize_rows(x.reshape(1, -1), fp8_dtype)
+    return payload.view(x.shape), scale.view(())
 
 
 def _scaled_mm_chosen(a: torch.Tensor, b: torch.Tensor) -> bool:

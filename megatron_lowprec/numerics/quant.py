@@ -27,11 +27,13 @@ for a CPU or a GPU quantize to the same FP8 codes, scales and exponents; ``k`` i
 ``log2(R_fmt) / -log2(min|x| / M)``.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from megatron_lowprec.numerics.compiled import compile_exact, triton_converts_fp8
 from megatron_lowprec.numerics.elementary import div_rn, log2, power
 from megatron_lowprec.numerics.formats import from_fp8_codes, to_fp8_codes
 
@@ -155,6 +157,49 @@ def _ungrouped(groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return groups.view(-1)[: like.numel()].view(like.shape)
 
 
+def scale_of(group_max: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The scale of a group whose largest magnitude is ``group_max`` (FP32): ``max|x| / fp8_max``,
+    correctly rounded and at least the smallest normal FP32 value; 1 for an all-zero group."""
+    return torch.where(
+        group_max > 0, div_rn(group_max, _fp8_max_divisor(fp8_dtype)).clamp_min(torch.finfo(torch.float32).tiny), 1.0
+    )
+
+
+def _quantize_rows(rows: torch.Tensor, fp8_dtype: torch.dtype) -> "tuple[torch.Tensor, torch.Tensor]":
+    format_max = fp8_max(fp8_dtype)
+    values = rows.float()
+    scale = scale_of(values.abs().amax(dim=1, keepdim=True), fp8_dtype)
+    return div_rn(values, scale).clamp(-format_max, format_max).to(fp8_dtype), scale
+
+
+def _dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return payload.float() * scale
+
+
+@functools.cache
+def _compiled(function):
+    return compile_exact(function)
+
+
+def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[torch.Tensor, torch.Tensor]":
+    """Each row of ``rows`` [groups, G] as one group (section 3, no expansion): the FP8 payload
+    [groups, G] and the FP32 scale [groups, 1], the bits :func:`quantize_fp8_into` gives. Where
+    Inductor compiles FP8 casts (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`) one
+    compiled call (a max reduction and a cast per element, whatever the row count), elsewhere eager
+    operations. Non-finite rows give NaN on dequantization."""
+    fp8_dtype = fp8_dtype_of(fp8_dtype)
+    if rows.dim() != 2 or rows.shape[1] == 0:
+        raise ValueError(f"rows must be [groups, group_size] with group_size >= 1, got shape {tuple(rows.shape)}")
+    quantize = _compiled(_quantize_rows) if triton_converts_fp8(rows.device) else _quantize_rows
+    return quantize(rows.detach(), fp8_dtype)
+
+
+def dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 ``payload * scale`` of :func:`quantize_rows`'s results (one call where it compiles)."""
+    dequantize = _compiled(_dequantize_rows) if triton_converts_fp8(payload.device) else _dequantize_rows
+    return dequantize(payload, scale)
+
+
 def quantize_fp8_into(
     x: torch.Tensor,
     payload: torch.Tensor,
@@ -187,9 +232,7 @@ def quantize_fp8_into(
     if check_finite and not bool(torch.isfinite(group_max).all()):
         raise ValueError("cannot quantize a tensor holding NaN or infinity")
     nonzero_group = group_max > 0
-    group_scale = torch.where(
-        nonzero_group, div_rn(group_max, _fp8_max_divisor(fp8_dtype)).clamp_min(torch.finfo(torch.float32).tiny), 1.0
-    )
+    group_scale = scale_of(group_max, fp8_dtype)
     if expansion_exponent is None:
         scaled = div_rn(groups, group_scale)
     else:

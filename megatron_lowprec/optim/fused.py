@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.elementary import ieee_fp32_division
+from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, division_context, inductor_options
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
@@ -89,19 +89,6 @@ from megatron_lowprec.optim.kernel import (
 from megatron_lowprec.optim.master import stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
-
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
-"""``emulate_precision_casts``: see above. ``cpp.dynamic_threads``: an OpenMP loop whatever the size
-hint; with dynamic shapes Inductor otherwise judges the work too small and runs one thread (2x slower
-on 2 cores)."""
-
-IEEE_DIVISION_OPTION = "eager_numerics.division_rounding"
-OPTIONAL_INDUCTOR_OPTIONS = {"eager_numerics.disable_ftz": True, IEEE_DIVISION_OPTION: True}
-"""Set where this torch's Inductor has them: ``disable_ftz`` keeps FP32 subnormals in Triton's
-libdevice functions (its default flushes them, eager CUDA does not); ``division_rounding`` compiles
-an FP32 ``/`` in Triton to the IEEE ``div.rn.f32`` (``div.full.f32`` otherwise), so that
-:func:`~megatron_lowprec.numerics.elementary.div_rn` needs no float64 on GPUs (announced to it
-while tracing by :func:`~megatron_lowprec.numerics.elementary.ieee_fp32_division`)."""
 
 GROUP_STATISTICS_OPTIONS = {
     "realize_reads_threshold": 8,
@@ -197,11 +184,6 @@ RECOMPILE_LIMIT = 64
 TRITON_MIN_CAPABILITY = (7, 0)
 """The least CUDA compute capability Inductor compiles Triton kernels for."""
 
-FP8_CONVERSION_CAPABILITY = (8, 9)
-"""The CUDA compute capability from which Triton converts to and from FP8 E4M3 (its ``fp8e4nv``: Ada,
-Hopper and later). Below it (A100, V100, T4) the fused step reads and writes FP8 payloads as their
-uint8 codes (:func:`fp8_payloads_as_codes`)."""
-
 
 def _capability_text(capability: tuple[int, int]) -> str:
     return ".".join(map(str, capability))
@@ -283,37 +265,20 @@ def compile_step_function(function: Callable, group_statistics: bool = False) ->
     from torch._inductor import config as inductor_config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    options = _inductor_options()
+    options = inductor_options()
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
         if hasattr(inductor_config, POST_FUSION_OPTION) and fusion_after_reordering() is not None:
             options[POST_FUSION_OPTION] = fusion_after_reordering()
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
-    division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
+    division = division_context(options)
 
     def call(*args):
         with _low_precision_tiling(), _without_outer_loop_fusion(), division():
             return compiled(*args)
 
     return call
-
-
-def _inductor_options() -> dict[str, Any]:
-    """:data:`INDUCTOR_OPTIONS` and those of :data:`OPTIONAL_INDUCTOR_OPTIONS` this torch has."""
-    from torch._inductor import config as inductor_config
-
-    options = dict(INDUCTOR_OPTIONS)
-    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
-    return options
-
-
-def _has_option(config: Any, dotted_name: str) -> bool:
-    for part in dotted_name.split("."):
-        if not hasattr(config, part):
-            return False
-        config = getattr(config, part)
-    return True
 
 
 @contextlib.contextmanager
@@ -623,7 +588,7 @@ def compiled_master_codec() -> tuple[Callable, Callable]:
     again for a window of a part (a shard of two parameter groups)."""
     from torch.fx.experimental import _config as symbolic_shapes_config
 
-    options = _inductor_options()
+    options = inductor_options()
     return tuple(
         symbolic_shapes_config.patch(use_duck_shape=False)(torch.compile(function, dynamic=True, fullgraph=True, options=options))
         for function in (_join_master_window, _split_master_window_)

@@ -454,3 +454,20 @@ def test_muon_bytes_rule_fails_on_an_access_more_or_a_second_kernel():
     assert not audit.audit_step(_muon_code(momentum + store16, update)).check("bytes").passed
     split = audit.audit_step(_muon_code(momentum, update, update_kernels=2))
     assert not split.check("bytes").passed and not split.check("one launch").passed
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("group_size", [None, 16], ids=["per_tensor", "per_group_16"])
+def test_coat_activation_quantization_compiles_to_exact_kernels_that_read_the_activation_twice_at_most(fp8_dtype, group_size):
+    """COAT's FP8 quantization of activations as a GPU compiles it (sm_90): correctly rounded
+    division (``div.rn.f32``), no approximate, flushing or contracted instruction, each kernel launched
+    once; per tensor, the maximum's two reduction kernels and the cast (the activation read twice),
+    per 1 x 16 group one kernel."""
+    kernels = audit.fp8_quantization_kernels(fp8_dtype, group_size)
+    assert all(audit.forbidden_instructions(kernel.ptx) == [] for kernel in kernels)
+    assert all(kernel.launches == 1 for kernel in kernels)
+    payload_type = {torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}[fp8_dtype]
+    (storing,) = [kernel for kernel in kernels if payload_type in kernel.source]
+    assert "div.rn.f32" in storing.ptx
+    reading = [kernel for kernel in kernels if "'in_ptr0': '*bf16'" in kernel.source]
+    assert (len(kernels), len(reading)) == ((3, 2) if group_size is None else (1, 1))

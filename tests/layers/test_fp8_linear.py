@@ -16,7 +16,7 @@ import torch
 
 from megatron_lowprec.layers import FP8Linear, fp8_linear
 from megatron_lowprec.layers import fp8_weight_cache
-from megatron_lowprec.layers.fp8_linear import fp8_matmul, group_scaling_amax, quantize_per_tensor
+from megatron_lowprec.layers.fp8_linear import fp8_matmul, quantize_per_tensor
 from megatron_lowprec.numerics.quant import quantize_fp8
 
 U_E4M3 = 2.0**-4
@@ -47,10 +47,12 @@ def forward_backward(function, input, weight, bias, grad_seed=1):
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (1000,), (3, 128), (0, 5)])
-def test_group_scaling_amax_is_the_max_magnitude(shape, device):
+def test_the_per_tensor_scale_is_the_max_magnitude_over_the_format_max(shape, device):
     x = sample(*shape, seed=3, scale=7.0)
-    expected = x.abs().max().float() if x.numel() else torch.tensor(0.0)
-    assert torch.equal(group_scaling_amax(x.to(device)).cpu(), expected)
+    payload, scale = quantize_per_tensor(x.to(device), "e4m3")
+    expected = x.abs().max().double() / 448 if x.numel() else torch.tensor(1.0, dtype=torch.float64)
+    assert payload.shape == x.shape and payload.dtype == torch.float8_e4m3fn
+    assert torch.equal(scale.cpu(), expected.float())
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])

@@ -2,6 +2,7 @@
 float64 arithmetic; the COAT Table 1 experiment on AdamW states of a small trained model."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,13 +12,16 @@ from megatron_lowprec.numerics.quant import (
     QuantizedTensor,
     contract_dynamic_range,
     dequantize_fp8,
+    dequantize_rows,
     expand_dynamic_range,
     fp8_dtype_of,
     fp8_dynamic_range,
     quantize_fp8,
     quantize_fp8_into,
+    quantize_rows,
     quantized_zeros,
 )
+from megatron_lowprec.numerics.compiled import triton_converts_fp8
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -94,6 +98,38 @@ def test_per_tensor_matches_torch_cast(fp8_format, device):
     assert q.scale.shape == (1,) and q.group_size is None
     assert torch.equal(q.scale.cpu()[0], scale)
     assert torch.equal(bits(q.payload), bits((x / scale).to(FORMATS[fp8_format])))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group_size", [16, 4096])
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_quantize_rows_is_torchs_cast_at_the_correctly_rounded_scale(fp8_format, group_size, dtype, device):
+    """Each row one group: its scale max|x| / fp8_max divided in float64 and rounded once (1 for a
+    zero row), its payload torch's own CPU cast of the correctly rounded quotient x / scale, and
+    dequantize_rows the product rounded once. On GPUs that convert FP8 in Triton this is the compiled
+    call (COAT's activations), and it is checked to have run."""
+    x = wide_range_sample(8 * 4096, seed=7).to(dtype)
+    x[4096 : 4096 + group_size] = 0
+    x[:8] = torch.tensor([448 * 3.0, -(2.0**-20), 2.0**-126, 1e-30, 0.0, -0.0, 57344.0, -7.0])
+    rows = x.view(-1, group_size)
+    with torch.profiler.profile() as profile:
+        payload, scale = quantize_rows(rows.to(device), fp8_format)
+    ran_triton = any(event.name.startswith("triton_") for event in profile.events())
+    assert ran_triton == triton_converts_fp8(torch.device(device))
+    maxima = rows.double().abs().amax(dim=1, keepdim=True)
+    expected_scale = torch.where(maxima > 0, (maxima / FORMAT_MAX[fp8_format]).float(), 1.0)
+    quotient = (rows.double() / expected_scale.double()).float().clamp(-FORMAT_MAX[fp8_format], FORMAT_MAX[fp8_format])
+    assert payload.shape == rows.shape and scale.shape == (rows.shape[0], 1)
+    assert torch.equal(scale.cpu(), expected_scale)
+    assert torch.equal(bits(payload), bits(quotient.to(FORMATS[fp8_format])))
+    restored = dequantize_rows(payload, scale).cpu()
+    assert torch.equal(restored, (payload.cpu().double() * expected_scale.double()).float())
+
+
+def test_quantize_rows_names_a_shape_that_is_not_rows():
+    for shape in [(16,), (2, 0), (2, 3, 4)]:
+        with pytest.raises(ValueError, match=r"\[groups, group_size\].*" + re.escape(str(shape))):
+            quantize_rows(torch.ones(shape), "e4m3")
 
 
 @pytest.mark.parametrize("group_size", [None, 128, 100])
