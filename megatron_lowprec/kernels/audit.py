@@ -590,13 +590,14 @@ NORM_ELEMENTS = 1 << 20
 TRITON_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
-def gradient_norm_reads(dtype: torch.dtype, arch: int = 90) -> list[float]:
+def gradient_norm_reads(dtype: torch.dtype, windowed: bool = True, arch: int = 90) -> list[float]:
     """Bytes per gradient element that each kernel of the exact gradient norm on CUDA (the compiled
-    digit sums of ``numerics/square_sum.py``) reads, for the kernels that take the gradient: one
-    kernel reading each value once is ``[dtype's size]``. The kernels after it read only its
-    per-block partial sums. (Their ``fma`` is exact here: it subtracts an exact product.)"""
+    digit sums of ``numerics/square_sum.py``: ``windowed``, the rows' windows, else every digit)
+    reads, for the kernels that take the gradient: one kernel reading each value once is
+    ``[dtype's size]``. The kernels after it read only its per-row or per-block sums."""
+    function = square_sum._windowed_digit_sums if windowed else square_sum._torch_digit_sums
     with torch._inductor.config.patch(square_sum.COMPILE_OPTIONS):
-        kernels = generate_function(square_sum._torch_digit_sums, ((NORM_ELEMENTS,),), dtype, arch)
+        kernels = generate_function(function, ((NORM_ELEMENTS,),), dtype, arch)
     gradient = f"'in_ptr0': '{TRITON_POINTER_TYPES[dtype]}'"
     return [access_bytes(kernel.ptx)[0] / kernel.elements_per_thread for kernel in kernels if gradient in kernel.source]
 

@@ -528,30 +528,53 @@ last 304 values in a third, zero-padded to two rows."""
 
 
 def compare_norm(dtype: torch.dtype = torch.float32, arch: int = ARCH) -> str | None:
-    """The exact gradient norm's CUDA kernels (``numerics/square_sum.py``'s digit sums, compiled as on
-    a GPU) interpreted on :data:`NORM_VALUES` values of ``dtype`` from every binade of FP32, with
-    zeros, subnormals, the largest finite value, infinities and a NaN, against Σ x² · 2^298 in Python
-    integers (each x² is exact in a Python float) and the counts of non-finite values and NaNs:
-    ``None`` where they agree, else what differs. This process must have ``TRITON_INTERPRET=1``
-    from its start."""
+    """The exact gradient norm's CUDA kernels (``numerics/square_sum.py``'s windowed and every-digit
+    digit sums, compiled as on a GPU) interpreted on :data:`NORM_VALUES` values of ``dtype``, twice:
+    gradient-like values (normal ones over 2^±12 and zeros: every row stays in its window, so the
+    windowed kernel's sums are the result), then values from every binade of FP32 with zeros,
+    subnormals, the largest finite value, infinities and a NaN (rows escape their windows: the
+    every-digit kernel's sums), each against Σ x² · 2^298 in Python integers (each x² is exact in a
+    Python float) and the counts of non-finite values and NaNs: ``None`` where they agree, else what
+    differs. This process must have ``TRITON_INTERPRET=1`` from its start."""
     from megatron_lowprec.numerics import square_sum
 
     generator = torch.Generator().manual_seed(SEED)
+    gradient_like = torch.randn(NORM_VALUES, generator=generator) * torch.exp2(
+        torch.randint(-12, 13, (NORM_VALUES,), generator=generator).float()
+    )
+    gradient_like[::11] = 0.0
     exponents = torch.randint(-150, 128, (NORM_VALUES,), generator=generator).double()
     values = (torch.randn(NORM_VALUES, generator=generator, dtype=torch.float64) * 2.0**exponents).float()
     values[:8] = torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-140), 3.4028234663852886e38, float("inf"), -float("inf"), float("nan")])
-    values = values.to(dtype)
+    differences = []
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
         with interpreted_cuda_kernels(cache_dir, arch) as launches:
-            partials = square_sum._row_partials([values], square_sum._compiled_digit_sums.__wrapped__(), max_rows=4)
-            sums = square_sum._carry(square_sum._added_partials(partials, values.device)).tolist()
+            digit_sums = square_sum._compiled_digit_sums.__wrapped__()
+            for name, inputs in (("gradient-like", gradient_like.to(dtype)), ("every binade", values.to(dtype))):
+                windowed = square_sum._carry(square_sum._added_partials(
+                    square_sum._row_partials([inputs], digit_sums[0], max_rows=4), inputs.device
+                ))
+                escaped = int(windowed[square_sum.ESCAPED])
+                sums = square_sum._carry(square_sum._cuda_digit_sums([inputs], digit_sums)).tolist()
+                difference = _norm_difference(inputs, sums)
+                if (escaped == 0) != (name == "gradient-like"):
+                    difference = f"{escaped} values escaped their windows"
+                if difference:
+                    differences.append(f"{name}: {difference}")
     if not launches.launches:
         return "no generated kernel ran"
+    return "; ".join(differences) or None
+
+
+def _norm_difference(values: torch.Tensor, sums: list[int]) -> str | None:
+    """What differs between the digit sums and counts ``sums`` and the exact ones of ``values``."""
+    from megatron_lowprec.numerics import square_sum
+
     finite = [x for x in values.double().tolist() if math.isfinite(x)]
     expected = sum(int(x * x * 2.0**square_sum.SCALE_EXPONENT) for x in finite)
     got = sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS]))
     counts = (sums[square_sum.NON_FINITE], sums[square_sum.NAN])
-    expected_counts = (NORM_VALUES - len(finite), sum(math.isnan(x) for x in values.double().tolist()))
+    expected_counts = (values.numel() - len(finite), sum(math.isnan(x) for x in values.double().tolist()))
     if got == expected and counts == expected_counts:
         return None
     return f"Σx²·2^298 {got} against {expected}; non-finite and NaN counts {counts} against {expected_counts}"

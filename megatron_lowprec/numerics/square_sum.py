@@ -13,11 +13,13 @@ its square root. 16-bit values are converted to float32 exactly first.
 
 On the CPU the digits are computed by a small C kernel (``square_sum.c``), compiled with the system's
 C compiler at first use and cached, in one pass over each gradient that visits only the digits its
-block of values can reach; on CUDA by integer torch operations (:func:`_torch_digit_sums`) that
-Inductor compiles into one kernel reading each value once, then one over its rows' sums: one call per
-run of gradients that lie back to back in memory, and one for the runs' partial last rows
-(:func:`_row_partials`); on a CPU without a compiler by float64 torch operations, eagerly. All
-compute the same integers, so all give the same bits.
+block of values can reach; on CUDA by integer torch operations that Inductor compiles into one
+kernel reading each value once, then a few over its rows' sums: one call per run of gradients that
+lie back to back in memory, and one for the runs' partial last rows (:func:`_row_partials`). Each
+row of 512 values sums into the few digits around its largest value's (:func:`_windowed_digit_sums`),
+and only where a value lies far below that, into every digit (:func:`_torch_digit_sums`); on a CPU
+without a compiler by float64 torch operations, eagerly. All compute the same integers, so all give
+the same bits.
 """
 
 from __future__ import annotations
@@ -53,16 +55,23 @@ NON_FINITE = DIGITS
 NAN = DIGITS + 1
 """Index of the count of NaNs in the sums."""
 
+ESCAPED = DIGITS + 2
+"""Index, in :func:`_windowed_digit_sums`'s sums, of the count of values outside their row's window."""
+
+WINDOW_DIGITS = 3
+"""Digits at and below a row's highest that :func:`_windowed_digit_sums` sums into (and one above):
+gradients whose values in a row of ``ROW_ELEMENTS`` span less than 2^40 in magnitude stay inside."""
+
 TORCH_CHUNK_ELEMENTS = 1 << 18
 """Elements per call of the eager torch operations (a CPU without a compiler, CUDA without Triton):
 bounds their temporaries."""
 
 ROW_ELEMENTS = 512
-"""Values per row of :func:`_torch_digit_sums`: Inductor reduces a row of this many values at once in
+"""Values per row of the CUDA digit sums: Inductor reduces a row of this many values at once in
 registers (a persistent reduction), and a row's digit sums stay below 2^56."""
 
 COMPILED_CHUNK_ELEMENTS = 1 << 31
-"""Most values per call of :func:`_torch_digit_sums`: its rows' carried sums (each below 2^40 + 2^16)
+"""Most values per call of the CUDA digit sums: its rows' carried sums (each below 2^40 + 2^16)
 add up below 2^63. At least four rows."""
 
 PARTIALS_PER_CARRY = 1 << 20
@@ -105,9 +114,7 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
             chunks = range(0, flat.numel(), TORCH_CHUNK_ELEMENTS)
             partials += [_eager_digit_sums(flat[start : start + TORCH_CHUNK_ELEMENTS]) for start in chunks]
     if cuda_runs:
-        digit_sums = _compiled_digit_sums()
-        chunk = TORCH_CHUNK_ELEMENTS if digit_sums is _torch_digit_sums else COMPILED_CHUNK_ELEMENTS
-        partials += _row_partials(cuda_runs, digit_sums, chunk // ROW_ELEMENTS)
+        partials.append(_cuda_digit_sums(cuda_runs, _compiled_digit_sums()))
     sums = _added_partials(partials, device)
     host = torch.tensor(_carried(thread_sums.sum(dim=0).tolist()), dtype=torch.int64)
     return _carry(sums + host.to(device)) if partials else sums + host.to(device)
@@ -116,7 +123,7 @@ def square_sum_bins(tensors: list[torch.Tensor], device: torch.device) -> torch.
 def _added_partials(partials: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The calls' partial sums (each digit below 2^41) added up on ``device``, carried partially every
     ``PARTIALS_PER_CARRY`` of them (:func:`_carry` makes the result canonical)."""
-    sums = torch.zeros(DIGITS + 2, dtype=torch.int64, device=device)
+    sums = torch.zeros(len(partials[0]) if partials else DIGITS + 2, dtype=torch.int64, device=device)
     for start in range(0, len(partials), PARTIALS_PER_CARRY):
         sums = _partial_carry(sums + torch.stack(partials[start : start + PARTIALS_PER_CARRY]).to(device).sum(dim=0))
     return sums
@@ -144,7 +151,7 @@ def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _row_partials(
     runs: list[torch.Tensor], digit_sums: Callable[[torch.Tensor], torch.Tensor], max_rows: int
 ) -> list[torch.Tensor]:
-    """``digit_sums`` (:func:`_torch_digit_sums`, compiled or not) of ``runs`` of one device, as rows
+    """``digit_sums`` (:func:`_windowed_digit_sums` or :func:`_torch_digit_sums`, compiled or not) of ``runs`` of one device, as rows
     of ``ROW_ELEMENTS`` values: each run's whole rows as one view, in near-equal pieces of at most
     ``max_rows`` rows (at least 4), then the runs' last, partial rows and the runs shorter than two
     rows together, in float32 (exact), zero-padded to whole rows. Every call takes two rows or more
@@ -165,15 +172,12 @@ def _row_partials(
     return partials
 
 
-def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
-    """The digit sums and counts of whole rows of ``ROW_ELEMENTS`` values (converted to float32; at
-    most ``COMPILED_CHUNK_ELEMENTS``), carried so that every digit is below 2^41, in integer torch
-    operations that Inductor compiles into one pass over ``values`` (CUDA; the row length a
-    constant, so that each row is reduced at once). Each ``u = s² · 2^p`` (``s`` the significand,
-    ``p`` twice the biased exponent less 2) has two parts: ``s²``'s low ``40 - p mod 40`` bits,
-    shifted, are digit ``p // 40``; the rest, ``s² >> (40 - p mod 40)`` (below 2^47), is added to
-    digit ``p // 40 + 1`` (the carries make the digits canonical). Each row is summed first, in
-    registers, then the rows' sums are carried and added up."""
+def _digit_parts(values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per value of ``values`` as rows of ``ROW_ELEMENTS`` (float32 bits): its magnitude bits, whether
+    it is finite, its digit ``p // 40`` and the two parts of ``u = s² · 2^p`` (``s`` the significand,
+    ``p`` twice the biased exponent less 2; 0 for a non-finite value): ``s²``'s low ``40 - p mod 40``
+    bits, shifted, which are digit ``p // 40``, and the rest, ``s² >> (40 - p mod 40)`` (below
+    2^47), which adds to digit ``p // 40 + 1``."""
     magnitude = values.float().view(-1, ROW_ELEMENTS).view(torch.int32) & 0x7FFFFFFF
     finite = magnitude < 0x7F800000
     exponent = magnitude >> 23
@@ -184,11 +188,48 @@ def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
     low_bits = DIGIT_BITS - (position - DIGIT_BITS * digit).to(torch.int64)
     rest = square >> low_bits
     low = (square - (rest << low_bits)) << (DIGIT_BITS - low_bits)
+    return magnitude, finite, square, digit, low, rest
+
+
+def _carried_rows(row_sums: torch.Tensor) -> torch.Tensor:
+    """Rows' sums [rows, entries] carried, added up and carried again."""
+    return _partial_carry(_partial_carry(row_sums).sum(dim=0))
+
+
+def _torch_digit_sums(values: torch.Tensor) -> torch.Tensor:
+    """The digit sums and counts of whole rows of ``ROW_ELEMENTS`` values (converted to float32; at
+    most ``COMPILED_CHUNK_ELEMENTS``), carried so that every digit is below 2^41, in integer torch
+    operations that Inductor compiles into one pass over ``values`` (CUDA; the row length a
+    constant, so that each row is reduced at once): every digit of every value (:func:`_digit_parts`),
+    summed per row in registers, then the rows' sums carried and added up. The digits are canonical
+    after the carries."""
+    magnitude, finite, _, digit, low, rest = _digit_parts(values)
     row_sums = [
         torch.where(digit == index, low, torch.where(digit == index - 1, rest, 0)).sum(dim=1) for index in range(DIGITS - 1)
     ]
-    row_sums += [torch.zeros_like(row_sums[0]), (~finite).sum(dim=1), (magnitude > 0x7F800000).sum(dim=1)]
-    return _partial_carry(_partial_carry(torch.stack(row_sums, dim=1)).sum(dim=0))
+    counts = [torch.zeros_like(row_sums[0]), (~finite).sum(dim=1), (magnitude > 0x7F800000).sum(dim=1)]
+    return _carried_rows(torch.stack(row_sums + counts, dim=1))
+
+
+def _windowed_digit_sums(values: torch.Tensor) -> torch.Tensor:
+    """:func:`_torch_digit_sums` in a window of each row's digits, and the count of values outside it
+    (index :data:`ESCAPED`; the sums are only those of the whole rows where it is 0). A row takes
+    the highest digit of its nonzero finite values, ``top``, and sums only into the digits ``top + 1``
+    down to ``top - WINDOW_DIGITS + 1``: ``WINDOW_DIGITS + 1`` accumulators per value instead of
+    ``DIGITS - 1``. A value whose digit lies ``WINDOW_DIGITS`` or more below ``top`` (its square
+    2^80 times smaller or less than the row's largest) escapes the window. The window's sums are then
+    put at their digits once per row."""
+    magnitude, finite, square, digit, low, rest = _digit_parts(values)
+    counted = square > 0
+    top = torch.where(counted, digit, 0).amax(dim=1, keepdim=True)
+    below = top - digit
+    window = range(-1, WINDOW_DIGITS)
+    slots = [torch.where(below == slot, low, torch.where(below == slot + 1, rest, 0)).sum(dim=1) for slot in window]
+    index = torch.arange(DIGITS - 1, device=values.device)
+    placed = sum(torch.where(index == top - slot, sums.unsqueeze(1), 0) for slot, sums in zip(window, slots))
+    escaped = (counted & (below >= WINDOW_DIGITS)).sum(dim=1)
+    counts = [torch.zeros_like(escaped), (~finite).sum(dim=1), (magnitude > 0x7F800000).sum(dim=1), escaped]
+    return _carried_rows(torch.cat((placed, torch.stack(counts, dim=1)), dim=1))
 
 
 def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
@@ -216,17 +257,35 @@ def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_digit_sums() -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`_torch_digit_sums` compiled (CUDA): one kernel reads each value once (audited in
-    ``kernels/audit.py``), for any number of rows, one compilation per dtype and storage offset
-    (:data:`RECOMPILE_LIMIT`); run eagerly (on ``TORCH_CHUNK_ELEMENTS`` values at a time), with a
-    warning, where Triton is not installed."""
+def _compiled_digit_sums() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """:func:`_windowed_digit_sums` and :func:`_torch_digit_sums` compiled (CUDA): each one kernel that
+    reads each value once (audited in ``kernels/audit.py``), for any number of rows, one compilation
+    per dtype and storage offset (:data:`RECOMPILE_LIMIT`); run eagerly (on ``TORCH_CHUNK_ELEMENTS``
+    values at a time), with a warning, where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
                       "(the same bits, about 100 kernels per 256K values instead of 5 per gradient)", stacklevel=3)
-        return _torch_digit_sums
+        return _windowed_digit_sums, _torch_digit_sums
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(_torch_digit_sums, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+    return tuple(
+        torch.compile(function, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+        for function in (_windowed_digit_sums, _torch_digit_sums)
+    )
+
+
+def _cuda_digit_sums(
+    runs: list[torch.Tensor], digit_sums: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+) -> torch.Tensor:
+    """The digit sums and counts of ``runs`` (one device), each digit below 2^41: by the windowed
+    digit sums (the first of ``digit_sums``, :func:`_windowed_digit_sums` compiled or not), and, where
+    a value escaped its row's window, again by every digit (the second, :func:`_torch_digit_sums`).
+    Reading the escape count costs one host synchronisation."""
+    windowed, every_digit = digit_sums
+    max_rows = (TORCH_CHUNK_ELEMENTS if windowed is _windowed_digit_sums else COMPILED_CHUNK_ELEMENTS) // ROW_ELEMENTS
+    sums = _added_partials(_row_partials(runs, windowed, max_rows), runs[0].device)
+    if int(sums[ESCAPED]) == 0:
+        return sums[:ESCAPED]
+    return _added_partials(_row_partials(runs, every_digit, max_rows), runs[0].device)
 
 
 def _add_cpu_digit_sums(flat: torch.Tensor, thread_sums: torch.Tensor) -> None:

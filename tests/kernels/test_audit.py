@@ -364,11 +364,13 @@ def test_readme_gpu_step_table_divides_each_layouts_bytes_by_the_measured_time()
         assert bandwidth == f"{(read + written) * 256e6 / (float(milliseconds) * 1e-3) / 1e12:.2f}"
 
 
+@pytest.mark.parametrize("windowed", [True, False], ids=["windowed", "every_digit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype):
-    """On CUDA the norm's digit sums compile to one kernel that loads each value once (BF16: 2 bytes,
-    the conversion to FP32 fused); the rest of its kernels read only that kernel's partial sums."""
-    assert audit.gradient_norm_reads(dtype) == [dtype.itemsize]
+def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype, windowed):
+    """On CUDA each of the norm's digit sums (the rows' windows, and every digit where a value
+    escapes its window) compiles to one kernel that loads each value once (BF16: 2 bytes, the
+    conversion to FP32 fused); the rest of its kernels read only that kernel's per-row sums."""
+    assert audit.gradient_norm_reads(dtype, windowed) == [dtype.itemsize]
 
 
 MUON_LAYOUT_KERNELS = (

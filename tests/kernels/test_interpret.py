@@ -58,8 +58,10 @@ def test_interpreted_kernels_are_bit_identical_to_the_eager_step(comparisons, op
 
 def test_the_exact_gradient_norms_generated_kernels_give_the_exact_sums():
     """The exact gradient norm's CUDA kernels (``numerics/square_sum.py``, compiled as on a GPU) interpreted
-    on FP32 and BF16 values from every binade, with zeros, subnormals, the largest finite value,
-    infinities and a NaN, in full rows and a padded one: Σ x² · 2^298 exactly, and the counts."""
+    on FP32 and BF16 values, in full rows and a padded one: gradient-like values, which the windowed
+    kernel sums alone, and values from every binade, with zeros, subnormals, the largest finite value,
+    infinities and a NaN, which escape their windows and are summed by every digit again: Σ x² · 2^298
+    exactly, and the counts."""
     assert interpret.norm_comparisons() == {"float32": None, "bfloat16": None}
 
 

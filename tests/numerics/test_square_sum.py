@@ -106,7 +106,7 @@ def test_without_triton_cuda_runs_the_digit_sums_eagerly(monkeypatch):
     square_sum._compiled_digit_sums.cache_clear()
     try:
         with pytest.warns(UserWarning, match="Triton is not installed"):
-            assert square_sum._compiled_digit_sums() is square_sum._torch_digit_sums
+            assert square_sum._compiled_digit_sums() == (square_sum._windowed_digit_sums, square_sum._torch_digit_sums)
     finally:
         square_sum._compiled_digit_sums.cache_clear()
 
@@ -176,26 +176,66 @@ def test_many_partial_sums_are_carried_before_they_could_overflow(monkeypatch):
     assert torch.equal(square_sum_bins([values[:1000], values[1000:]], torch.device("cpu")), kernel)
 
 
-def test_every_call_takes_two_rows_or_more_so_one_graph_per_dtype_serves_every_gradient():
+EAGER_CUDA_DIGIT_SUMS = (square_sum._windowed_digit_sums, square_sum._torch_digit_sums)
+
+
+@pytest.mark.parametrize("binade", [-140, -20, 0, 60, 120])
+def test_rows_whose_values_span_less_than_2_to_the_40_stay_in_their_window(binade):
+    """Gradient-like rows (normal values over 2^±12, zeros, one row of zeros only) of any binade,
+    FP32 and BF16: the windowed digit sums count no escape and are the C kernel's sums."""
+    generator = torch.Generator().manual_seed(11)
+    values = torch.randn(8 * square_sum.ROW_ELEMENTS + 77, generator=generator)
+    values = (values * torch.exp2(torch.randint(-12, 13, values.shape, generator=generator).float() + binade)).float()
+    values[::13] = 0.0
+    values[square_sum.ROW_ELEMENTS : 2 * square_sum.ROW_ELEMENTS] = 0.0
+    for run in (values, values.bfloat16()):
+        partials = square_sum._row_partials([run], square_sum._windowed_digit_sums, 4)
+        sums = square_sum._carry(square_sum._added_partials(partials, run.device))
+        assert int(sums[square_sum.ESCAPED]) == 0
+        assert torch.equal(sums[: square_sum.ESCAPED], square_sum_bins([run], torch.device("cpu")))
+
+
+def test_a_value_far_below_its_rows_largest_escapes_and_every_digit_is_summed_again():
+    """One value 2^60 below its row's largest escapes the window: the CUDA path's sums are then
+    every digit's (the C kernel's), and the norm is still the exactly rounded one."""
+    generator = torch.Generator().manual_seed(12)
+    values = torch.randn(4 * square_sum.ROW_ELEMENTS, generator=generator)
+    values[700] = float(values[700:1024].abs().max()) * 2.0**-60
+    partials = square_sum._row_partials([values], square_sum._windowed_digit_sums, 4)
+    assert int(square_sum._added_partials(partials, values.device)[square_sum.ESCAPED]) == 1
+    sums = square_sum._carry(square_sum._cuda_digit_sums([values], EAGER_CUDA_DIGIT_SUMS))
+    assert torch.equal(sums, square_sum_bins([values], torch.device("cpu")))
+    assert norm_from_bins(sums) == exact_norm(values)
+
+
+@pytest.mark.parametrize("digit_sums_function", EAGER_CUDA_DIGIT_SUMS, ids=["windowed", "every_digit"])
+def test_every_call_takes_two_rows_or_more_so_one_graph_per_dtype_serves_every_gradient(digit_sums_function):
     """Gradients of any length (one value, part of a row, whole rows, rows and a part), FP32 and BF16,
     as the compiled calls take them: each call two rows or more, at most ``max_rows``; torch.compile
     traces no graph for a size (row counts 0 and 1 would each be one), only per dtype and storage
-    offset (0, as the padded last rows have, or more), and the sums are the C kernel's."""
+    offset (0, as the padded last rows have, or more), and the sums are the C kernel's (for the
+    windowed sums, of gradient-like values that stay in their windows)."""
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
-    compiled = torch.compile(square_sum._torch_digit_sums, dynamic=True, fullgraph=True, backend=counter)
+    compiled = torch.compile(digit_sums_function, dynamic=True, fullgraph=True, backend=counter)
     shapes = []
 
     def digit_sums(values):
         shapes.append((values.numel() // square_sum.ROW_ELEMENTS, values.numel() % square_sum.ROW_ELEMENTS))
         return compiled(values)
 
-    buffer = mixed_values(torch.Generator().manual_seed(8), 40000)
+    windowed = digit_sums_function is square_sum._windowed_digit_sums
+    generator = torch.Generator().manual_seed(8)
+    buffer = torch.randn(40000, generator=generator) if windowed else mixed_values(generator, 40000)
     runs = [buffer[:1], buffer[1:3], buffer[3:514], buffer[514:1026], buffer[1026:2050], buffer[2050:3075],
             buffer[3075:9000], buffer[9000:].bfloat16()]
     partials = square_sum._row_partials(runs, digit_sums, max_rows=8)
     assert all(2 <= rows <= 8 and rest == 0 for rows, rest in shapes)
     assert counter.frame_count <= 4
     expected = square_sum_bins(runs, torch.device("cpu"))
-    assert torch.equal(square_sum._carry(square_sum._added_partials(partials, torch.device("cpu"))), expected)
+    sums = square_sum._carry(square_sum._added_partials(partials, torch.device("cpu")))
+    if windowed:
+        assert int(sums[square_sum.ESCAPED]) == 0
+        sums = sums[: square_sum.ESCAPED]
+    assert torch.equal(sums, expected)
