@@ -9,6 +9,7 @@ removed, once fixed.
 """
 
 import ctypes
+import importlib
 import operator
 import os
 from fractions import Fraction
@@ -473,3 +474,14 @@ def test_coat_activation_quantization_compiles_to_exact_kernels_that_read_the_ac
     assert "div.rn.f32" in storing.ptx
     reading = [kernel for kernel in kernels if "'in_ptr0': '*bf16'" in kernel.source]
     assert (len(kernels), len(reading)) == ((3, 2) if group_size is None else (1, 1))
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_the_fp8_linear_layers_transposed_operands_are_copied_by_one_kernel_moving_each_byte_once(fp8_dtype):
+    """``fp8_linear.row_major`` of a transposed FP8 payload (the backward pass's operands of
+    ``torch._scaled_mm``) as a GPU compiles it: one kernel, one byte read and one written per element."""
+    fp8_linear = importlib.import_module("megatron_lowprec.layers.fp8_linear")
+    (kernel,) = codegen.generate_function(lambda payload: fp8_linear._copied(payload.t()), ((4096, 2048),), fp8_dtype)
+    read, written = audit.access_bytes(kernel.ptx)
+    assert kernel.launches == 1
+    assert read / kernel.elements_per_thread == written / kernel.elements_per_thread == 1

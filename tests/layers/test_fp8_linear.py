@@ -69,6 +69,16 @@ def test_quantize_per_tensor_is_torchs_cast_at_the_current_scale(fp8_format, dty
     assert torch.equal(payload.view(torch.uint8).flatten(), reference.payload.view(torch.uint8))
 
 
+@pytest.mark.parametrize("fp8_dtype", list(FP8_DTYPES.values()), ids=list(FP8_DTYPES))
+def test_row_major_copies_a_transposed_payload_to_the_same_values(fp8_dtype, device):
+    """The layout ``torch._scaled_mm`` takes (one compiled copy on GPUs that convert FP8 in Triton)."""
+    payload = sample(48, 80, seed=9, scale=30.0, dtype=torch.float32).to(fp8_dtype).to(device)
+    copied = fp8_linear_module.row_major(payload.t())
+    assert copied.is_contiguous() and copied.shape == (80, 48)
+    assert torch.equal(copied.cpu().view(torch.uint8), payload.t().cpu().contiguous().view(torch.uint8))
+    assert fp8_linear_module.row_major(payload) is payload
+
+
 def test_all_zero_input_has_unit_scale(device):
     payload, scale = quantize_per_tensor(torch.zeros(4, 16, device=device), "e4m3")
     assert float(scale) == 1.0 and not payload.float().any()
