@@ -8,7 +8,7 @@ flushes them, eager CUDA does not) and compiles an FP32 ``/`` in Triton to the I
 (:func:`~megatron_lowprec.numerics.elementary.ieee_fp32_division`). No multiply and add are fused:
 Inductor compiles C++ with ``-ffp-contract=off`` and Triton without FP fusion under
 ``emulate_precision_casts``. The fused optimizer steps (``optim/fused.py``) and COAT's FP8
-quantization of activations (``numerics/quant.py``) are compiled so.
+quantization of activations, weights and gradients (``numerics/quant.py``) are compiled so.
 """
 
 from __future__ import annotations

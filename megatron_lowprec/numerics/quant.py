@@ -186,7 +186,7 @@ def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[
     [groups, G] and the FP32 scale [groups, 1], the bits :func:`quantize_fp8_into` gives. Where
     Inductor compiles FP8 casts (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`) one
     compiled call (a max reduction and a cast per element, whatever the row count), elsewhere eager
-    operations. Non-finite rows give NaN on dequantization."""
+    operations. A NaN dequantizes to NaN, an infinity makes its whole row NaN (its scale is infinite)."""
     fp8_dtype = fp8_dtype_of(fp8_dtype)
     if rows.dim() != 2 or rows.shape[1] == 0:
         raise ValueError(f"rows must be [groups, group_size] with group_size >= 1, got shape {tuple(rows.shape)}")

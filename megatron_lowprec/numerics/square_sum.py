@@ -151,11 +151,12 @@ def _contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _row_partials(
     runs: list[torch.Tensor], digit_sums: Callable[[torch.Tensor], torch.Tensor], max_rows: int
 ) -> list[torch.Tensor]:
-    """``digit_sums`` (:func:`_windowed_digit_sums` or :func:`_torch_digit_sums`, compiled or not) of ``runs`` of one device, as rows
-    of ``ROW_ELEMENTS`` values: each run's whole rows as one view, in near-equal pieces of at most
-    ``max_rows`` rows (at least 4), then the runs' last, partial rows and the runs shorter than two
-    rows together, in float32 (exact), zero-padded to whole rows. Every call takes two rows or more
-    of one dtype, so that no size makes a compiled graph of its own (:data:`RECOMPILE_LIMIT`)."""
+    """``digit_sums`` (:func:`_windowed_digit_sums` or :func:`_torch_digit_sums`, compiled or not) of
+    ``runs`` of one device, as rows of ``ROW_ELEMENTS`` values: each run's whole rows as one view, in
+    near-equal pieces of at most ``max_rows`` rows (at least 4), then the runs' last, partial rows and
+    the runs shorter than two rows together, in float32 (exact), zero-padded to whole rows. Every
+    call takes two rows or more of one dtype, so that no size makes a compiled graph of its own
+    (:data:`RECOMPILE_LIMIT`)."""
     partials, leftovers = [], []
     for run in runs:
         rows = run.numel() // ROW_ELEMENTS if run.numel() >= 2 * ROW_ELEMENTS else 0
@@ -217,8 +218,8 @@ def _windowed_digit_sums(values: torch.Tensor) -> torch.Tensor:
     the highest digit of its nonzero finite values, ``top``, and sums only into the digits ``top + 1``
     down to ``top - WINDOW_DIGITS + 1``: ``WINDOW_DIGITS + 1`` accumulators per value instead of
     ``DIGITS - 1``. A value whose digit lies ``WINDOW_DIGITS`` or more below ``top`` (its square
-    2^80 times smaller or less than the row's largest) escapes the window. The window's sums are then
-    put at their digits once per row."""
+    about 2^80 times smaller than the row's largest, or less) escapes the window. The window's sums
+    are then put at their digits once per row."""
     magnitude, finite, square, digit, low, rest = _digit_parts(values)
     counted = square > 0
     top = torch.where(counted, digit, 0).amax(dim=1, keepdim=True)
