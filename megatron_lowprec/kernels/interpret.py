@@ -580,6 +580,57 @@ def _norm_difference(values: torch.Tensor, sums: list[int]) -> str | None:
     return f"Σx²·2^298 {got} against {expected}; non-finite and NaN counts {counts} against {expected_counts}"
 
 
+def compare_coat_layers(arch: int = ARCH) -> dict[str, str | None]:
+    """COAT's layer kernels as a GPU that converts FP8 compiles them (``numerics/quant.py``'s
+    ``quantize_rows`` and ``dequantize_rows``, ``layers/fp8_linear.py``'s ``row_major``), interpreted
+    on CPU tensors against their eager operations: E4M3 quantization of BF16 values from many binades,
+    with zeros and a zero row, per tensor (one row) and per 1 x 16 group, its dequantization, and
+    the copies of transposed E4M3 and E5M2 payloads. Name -> ``None`` where every bit agrees, else
+    what differs. (The E5M2 cast has no shim: the interpreter misrounds it, the GPU does not.) This
+    process must have ``TRITON_INTERPRET=1`` from its start."""
+    import importlib
+
+    from megatron_lowprec.numerics import quant
+    from megatron_lowprec.numerics.compiled import compile_exact
+
+    fp8_linear = importlib.import_module("megatron_lowprec.layers.fp8_linear")
+    generator = torch.Generator().manual_seed(SEED)
+    values = torch.randn(4096, generator=generator) * torch.exp2(torch.randint(-30, 30, (4096,), generator=generator).float())
+    values[::7] = 0.0
+    values[1024:1040] = 0.0
+    values = values.bfloat16()
+    results: dict[str, str | None] = {}
+    with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
+        with interpreted_cuda_kernels(cache_dir, arch) as launches:
+            quantize, dequantize, copy = (
+                compile_exact(function) for function in (quant._quantize_rows, quant._dequantize_rows, fp8_linear._copied)
+            )
+            for name, rows in (("per tensor", values.view(1, -1)), ("per 1x16 group", values.view(-1, 16))):
+                payload, scale = quantize(rows, torch.float8_e4m3fn)
+                expected_payload, expected_scale = quant._quantize_rows(rows, torch.float8_e4m3fn)
+                results[f"quantize {name}"] = _first_mismatch(payload.view(torch.uint8), expected_payload.view(torch.uint8)) or (
+                    _first_mismatch(scale, expected_scale)
+                )
+                results[f"dequantize {name}"] = _first_mismatch(dequantize(payload, scale), quant._dequantize_rows(payload, scale))
+            for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                payload = values.float().clamp(-448, 448).to(fp8_dtype).view(64, 64)[:, :48]
+                results[f"row-major copy {fp8_dtype}"] = _first_mismatch(
+                    copy(payload.t()).view(torch.uint8), payload.t().contiguous().view(torch.uint8)
+                )
+    if not launches.launches:
+        return {"launches": "no generated kernel ran"}
+    return results
+
+
+def coat_layer_comparisons() -> dict[str, str | None]:
+    """:func:`compare_coat_layers` in a process started with ``TRITON_INTERPRET=1``."""
+    context = multiprocessing.get_context("spawn")
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=context
+    ) as pool:
+        return pool.submit(compare_coat_layers).result()
+
+
 def report(comparisons: list[Comparison]) -> str:
     """One line per comparison: identical or its first differing bits, the kernels and launches."""
     lines = []

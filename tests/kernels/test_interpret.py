@@ -65,6 +65,14 @@ def test_the_exact_gradient_norms_generated_kernels_give_the_exact_sums():
     assert interpret.norm_comparisons() == {"float32": None, "bfloat16": None}
 
 
+def test_coat_layers_generated_kernels_are_bit_identical_to_their_eager_operations():
+    """COAT's FP8 quantization (per tensor and per 1 x 16 group), its dequantization and the FP8
+    linear layer's copies of transposed operands, as a GPU that converts FP8 compiles them,
+    interpreted on CPU tensors: the bits of the eager operations."""
+    results = interpret.coat_layer_comparisons()
+    assert len(results) == 6 and all(result is None for result in results.values()), results
+
+
 @pytest.mark.parametrize("option,storage,kind,arch", [pytest.param(*case, id="-".join(map(str, case))) for case in MUON_CASES])
 def test_interpreted_muon_kernels_are_bit_identical_to_the_eager_muon_step(comparisons, option, storage, kind, arch):
     """Three Muon steps through the generated CUDA kernels of its momentum and update calls
