@@ -166,6 +166,15 @@ LIBDEVICE_SHIMS = {
 """libdevice functions the generated kernels call (the interpreter runs no libdevice: each call gives
 ``None``), as numpy functions that compute what the GPU's does: name -> (the GPU's result, numpy)."""
 
+APPROXIMATE_LIBDEVICE_SHIMS = {
+    "tanh": ("tanhf, within 2 ulp of tanh", np.tanh),
+    "erf": ("erff, within 2 ulp of erf", np.vectorize(math.erf, otypes=[np.float64])),
+    "exp": ("expf, within 2 ulp of exp", np.exp),
+}
+"""libdevice functions that only the tolerance comparisons of :func:`compare_coat_layers` need (the
+backward passes of GELU and SwiGLU), computed by numpy within a few ulp of the GPU's: name -> (the
+GPU's function, numpy)."""
+
 
 def _libdevice_shim(function: Callable) -> Callable:
     """A libdevice function of interpreted tensors (or Python numbers) computed by numpy ``function``."""
@@ -580,16 +589,25 @@ def _norm_difference(values: torch.Tensor, sums: list[int]) -> str | None:
     return f"Σx²·2^298 {got} against {expected}; non-finite and NaN counts {counts} against {expected_counts}"
 
 
+COAT_BACKWARD_TOLERANCE = 1e-6
+"""Largest relative L2 difference allowed between a compiled and an eager backward pass of COAT's
+FP8 activations: their reductions add in other orders (FP32, rows of 64 values)."""
+
+
 def compare_coat_layers(arch: int = ARCH) -> dict[str, str | None]:
-    """COAT's layer kernels as a GPU that converts FP8 compiles them (``numerics/quant.py``'s
-    ``quantize_rows`` and ``dequantize_rows``, ``layers/fp8_linear.py``'s ``row_major``), interpreted
-    on CPU tensors against their eager operations: E4M3 quantization of BF16 values from many binades,
-    with zeros and a zero row, per tensor (one row) and per 1 x 16 group, its dequantization, and
-    the copies of transposed E4M3 and E5M2 payloads. Name -> ``None`` where every bit agrees, else
-    what differs. (The E5M2 cast has no shim: the interpreter misrounds it, the GPU does not.) This
-    process must have ``TRITON_INTERPRET=1`` from its start."""
+    """COAT's layer kernels as a GPU that converts FP8 compiles them, interpreted on CPU tensors
+    against their eager operations: ``numerics/quant.py``'s ``quantize_rows`` (E4M3, BF16 values from
+    many binades with zeros and a zero row, per tensor and per 1 x 16 group) and ``layers/fp8_linear.py``'s
+    ``row_major`` (copies of transposed E4M3 and E5M2 payloads) bit for bit; the backward passes of
+    ``layers/fp8_activations.py`` (LayerNorm, RMSNorm, GELU, SwiGLU, from a saved FP8 input) within
+    :data:`COAT_BACKWARD_TOLERANCE`. Name -> ``None`` where they agree, else what differs. (The E5M2
+    cast has no shim: the interpreter misrounds it, the GPU does not.) This process must have
+    ``TRITON_INTERPRET=1`` from its start."""
     import importlib
 
+    from torch._inductor.runtime.triton_helpers import libdevice
+
+    from megatron_lowprec.layers import fp8_activations
     from megatron_lowprec.numerics import quant
     from megatron_lowprec.numerics.compiled import compile_exact
 
@@ -599,27 +617,53 @@ def compare_coat_layers(arch: int = ARCH) -> dict[str, str | None]:
     values[::7] = 0.0
     values[1024:1040] = 0.0
     values = values.bfloat16()
+    activations = (torch.randn(32, 64, generator=generator) * 3).bfloat16()
+    saved = fp8_activations.quantize_along_last_dim(activations)
+    weight, bias = (torch.randn(64, generator=generator) + 1).bfloat16(), torch.randn(64, generator=generator).bfloat16()
+    grad_output = torch.randn(32, 64, generator=generator).bfloat16()
+    common = (saved.payload, saved.scale, fp8_activations.GROUP_SIZE, 64, torch.bfloat16)
+    backward_cases = {
+        "LayerNorm backward": (fp8_activations._layer_norm_grads, (*common, grad_output, weight, bias, 1e-5)),
+        "RMSNorm backward": (fp8_activations._rms_norm_grads, (*common, grad_output, weight, 1e-6)),
+        "GELU backward": (fp8_activations._gelu_grad, (*common, grad_output, "tanh")),
+        "SwiGLU backward": (fp8_activations._swiglu_grad, (*common, grad_output[:, :32])),
+    }
     results: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
         with interpreted_cuda_kernels(cache_dir, arch) as launches:
-            quantize, dequantize, copy = (
-                compile_exact(function) for function in (quant._quantize_rows, quant._dequantize_rows, fp8_linear._copied)
-            )
+            quantize, copy = compile_exact(quant._quantize_rows), compile_exact(fp8_linear._copied)
             for name, rows in (("per tensor", values.view(1, -1)), ("per 1x16 group", values.view(-1, 16))):
                 payload, scale = quantize(rows, torch.float8_e4m3fn)
                 expected_payload, expected_scale = quant._quantize_rows(rows, torch.float8_e4m3fn)
                 results[f"quantize {name}"] = _first_mismatch(payload.view(torch.uint8), expected_payload.view(torch.uint8)) or (
                     _first_mismatch(scale, expected_scale)
                 )
-                results[f"dequantize {name}"] = _first_mismatch(dequantize(payload, scale), quant._dequantize_rows(payload, scale))
             for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 payload = values.float().clamp(-448, 448).to(fp8_dtype).view(64, 64)[:, :48]
                 results[f"row-major copy {fp8_dtype}"] = _first_mismatch(
                     copy(payload.t()).view(torch.uint8), payload.t().contiguous().view(torch.uint8)
                 )
+            with contextlib.ExitStack() as libdevice_functions:
+                for name, (_, function) in APPROXIMATE_LIBDEVICE_SHIMS.items():
+                    libdevice_functions.enter_context(mock.patch.object(libdevice, name, _libdevice_shim(function)))
+                compiled = {name: compile_exact(function)(*arguments) for name, (function, arguments) in backward_cases.items()}
+            for name, (function, arguments) in backward_cases.items():
+                got, expected = compiled[name], function(*arguments)
+                got, expected = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+                results[name] = next(
+                    (text for text in map(_relative_difference, got, expected) if text is not None), None
+                )
     if not launches.launches:
         return {"launches": "no generated kernel ran"}
     return results
+
+
+def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """The relative L2 difference of ``got`` from ``expected`` where it exceeds :data:`COAT_BACKWARD_TOLERANCE`."""
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return f"{got.dtype} {tuple(got.shape)} against {expected.dtype} {tuple(expected.shape)}"
+    difference = float((got.double() - expected.double()).norm() / expected.double().norm())
+    return None if difference <= COAT_BACKWARD_TOLERANCE else f"relative difference {difference:.2e}"
 
 
 def coat_layer_comparisons() -> dict[str, str | None]:

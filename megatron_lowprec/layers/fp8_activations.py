@@ -6,8 +6,11 @@ quantized to E4M3 with one float32 scale per 1 x G group of consecutive elements
 (last) dimension, G = 16 (section 6.1). A group never spans two tokens: section 5.2 and Fig. 4(a)
 show that sharing a scale across the token axis costs accuracy; a row whose length is not a
 multiple of G is zero-padded to one. Backward dequantizes the input and recomputes what it needs
-(normalisation statistics, activation derivatives) in FP32. Parameters are saved as they are: they
-are not activation memory.
+(normalisation statistics, activation derivatives) in FP32, 1/σ as a correctly rounded division by a
+correctly rounded square root (the same function on every backend). On GPUs that convert FP8 in
+Triton the quantization and each backward pass are one compiled call (:func:`_backward`); their
+reductions add in another order than eager ones. Parameters are saved as they are: they are not
+activation memory.
 
 Storage per saved element: 1 byte of FP8 plus 4/G bytes of scale (1.25 bytes for G = 16), against
 2 bytes for BF16.
@@ -15,9 +18,14 @@ Storage per saved element: 1 byte of FP8 plus 4/G bytes of scale (1.25 bytes for
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from megatron_lowprec.numerics.compiled import compile_exact, triton_converts_fp8
+from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_rows, quantize_rows
 
 GROUP_SIZE = 16
@@ -47,10 +55,9 @@ def quantize_along_last_dim(x: torch.Tensor, group_size: int = GROUP_SIZE) -> Qu
     )
 
 
-def _dequantized_rows(payload: torch.Tensor, scale: torch.Tensor, group_size: int, width: int) -> torch.Tensor:
+def _saved_rows(payload: torch.Tensor, scale: torch.Tensor, group_size: int, width: int) -> torch.Tensor:
     """FP32 rows [tokens, width] from what :func:`quantize_along_last_dim` saved."""
-    values = dequantize_rows(payload.view(-1, group_size), scale.view(-1, 1))
-    return values.view(payload.shape)[:, :width]
+    return dequantize_rows(payload.view(-1, group_size), scale.view(-1, 1)).view(payload.shape)[:, :width]
 
 
 def _save_fp8_input(ctx, x: torch.Tensor, group_size: int, *parameters: torch.Tensor | None) -> None:
@@ -61,13 +68,67 @@ def _save_fp8_input(ctx, x: torch.Tensor, group_size: int, *parameters: torch.Te
     ctx.input_dtype = x.dtype
 
 
-def _saved_input_rows(ctx) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+@functools.cache
+def _compiled_backward(function: Callable) -> Callable:
+    return compile_exact(function)
+
+
+def _backward(ctx, function: Callable, grad_output: torch.Tensor, *arguments) -> tuple:
+    """``function`` (a backward pass's arithmetic, from the saved FP8 input to the gradients) of the
+    saved payload, scales and ``arguments``: one compiled call on GPUs that convert FP8 in Triton
+    (the dequantization, the recomputed statistics and the gradients fused over the rows, where eager
+    operations take a dozen passes over FP32 rows), eager operations elsewhere. Compiled reductions
+    add in another order than eager ones: the gradients agree within FP32 rounding, not to the bit."""
     payload, scale, *parameters = ctx.saved_tensors
-    return _dequantized_rows(payload, scale, ctx.group_size, ctx.input_shape[-1]), tuple(parameters)
+    run = _compiled_backward(function) if triton_converts_fp8(payload.device) else function
+    return run(payload, scale, ctx.group_size, ctx.input_shape[-1], ctx.input_dtype, grad_output, *parameters, *arguments)
 
 
 def _parameter_grad(ctx, index: int, grad: torch.Tensor, parameter: torch.Tensor | None) -> torch.Tensor | None:
     return grad.to(parameter.dtype) if parameter is not None and ctx.needs_input_grad[index] else None
+
+
+def _layer_norm_grads(payload, scale, group_size, width, input_dtype, grad_output, weight, bias, eps):
+    """LayerNorm's input, weight and bias gradients (the last two in FP32) from the saved FP8 input."""
+    x = _saved_rows(payload, scale, group_size, width)
+    centered = x - x.mean(dim=-1, keepdim=True)
+    inverse_std = div_rn(1.0, sqrt_rn(centered.square().mean(dim=-1, keepdim=True) + eps))
+    normalized = centered * inverse_std
+    grad_rows = grad_output.reshape(normalized.shape).float()
+    grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
+    grad_input = inverse_std * (
+        grad_normalized
+        - grad_normalized.mean(dim=-1, keepdim=True)
+        - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True)
+    )
+    return grad_input.to(input_dtype), (grad_rows * normalized).sum(dim=0), grad_rows.sum(dim=0)
+
+
+def _rms_norm_grads(payload, scale, group_size, width, input_dtype, grad_output, weight, eps):
+    """RMSNorm's input and weight gradients (the latter in FP32) from the saved FP8 input."""
+    x = _saved_rows(payload, scale, group_size, width)
+    inverse_rms = div_rn(1.0, sqrt_rn(x.square().mean(dim=-1, keepdim=True) + eps))
+    normalized = x * inverse_rms
+    grad_rows = grad_output.reshape(normalized.shape).float()
+    grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
+    grad_input = inverse_rms * (grad_normalized - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True))
+    return grad_input.to(input_dtype), (grad_rows * normalized).sum(dim=0)
+
+
+def _gelu_grad(payload, scale, group_size, width, input_dtype, grad_output, approximate):
+    """GELU's input gradient from the saved FP8 input."""
+    x = _saved_rows(payload, scale, group_size, width)
+    grad_rows = grad_output.reshape(x.shape).float()
+    return torch.ops.aten.gelu_backward(grad_rows, x, approximate=approximate).to(input_dtype)
+
+
+def _swiglu_grad(payload, scale, group_size, width, input_dtype, grad_output):
+    """SwiGLU's input gradient from the saved FP8 input."""
+    x = _saved_rows(payload, scale, group_size, width)
+    gate, value = torch.chunk(x, 2, dim=-1)
+    grad_rows = grad_output.reshape(gate.shape).float()
+    grad_gate = torch.ops.aten.silu_backward(grad_rows * value, gate)
+    return torch.cat([grad_gate, grad_rows * F.silu(gate)], dim=-1).to(input_dtype)
 
 
 class FP8LayerNormFunction(torch.autograd.Function):
@@ -81,21 +142,12 @@ class FP8LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, (weight, bias) = _saved_input_rows(ctx)
-        centered = x - x.mean(dim=-1, keepdim=True)
-        inverse_std = torch.rsqrt(centered.square().mean(dim=-1, keepdim=True) + ctx.eps)
-        normalized = centered * inverse_std
-        grad_rows = grad_output.reshape(normalized.shape).float()
-        grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
-        grad_input = inverse_std * (
-            grad_normalized
-            - grad_normalized.mean(dim=-1, keepdim=True)
-            - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True)
-        )
+        _, _, weight, bias = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias = _backward(ctx, _layer_norm_grads, grad_output, ctx.eps)
         return (
-            grad_input.to(ctx.input_dtype).view(ctx.input_shape),
-            _parameter_grad(ctx, 1, (grad_rows * normalized).sum(dim=0), weight),
-            _parameter_grad(ctx, 2, grad_rows.sum(dim=0), bias),
+            grad_input.view(ctx.input_shape),
+            _parameter_grad(ctx, 1, grad_weight, weight),
+            _parameter_grad(ctx, 2, grad_bias, bias),
             None,
             None,
         )
@@ -112,20 +164,9 @@ class FP8RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, (weight,) = _saved_input_rows(ctx)
-        inverse_rms = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + ctx.eps)
-        normalized = x * inverse_rms
-        grad_rows = grad_output.reshape(normalized.shape).float()
-        grad_normalized = grad_rows * weight.float() if weight is not None else grad_rows
-        grad_input = inverse_rms * (
-            grad_normalized - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True)
-        )
-        return (
-            grad_input.to(ctx.input_dtype).view(ctx.input_shape),
-            _parameter_grad(ctx, 1, (grad_rows * normalized).sum(dim=0), weight),
-            None,
-            None,
-        )
+        _, _, weight = ctx.saved_tensors
+        grad_input, grad_weight = _backward(ctx, _rms_norm_grads, grad_output, ctx.eps)
+        return grad_input.view(ctx.input_shape), _parameter_grad(ctx, 1, grad_weight, weight), None, None
 
 
 class FP8GELUFunction(torch.autograd.Function):
@@ -139,10 +180,7 @@ class FP8GELUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, _ = _saved_input_rows(ctx)
-        grad_rows = grad_output.reshape(x.shape).float()
-        grad_input = torch.ops.aten.gelu_backward(grad_rows, x, approximate=ctx.approximate)
-        return grad_input.to(ctx.input_dtype).view(ctx.input_shape), None, None
+        return _backward(ctx, _gelu_grad, grad_output, ctx.approximate).view(ctx.input_shape), None, None
 
 
 class FP8SwiGLUFunction(torch.autograd.Function):
@@ -157,12 +195,7 @@ class FP8SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, _ = _saved_input_rows(ctx)
-        gate, value = torch.chunk(x, 2, dim=-1)
-        grad_rows = grad_output.reshape(gate.shape).float()
-        grad_gate = torch.ops.aten.silu_backward(grad_rows * value, gate)
-        grad_input = torch.cat([grad_gate, grad_rows * F.silu(gate)], dim=-1)
-        return grad_input.to(ctx.input_dtype).view(ctx.input_shape), None
+        return _backward(ctx, _swiglu_grad, grad_output).view(ctx.input_shape), None
 
 
 def _check_hidden(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:

@@ -64,9 +64,12 @@ def division_context(options: dict[str, Any]) -> Callable[[], contextlib.Abstrac
 def compile_exact(function: Callable) -> Callable:
     """``function`` compiled with :func:`inductor_options`, dynamic shapes and one graph, called under
     :func:`division_context`: the bits of its eager form on every backend, as long as it is built from
-    operations that every backend computes alike (``numerics/elementary.py``)."""
+    operations that every backend computes alike (``numerics/elementary.py``). Python numbers among
+    its arguments are constants of the graph (``specialize_int``, ``specialize_float``): a new value
+    compiles again, as a new shape does not."""
     options = inductor_options()
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
+    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
     division = division_context(options)
 
     @functools.wraps(function)

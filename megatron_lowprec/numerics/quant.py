@@ -172,10 +172,6 @@ def _quantize_rows(rows: torch.Tensor, fp8_dtype: torch.dtype) -> "tuple[torch.T
     return div_rn(values, scale).clamp(-format_max, format_max).to(fp8_dtype), scale
 
 
-def _dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return payload.float() * scale
-
-
 @functools.cache
 def _compiled(function):
     return compile_exact(function)
@@ -195,9 +191,9 @@ def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[
 
 
 def dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP32 ``payload * scale`` of :func:`quantize_rows`'s results (one call where it compiles)."""
-    dequantize = _compiled(_dequantize_rows) if triton_converts_fp8(payload.device) else _dequantize_rows
-    return dequantize(payload, scale)
+    """FP32 ``payload * scale`` of :func:`quantize_rows`'s results (eager operations: compiled code
+    that reads the values, such as COAT's backward passes, fuses them)."""
+    return payload.float() * scale
 
 
 def quantize_fp8_into(
