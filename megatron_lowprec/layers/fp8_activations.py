@@ -18,13 +18,12 @@ Storage per saved element: 1 byte of FP8 plus 4/G bytes of scale (1.25 bytes for
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from megatron_lowprec.numerics.compiled import compile_exact, triton_converts_fp8
+from megatron_lowprec.numerics.compiled import compiled_where_fp8_converts
 from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_rows, quantize_rows
 
@@ -68,11 +67,6 @@ def _save_fp8_input(ctx, x: torch.Tensor, group_size: int, *parameters: torch.Te
     ctx.input_dtype = x.dtype
 
 
-@functools.cache
-def _compiled_backward(function: Callable) -> Callable:
-    return compile_exact(function)
-
-
 def _backward(ctx, function: Callable, grad_output: torch.Tensor, *arguments) -> tuple:
     """``function`` (a backward pass's arithmetic, from the saved FP8 input to the gradients) of the
     saved payload, scales and ``arguments``: one compiled call on GPUs that convert FP8 in Triton
@@ -80,8 +74,7 @@ def _backward(ctx, function: Callable, grad_output: torch.Tensor, *arguments) ->
     operations take a dozen passes over FP32 rows), eager operations elsewhere. Compiled reductions
     add in another order than eager ones: the gradients agree within FP32 rounding, not to the bit."""
     payload, scale, *parameters = ctx.saved_tensors
-    run = _compiled_backward(function) if triton_converts_fp8(payload.device) else function
-    return run(payload, scale, ctx.group_size, ctx.input_shape[-1], ctx.input_dtype, grad_output, *parameters, *arguments)
+    return compiled_where_fp8_converts(function, payload.device)(payload, scale, ctx.group_size, ctx.input_shape[-1], ctx.input_dtype, grad_output, *parameters, *arguments)
 
 
 def _parameter_grad(ctx, index: int, grad: torch.Tensor, parameter: torch.Tensor | None) -> torch.Tensor | None:

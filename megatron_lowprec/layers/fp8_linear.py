@@ -34,12 +34,11 @@ Non-finite inputs give NaN outputs or gradients (the optimizer then skips the st
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
-from megatron_lowprec.numerics.compiled import compile_exact, triton_converts_fp8
+from megatron_lowprec.numerics.compiled import compiled_where_fp8_converts
 from megatron_lowprec.numerics.quant import fp8_dtype_of, quantize_rows
 
 BACKENDS = ("auto", "scaled_mm", "emulated")
@@ -108,20 +107,13 @@ def _copied(payload: torch.Tensor) -> torch.Tensor:
     return payload.contiguous()
 
 
-@functools.cache
-def _compiled_copy() -> Callable[[torch.Tensor], torch.Tensor]:
-    return compile_exact(_copied)
-
-
 def row_major(payload: torch.Tensor) -> torch.Tensor:
     """``payload`` laid out row-major, as ``torch._scaled_mm`` takes its first operand (and the
     transpose of its second). The backward pass's operands are transposed views; where Inductor
     compiles FP8 (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`) they are copied
     by one compiled kernel that reads and writes tiles (ATen's strided copy of FP8 payloads took
     14% of COAT's GPU time in GPT-1.3B training on an H200), elsewhere by ``contiguous()``."""
-    if payload.is_contiguous() or not triton_converts_fp8(payload.device):
-        return payload.contiguous()
-    return _compiled_copy()(payload)
+    return payload if payload.is_contiguous() else compiled_where_fp8_converts(_copied, payload.device)(payload)
 
 
 def fp8_matmul(

@@ -55,22 +55,20 @@ def _has_option(config: Any, dotted_name: str) -> bool:
     return True
 
 
-def division_context(options: dict[str, Any]) -> Callable[[], contextlib.AbstractContextManager]:
-    """What a call of code compiled with ``options`` runs under: :func:`ieee_fp32_division` where they
-    compile FP32 division to the IEEE instruction."""
-    return ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
-
-
-def compile_exact(function: Callable) -> Callable:
-    """``function`` compiled with :func:`inductor_options`, dynamic shapes and one graph, called under
-    :func:`division_context`: the bits of its eager form on every backend, as long as it is built from
-    operations that every backend computes alike (``numerics/elementary.py``). Python numbers among
-    its arguments are constants of the graph (``specialize_int``, ``specialize_float``): a new value
-    compiles again, as a new shape does not."""
-    options = inductor_options()
+def compile_exact(function: Callable, options: dict[str, Any] | None = None) -> Callable:
+    """``function`` compiled with :func:`inductor_options` (and ``options``, more Inductor options),
+    dynamic shapes and one graph, traced under :func:`ieee_fp32_division` where those options compile
+    FP32 division to the IEEE instruction: the bits of its eager form on every backend, as long as it
+    is built from operations that every backend computes alike (``numerics/elementary.py``). Python
+    numbers among its arguments are constants of the graph (``specialize_int``, ``specialize_float``):
+    a new value compiles again, as a new shape does not. ``automatic_dynamic_shapes`` is off: every
+    size is dynamic from the first compile anyway, and Dynamo's memory of earlier calls would otherwise
+    give a later compile's sizes symbols of their own, and Inductor's cache key with them (a compile
+    child could then not fill the training process's cache entry)."""
+    options = {**inductor_options(), **(options or {})}
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
-    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)(compiled)
-    division = division_context(options)
+    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
+    division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
     @functools.wraps(function)
     def call(*args):
@@ -88,3 +86,15 @@ def triton_converts_fp8(device: torch.device) -> bool:
         and importlib.util.find_spec("triton") is not None
         and torch.cuda.get_device_capability(device) >= FP8_CONVERSION_CAPABILITY
     )
+
+
+@functools.cache
+def _compiled_once(function: Callable) -> Callable:
+    return compile_exact(function)
+
+
+def compiled_where_fp8_converts(function: Callable, device: torch.device) -> Callable:
+    """``function`` compiled by :func:`compile_exact` (once per function) where Inductor compiles FP8
+    casts on ``device`` (:func:`triton_converts_fp8`), else ``function`` itself: how COAT's layers run
+    their quantization and backward passes."""
+    return _compiled_once(function) if triton_converts_fp8(device) else function

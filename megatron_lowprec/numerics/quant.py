@@ -27,13 +27,12 @@ for a CPU or a GPU quantize to the same FP8 codes, scales and exponents; ``k`` i
 ``log2(R_fmt) / -log2(min|x| / M)``.
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from megatron_lowprec.numerics.compiled import compile_exact, triton_converts_fp8
+from megatron_lowprec.numerics.compiled import compiled_where_fp8_converts
 from megatron_lowprec.numerics.elementary import div_rn, log2, power
 from megatron_lowprec.numerics.formats import from_fp8_codes, to_fp8_codes
 
@@ -172,11 +171,6 @@ def _quantize_rows(rows: torch.Tensor, fp8_dtype: torch.dtype) -> "tuple[torch.T
     return div_rn(values, scale).clamp(-format_max, format_max).to(fp8_dtype), scale
 
 
-@functools.cache
-def _compiled(function):
-    return compile_exact(function)
-
-
 def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[torch.Tensor, torch.Tensor]":
     """Each row of ``rows`` [groups, G] as one group (section 3, no expansion): the FP8 payload
     [groups, G] and the FP32 scale [groups, 1], the bits :func:`quantize_fp8_into` gives. Where
@@ -186,8 +180,7 @@ def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[
     fp8_dtype = fp8_dtype_of(fp8_dtype)
     if rows.dim() != 2 or rows.shape[1] == 0:
         raise ValueError(f"rows must be [groups, group_size] with group_size >= 1, got shape {tuple(rows.shape)}")
-    quantize = _compiled(_quantize_rows) if triton_converts_fp8(rows.device) else _quantize_rows
-    return quantize(rows.detach(), fp8_dtype)
+    return compiled_where_fp8_converts(_quantize_rows, rows.device)(rows.detach(), fp8_dtype)
 
 
 def dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, division_context, inductor_options
+from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, compile_exact, inductor_options
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
@@ -253,29 +253,26 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
 
 def compile_step_function(function: Callable, group_statistics: bool = False) -> Callable:
     """``function`` (an element-wise step over a call's tensors) compiled as every fused step is,
-    with :data:`GROUP_STATISTICS_OPTIONS` for strategies with FP8 moments (``group_statistics``).
-    Shapes are dynamic, but Python numbers are not (``specialize_int``, ``specialize_float``): the
-    strategy's FP8 group size must be a constant, or every group index becomes a scalar division by a
-    symbol, and the polynomial coefficients of ``numerics/elementary.py`` are constants (step-dependent
-    values are 0-d tensors). ``automatic_dynamic_shapes`` is off: every size is dynamic from the first
-    compile anyway, and Dynamo's memory of the earlier calls of the function would otherwise give a
-    later compile's sizes symbols of their own, so that the graph, and Inductor's cache key with it,
-    would depend on what the process compiled before (a compile child, :mod:`~megatron_lowprec.optim.background_compile`,
-    could then not fill the training process's cache entry: seen after the other fused tests)."""
+    by :func:`~megatron_lowprec.numerics.compiled.compile_exact`, with :data:`GROUP_STATISTICS_OPTIONS`
+    for strategies with FP8 moments (``group_statistics``), under :func:`_low_precision_tiling` and
+    :func:`_without_outer_loop_fusion`. Python numbers are constants there: the strategy's FP8 group
+    size must be one, or every group index becomes a scalar division by a symbol, and so are the
+    polynomial coefficients of ``numerics/elementary.py`` (step-dependent values are 0-d tensors).
+    ``automatic_dynamic_shapes`` is off there: without it a compile child
+    (:mod:`~megatron_lowprec.optim.background_compile`) could not fill the training process's cache
+    entry, as seen after the other fused tests."""
     from torch._inductor import config as inductor_config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    options = inductor_options()
+    options = {}
     if group_statistics:
         options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
         if hasattr(inductor_config, POST_FUSION_OPTION) and fusion_after_reordering() is not None:
             options[POST_FUSION_OPTION] = fusion_after_reordering()
-    compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
-    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
-    division = division_context(options)
+    compiled = compile_exact(function, options)
 
     def call(*args):
-        with _low_precision_tiling(), _without_outer_loop_fusion(), division():
+        with _low_precision_tiling(), _without_outer_loop_fusion():
             return compiled(*args)
 
     return call
