@@ -14,9 +14,10 @@ the rules (issue 27):
 * ``bytes``: the global memory traffic per element, from every ``ld.global``/``st.global`` of the
   PTX (vector widths counted, a static count per thread over the elements each thread handles),
   equals the minimum of the option's state layout (:func:`layout_bytes`). A load whose address the
-  kernel's Triton source computes from the element's 128-element group alone (directly, or through
-  values loaded per group: a table of one value per group, then small per-entry tables) reads one
-  address per group, so it counts once per group (:func:`source_loads`); this applies only where
+  kernel's Triton source computes from the element's 128-element group or 64-element row alone
+  (directly, or through values loaded per group or row: a table of one value per row, then small
+  per-entry tables) reads one address per group or row, so it counts once per group or row
+  (:func:`source_loads`); this applies only where
   every load of the PTX is one of the source's, once per element (no hidden search). In a kernel
   over rows of one group each (a reduction whose ``r0_numel`` is 128: FP8 group statistics), a load
   or store at the row's address is once per group, and each thread accesses it once per row it
@@ -27,11 +28,11 @@ Option D runs torch's own fused AdamW (no generated kernel): its bytes are its l
 
 Muon's fused step (:func:`audit_muon`: its two compiled calls per bucket around Newton-Schulz, whose
 matmuls stay eager) is held to the same rules for every option and master storage over a plain
-bucket (``one launch``: one per call, two per bucket; ``bytes``: each call's against
+bucket and over its bucket in megatron's shard-aligned layer-wise layout (kind ``shard``: whole
+parameters left in DDP's buffer, the bucket laid out in place there, ``Muon(params_in_buffer=True)``)
+(``one launch``: one per call, two per bucket; ``bytes``: each call's against
 :func:`muon_layout_bytes`, which counts the BF16 direction the momentum call hands Newton-Schulz and
-the FP32 orthogonalized step the update call takes from it), and from the command line over its
-bucket in megatron's shard-aligned layer-wise layout (kind ``shard``: whole parameters read and
-written as rows of DDP's buffer, ``Muon(params_in_buffer=True)``).
+the FP32 orthogonalized step the update call takes from it).
 
 Run ``python -m megatron_lowprec.kernels.audit`` for the tables (``--help`` for a subset;
 ``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
@@ -62,8 +63,8 @@ from megatron_lowprec.kernels.codegen import (
 from megatron_lowprec.numerics import quant, square_sum
 from megatron_lowprec.numerics.compiled import inductor_options
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
-from megatron_lowprec.optim.buckets import ALIGNMENT, ROW_TABLE_BYTES
-from megatron_lowprec.optim.kernel import SR_GROUP_SIZE, SR_GROUP_TABLE_BYTES
+from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
+from megatron_lowprec.optim.kernel import GROUP_SLOT_TABLE_BYTES, SR_ROW_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
     PrecisionStrategy,
@@ -97,12 +98,12 @@ ROOFLINE_PARAMETERS = 1.3e9
 
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
 
-GROUP = SR_GROUP_SIZE
-"""Elements of a group whose loads :func:`source_loads` recognises as shared (bucket offsets are
-aligned to it)."""
+GROUP = ALIGNMENT
+"""Elements of an FP8 group, the rows of a kernel over groups (:func:`group_rows`)."""
 
-GRANULARITIES = ("scalar", "group", "element")
-"""What a value of a kernel's source varies with, coarsest first."""
+GRANULARITIES = ("scalar", "group", "row", "element")
+"""What a value of a kernel's source varies with, coarsest first: a ``group`` of :data:`GROUP`
+elements, a ``row`` of :data:`~megatron_lowprec.optim.buckets.ROW` (a per-row table's lookups)."""
 
 
 def configurations() -> list[tuple[str, str]]:
@@ -126,32 +127,36 @@ def layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> tuple[floa
     16-bit gradient and every state buffer read; the 16-bit parameter read unless an FP32 master
     replaces it; the parameter and every state buffer written. FP8 group metadata (scale, expansion
     exponent) per group of ``fp8_group_size`` elements. Stochastic rounding with shared randomness:
-    the stream tables each group of ``SR_GROUP_SIZE`` elements reads (``SR_GROUP_TABLE_BYTES``: its
-    entry, and that entry's place in its stream and round keys). A ``shard`` step (its parameters
-    and gradients in megatron's buffers) also reads, per row of ``ALIGNMENT`` elements, where the
-    row lies in those buffers (``ROW_TABLE_BYTES``), but for torch's fused AdamW (D), which steps
-    each entry's view."""
+    the stream tables each row reads (``SR_ROW_TABLE_BYTES``: its entry, and that entry's place in
+    its stream and round keys; rows of ``ALIGNMENT`` elements, of ``ROW`` in a shard). A ``shard`` step (its state laid out in place in
+    megatron's buffers, its entries of several parameter groups) also reads each row's parameter
+    group (``GROUP_SLOT_TABLE_BYTES``; per FP8 group where the step runs over groups), but for
+    torch's fused AdamW (D), which steps each group's entries apart."""
     group = strategy.fp8_group_size
     state = strategy.state_bytes(group) / group
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
-    stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
-    row_tables = ROW_TABLE_BYTES / ALIGNMENT if kind == "shard" and strategy.adam_kernel != "torch_fused" else 0
-    return LOW_PRECISION_BYTES + param_read + state + stream_tables + row_tables, LOW_PRECISION_BYTES + state
+    row = ROW if kind == "shard" else ALIGNMENT
+    stream_tables = SR_ROW_TABLE_BYTES / row if strategy.param_update == "stochastic" else 0
+    slot_rows = strategy.fp8_group_size if strategy.moments == "fp8" else ROW
+    group_slots = GROUP_SLOT_TABLE_BYTES / slot_rows if kind == "shard" and strategy.adam_kernel != "torch_fused" else 0
+    return LOW_PRECISION_BYTES + param_read + state + stream_tables + group_slots, LOW_PRECISION_BYTES + state
 
 
-def muon_layout_bytes(strategy: PrecisionStrategy) -> dict[str, tuple[float, float]]:
+def muon_layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> dict[str, tuple[float, float]]:
     """The least bytes per element each of Muon's calls reads and writes (``strategy``: a
     ``muon_strategy``), by :data:`MUON_CALLS`. ``momentum``: read the 16-bit gradient and the
     momentum, write the momentum and the BF16 direction (:data:`DIRECTION_BYTES`). ``update``: read
     the FP32 orthogonalized step (:data:`ORTHOGONAL_STEP_BYTES`), the 16-bit parameter unless an FP32
     master replaces it and the rest of the state (master, δθ or Kahan compensation), write the
-    parameter and that state; stochastic rounding's stream tables as in :func:`layout_bytes`. FP8
-    momentum: its group metadata per ``fp8_group_size`` elements."""
+    parameter and that state; stochastic rounding's stream tables as in :func:`layout_bytes` (per
+    row of ``ROW`` elements in megatron's layout, ``kind="shard"``). FP8 momentum: its group metadata
+    per ``fp8_group_size`` elements."""
     group = strategy.fp8_group_size
     momentum = strategy.moment_bytes(group) / group
     rest = strategy.state_bytes(group) / group - momentum
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
-    stream_tables = SR_GROUP_TABLE_BYTES / SR_GROUP_SIZE if strategy.param_update == "stochastic" else 0
+    row = ROW if kind == "shard" else ALIGNMENT
+    stream_tables = SR_ROW_TABLE_BYTES / row if strategy.param_update == "stochastic" else 0
     return {
         "momentum": (LOW_PRECISION_BYTES + momentum, momentum + DIRECTION_BYTES),
         "update": (ORTHOGONAL_STEP_BYTES + param_read + rest + stream_tables, LOW_PRECISION_BYTES + rest),
@@ -228,8 +233,10 @@ def group_rows(source: str) -> bool:
 def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
     """Each ``tl.load`` and each ``tl.store`` of an Inductor kernel's Triton source: (pointer, bytes
     per value, what its address varies with, one of :data:`GRANULARITIES`). The element index
-    (``xindex``) shifted right by at least log2(:data:`GROUP`) bits or divided by a multiple of it is
-    a ``group`` value; in a kernel over :func:`group_rows`, ``xindex`` itself is (``r0_index`` is the
+    (``xindex``, also plus a scalar: a call's place in its rows) shifted right by at least
+    log2(:data:`GROUP`) bits or divided by a multiple of it is a ``group`` value, by at least
+    log2(``ROW``) bits or a multiple of it a ``row`` value; in a kernel over :func:`group_rows`,
+    ``xindex`` itself is a ``group`` value (``r0_index`` is the
     element's place in its group); a value computed from group values, scalars and constants, or
     loaded at a group address, is a group value too; anything else computed from the element index
     is an ``element`` value (so are reductions' indices and the results of helpers such as a binary
@@ -247,11 +254,12 @@ def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple
         levels = [GRANULARITIES.index(granularity[name]) for name in names if name in granularity]
         return GRANULARITIES[max(levels, default=0)]
 
-    def divides_into_groups(operator: str, operand: str) -> bool:
+    def divided_into(operator: str, operand: str) -> str | None:
         value = constants.get(operand, int(operand) if re.fullmatch(r"\d+", operand) else None)
         if value is None or value <= 0:
-            return False
-        return (1 << value) % GROUP == 0 if operator == ">>" else value % GROUP == 0
+            return None
+        divisor = 1 << value if operator == ">>" else value
+        return "group" if divisor % GROUP == 0 else "row" if divisor % ROW == 0 else None
 
     for line in body.splitlines():
         store = re.fullmatch(r"\s*tl\.store\((\w+) \+ \((.*?)\), .*", line)
@@ -265,6 +273,7 @@ def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple
         name, expression = match.groups()
         full = re.fullmatch(r"tl\.full\(\[[^\]]*\], (-?\d+), tl\.\w+\)", expression)
         shift = re.fullmatch(r"\(?(\w+)\)? (>>|//) \(?(\w+)\)?", expression)
+        offset = re.fullmatch(r"(\w+) \+ (\w+)", expression)
         load = re.match(r"tl\.load\((\w+) \+ \((.*?)\), ", expression)
         if full:
             constants[name] = int(full.group(1))
@@ -279,8 +288,13 @@ def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple
         elif re.fullmatch(r"\((\w+)\)\.to\(tl\.u?int(?:32|64)\)", expression) and expression[1:].split(")")[0] in index_names:
             index_names.add(name)
             granularity[name] = "element"
-        elif shift and shift.group(1) in index_names and divides_into_groups(shift.group(2), shift.group(3)):
-            granularity[name] = "group"
+        elif offset and {offset.group(1), offset.group(2)} & index_names and "element" not in {
+            granularity.get(operand, "element") for operand in {offset.group(1), offset.group(2)} - index_names
+        }:
+            index_names.add(name)
+            granularity[name] = "element"
+        elif shift and shift.group(1) in index_names and divided_into(shift.group(2), shift.group(3)):
+            granularity[name] = divided_into(shift.group(2), shift.group(3))
         elif load:
             pointer, address = load.groups()
             level = coarsest_covering(address)
@@ -294,8 +308,8 @@ def source_accesses(source: str) -> tuple[list[tuple[str, int, str]], list[tuple
 def _counted_per_element(
     ptx_bytes: int, accesses: list[tuple[str, int, str]], elements_per_thread: float, rows: bool, credit_pointwise: bool
 ) -> tuple[float, float]:
-    """Bytes per element of one direction of a kernel: (all of them, those at group addresses counted
-    once per :data:`GROUP` elements), from the PTX's static count per thread ``ptx_bytes`` and the
+    """Bytes per element of one direction of a kernel: (all of them, those at group and row addresses
+    counted once per group or row), from the PTX's static count per thread ``ptx_bytes`` and the
     source's ``accesses`` of that direction. Over :func:`group_rows`: where the PTX holds the
     element accesses once per element and the group accesses a whole number of times, at least one
     and at most the thread's elements (once per row a thread holds). Otherwise (``credit_pointwise``): where the PTX holds every access once per
@@ -303,6 +317,7 @@ def _counted_per_element(
     per_element = ptx_bytes / elements_per_thread
     element = sum(size for _, size, level in accesses if level == "element")
     grouped = sum(size for _, size, level in accesses if level == "group")
+    rowed = sum(size for _, size, level in accesses if level == "row")
     if rows:
         remainder = ptx_bytes - element * elements_per_thread
         per_row = remainder / grouped if grouped else None
@@ -311,8 +326,9 @@ def _counted_per_element(
         ):
             return element + grouped / GROUP, grouped / GROUP
         return per_element, 0.0
-    if credit_pointwise and grouped and abs(per_element - element - grouped) < 1e-9:
-        return per_element - grouped + grouped / GROUP, grouped / GROUP
+    shared = grouped / GROUP + rowed / ROW
+    if credit_pointwise and grouped + rowed and abs(per_element - element - grouped - rowed) < 1e-9:
+        return per_element - grouped - rowed + shared, shared
     return per_element, 0.0
 
 
@@ -380,8 +396,8 @@ def _kernel_bytes(kernels: list[Kernel]) -> tuple[float, float, float, float]:
 
 
 def _bytes_detail(read: float, grouped: float, written: float, grouped_written: float, layout: tuple[float, float]) -> str:
-    shared = f" ({grouped:g} of it read once per {GROUP}-element group)" if grouped else ""
-    shared_written = f" ({grouped_written:g} of it written once per {GROUP}-element group)" if grouped_written else ""
+    shared = f" ({grouped:g} of it read once per group or row)" if grouped else ""
+    shared_written = f" ({grouped_written:g} of it written once per group or row)" if grouped_written else ""
     return f"read {read:g}{shared} + written {written:g}{shared_written} B/element; layout minimum {layout[0]:g} + {layout[1]:g}"
 
 
@@ -442,7 +458,7 @@ def audit_step(code: StepCode) -> StepAudit:
 def _muon_bytes(code: StepCode, strategy: PrecisionStrategy, checks: list[Check], check: Callable[..., Check]) -> StepAudit:
     """Muon's ``bytes`` rule: each call of the first step (graph i: the i-th of :data:`MUON_CALLS`)
     one kernel whose bytes per element are :func:`muon_layout_bytes`'s for that call."""
-    call_layout = muon_layout_bytes(strategy)
+    call_layout = muon_layout_bytes(strategy, code.kind)
     layout = tuple(sum(call_layout[call][side] for call in MUON_CALLS) for side in (0, 1))
     kernels = code.first_step_kernels
     per_call = {call: [kernel for kernel in kernels if kernel.graph == graph] for graph, call in enumerate(MUON_CALLS)}

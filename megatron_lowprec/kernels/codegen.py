@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from megatron_lowprec.optim.buckets import Bucket, build_bucket
+from megatron_lowprec.optim.buckets import ALIGNMENT, ROW, Bucket, build_bucket, build_shard_bucket, params_in_place
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 
 ARCHES = (90, 80)
@@ -45,9 +45,9 @@ CALLS_PER_STEP = {"adamw": 1, "muon": 2}
 
 KINDS = ("plain", "shard")
 """``plain``: a bucket that owns its parameters and gradients (:class:`~megatron_lowprec.optim.AdamW`);
-``shard``: a distributed optimizer's shard, whose parameters and gradients are rows of megatron's
-DDP buffers (Muon: its bucket in megatron's shard-aligned layer-wise layout, whole parameters left
-in DDP's buffer, ``params_in_buffer``)."""
+``shard``: a distributed optimizer's shard, laid out in place in megatron's DDP buffers, whose
+parameters and gradients are slices of them (Muon: its bucket in megatron's shard-aligned layer-wise
+layout, whole parameters left in DDP's buffer as rows, ``params_in_buffer``)."""
 
 DEVICE_PROPERTIES = {
     90: dict(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132, total_memory=80 << 30),
@@ -64,7 +64,7 @@ CUDA_DEVICE_TYPE = 1
 META_DEVICE_TYPE = 14
 """c10's ``DeviceType`` values: the CUDA slot of the device-guard registry takes the Meta guard (no-ops)."""
 
-PARAM_SHAPES = ((256, 128), (300,), (64,))
+PARAM_SHAPES = ((256, 128), (380,), (64,))
 """The parameters of a generated step: a matrix, and two vectors whose bucket entries end in padding."""
 
 STEP_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -400,44 +400,53 @@ def _plain_bucket(
     return bucket, grad, [bucket.view(grad, index) for index in range(len(params))], grad
 
 
+MEGATRON_PARAM_ALIGNMENT = 64
+"""Elements megatron-core pads each parameter's start to in its DDP buffers under the distributed optimizer."""
+
+
 def _shard_bucket(
     strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], groups: list[int],
     device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
-    """A distributed optimizer's state bucket for the second half of a DDP buffer that holds
-    parameters of ``shapes`` back to back (runs of them; entry ``i`` in parameter group ``groups[i]``),
-    laid out as ``megatron/distributed.py`` does: parameters and gradients stay rows of the buffers;
-    the whole gradient buffer last. ``fill`` sets the parameter buffer's values before the bucket is
-    built (zeros otherwise)."""
+    """A distributed optimizer's state bucket for the second half of a DDP bucket that holds
+    parameters of ``shapes`` as megatron lays them out (each start padded to
+    :data:`MEGATRON_PARAM_ALIGNMENT` elements, the end to 128), built as ``megatron/distributed.py``
+    builds it (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`; entry ``i`` in parameter
+    group ``groups[i]``): the shard begins half a row into a row of the buffer (as a shard of DP=4
+    may), or, with FP8 moments, at the start of that FP8 group (the rank's range once
+    ``owned_bounds`` has moved the boundary off the group). The whole gradient buffer last. ``fill``
+    sets the parameter buffer's values before the bucket is built (zeros otherwise)."""
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device)) for shape in shapes]
     numels = [param.numel() for param in params]
-    total = sum(numels)
+    starts, position = [], 0
+    for numel in numels:
+        position = -(-position // MEGATRON_PARAM_ALIGNMENT) * MEGATRON_PARAM_ALIGNMENT
+        starts.append(position)
+        position += numel
+    total = -(-position // ALIGNMENT) * ALIGNMENT
     param_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
     grad_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
     if fill:
         fill(param_data)
-    shard_start, runs, starts, members = total // 2, [], [], []
-    param_start = 0
-    for param, numel in zip(params, numels):
-        first = max(shard_start, param_start)
-        if first < param_start + numel:
-            runs.append((first - param_start, param_start + numel - first))
-            starts.append(first)
+    shard_start = total // 2 + ROW // 2
+    if strategy.moments == "fp8":
+        shard_start -= shard_start % strategy.fp8_group_size
+    runs, run_starts, members = [], [], []
+    for param, first, numel in zip(params, starts, numels):
+        begin = max(shard_start, first)
+        if begin < first + numel:
+            runs.append((begin - first, first + numel - begin))
+            run_starts.append(begin)
             members.append(param)
-        param_start += numel
-    entry_groups = groups[-len(members):]
-    bucket, _ = build_bucket(
-        strategy, entry_groups[0], members, own_params=False, runs=runs,
-        master_source=[param_data[start : start + numel] for start, (_, numel) in zip(starts, runs)],
-        entry_groups=entry_groups,
+    bucket, grad = build_shard_bucket(
+        strategy, members, runs, run_starts, groups[-len(members):], None, param_data, grad_data, shard_start, total,
     )
-    bucket.place_params_in(param_data, starts)
-    entry_grads = [grad_data[start : start + numel] for start, (_, numel) in zip(starts, runs)]
-    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
+    entry_grads = [grad_data[begin : begin + numel] for begin, (_, numel) in zip(run_starts, runs)]
+    return bucket, grad, entry_grads, grad_data
 
 
 LAYOUT_GAP = 64
-"""Elements before each parameter of :func:`_layout_bucket` in DDP's buffer."""
+"""Elements of another rank's shard before and after the parameters of :func:`_layout_bucket` in DDP's buffer."""
 
 
 def _layout_bucket(
@@ -445,26 +454,34 @@ def _layout_bucket(
     device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
     """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True)``):
-    whole parameters of ``shapes`` of parameter group ``group`` that stay in a DDP buffer, each after
-    a gap of :data:`LAYOUT_GAP` elements (another rank's or optimizer's), read and written as its
-    rows, as are their gradients in DDP's gradient buffer (last). ``fill`` sets the parameter
-    buffer's values before the bucket is built (zeros otherwise)."""
+    whole parameters of ``shapes`` of parameter group ``group`` that stay in a DDP buffer as megatron
+    lays out one rank's shard of it (each start padded to :data:`MEGATRON_PARAM_ALIGNMENT` elements,
+    the padding zero), between :data:`LAYOUT_GAP` elements of other ranks' shards, laid out in place
+    (:func:`~megatron_lowprec.optim.buckets.params_in_place`), their gradients the same range of DDP's
+    gradient buffer (the whole gradient buffer last). ``fill`` sets the parameter buffer's values
+    before the bucket is built (zeros otherwise; megatron's padding stays zero)."""
     numels = [math.prod(shape) for shape in shapes]
-    starts = [LAYOUT_GAP * (index + 1) + sum(numels[:index]) for index in range(len(shapes))]
-    total = starts[-1] + numels[-1]
+    starts, position = [], LAYOUT_GAP
+    for numel in numels:
+        position = -(-position // MEGATRON_PARAM_ALIGNMENT) * MEGATRON_PARAM_ALIGNMENT
+        starts.append(position)
+        position += numel
+    total = position + LAYOUT_GAP
     param_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
     grad_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
     if fill:
         fill(param_data)
+    for start, end in zip([start + numel for start, numel in zip(starts, numels)], starts[1:]):
+        param_data[start:end] = 0
     params = []
     for shape, start, numel in zip(shapes, starts, numels):
         param = torch.nn.Parameter(torch.zeros(0, dtype=torch.bfloat16, device=device))
         param.data = param_data[start : start + numel].view(shape)
         params.append(param)
-    bucket, _ = build_bucket(strategy, group, params, own_params=False)
-    bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
+    in_place = params_in_place(strategy, params)
+    bucket, _ = build_bucket(strategy, group, params, own_params=False, in_place=in_place)
     entry_grads = [grad_data[start : start + numel] for start, numel in zip(starts, numels)]
-    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
+    return bucket, grad_data[starts[0] : starts[-1] + numels[-1]], entry_grads, grad_data
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,12 +75,14 @@ import torch
 from megatron_lowprec.kernels import codegen
 
 SHAPES = ((4, 64), (300,), (64,))
-"""The parameters of a compared bucket: a matrix, and two vectors whose entries end in padding;
-the shard (the second half of their buffer) holds three FP8 groups of 128 elements."""
+"""The parameters of a compared bucket: a matrix, and two vectors whose entries end in padding. Their
+shard (the second half of megatron's buffer) lies in place, beginning 32 elements into a row; coat's,
+where megatron's third parameter would start inside an FP8 group of 128, is packed."""
 
 MUON_SHAPES = ((4, 64), (12, 16))
 """The weights of a compared Muon bucket (the second's entry ends in padding; coat's momentum holds
-four FP8 groups of 128 elements)."""
+four FP8 groups of 128 elements). In megatron's layout the bucket lies in place; coat's, whose 448
+elements are no whole number of FP8 groups, reads and writes the weights as rows of DDP's buffer."""
 
 STEPS = 3
 SEED = 27
@@ -381,7 +383,10 @@ def _twin(strategy, kind: str, shapes: tuple[tuple[int, ...], ...] = SHAPES, opt
 
 
 def _params_of(bucket) -> torch.Tensor:
-    return bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1].source
+    """The buffer that holds the bucket's parameters: its own, megatron's whole (in place, or rows of it)."""
+    if bucket.param_rows is not None:
+        return bucket.param_rows[1].source
+    return bucket.param_buffer if bucket.param_buffer._base is None else bucket.param_buffer._base
 
 
 def _first_mismatch(got: torch.Tensor, expected: torch.Tensor) -> str | None:
@@ -451,12 +456,9 @@ def compare(
     optimizer: str = "adamw",
 ) -> Comparison:
     """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
-    eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit.
-    Stochastic rounding steps an AdamW shard over the whole bucket on a GPU, its state padding
-    repeating its entries' last elements, and entry by entry on a CPU, which leaves the padding as it
-    was: the eager twin's padding is repeated before the comparison (AdamW only: Muon's bucket in
-    megatron's layout keeps its state padding as built on both paths).
-    ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
+    eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit
+    (an AdamW shard laid out in place: megatron's buffers whole, its padding included, which stays
+    zero). ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
     in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer)."""
     from megatron_lowprec.kernels.audit import strategy_for
 
@@ -478,8 +480,6 @@ def compare(
     with eager_steps():
         run(twins["eager"])
     interpreted, eager = twins["interpreted"][0], twins["eager"][0]
-    if optimizer == "adamw" and kind == "shard" and strategy.param_update == "stochastic":
-        eager.repeat_into_padding_()
     tensors = {"param": (_params_of(interpreted), _params_of(eager))}
     tensors.update({key: (value, eager.state[key]) for key, value in interpreted.state.items() if torch.is_tensor(value)})
     mismatches = {name: found for name, (got, expected) in tensors.items() if (found := _first_mismatch(got, expected))}

@@ -48,7 +48,7 @@ from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys,
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import non_finite_flag
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, elements_per_value
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_shard_bucket, elements_per_value
 from megatron_lowprec.optim.fused import fused_bucket_step_, resolve_fused
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
 from megatron_lowprec.optim.master import reset_master_, stored_master
@@ -105,7 +105,7 @@ class ExactGradientStatistics(GradNormInterface):
     """Gradient norm, clipping and update quality of both megatron optimizers (unsharded and
     distributed), one implementation. A subclass says which gradients and pieces are its own:
     :meth:`grads_for_norm` (counted once over the model), :meth:`grads_to_clip` (every gradient it
-    updates), :meth:`update_pieces` ((parameters, pieces) per bucket of the last step),
+    updates), :meth:`update_pieces` (the pieces of the last step that count on this rank),
     :meth:`update_quality_groups` (the process groups whose pieces add up) and :attr:`statistics_device`."""
 
     statistics_device: torch.device
@@ -115,8 +115,9 @@ class ExactGradientStatistics(GradNormInterface):
         """Every gradient this optimizer updates with."""
 
     @abc.abstractmethod
-    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
-        """(parameters, update-quality pieces) of each bucket of the last step."""
+    def update_pieces(self) -> list[torch.Tensor]:
+        """The update-quality pieces of the last step that count on this rank: each bucket's, a
+        tensor-parallel-replicated parameter's on one tensor-parallel rank only."""
 
     @abc.abstractmethod
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
@@ -146,9 +147,8 @@ class ExactGradientStatistics(GradNormInterface):
         summed over the buckets and :meth:`update_quality_groups`, a tensor-parallel-replicated
         parameter counted once."""
         pieces = torch.zeros(4, dtype=torch.float64, device=self.statistics_device)
-        for params, bucket_pieces in self.update_pieces():
-            if tensor_parallel.param_is_not_tensor_parallel_duplicate(params[0]):
-                pieces += bucket_pieces
+        for bucket_pieces in self.update_pieces():
+            pieces += bucket_pieces
         for group in self.update_quality_groups():
             torch.distributed.all_reduce(pieces, group=group)
         return UpdateQuality.from_tensor(pieces)
@@ -167,17 +167,15 @@ class ShardPiece:
     numel: int
     owned_start: int
     """Position of that element in this rank's owned range of the bucket."""
-    state_bucket: int
-    """Which of the shard's :attr:`Shard.state_buckets` holds the run's state."""
     entry: int
-    """The run's entry in that bucket."""
+    """The run's entry in the shard's :attr:`Shard.state_bucket`."""
 
 
 @dataclass
 class Shard:
-    """This rank's part of one megatron bucket: the owned range, its pieces, and their state in
-    optim buckets (one, or two where tensor-parallel-replicated parameters are kept apart, whose
-    update quality counts once over the tensor-parallel ranks)."""
+    """This rank's part of one megatron bucket: the owned range, its pieces, and their state in one
+    optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out in place in
+    megatron's buffers, or packed)."""
 
     bucket: Any
     """megatron's ``_ParamAndGradBucket`` (``param_data`` and ``grad_data`` are bucket views)."""
@@ -186,11 +184,11 @@ class Shard:
     bounds: list[int]
     """Owned range of every data-parallel rank r: ``[bounds[r], bounds[r + 1])`` of the bucket."""
     pieces: list[ShardPiece]
-    state_buckets: list[Bucket]
-    """The pieces' state, with the bucket's parameters and gradients read in place
-    (:class:`~megatron_lowprec.optim.buckets.BufferRows` over ``param_data`` and ``grad_data``)."""
-    grad_rows: list[BufferRows]
-    """The gradients of each state bucket's entries, in place in ``grad_data``."""
+    state_bucket: Bucket | None
+    """The pieces' state (``None``: the range holds no parameter of the optimizer's groups), with the
+    bucket's parameters and gradients read and written where they are in megatron's buffers."""
+    grad: torch.Tensor | BufferRows | None
+    """The state bucket's gradients, in ``grad_data``: its range, or its rows (packed)."""
 
     @property
     def megatron_shard_numel(self) -> int:
@@ -247,11 +245,13 @@ class ShardedAdamW(torch.optim.Optimizer):
     """The precision-aware AdamW over this rank's shards of megatron's DDP buffers.
 
     ``param_groups`` are the model's (megatron's groups, as the scheduler expects). Each shard's
-    pieces are the entries of optim buckets (:class:`~megatron_lowprec.optim.buckets.Bucket`, in
-    their aligned layout, parameter groups one after the other) whose parameters and gradients are
-    read and written in place in megatron's buffers, so a fused step is one compiled call per state
-    bucket (:func:`~megatron_lowprec.optim.fused.fused_bucket_step_`), whatever the number of
-    parameters, with each parameter group's scalars per element."""
+    pieces are the entries of one optim bucket (:class:`~megatron_lowprec.optim.buckets.Bucket`, laid
+    out in place in megatron's buffers where its layout allows, else packed:
+    :func:`~megatron_lowprec.optim.buckets.build_shard_bucket`) whose parameters and gradients are
+    read and written where they are in megatron's buffers, so a fused step is one compiled call per
+    shard (:func:`~megatron_lowprec.optim.fused.fused_bucket_step_`), whatever the number of
+    parameters, with each parameter group's scalars per row; a tensor-parallel replica's update
+    counts in the update quality on tensor-parallel rank 0 only."""
 
     def __init__(
         self,
@@ -275,7 +275,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.track_update_quality = track_update_quality
         self.streams = stream_layouts
-        self.bucket_update_pieces: list[tuple[Bucket, torch.Tensor]] = []
+        self.bucket_update_pieces: list[torch.Tensor] = []
+        """The update-quality pieces of each state bucket's last step that count on this rank."""
         if strategy.moments == "fp8" and strategy.param_update == "stochastic":
             raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
         group_of = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
@@ -310,44 +311,37 @@ class ShardedAdamW(torch.optim.Optimizer):
             (param, param_ranges) for param, param_ranges in sorted(ranges.items(), key=lambda item: item[1]["gbuf_local"].start)
             if param in group_of
         ]
-        kinds = sorted({tensor_parallel.param_is_not_tensor_parallel_duplicate(param) for param, _ in runs}, reverse=True)
-        pieces, state_buckets, grad_rows = [], [], []
-        for kind in kinds:
-            members = sorted(
-                (run for run in runs if tensor_parallel.param_is_not_tensor_parallel_duplicate(run[0]) == kind),
-                key=lambda run: (group_of[run[0]], run[1]["gbuf_local"].start),
+        pieces = [
+            ShardPiece(
+                param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
+                param_ranges["param"].size, param_ranges["gbuf_local"].start, entry,
             )
-            kind_pieces = [
-                ShardPiece(
-                    param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
-                    param_ranges["param"].size, param_ranges["gbuf_local"].start, len(state_buckets), entry,
-                )
-                for entry, (param, param_ranges) in enumerate(members)
-            ]
-            state_bucket, _ = build_bucket(
-                self.strategy, kind_pieces[0].group_index, [piece.param for piece in kind_pieces], own_params=False,
-                streams=[self.streams[piece.param] for piece in kind_pieces],
-                runs=[(piece.param_start, piece.numel) for piece in kind_pieces],
-                master_source=[bucket.param_data[piece.bucket_start : piece.bucket_start + piece.numel] for piece in kind_pieces],
-                entry_groups=[piece.group_index for piece in kind_pieces],
-            )
-            starts = [piece.bucket_start for piece in kind_pieces]
-            state_bucket.place_params_in(bucket.param_data, starts)
-            grad_rows.append(state_bucket.rows_in(bucket.grad_data, starts))
-            state_buckets.append(state_bucket)
-            pieces.extend(kind_pieces)
-        return Shard(bucket, group, rank, bounds, pieces, state_buckets, grad_rows)
+            for entry, (param, param_ranges) in enumerate(runs)
+        ]
+        if not pieces:
+            return Shard(bucket, group, rank, bounds, pieces, None, None)
+        state_bucket, grad = build_shard_bucket(
+            self.strategy, [piece.param for piece in pieces], [(piece.param_start, piece.numel) for piece in pieces],
+            [piece.bucket_start for piece in pieces], [piece.group_index for piece in pieces],
+            [self.streams[piece.param] for piece in pieces], bucket.param_data, bucket.grad_data,
+            bounds[rank], bounds[rank + 1],
+        )
+        state_bucket.entry_counted = [tensor_parallel.param_is_not_tensor_parallel_duplicate(piece.param) for piece in pieces]
+        return Shard(bucket, group, rank, bounds, pieces, state_bucket, grad)
+
+    def state_buckets(self) -> list[Bucket]:
+        """The state bucket of every shard that has one."""
+        return [shard.state_bucket for shard in self.shards if shard.state_bucket is not None]
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         return sum(
-            buffer.numel() * buffer.element_size()
-            for shard in self.shards for state_bucket in shard.state_buckets for buffer in state_bucket.state.values()
+            buffer.numel() * buffer.element_size() for state_bucket in self.state_buckets() for buffer in state_bucket.state.values()
         )
 
     def piece_state(self, shard: Shard, piece: ShardPiece) -> dict[str, torch.Tensor]:
         """The piece's slices of its state bucket's buffers (flat)."""
-        state_bucket = shard.state_buckets[piece.state_bucket]
+        state_bucket = shard.state_bucket
         return {
             key: state_bucket.view(buffer, piece.entry, elements_per_value(key, self.strategy))
             for key, buffer in state_bucket.state.items()
@@ -369,30 +363,30 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.bucket_update_pieces = []
         sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
         for shard in self.shards:
-            for state_bucket, grad_rows in zip(shard.state_buckets, shard.grad_rows):
-                entry_grads = [
-                    shard.bucket.grad_data[start : start + numel]
-                    for start, numel in zip(state_bucket.param_rows[0], state_bucket.numels)
-                ]
-                hyper = self._hyper(sorted(set(state_bucket.entry_groups)))
-                if self.fused or self.strategy.adam_kernel == "torch_fused":
-                    quality = fused_bucket_step_(
-                        state_bucket, self.strategy, grad_rows, entry_grads, hyper, step=self.step_count,
-                        sr_seed=sr_seed, track_update_quality=self.track_update_quality,
-                        background_compile=self.background_compile, compile_master_codec=self.fused,
-                    )
-                else:
-                    quality = self._eager_step(state_bucket, entry_grads, hyper)
-                if self.track_update_quality:
-                    self.bucket_update_pieces.append((state_bucket, quality))
+            state_bucket = shard.state_bucket
+            if state_bucket is None:
+                continue
+            entry_grads = [shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel] for piece in shard.pieces]
+            hyper = self._hyper(sorted(set(state_bucket.entry_groups)))
+            if self.fused or self.strategy.adam_kernel == "torch_fused":
+                quality = fused_bucket_step_(
+                    state_bucket, self.strategy, shard.grad, entry_grads, hyper, step=self.step_count,
+                    sr_seed=sr_seed, track_update_quality=self.track_update_quality,
+                    background_compile=self.background_compile, compile_master_codec=self.fused,
+                )
+            else:
+                quality = self._eager_step(state_bucket, entry_grads, hyper)
+            if self.track_update_quality:
+                self.bucket_update_pieces.append(quality)
         if self.background_compile:
             BACKGROUND_COMPILES.start()
         return None
 
     def _eager_step(self, state_bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]]):
         """The eager reference kernel on each piece (in place in megatron's buffers), stochastic
-        rounding with each grid of stream rows' words."""
-        pieces = []
+        rounding with each grid of stream rows' words; the update-quality pieces of the entries that
+        count (:attr:`~megatron_lowprec.optim.buckets.Bucket.entry_counted`)."""
+        pieces = [torch.zeros(4, dtype=torch.float64, device=state_bucket.device)]
         for index, (param, grad) in enumerate(zip(state_bucket.entry_params(), entry_grads)):
             values = hyper[state_bucket.entry_groups[index]]
             scalars = StepScalars.for_step(self.step_count, **values)
@@ -401,12 +395,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 key: state_bucket.view(buffer, index, elements_per_value(key, self.strategy))
                 for key, buffer in state_bucket.state.items()
             }
+            counted = state_bucket.entry_counted is None or state_bucket.entry_counted[index]
             for param_part, grad_part, state_part, words in self._eager_parts(state_bucket, index, param, grad, state):
-                pieces.append(
-                    adamw_kernel_(
-                        param_part, grad_part, state_part, self.strategy, scalars, expansion, words, self.track_update_quality
-                    )
+                piece = adamw_kernel_(
+                    param_part, grad_part, state_part, self.strategy, scalars, expansion, words, self.track_update_quality
                 )
+                if counted:
+                    pieces.append(piece)
         return sum(pieces) if self.track_update_quality else None
 
     def _eager_parts(self, state_bucket: Bucket, index: int, param, grad, state):
@@ -426,9 +421,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard state (per bucket shard, each state bucket's buffers), the step, and the SR seed."""
+        """This rank's shard state (per bucket shard, its state bucket's buffers, or ``None``), the
+        step, and the SR seed."""
         state_dict = super().state_dict()
-        state_dict["shards"] = [[dict(state_bucket.state) for state_bucket in shard.state_buckets] for shard in self.shards]
+        state_dict["shards"] = [None if shard.state_bucket is None else dict(shard.state_bucket.state) for shard in self.shards]
         state_dict["lowprec"] = {
             "option": self.strategy.name, "step": self.step_count, "skipped_steps": self.skipped_steps,
             "seed": self.seed, "bounds": [shard.bounds for shard in self.shards],
@@ -444,11 +440,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         if extra.get("bounds") != [shard.bounds for shard in self.shards]:
             raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
                              "reshard it through sharded_state_dict (dist_checkpointing)")
-        pairs = [
-            (saved, state_bucket)
-            for saved_shard, shard in zip(state_dict["shards"], self.shards)
-            for saved, state_bucket in zip(saved_shard, shard.state_buckets)
-        ]
+        pairs = [(saved, shard.state_bucket) for saved, shard in zip(state_dict["shards"], self.shards) if shard.state_bucket]
+        if [saved is None for saved in state_dict["shards"]] != [shard.state_bucket is None for shard in self.shards]:
+            raise ValueError("state dict was saved with another shard layout; reshard it through sharded_state_dict (dist_checkpointing)")
         for saved, state_bucket in pairs:
             for key, buffer in state_bucket.state.items():
                 if key not in saved or saved[key].shape != buffer.shape or saved[key].dtype != buffer.dtype:
@@ -496,13 +490,12 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
 
     def reload_model_params(self, state_dict=None) -> None:
         """The FP32 masters (D, coat, D-BF16) restart from the model's parameters."""
-        for shard in self.optimizer.shards:
-            for state_bucket in shard.state_buckets:
-                stored = stored_master(state_bucket.state)
-                if stored is not None:
-                    for index, param in enumerate(state_bucket.entry_params()):
-                        reset_master_(param, state_bucket.view(stored, index))
-                    state_bucket.repeat_into_padding_()
+        for state_bucket in self.optimizer.state_buckets():
+            stored = stored_master(state_bucket.state)
+            if stored is not None:
+                for index, param in enumerate(state_bucket.entry_params()):
+                    reset_master_(param, state_bucket.view(stored, index))
+                state_bucket.repeat_into_padding_()
 
     def release_grads(self) -> None:
         """Nothing to release: the step reads the gradients in DDP's buffer, no parameter gets a ``.grad``."""
@@ -527,9 +520,9 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
     def grads_to_clip(self) -> list[torch.Tensor]:
         return self._owned_grads(for_norm=False)
 
-    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    def update_pieces(self) -> list[torch.Tensor]:
         """Per state bucket of the owned pieces (summed over the data-parallel ranks as well)."""
-        return [(state_bucket.params, pieces) for state_bucket, pieces in self.optimizer.bucket_update_pieces]
+        return self.optimizer.bucket_update_pieces
 
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
         return [
@@ -717,8 +710,8 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 restore_checkpoint_state(
                     self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
                 )
-            for state_bucket in shard.state_buckets:
-                state_bucket.repeat_into_padding_()
+            if shard.state_bucket is not None:
+                shard.state_bucket.repeat_into_padding_()
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self.optimizer.step_count = loaded["state"]["common_step"]

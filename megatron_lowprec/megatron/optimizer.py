@@ -132,9 +132,13 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     def grads_to_clip(self) -> list[torch.Tensor]:
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 
-    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
-        """Per bucket (data-parallel replicas are identical and are not summed)."""
-        return [(bucket.params, pieces) for bucket, pieces in zip(self.optimizer.buckets, self.optimizer.bucket_update_pieces)]
+    def update_pieces(self) -> list[torch.Tensor]:
+        """Per bucket (data-parallel replicas are identical and are not summed); a bucket of
+        tensor-parallel-replicated parameters (buckets are keyed by that) on tensor-parallel rank 0 only."""
+        return [
+            pieces for bucket, pieces in zip(self.optimizer.buckets, self.optimizer.bucket_update_pieces)
+            if tensor_parallel.param_is_not_tensor_parallel_duplicate(bucket.params[0])
+        ]
 
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
         return [parallel_state.get_model_parallel_group()]
@@ -207,7 +211,7 @@ class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
     def grads_to_clip(self) -> list[torch.Tensor]:
         return [grad for optimizer in self.chained_optimizers for grad in optimizer.grads_to_clip()]
 
-    def update_pieces(self) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    def update_pieces(self) -> list[torch.Tensor]:
         return [piece for optimizer in self.chained_optimizers for piece in optimizer.update_pieces()]
 
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:

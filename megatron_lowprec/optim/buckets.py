@@ -8,9 +8,17 @@ entry's offset, so the eager reference (per entry) and the fused step (per bucke
 the very same memory. An entry is a parameter, or a contiguous run of a parameter's flattened
 elements (the distributed optimizer's shard of it). Offsets are aligned to :data:`ALIGNMENT`
 elements (and to the FP8 group size), so FP8 groups never straddle two entries and the zero padding
-between entries stays zero under every strategy (zero gradient, zero moments, zero parameter). In a
-bucket whose parameters live in another buffer (a distributed optimizer's shard) the padding instead
-repeats its entry's last elements (:meth:`Bucket.repeat_into_padding_`).
+between entries stays zero under every strategy (zero gradient, zero moments, zero parameter).
+
+A distributed optimizer's shard, whose parameters and gradients live in megatron's DDP buffers,
+takes one of two layouts. **In place** (:func:`in_place_offsets`), the usual one: the state mirrors
+the shard's range of those buffers element for element (megatron's own padding between parameters
+is the bucket's padding, zero in all three), so the bucket's parameters and gradients are plain
+slices of megatron's buffers and the step reads and writes them as a plain bucket's. **Packed**,
+where megatron's layout does not fit the strategy's (an FP8 group would straddle two parameters):
+the aligned layout above, the parameters and gradients rows of megatron's buffers
+(:class:`BufferRows`), and the padding repeating its entry's last elements
+(:meth:`Bucket.repeat_into_padding_`).
 
 With ``own_params=True`` the bucket also owns a flat parameter buffer and re-points each
 parameter's ``.data`` at its view, as megatron-core's DistributedDataParallel does with its
@@ -70,6 +78,13 @@ def bucket_alignment(strategy: PrecisionStrategy) -> int:
         return math.lcm(ALIGNMENT, strategy.fp8_group_size)
     return ALIGNMENT
 
+
+ROW = 64
+"""Elements of a row of the per-row tables (:meth:`Bucket.row_table`: each row's parameter group, its
+stochastic-rounding entry) of a shard laid out in place: megatron-core starts every parameter of its
+DDP buffers at a multiple of 64 elements under the distributed optimizer (``pad_param_start``), so
+that no such row holds two parameters. A divisor of :data:`ALIGNMENT`, the rows of a bucket in the
+aligned layout."""
 
 ROW_TABLE_BYTES = 4 + 8 + 8
 """Bytes a call over :class:`BufferRows` reads per row to place its elements in the other buffer:
@@ -228,6 +243,21 @@ class Bucket:
     optimizer's shard, whose entries may belong to several groups) rather than one group's."""
     state_group_size: int = 1
     """Elements per value of the per-group state (the FP8 group size; 1 without FP8 state)."""
+    in_place: bool = False
+    """Whether its state mirrors a range of megatron's buffers, which hold its parameters
+    (:class:`InPlace`; :attr:`param_buffer` is that range)."""
+    row_width: int = ALIGNMENT
+    """Elements of a row of its per-row tables (a power of two): :data:`ALIGNMENT` in the aligned
+    layout, :data:`ROW` in place."""
+    row_phase: int = 0
+    """Elements of the bucket's first row before its first element: a shard laid out in place begins
+    where megatron's shard begins, anywhere in a row of megatron's buffer."""
+    entry_counted: list[bool] | None = None
+    """Whether each entry's update counts in the update quality (``None``: all do). A shard holds
+    tensor-parallel-replicated parameters beside tensor-parallel ones, and a replica counts on one
+    tensor-parallel rank only."""
+    row_tables: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    """:meth:`row_table`'s tables, on the device, by their values."""
 
     def view(self, buffer: torch.Tensor, index: int, per_group: int = 1) -> torch.Tensor:
         """The flat slice of ``buffer`` that belongs to entry ``index`` (``per_group`` > 1: FP8 scales)."""
@@ -257,15 +287,50 @@ class Bucket:
             return [self.view(self.param_buffer, index) for index in range(len(self.params))]
         return [param.detach().reshape(-1) for param in self.params]
 
-    def group_runs(self) -> list[tuple[int, int, int]]:
-        """(group, first entry, end entry) of each run of entries of one parameter group."""
-        runs: list[tuple[int, int, int]] = []
+    def entries_by_group(self) -> dict[int, list[int]]:
+        """The entries of each parameter group, in bucket order."""
+        groups: dict[int, list[int]] = {}
         for index, group in enumerate(self.entry_groups):
-            if runs and runs[-1][0] == group:
-                runs[-1] = (group, runs[-1][1], index + 1)
-            else:
-                runs.append((group, index, index + 1))
-        return runs
+            groups.setdefault(group, []).append(index)
+        return groups
+
+    def entry_rows(self, width: int | None = None, phase: int | None = None) -> list[int]:
+        """Rows of ``width`` elements (default: :attr:`row_width`) of each entry, the first row
+        beginning ``phase`` elements before the bucket's first element (default: :attr:`row_phase`):
+        the rows its elements and the padding after them touch (the first entry's also those of any
+        padding before it). ``ValueError`` where a row would hold two entries."""
+        width = self.row_width if width is None else width
+        phase = self.row_phase if phase is None else phase
+        rows, covered = [], 0
+        for index, offset in enumerate(self.offsets):
+            if index and (phase + offset) % width:
+                raise ValueError(
+                    f"entry {index} of the bucket starts at element {offset}, inside a row of {width} elements "
+                    f"(the bucket's first element is element {phase} of its first row)"
+                )
+            end = -(-(phase + self.padded_end(index)) // width)
+            rows.append(end - covered)
+            covered = end
+        return rows
+
+    def row_table(self, values: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Per row of :attr:`row_width` elements of the bucket (its first row begins :attr:`row_phase`
+        elements before its first element), ``values[entry]`` of the entry whose elements or padding
+        lie in it (:meth:`entry_rows`), as ``dtype`` on the bucket's device, kept with the bucket."""
+        return self._table(values, dtype, self.row_width, self.row_phase)
+
+    def group_table(self, values: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`row_table` per FP8 group of the bucket (:attr:`state_group_size` elements from its first)."""
+        return self._table(values, dtype, self.state_group_size, 0)
+
+    def _table(self, values: tuple[Any, ...], dtype: torch.dtype, width: int, phase: int) -> torch.Tensor:
+        key = (values, dtype, width)
+        if key not in self.row_tables:
+            rows: list[Any] = []
+            for value, count in zip(values, self.entry_rows(width, phase)):
+                rows += [value] * count
+            self.row_tables[key] = torch.tensor(rows, dtype=dtype, device=self.device)
+        return self.row_tables[key]
 
     def rows_in(self, source: torch.Tensor, source_starts: list[int]) -> BufferRows:
         """A :class:`BufferRows` for this bucket's entries at ``source_starts`` of the flat ``source``
@@ -275,7 +340,7 @@ class Bucket:
         device = source.device
         entries = [
             index for index, offset in enumerate(self.offsets)
-            for _ in range((self._padded_end(index) - offset) // ALIGNMENT)
+            for _ in range((self.padded_end(index) - offset) // ALIGNMENT)
         ]
         shifts = [start - offset for start, offset in zip(source_starts, self.offsets)]
         lasts = [offset + numel - 1 for offset, numel in zip(self.offsets, self.numels)]
@@ -297,8 +362,17 @@ class Bucket:
         self.param_rows = (list(source_starts), self.rows_in(source, source_starts))
         self.repeat_into_padding_()
 
-    def _padded_end(self, index: int) -> int:
+    def padded_end(self, index: int) -> int:
+        """The end of entry ``index``'s elements and the padding after them: the next entry's offset."""
         return self.offsets[index + 1] if index + 1 < len(self.offsets) else self.numel
+
+    def entries_in(self, start: int, end: int) -> list[int]:
+        """The entries whose elements or padding (the first entry's: from the bucket's start) overlap
+        elements [start, end) of the bucket, consecutive."""
+        return [
+            index for index in range(len(self.offsets))
+            if (self.offsets[index] if index else 0) < end and self.padded_end(index) > start
+        ]
 
     @torch.no_grad()
     def repeat_into_padding_(self) -> None:
@@ -308,10 +382,13 @@ class Bucket:
         compiled step computes each padding element exactly as the element it repeats and may store
         both into the one place they share (:meth:`BufferRows.store_repeating`); call it whenever the
         state is written other than by such a step (built, loaded). A step entry by entry (stochastic
-        rounding on CPUs) leaves the padding as it was: no step there reads it."""
+        rounding on CPUs) leaves the padding as it was: no step there reads it. Any other bucket's
+        padding stays zero: nothing changes."""
+        if self.param_rows is None:
+            return
         group_size = self.state_group_size
         for index, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
-            last, end = offset + numel - 1, self._padded_end(index)
+            last, end = offset + numel - 1, self.padded_end(index)
             if end == last + 1:
                 continue
             for key, buffer in self.state.items():
@@ -321,6 +398,69 @@ class Bucket:
                 else:
                     padding = torch.arange(last + 1, end, device=buffer.device)
                     values[padding] = values[repeated_index(padding, last, group_size)]
+
+
+class InPlace(NamedTuple):
+    """A shard's state laid out in place: as the range of megatron's DDP buffers it updates."""
+
+    param_range: torch.Tensor
+    """The range of megatron's parameter buffer (a flat view): the bucket's parameters."""
+    offsets: list[int]
+    """Each entry's first element in the range."""
+    row_phase: int
+    """The range's first element's place in its row of :data:`ROW` elements of megatron's buffer."""
+
+
+def in_place_offsets(strategy: PrecisionStrategy, starts: list[int], start: int, end: int) -> list[int] | None:
+    """The offsets of entries at ``starts`` (ascending) of megatron's buffer in a bucket whose state
+    mirrors the buffer's range [start, end) in place; ``None`` where that layout cannot hold them:
+    an entry after the first that starts inside a row of :data:`ROW` elements of the buffer (each row's
+    tables name one entry), or, with FP8 moments, an entry or the range's end off the FP8 groups of
+    the range (groups would straddle two parameters)."""
+    if any(first % ROW for first in starts[1:]):
+        return None
+    offsets = [first - start for first in starts]
+    if strategy.moments == "fp8":
+        group = strategy.fp8_group_size
+        if any(offset % group for offset in offsets) or (end - start) % group:
+            return None
+    return offsets
+
+
+def in_place_runs(params: list[torch.Tensor]) -> list[list[int]]:
+    """Whole parameters that are contiguous views of one flat buffer (megatron DDP's parameter
+    buffer), in runs that a bucket may hold in place (indices into ``params``, each run in the
+    buffer's order): within a run, each parameter after the first starts on a row of :data:`ROW`
+    elements of the buffer after fewer than :data:`ROW` elements of zeros (megatron's padding), so
+    no other tensor lies between them. ``ValueError`` where two parameters overlap."""
+    order = sorted(range(len(params)), key=lambda index: params[index].storage_offset())
+    runs: list[list[int]] = []
+    end = None
+    for index in order:
+        param = params[index]
+        start = param.storage_offset()
+        if end is not None and start < end:
+            raise ValueError(f"parameters of shapes {tuple(params[runs[-1][-1]].shape)} and {tuple(param.shape)} overlap in their buffer")
+        padding = None if end is None else param.new_empty(0).set_(param.untyped_storage(), end, (start - end,))
+        joins = padding is not None and start % ROW == 0 and start - end < ROW and not padding.any()
+        if joins:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+        end = start + param.numel()
+    return runs
+
+
+def params_in_place(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> InPlace | None:
+    """The :class:`InPlace` layout of a run of :func:`in_place_runs` (whole parameters, in the
+    buffer's order): the buffer's range from the first parameter's start to the last one's end;
+    ``None`` where :func:`in_place_offsets` refuses it (FP8 groups that would straddle two parameters)."""
+    first, last = params[0], params[-1]
+    start, end = first.storage_offset(), last.storage_offset() + last.numel()
+    offsets = in_place_offsets(strategy, [param.storage_offset() for param in params], start, end)
+    if offsets is None:
+        return None
+    return InPlace(first.new_empty(0).set_(first.untyped_storage(), start, (end - start,)), offsets, start % ROW)
 
 
 def at_least_two(values: list) -> list:
@@ -371,28 +511,39 @@ def build_bucket(
     runs: list[tuple[int, int]] | None = None,
     master_source: list[torch.Tensor] | None = None,
     entry_groups: list[int] | None = None,
+    in_place: InPlace | None = None,
 ) -> tuple[Bucket, list[dict[str, Any]]]:
     """A bucket for ``params`` (same device and dtype) and each entry's state of views into it.
     ``streams`` defaults to a whole stream per parameter, numbered by position. ``runs``: the
     entries are runs (first element, elements) of the parameters' flattened elements rather than
     whole parameters; their masters start from ``master_source`` (the runs' 16-bit values).
     ``entry_groups``: each entry's parameter group (default: ``group_index``); given, the bucket's
-    calls take per-group scalars (:attr:`Bucket.per_group_scalars`)."""
+    calls take per-group scalars (:attr:`Bucket.per_group_scalars`). ``in_place``: the state mirrors
+    a range of megatron's buffers, which hold the parameters (:class:`InPlace`), instead of the
+    aligned layout."""
     if streams is None:
         streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
     if runs is None:
         runs = [(0, param.numel()) for param in params]
-    alignment = bucket_alignment(strategy)
-    offsets, numel = [], 0
-    for _, run_numel in runs:
-        offsets.append(numel)
-        numel += -(-run_numel // alignment) * alignment
+    if in_place is not None:
+        offsets, numel = list(in_place.offsets), in_place.param_range.numel()
+    else:
+        alignment = bucket_alignment(strategy)
+        offsets, numel = [], 0
+        for _, run_numel in runs:
+            offsets.append(numel)
+            numel += -(-run_numel // alignment) * alignment
     bucket = Bucket(
         group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
         per_group_scalars=entry_groups is not None,
         state_group_size=strategy.fp8_group_size if strategy.moments == "fp8" else 1,
+        row_width=ROW if in_place is not None else ALIGNMENT,
+        row_phase=in_place.row_phase if in_place is not None else 0,
     )
+    if in_place is not None:
+        bucket.param_buffer = in_place.param_range
+        bucket.in_place = True
     if strategy.master_weights:
         master = new_master(strategy, numel, params[0])
         sources = master_source or [param.detach().reshape(-1) for param in params]
@@ -401,6 +552,8 @@ def build_bucket(
         bucket.state[master_key(strategy)] = master
     bucket.state = {key: bucket.state[key] for key in state_keys(strategy)}
     if own_params:
+        if in_place is not None:
+            raise ValueError("a bucket laid out in place in megatron's buffers does not own its parameters")
         bucket.param_buffer = params[0].new_zeros(numel)
         for index, param in enumerate(params):
             view = bucket.view(bucket.param_buffer, index).view(param.shape)
@@ -415,6 +568,37 @@ def build_bucket(
             entry[key] = flat if key.endswith(FP8_PARTS) or not whole else flat.view(params[index].shape)
         states.append(entry)
     return bucket, states
+
+
+def build_shard_bucket(
+    strategy: PrecisionStrategy,
+    params: list[torch.nn.Parameter],
+    runs: list[tuple[int, int]],
+    starts: list[int],
+    entry_groups: list[int],
+    streams: list[StreamLayout] | None,
+    param_data: torch.Tensor,
+    grad_data: torch.Tensor,
+    start: int,
+    end: int,
+) -> tuple[Bucket, torch.Tensor | BufferRows]:
+    """The state bucket of a distributed optimizer's shard, elements [start, end) of megatron's flat
+    parameter and gradient buffers ``param_data`` and ``grad_data`` (one DDP bucket's, whose element
+    0 starts a row of :data:`ROW`): its entries are the runs ``runs`` (first element, elements) of
+    ``params``, at ``starts`` of the buffers (ascending), in the parameter groups ``entry_groups``,
+    with ``streams`` (:func:`build_bucket`'s default where ``None``). Laid out in place where :func:`in_place_offsets` holds them, else packed (see the module
+    docstring); the bucket and its gradients: the range of ``grad_data``, or its :class:`BufferRows`."""
+    offsets = in_place_offsets(strategy, starts, start, end)
+    in_place = None if offsets is None else InPlace(param_data[start:end], offsets, start % ROW)
+    bucket, _ = build_bucket(
+        strategy, entry_groups[0], params, own_params=False, streams=streams, runs=runs,
+        master_source=[param_data[first : first + numel] for first, (_, numel) in zip(starts, runs)],
+        entry_groups=entry_groups, in_place=in_place,
+    )
+    if in_place is not None:
+        return bucket, grad_data[start:end]
+    bucket.place_params_in(param_data, starts)
+    return bucket, bucket.rows_in(grad_data, starts)
 
 
 def own_grad_buffer(bucket: Bucket) -> torch.Tensor | None:
@@ -436,17 +620,20 @@ def own_grad_buffer(bucket: Bucket) -> torch.Tensor | None:
 def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
     """The bucket's gradients for a fused step, or ``None`` if some parameter has no gradient or the
     gradients do not share one dtype. Without a copy where possible: the bucket's own gradient buffer
-    when the gradients are its views (after the first step of a plain training loop); a
-    :class:`BufferRows` when they are contiguous views of one other buffer (megatron DDP's
-    ``main_grad``). Otherwise they are copied into the bucket's buffer and re-pointed at it, so that
+    when the gradients are its views (after the first step of a plain training loop); for a bucket
+    laid out in place, the range of megatron's gradient buffer beside its parameters'
+    (:func:`_grads_beside`); otherwise a :class:`BufferRows` when they are contiguous views of one
+    other buffer (megatron DDP's ``main_grad``). Otherwise they are copied into the bucket's buffer and re-pointed at it, so that
     later backward passes accumulate there directly."""
     grads = [param.grad for param in bucket.params]
     if any(grad is None for grad in grads) or len({grad.dtype for grad in grads}) != 1:
         return None
     if (own := own_grad_buffer(bucket)) is not None:
         return own
+    if bucket.in_place and (beside := _grads_beside(bucket, grads)) is not None:
+        return beside
     rows = None
-    if len(grads) > 1 or grads[0].untyped_storage().nbytes() > grads[0].nbytes:
+    if not bucket.in_place and (len(grads) > 1 or grads[0].untyped_storage().nbytes() > grads[0].nbytes):
         rows = _rows_of(bucket, grads, bucket.grad_rows)
     if rows is not None:
         bucket.grad_rows = rows
@@ -459,6 +646,20 @@ def gather_grads(bucket: Bucket) -> torch.Tensor | BufferRows | None:
         view.copy_(grad)
         param.grad = view
     return bucket.grad_buffer
+
+
+def _grads_beside(bucket: Bucket, grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The gradients of a bucket laid out in place (whole parameters) as one range of the flat buffer
+    that holds them, where they lie there as the parameters lie in theirs (megatron's gradient buffer
+    beside its parameter buffer, whose padding is zero too); ``None`` otherwise."""
+    storage = grads[0].untyped_storage()
+    if not all(grad.is_contiguous() and grad.untyped_storage().data_ptr() == storage.data_ptr() for grad in grads):
+        return None
+    shifts = {grad.storage_offset() - offset for grad, offset in zip(grads, bucket.offsets)}
+    base = shifts.pop()
+    if shifts or base < 0 or base + bucket.numel > storage.nbytes() // grads[0].element_size():
+        return None
+    return grads[0].new_empty(0).set_(storage, base, (bucket.numel,))
 
 
 def param_rows_in_place(bucket: Bucket) -> tuple[list[int], BufferRows] | None:

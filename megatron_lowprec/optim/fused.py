@@ -1,24 +1,27 @@
 """Fused AdamW steps: the reference kernel compiled by ``torch.compile``, run once per flat bucket.
 
 A bucket (``buckets.py``) holds the state of its entries, parameters or runs of a parameter's
-elements (a distributed optimizer's shard), in one aligned layout. Its parameters and gradients
-are read where they live: the bucket's own flat buffers, or megatron's DDP buffers through
-:class:`~megatron_lowprec.optim.buckets.BufferRows` (gathered and, for parameters, scattered back
-inside the compiled call), so the step allocates no second copy of either. One compiled call
-(:func:`fused_call_arguments`) updates the whole bucket:
+elements (a distributed optimizer's shard), in one layout. Its parameters and gradients are read
+where they live: the bucket's own flat buffers, slices of megatron's DDP buffers (a shard laid out
+in place), or rows of them through :class:`~megatron_lowprec.optim.buckets.BufferRows` (a packed
+shard: gathered and, for parameters, scattered back inside the compiled call), so the step
+allocates no second copy of either. One compiled call (:func:`fused_call_arguments`) updates the
+whole bucket:
 
 * flat, or as [groups, group_size] for FP8 moments (coat), so that each group is decoded, updated and
   re-quantized with its new statistics inside one kernel (on GPUs :data:`GROUP_STATISTICS_OPTIONS`:
   without bucket-sized FP32 temporaries);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
-  element finds its entry in a table of one value per 128-element group, and its stream row by an
-  integer division), in windows
+  element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
+  and its stream row by an integer division),
+  in windows
   of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
   stream layout (about 0.1 ms of Python and guard overhead each);
-* a distributed optimizer's shard, whose entries may belong to several parameter groups, takes each
-  element's scalars from per-group values (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in
-  a power of two of at least two slots: one compilation for shards of one and of two groups).
+* a distributed optimizer's shard, whose entries may belong to several parameter groups in any
+  order, takes each element's scalars from per-group values by its row's slot
+  (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in a power of two of at least two slots: one
+  compilation for shards of one and of two groups).
 
 A call that runs uncompiled (while its background compile is pending, or past Dynamo's recompile
 limit) runs in pieces of at most :data:`EAGER_WINDOW_ELEMENTS` elements (:meth:`StepCall.pieces`),
@@ -78,7 +81,6 @@ from megatron_lowprec.optim.buckets import (
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
-    SR_GROUP_SIZE,
     GroupScalars,
     RandomSource,
     StepScalars,
@@ -157,7 +159,7 @@ NO_OUTER_LOOP_FUSION_TAG = "|megatron_lowprec.no_outer_loop_fusion.v1"
 
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
-a per-group table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
+a per-row table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
 lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
 
 class EagerFallbackWarning(UserWarning):
@@ -482,7 +484,7 @@ def fused_bucket_step_(
     recipe = CompileRecipe(compiled_kernel, (group_statistics_in_kernel(strategy, bucket.device),))
     pieces = run_calls(
         recipe, bucket_kernel_, bucket, strategy,
-        fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, step),
+        fused_call_arguments(bucket, strategy, grad, entry_grads, scalars, sr_seed, step, track_update_quality),
         lambda call: (
             call.param, call.grad, call.state, strategy, call.scalars, beta2_expansion, call.random_source, track_update_quality
         ),
@@ -622,46 +624,78 @@ def _torch_fused_bucket_step_(
     compile_master_codec: bool,
 ) -> torch.Tensor | None:
     """Option D: torch's fused AdamW over each parameter group's entries (one multi-tensor call per
-    window of the bucket's state; a remainder master joined and split a window at a time)."""
-    params, state, pieces = bucket.entry_params(), bucket.state, []
+    window of the bucket's state; a remainder master joined and split a window at a time); with
+    ``track``, the entries whose update does not count in the update quality
+    (:attr:`~megatron_lowprec.optim.buckets.Bucket.entry_counted`) in calls of their own."""
+    params, state = bucket.entry_params(), bucket.state
+    pieces = [torch.zeros(4, dtype=torch.float64, device=bucket.device)]
     stored = stored_master(state)
     master_windows = _master_windows(bucket, stored, compile_master_codec)
-    for group, first, end in bucket.group_runs():
-        spans = list(zip(bucket.offsets[first:end], bucket.numels[first:end]))
+    counted = bucket.entry_counted or [True] * len(bucket.offsets)
+    calls: dict[tuple[int, bool], list[int]] = {}
+    for group, entries in bucket.entries_by_group().items():
+        for index in entries:
+            calls.setdefault((group, counted[index] or not track), []).append(index)
+    for (group, counts), entries in calls.items():
         values = hyper[group]
-        pieces.append(
-            torch_fused_adamw_step_(
-                params[first:end], entry_grads[first:end], stored, state["exp_avg"], state["exp_avg_sq"],
-                spans, step=step, lr=values["lr"], beta1=values["beta1"], beta2=values["beta2"], eps=values["eps"],
-                weight_decay=values["weight_decay"], track_update_quality=track, master_windows=master_windows,
-            )
+        piece = torch_fused_adamw_step_(
+            [params[index] for index in entries], [entry_grads[index] for index in entries], stored,
+            state["exp_avg"], state["exp_avg_sq"], [(bucket.offsets[index], bucket.numels[index]) for index in entries],
+            step=step, lr=values["lr"], beta1=values["beta1"], beta2=values["beta2"], eps=values["eps"],
+            weight_decay=values["weight_decay"], track_update_quality=track, master_windows=master_windows,
         )
+        if counts:
+            pieces.append(piece)
     return sum(pieces) if track else None
 
 
 def _scalars_of(
-    bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int
+    bucket: Bucket, scalars: dict[int, StepScalars], start: int, end: int, track_update_quality: bool = False,
+    over_groups: bool = False,
 ) -> StepScalars | GroupScalars:
     """The scalars of a call over elements [start, end) of the bucket, as kernel scalars: one group's
     for a bucket of one group's parameters; for a distributed optimizer's shard
     (:attr:`~megatron_lowprec.optim.buckets.Bucket.per_group_scalars`), whose entries may belong to
-    several groups, :class:`GroupScalars` with the elements where each group begins (entries of a group are contiguous), in a power of two of at
-    least two slots (the last group repeated from ``end``, which no element reaches; each slot its own
-    tensors, or Dynamo would guard on which are the same object), so that shards of one and of two
-    parameter groups take the same compiled step."""
-    runs = [
-        (group, bucket.offsets[first]) for group, first, end_entry in bucket.group_runs()
-        if bucket.offsets[first] < end and bucket.offsets[end_entry - 1] + bucket.numels[end_entry - 1] > start
-    ]
-    if len(runs) == 1 and not bucket.per_group_scalars:
-        return scalars[runs[0][0]].as_kernel_scalars()
-    padding = max(2, 1 << (len(runs) - 1).bit_length()) - len(runs)
-    boundaries = [offset - start for _, offset in runs[1:]] + [end - start] * padding
-    groups = [group for group, _ in runs] + [runs[-1][0]] * padding
+    several groups in any order, :class:`GroupScalars` with each row's slot
+    (:meth:`~megatron_lowprec.optim.buckets.Bucket.row_table`; per FP8 group for a call
+    ``over_groups``), in a power of two of at least two slots (the last group repeated; each slot
+    its own tensors, or Dynamo would guard on which are the same object), so that shards of one and
+    of two parameter groups take the same compiled step; with ``track_update_quality``, also each
+    row's say in the update quality where some entry's update does not count
+    (:attr:`~megatron_lowprec.optim.buckets.Bucket.entry_counted`)."""
+    entries = bucket.entries_in(start, end)
+    groups = sorted({bucket.entry_groups[index] for index in entries})
+    counted = bucket.entry_counted if track_update_quality and not all(bucket.entry_counted or [True]) else None
+    if len(groups) == 1 and not bucket.per_group_scalars and counted is None:
+        return scalars[groups[0]].as_kernel_scalars()
+    slots = groups + [groups[-1]] * (max(2, 1 << (len(groups) - 1).bit_length()) - len(groups))
+    slot_of = {group: slot for slot, group in enumerate(groups)}
+    if over_groups:
+        size = bucket.state_group_size
+        table, rows, phase = bucket.group_table, slice(start // size, end // size), 0
+    else:
+        table, rows, phase = bucket.row_table, _row_window(bucket, start, end), (bucket.row_phase + start) % bucket.row_width
     return GroupScalars(
-        tuple(scalars[group].as_kernel_scalars() for group in groups),
-        tuple(kernel_scalar(boundary, torch.int32) for boundary in boundaries),
+        tuple(scalars[group].as_kernel_scalars() for group in slots),
+        _table_rows(table(tuple(slot_of.get(group, 0) for group in bucket.entry_groups), torch.int32), rows),
+        kernel_scalar(phase, torch.int32),
+        bucket.row_width,
+        None if counted is None else _table_rows(table(tuple(counted), torch.bool), rows),
     )
+
+
+def _row_window(bucket: Bucket, start: int, end: int) -> slice:
+    """The rows of :meth:`~megatron_lowprec.optim.buckets.Bucket.row_table` that elements [start, end) of the bucket touch."""
+    width = bucket.row_width
+    return slice((bucket.row_phase + start) // width, -(-(bucket.row_phase + end) // width))
+
+
+def _table_rows(table: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The ``rows`` of a per-row table for a call: the table itself where they are all of it (a
+    whole-bucket call, so that the compiled step is not specialised on a view), its one row repeated
+    where there is one (:func:`at_least_two`)."""
+    window = table if rows.start == 0 and rows.stop >= table.numel() else table[rows]
+    return window.repeat(2) if window.numel() == 1 else window
 
 
 def fused_call_arguments(
@@ -672,8 +706,9 @@ def fused_call_arguments(
     scalars: dict[int, StepScalars],
     sr_seed: int | None,
     step: int,
+    track_update_quality: bool = False,
 ) -> Iterator[StepCall]:
-    """The compiled calls of the step:
+    """The compiled calls of the step (``track_update_quality``: :func:`_scalars_of`'s):
 
     - stochastic rounding where integer division is cheap (:data:`BUCKET_STREAM_DEVICES`): the
       whole bucket, in windows of at most :data:`MAX_CALL_ELEMENTS` (:class:`BucketStream`);
@@ -690,7 +725,7 @@ def fused_call_arguments(
         def stream_call(start: int, end: int) -> StepCall:
             return StepCall(
                 _window(param, start, end), _window(grad, start, end), _state_window(buffers, start, end),
-                _scalars_of(bucket, scalars, start, end), _bucket_stream(bucket, start, end, sr_seed, step),
+                _scalars_of(bucket, scalars, start, end, track_update_quality), _bucket_stream(bucket, start, end, sr_seed, step),
                 start, end, stream_call, unit,
             )
 
@@ -712,7 +747,8 @@ def fused_call_arguments(
                 for key, value in buffers.items()
             }
             return StepCall(
-                grid(param, start, end), grid(grad, start, end), state, _scalars_of(bucket, scalars, start, end), None,
+                grid(param, start, end), grid(grad, start, end), state,
+                _scalars_of(bucket, scalars, start, end, track_update_quality, over_groups=True), None,
                 start, end, group_call, unit,
             )
 
@@ -722,7 +758,7 @@ def fused_call_arguments(
         def flat_call(start: int, end: int) -> StepCall:
             return StepCall(
                 _window(param, start, end), _window(grad, start, end), _state_window(buffers, start, end),
-                _scalars_of(bucket, scalars, start, end), None, start, end, flat_call, unit,
+                _scalars_of(bucket, scalars, start, end, track_update_quality), None, start, end, flat_call, unit,
             )
 
         yield flat_call(0, bucket.numel)
@@ -753,14 +789,11 @@ many steps, none in the others."""
 
 
 def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int) -> BucketStream:
-    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-group and
+    """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-row and
     per-entry tables of the window, built at its first step, and the round keys of a block of
     :data:`KEY_BLOCK_STEPS` steps from this one, both kept with the bucket."""
     device = bucket.device
-    entries = [
-        index for index, (offset, numel) in enumerate(zip(bucket.offsets, bucket.numels))
-        if offset < end and offset + numel > start
-    ]
+    entries = bucket.entries_in(start, end)
     if (start, end) not in bucket.stream_tables:
         bucket.stream_tables[(start, end)] = _stream_tables(bucket, entries, start, end)
     first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
@@ -770,37 +803,40 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
         block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
         keys = block.reshape(-1).to(device)
         bucket.stream_keys[(start, end)] = (first_step, seed, keys)
-    return BucketStream(keys, kernel_scalar(step - first_step, torch.int32), *bucket.stream_tables[(start, end)])
+    row_entries, *entry_tables = bucket.stream_tables[(start, end)]
+    phase = kernel_scalar((bucket.row_phase + start) % bucket.row_width, torch.int32)
+    return BucketStream(
+        keys, kernel_scalar(step - first_step, torch.int32), row_entries, phase, bucket.row_width, *entry_tables
+    )
 
 
 def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
     """:class:`BucketStream`'s tables of the window [start, end) of the bucket whose entries
-    ``entries`` overlap it: each group's entry, and each entry's column shift (its first column less
-    its offset in the window), row length, first row's start and row stride in its stream (each
-    table of at least two values: :func:`~megatron_lowprec.optim.buckets.at_least_two`)."""
-    if start % SR_GROUP_SIZE or (end - start) % SR_GROUP_SIZE:
-        raise ValueError(f"a stochastic-rounding call [{start}, {end}) must hold whole groups of {SR_GROUP_SIZE} elements")
-    group_entries, shifts, row_lengths, row_starts, row_strides = [], [], [], [], []
-    for position, index in enumerate(entries):
+    ``entries`` (consecutive) overlap it: each row's entry (its place in ``entries``), and each
+    entry's column shift (its first column less its offset in the window), row length, first row's
+    start and row stride in its stream (each table of at least two values:
+    :func:`~megatron_lowprec.optim.buckets.at_least_two`)."""
+    shifts, row_lengths, row_starts, row_strides = [], [], [], []
+    for index in entries:
         layout = bucket.streams[index]
         skipped = max(start - bucket.offsets[index], 0)
         first_row, column = divmod(bucket.element_starts[index] + skipped, layout.row_length)
-        padded_end = bucket.offsets[index + 1] if index + 1 < len(bucket.offsets) else bucket.numel
-        extent = min(padded_end, end) - max(bucket.offsets[index], start)
+        extent = min(bucket.padded_end(index), end) - max(bucket.offsets[index], start)
         if column + extent - 1 > INT32_GRID_MAX_ROW:
             raise ValueError(
                 f"entry {index} of the bucket reaches column {column + extent - 1} of its SR stream rows of "
                 f"{layout.row_length} elements; the fused step counts columns in int32 (at most {INT32_GRID_MAX_ROW}): "
                 "use fused=False"
             )
-        group_entries += [position] * (extent // SR_GROUP_SIZE)
         shifts.append(column - (bucket.offsets[index] + skipped - start))
         row_lengths.append(layout.row_length)
         row_starts.append(_signed_int64(layout.offset + first_row * layout.row_stride))
         row_strides.append(_signed_int64(layout.row_stride))
     device = bucket.device
+    row_entries = _table_rows(bucket.row_table(tuple(index - entries[0] for index in range(len(bucket.offsets))), torch.int32), _row_window(bucket, start, end))
     return (
-        *(torch.tensor(at_least_two(values), dtype=torch.int32, device=device) for values in (group_entries, shifts, row_lengths)),
+        row_entries,
+        *(torch.tensor(at_least_two(values), dtype=torch.int32, device=device) for values in (shifts, row_lengths)),
         *(torch.tensor(at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
     )
 

@@ -56,7 +56,7 @@ from megatron_lowprec.numerics.rounding import (
     signed_word,
     stochastic_round,
 )
-from megatron_lowprec.optim.buckets import ALIGNMENT, PER_GROUP_PARTS, BufferRows, build_bucket
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, BufferRows, build_bucket
 from megatron_lowprec.optim.master import (
     check_master_param_dtype,
     master_key,
@@ -70,14 +70,19 @@ from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-SR_GROUP_SIZE = ALIGNMENT
-"""Elements per value of :class:`BucketStream`'s per-group entry table (a power of two): every entry
-of a bucket starts on a multiple of it."""
-SR_GROUP_SHIFT = SR_GROUP_SIZE.bit_length() - 1
-SR_GROUP_TABLE_BYTES = 4 + 4 + 4 + 8 + 8 + 3 * 4
-"""Bytes :class:`BucketStream` reads per :data:`SR_GROUP_SIZE`-element group, whose elements share
-every lookup: the group's entry (int32); the entry's column shift and row length (int32), first row
-start and row stride (int64), and three round keys (int32)."""
+SR_ROW_TABLE_BYTES = 4 + 4 + 4 + 8 + 8 + 3 * 4
+"""Bytes :class:`BucketStream` reads per row of its table (a bucket's ``row_width`` elements), whose
+elements share every lookup: the row's entry (int32); the entry's column shift and
+row length (int32), first row start and row stride (int64), and three round keys (int32)."""
+
+
+def call_rows(like: torch.Tensor, phase: torch.Tensor, width: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Per element of a call of ``like``'s shape, its row of ``width`` elements (a power of two; the
+    call's first row holds ``phase`` elements before its first, a 0-d int32 host tensor): the index
+    into a per-row table. Counted in ``dtype``: int64 for a call that may exceed 2^31 elements, int32
+    for one that may not (stochastic rounding's windows)."""
+    element = torch.arange(like.numel(), dtype=dtype, device=like.device).view(like.shape)
+    return (element + phase) >> (width.bit_length() - 1)
 
 
 def kernel_scalar(value: float | int, dtype: torch.dtype) -> torch.Tensor:
@@ -112,26 +117,29 @@ class CounterStream(NamedTuple):
 
 class BucketStream(NamedTuple):
     """The counter-based SR words of a whole call over a flat bucket (or a window of one), for
-    devices with integer division (GPUs). Entries start on :data:`SR_GROUP_SIZE`-element group
-    boundaries of the call (bucket offsets are aligned to them), so each element finds its entry with
-    one lookup in a per-group table (no search), and its global index in its entry's stream
-    arithmetically: its row and column by one division by the entry's row length, and the row's
-    start from the entry's first row start and row stride (int64). The entry's round keys at this
-    step come from a block of steps kept on the device
+    devices with integer division (GPUs). No row of ``row_width`` elements of the call holds two
+    entries (:meth:`~megatron_lowprec.optim.buckets.Bucket.entry_rows`),
+    so each element finds its entry with one lookup in a per-row table (no search), and its global
+    index in its entry's stream arithmetically: its row and column by one division by the entry's row
+    length, and the row's start from the entry's first row start and row stride (int64). The entry's
+    round keys at this step come from a block of steps kept on the device
     (:func:`~megatron_lowprec.numerics.rounding.counter_round_keys_table`), so a step passes only its
     row in the block, by value. An entry may start inside a row of its stream (a run of a
     parameter's elements). The words equal :class:`CounterStream`'s (padding elements, zero and
-    rounded to zero whatever their word, continue their entry's last row). Element indices are int32:
-    a call covers fewer than 2^31 elements (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`).
-    Every table has at least two values (a last entry or group repeated), so that no size is one,
-    which a compiled step would specialise on."""
+    rounded to zero whatever their word, continue their entry's last row). Every table has at least
+    two values (a last entry or row repeated), so that no size is one, which a compiled step would
+    specialise on."""
 
     keys: torch.Tensor
     """[steps x entries x 3] int32 round keys of each entry's stream at each step of a block, flat."""
     step_row: torch.Tensor
     """0-d int32 host tensor: this step's row in the block of keys."""
-    group_entries: torch.Tensor
-    """[groups] int32: the entry of each :data:`SR_GROUP_SIZE`-element group of the call."""
+    row_entries: torch.Tensor
+    """[rows] int32: the entry of each row of the call."""
+    phase: torch.Tensor
+    """0-d int32 host tensor: the elements of the call's first row before its first (:func:`call_rows`)."""
+    row_width: int
+    """Elements per row of ``row_entries`` (the bucket's)."""
     column_shifts: torch.Tensor
     """[entries] int32: the column of each entry's first element in its first row, less the entry's
     offset in the call (an element's column counted from that row's start is its offset plus this)."""
@@ -143,12 +151,14 @@ class BucketStream(NamedTuple):
     """[entries] int64 global index distance between consecutive rows of each entry's stream."""
 
     def words(self, like: torch.Tensor, repeated: torch.Tensor | None = None) -> torch.Tensor:
-        """Per element: one lookup in the per-group table, then seven in the per-entry tables
-        (:data:`SR_GROUP_TABLE_BYTES`). ``repeated``: the index in the call of the element whose word
-        each element takes (a shard's padding repeats an element of its own entry,
-        :meth:`~megatron_lowprec.optim.buckets.BufferRows.repetition`); itself by default."""
+        """Per element: one lookup in the per-row table, then seven in the per-entry tables
+        (:data:`SR_ROW_TABLE_BYTES`). ``repeated``: the index in the call of the element whose word
+        each element takes (a packed shard's padding repeats an element of its own entry,
+        :meth:`~megatron_lowprec.optim.buckets.BufferRows.repetition`); itself by default. Element
+        indices are int32: a call covers fewer than 2^31 elements
+        (:data:`~megatron_lowprec.optim.fused.MAX_CALL_ELEMENTS`)."""
         element = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
-        entry = self.group_entries[element >> SR_GROUP_SHIFT]
+        entry = self.row_entries[call_rows(element, self.phase, self.row_width, torch.int32)]
         local = (element if repeated is None else repeated.reshape(-1)) + self.column_shifts[entry]
         row_length = self.row_lengths[entry]
         row = torch.div(local, row_length, rounding_mode="trunc")
@@ -398,25 +408,48 @@ def apply_update_(
 
 
 
+GROUP_SLOT_TABLE_BYTES = 4
+"""Bytes :class:`GroupScalars` reads per row of its table: the row's slot (int32)."""
+
+
 class GroupScalars(NamedTuple):
     """The step scalars of a call whose elements may belong to several parameter groups (a
-    distributed optimizer's shard; a group may repeat in a slot that no element reaches): ``per_group[g]`` (:func:`kernel_scalar` tensors) for the call's elements from
-    ``boundaries[g - 1]`` on (0-d int32 host tensors, ascending; group 0 from the first element).
-    Everything is passed by value; each element picks its group's values with a chain of selects."""
+    distributed optimizer's shard, whose entries of several groups may alternate): ``per_group[g]``
+    (:func:`kernel_scalar` tensors) for the elements of the rows whose slot is ``g`` in ``row_slots``
+    (a slot may repeat a group, so that there is a power of two of them). A row is ``row_width``
+    elements of a flat call (:func:`call_rows`), or one FP8 group of a call over [groups, group_size]. Scalars are passed by value; each element picks
+    its group's values with a chain of selects after one lookup per row."""
 
-    per_group: tuple[StepScalars, ...] | tuple[MuonScalars, ...]
-    boundaries: tuple[torch.Tensor, ...]
+    per_group: tuple[StepScalars, ...]
+    row_slots: torch.Tensor
+    """[rows] int32: the slot of each row of the call."""
+    phase: torch.Tensor
+    """0-d int32 host tensor: the elements of a flat call's first row before its first (0 over groups)."""
+    row_width: int
+    """Elements per row of a flat call (the bucket's)."""
+    row_counted: torch.Tensor | None = None
+    """[rows] bool: whether each row's update counts in the update quality (``None``: every row's)."""
 
-    def resolve(self, like: torch.Tensor) -> StepScalars | MuonScalars:
-        """Each element's scalars, as tensors of ``like``'s shape and device."""
-        element = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape)
+    def rows(self, like: torch.Tensor) -> torch.Tensor:
+        """Per element of a call of ``like``'s shape, its row."""
+        if like.dim() == 2:
+            return torch.arange(like.shape[0], dtype=torch.int64, device=like.device).view(-1, 1)
+        return call_rows(like, self.phase, self.row_width)
+
+    def resolve(self, like: torch.Tensor) -> StepScalars:
+        """Each element's scalars, as tensors broadcasting to ``like``'s shape, on its device."""
+        slot = self.row_slots[self.rows(like)]
         selected = []
         for field in fields(self.per_group[0]):
             value = getattr(self.per_group[0], field.name)
-            for boundary, scalars in zip(self.boundaries, self.per_group[1:]):
-                value = torch.where(element >= boundary, getattr(scalars, field.name), value)
+            for index, scalars in enumerate(self.per_group[1:], 1):
+                value = torch.where(slot == index, getattr(scalars, field.name), value)
             selected.append(value)
         return type(self.per_group[0])(*selected)
+
+    def counted(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Per element of ``like``'s shape, whether its update counts in the update quality (``None``: all)."""
+        return None if self.row_counted is None else self.row_counted[self.rows(like)].expand(like.shape)
 
 
 def _per_element_state(state: dict[str, Any]) -> torch.Tensor:
@@ -434,23 +467,26 @@ def bucket_kernel_(
     random_source: RandomSource,
     track_update_quality: bool,
 ) -> torch.Tensor | None:
-    """:func:`adamw_kernel_` over a call whose parameters or gradients live in another flat buffer
-    (:class:`~megatron_lowprec.optim.buckets.BufferRows`: megatron's DDP buffers, read and written in
-    place) and whose scalars may differ by parameter group (:class:`GroupScalars`). Where the
-    parameters do (a distributed optimizer's shard, whose gradients lie at the same places of
-    another buffer: read through the parameters' tables), each padding element reads the parameter, the
-    gradient and the random word of the element it repeats, whose state its own repeats
+    """:func:`adamw_kernel_` over a call whose scalars may differ by parameter group
+    (:class:`GroupScalars`, which also says which rows count in the update quality) and whose
+    parameters or gradients may live in another flat buffer in rows
+    (:class:`~megatron_lowprec.optim.buckets.BufferRows`: a packed shard of megatron's DDP buffers; a
+    shard laid out in place passes slices of them, as plain tensors). Where the parameters do (their
+    gradients lie at the same places of another buffer: read through the parameters' tables), each
+    padding element reads the parameter, the gradient and the random word of the element it
+    repeats, whose state its own repeats
     (:meth:`~megatron_lowprec.optim.buckets.Bucket.repeat_into_padding_`): it computes the same
-    values, so that the new parameters are stored into megatron's buffer from the step's one kernel
-    (:meth:`~megatron_lowprec.optim.buckets.BufferRows.store_repeating`), and it counts for nothing
-    in the update quality. The fused step
-    compiles this function (and calls it uncompiled where compiling cannot pay); its caller has
-    checked the gradients, so it never synchronises with the host to check the moments again."""
+    values, so that the new parameters are stored into megatron's buffer from the step's compiled
+    call (:meth:`~megatron_lowprec.optim.buckets.BufferRows.store_repeating`), and it counts for
+    nothing in the update quality. The fused step compiles this function (and calls it uncompiled
+    where compiling cannot pay); its caller has checked the gradients, so it never synchronises with
+    the host to check the moments again."""
     like = _per_element_state(state)
     shape = like.shape
-    counted = None
+    counted = scalars.counted(like) if isinstance(scalars, GroupScalars) else None
     if isinstance(param, BufferRows):
-        counted, repeated = param.repetition(shape)
+        own, repeated = param.repetition(shape)
+        counted = own if counted is None else own & counted
         values, grad = param.read_repeating(shape), param.read_repeating(shape, grad.source)
         if isinstance(random_source, BucketStream):
             random_source = random_source.words(like, repeated)

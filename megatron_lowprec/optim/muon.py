@@ -65,7 +65,9 @@ import torch
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.adamw import PrecisionOptimizer
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, CompileRecipe
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, param_rows_in_place
+from megatron_lowprec.optim.buckets import (
+    Bucket, BufferRows, build_bucket, in_place_runs, param_rows_in_place, params_in_place,
+)
 from megatron_lowprec.optim.fused import (
     bucket_entries,
     compile_step_function,
@@ -343,6 +345,14 @@ def fused_muon_bucket_step_(
     )
 
 
+def _still_in_place(bucket: Bucket) -> bool:
+    """Whether every parameter of a bucket laid out in place is still its view of the bucket's range."""
+    return all(
+        param.data_ptr() == view.data_ptr() and param.is_contiguous()
+        for param, view in zip(bucket.params, bucket.entry_params())
+    )
+
+
 def _joined(directions: list[torch.Tensor]) -> torch.Tensor:
     """The directions of a momentum call run in pieces, as one tensor."""
     return directions[0] if len(directions) == 1 else torch.cat(directions)
@@ -400,9 +410,13 @@ class Muon(PrecisionOptimizer):
     per parameter; ``fused=False`` runs :func:`muon_step_` per parameter. Both give the same bits.
     ``params_in_buffer``: the parameters are contiguous views of flat buffers that another owner
     needs them in (megatron DDP's parameter buffer, whose all-gather carries them to the other
-    ranks): the fused step leaves them there and reads and writes them in place, one bucket per
-    buffer (:class:`~megatron_lowprec.optim.buckets.BufferRows`, as the distributed optimizer's
-    shards); should a parameter later leave its buffer, its bucket steps eagerly (a warning says so).
+    ranks): the fused step leaves them there and reads and writes them in place, a bucket per run of
+    weights that follow one another in the buffer separated by megatron's zero padding alone
+    (:func:`~megatron_lowprec.optim.buckets.in_place_runs`), laid out in place as the distributed
+    optimizer's shards are, or, where its layout does not fit, reading them as rows
+    (:class:`~megatron_lowprec.optim.buckets.BufferRows`); their gradients, where they lie in
+    another buffer as the weights lie in theirs (megatron's ``main_grad``), are read there as a
+    slice. Should a parameter later leave its buffer, its bucket steps eagerly (a warning says so).
     ``background_compile`` is AdamW's: the fused calls run uncompiled until a child process has
     compiled them (:mod:`~megatron_lowprec.optim.background_compile`).
     """
@@ -470,20 +484,37 @@ class Muon(PrecisionOptimizer):
             buffer = param.untyped_storage().data_ptr() if self.params_in_buffer else None
             by_layout.setdefault((param.device, param.dtype, buffer), []).append(param)
         for (device, _, _), params in by_layout.items():
-            streams = [self._stream_layouts[param] for param in params]
             fused = resolve_fused(device, self._fused_request)
-            bucket, states = build_bucket(self.strategy, group_index, params, fused and not self.params_in_buffer, streams)
             if fused and self.params_in_buffer:
-                bucket.param_rows = param_rows_in_place(bucket)
-                if bucket.param_rows is None:
-                    shapes = [tuple(param.shape) for param in params if not param.is_contiguous()]
-                    raise ValueError(
-                        f"params_in_buffer=True, but parameters of shapes {shapes} in group {group_index} are not contiguous "
-                        "views of a flat buffer; use params_in_buffer=False (the fused step then owns their buffer)"
-                    )
-            self.buckets.append(bucket)
-            for param, state in zip(params, states):
-                self.state[param] = state
+                self._check_in_buffer(params, group_index)
+                for run in in_place_runs(params):
+                    self._add_bucket(group_index, [params[index] for index in run], fused, in_buffer=True)
+            else:
+                self._add_bucket(group_index, params, fused, in_buffer=False)
+
+    @staticmethod
+    def _check_in_buffer(params: list[torch.nn.Parameter], group_index: int) -> None:
+        shapes = [tuple(param.shape) for param in params if not param.is_contiguous()]
+        if shapes:
+            raise ValueError(
+                f"params_in_buffer=True, but parameters of shapes {shapes} in group {group_index} are not contiguous "
+                "views of a flat buffer; use params_in_buffer=False (the fused step then owns their buffer)"
+            )
+
+    def _add_bucket(self, group_index: int, params: list[torch.nn.Parameter], fused: bool, in_buffer: bool) -> None:
+        """A bucket of ``params``: owning their buffer (fused), or ``in_buffer``, laid out in place in
+        the buffer they live in (:func:`~megatron_lowprec.optim.buckets.params_in_place`) or, where
+        its layout does not fit, reading and writing them there as rows."""
+        streams = [self._stream_layouts[param] for param in params]
+        in_place = params_in_place(self.strategy, params) if in_buffer else None
+        bucket, states = build_bucket(
+            self.strategy, group_index, params, fused and not in_buffer, streams, in_place=in_place,
+        )
+        if in_buffer and in_place is None:
+            bucket.param_rows = param_rows_in_place(bucket)
+        self.buckets.append(bucket)
+        for param, state in zip(params, states):
+            self.state[param] = state
 
     def _orthogonalization(self, param: torch.nn.Parameter, group: dict[str, Any]) -> dict[str, Any]:
         """:func:`orthogonal_step_`'s keywords for ``param`` of ``group`` but ``lr``."""
@@ -498,6 +529,9 @@ class Muon(PrecisionOptimizer):
             bucket.param_rows = param_rows_in_place(bucket)
             if bucket.param_rows is None:
                 warn_eager_fallback(bucket_entries(bucket), "its parameters are no longer contiguous views of one buffer")
+        elif bucket.in_place and bucket.param_buffer is not None and not _still_in_place(bucket):
+            bucket.param_buffer = None
+            warn_eager_fallback(bucket_entries(bucket), "its parameters are no longer contiguous views of one buffer")
         grad, step = self._fused_step_grads(bucket)
         if grad is not None:
 

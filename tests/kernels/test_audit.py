@@ -28,24 +28,8 @@ CASES = [
     for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
 ]
 
-SHARD_KERNELS = (
-    "a shard step that reads the 16-bit parameter from megatron's buffer (no FP32 master replaces it) stores the new "
-    "one at places loaded from its row tables: Inductor realizes the values of an in-place index_put that read its "
-    "destination, and fuses no reader of a buffer with a store into it at loaded places, so the parameter is gathered "
-    "by a kernel of its own: 2 launches"
-)
-
-
-def _reads_megatron_s_parameter(option: str, storage: str) -> bool:
-    """Whether the option's step reads the 16-bit parameter (no FP32 master replaces it); D runs torch's kernel."""
-    return option != "D" and audit.strategy_for(option, storage).master_bytes != 4
-
-
-KNOWN_DEFECTS = [
-    ("one launch", lambda option, storage, kind, arch: kind == "shard" and _reads_megatron_s_parameter(option, storage), SHARD_KERNELS),
-    ("bytes", lambda option, storage, kind, arch: kind == "shard" and _reads_megatron_s_parameter(option, storage), SHARD_KERNELS),
-]
-"""(rule, the cases it fails in today, the defect) of the kernels on main (issue 27 items 1 and 4)."""
+KNOWN_DEFECTS: list = []
+"""(rule, the cases it fails in today, the defect) of AdamW's kernels on main (issue 27 items 1 and 4): none."""
 
 
 def _marks(rule, case, defects):
@@ -87,19 +71,17 @@ def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage
     assert check.passed, f"{rule}: {check.detail}"
 
 
-def test_a_shard_step_stores_into_megatron_s_buffer_from_its_kernel(audits):
-    """A shard's step finds its rows' entries inside its kernels (no lookup kernel of its own) and
-    stores its parameters into megatron's buffer in place, from the kernel that computes them where
-    an FP32 master replaces reading them (one launch), else after one kernel that gathers them
-    (:data:`SHARD_KERNELS`): no copy of the whole buffer scattered into and copied back (6 launches
-    before), no bucket-shaped buffer of new parameters stored back by a kernel of its own."""
+def test_a_shard_step_is_one_kernel_that_updates_megatron_s_buffer_in_place(audits):
+    """A shard laid out in place (``optim/buckets.py``) steps in one kernel, which reads and writes
+    its parameters and gradients as slices of megatron's buffers and each row's parameter group from
+    a table: no gather of the parameters by a kernel of its own, no store at loaded places, no copy
+    of a whole buffer."""
     launches = {
         (option, storage, kind, arch): step_audit.code.steps[0].launches
         for (optimizer, option, storage, kind, arch), step_audit in audits.items()
         if optimizer == "adamw" and kind == "shard" and audit.strategy_for(option, storage).adam_kernel != "torch_fused"
     }
-    wrong = {key: count for key, count in launches.items() if count != (2 if _reads_megatron_s_parameter(*key[:2]) else 1)}
-    assert launches and not wrong, wrong
+    assert launches and set(launches.values()) == {1}, launches
 
 
 def test_layout_bytes_of_option_a_and_coat():
@@ -109,23 +91,26 @@ def test_layout_bytes_of_option_a_and_coat():
     assert audit.layout_bytes(audit.strategy_for("coat", "fp32")) == (2 + 4 + 2 + 2 * 8 / 128, 2 + 4 + 2 + 2 * 8 / 128)
 
 
-def test_layout_bytes_of_a_shard_hold_its_row_tables():
-    """A shard's step also reads, per 128-element row, the row's entry (int32) and that entry's shift
-    and last element in megatron's buffers (int64)."""
-    assert audit.layout_bytes(audit.strategy_for("A", "fp32"), "shard") == (8 + (4 + 8 + 8) / 128, 6)
+def test_layout_bytes_of_a_shard_hold_its_group_slots():
+    """A shard's step also reads each 64-element row's parameter group (int32); coat's, each FP8 group's."""
+    assert audit.layout_bytes(audit.strategy_for("A", "fp32"), "shard") == (8 + 4 / 64, 6)
+    coat = audit.strategy_for("coat", "fp32")
+    assert audit.layout_bytes(coat, "shard")[0] == audit.layout_bytes(coat)[0] + 4 / 128
 
 
 def test_layout_bytes_of_sr_hold_its_stream_tables():
-    """sr reads θ, g, m, v at 2 bytes and writes θ, m, v; each 128-element group reads its entry (int32)
-    and that entry's column shift, row length (int32), first row start, row stride (int64) and three
-    round keys (int32)."""
-    assert audit.layout_bytes(audit.strategy_for("sr", "fp32")) == (8 + (4 + 4 + 4 + 8 + 8 + 12) / 128, 6)
+    """sr reads θ, g, m, v at 2 bytes and writes θ, m, v; each 128-element row (64 in a shard) reads
+    its entry (int32) and that entry's column shift, row length (int32), first row start, row stride
+    (int64) and three round keys (int32); a shard's rows also their parameter group."""
+    sr = audit.strategy_for("sr", "fp32")
+    assert audit.layout_bytes(sr) == (8 + (4 + 4 + 4 + 8 + 8 + 12) / 128, 6)
+    assert audit.layout_bytes(sr, "shard") == (8 + (4 + 4 + 4 + 8 + 8 + 12 + 4) / 64, 6)
 
 
 SOURCE = """
-    triton_meta={'signature': {'in_ptr0': '*bf16', 'in_ptr1': '*i32', 'in_ptr2': '*i64', 'in_ptr3': '*i32', 'in_ptr4': '*fp32', 'ks0': 'i64'}},
+    triton_meta={'signature': {'in_ptr0': '*bf16', 'in_ptr1': '*i32', 'in_ptr2': '*i64', 'in_ptr3': '*i32', 'in_ptr4': '*fp32', 'in_ptr5': '*i32', 'in_ptr6': 'i32', 'ks0': 'i64'}},
 @triton.jit
-def triton_poi_fused_0(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, ks0, xnumel, XBLOCK : tl.constexpr):
+def triton_poi_fused_0(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, in_ptr5, in_ptr6, ks0, xnumel, XBLOCK : tl.constexpr):
     xoffset = tl.program_id(0) * XBLOCK
     xindex = xoffset + tl.arange(0, XBLOCK)[:]
     xmask = xindex < xnumel
@@ -143,26 +128,37 @@ def triton_poi_fused_0(in_ptr0, in_ptr1, in_ptr2, in_ptr3, in_ptr4, ks0, xnumel,
     tmp10 = tmp0 + tmp6.to(tl.float32)
     tmp11 = triton_helpers.bucketize_binary_search(tmp1, in_ptr3, ks0, ks0, 1, 0, tl.int32, True, None, None, None, )
     tmp12 = tl.load(in_ptr4 + (tmp11), xmask, eviction_policy='evict_last')
+    tmp13 = in_ptr6
+    tmp14 = tmp1 + tmp13
+    tmp15 = tl.full([1], 6, tl.int64)
+    tmp16 = tmp14 >> tmp15
+    tmp17 = tl.load(in_ptr5 + (tmp16), xmask, eviction_policy='evict_last')
+    tmp18 = tmp1 + tmp12
+    tmp19 = tmp18 >> tmp15
+    tmp20 = tl.load(in_ptr5 + (tmp19), xmask, eviction_policy='evict_last')
 """
 
 
 def test_source_loads_count_group_addresses_once_per_group():
     """The element's own load is per element; a table indexed by the element's 128-element group, and
-    a table indexed by a value loaded from it, once per group; a table indexed by 8-element blocks,
-    and one indexed by a binary search's result, per element."""
+    a table indexed by a value loaded from it, once per group; a table indexed by the element's
+    64-element row (its index plus a scalar, the call's place in its rows, shifted), once per row; a
+    table indexed by 8-element blocks, one indexed by a binary search's result, and one indexed by
+    the element's index plus a loaded value, shifted, per element."""
     assert audit.source_loads(SOURCE) == [
         ("in_ptr0", 2, "element"), ("in_ptr1", 4, "group"), ("in_ptr2", 8, "group"),
-        ("in_ptr3", 4, "element"), ("in_ptr4", 4, "element"),
+        ("in_ptr3", 4, "element"), ("in_ptr4", 4, "element"), ("in_ptr5", 4, "row"), ("in_ptr5", 4, "element"),
     ]
 
 
 def test_read_bytes_counts_group_loads_once_per_group_only_when_the_ptx_holds_nothing_else():
-    """Four elements per thread: the PTX's loads per element equal the source's (2 + 4 + 8 + 4 + 4 B),
-    so the group loads count 12/128; with one load more in the PTX (a hidden search), nothing is
-    counted once per group."""
-    per_thread = 4 * (2 + 4 + 8 + 4 + 4)
+    """Four elements per thread: the PTX's loads per element equal the source's (2 + 4 + 8 + 4 + 4 +
+    4 + 4 B), so the group loads count 12/128 and the row's 4/64; with one load more in the PTX (a
+    hidden search), nothing is counted once per group or row."""
+    per_thread = 4 * (2 + 4 + 8 + 4 + 4 + 4 + 4)
     ptx = "\tld.global.b8 {%rs1}, [%rd1];\n" * per_thread
-    assert audit.read_bytes(ptx, SOURCE, 4.0) == (10 + 12 / 128, 12 / 128)
+    shared = 12 / 128 + 4 / 64
+    assert audit.read_bytes(ptx, SOURCE, 4.0) == (14 + shared, shared)
     hidden = ptx + "\tld.global.b32 {%r1}, [%rd2];\n"
     assert audit.read_bytes(hidden, SOURCE, 4.0) == ((per_thread + 4) / 4, 0.0)
 
@@ -374,17 +370,8 @@ def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype, windowe
     assert audit.gradient_norm_reads(dtype, windowed) == [dtype.itemsize]
 
 
-MUON_LAYOUT_KERNELS = (
-    "in megatron's shard-aligned layer-wise layout, Muon's update call writes the parameters into DDP's buffer at "
-    "places loaded from its row tables and, as a distributed AdamW shard that reads the 16-bit parameter "
-    "(SHARD_KERNELS), gathers them by a kernel of its own: 2 launches, 3 with a remainder master"
-)
-
-KNOWN_MUON_DEFECTS = [
-    ("one launch", lambda option, storage, kind, arch: kind == "shard", MUON_LAYOUT_KERNELS),
-    ("bytes", lambda option, storage, kind, arch: kind == "shard", MUON_LAYOUT_KERNELS),
-]
-"""(rule, the cases it fails in today, the defect) of Muon's kernels on main (issue 28 item 5)."""
+KNOWN_MUON_DEFECTS: list = []
+"""(rule, the cases it fails in today, the defect) of Muon's kernels on main (issue 28 item 5): none."""
 
 
 @pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_MUON_DEFECTS))
@@ -403,7 +390,7 @@ def test_muon_layout_bytes_count_the_state_and_what_newton_schulz_exchanges():
     and the FP32 step -lr·s·O and writes θ. B adds δθ to the update call, D-MW's momentum is FP32,
     D reads and writes an FP32 master instead of reading θ (and still writes θ), coat's FP8 momentum
     carries a scale and an exponent (8 B) per 128 elements, sr's update reads its stream tables
-    (40 B per 128 elements)."""
+    (40 B per 128 elements; per 64 in megatron's layout, where the bucket lies in place)."""
     def layout(option, storage="fp32"):
         return audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)))
 
@@ -414,6 +401,8 @@ def test_muon_layout_bytes_count_the_state_and_what_newton_schulz_exchanges():
     assert layout("D", "remainder") == {"momentum": (2 + 4, 4 + 2), "update": (2 + 2 + 4, 2 + 2)}
     assert layout("coat") == {"momentum": (2 + 1 + 8 / 128, 1 + 8 / 128 + 2), "update": (4 + 4, 4 + 2)}
     assert layout("sr") == {"momentum": (2 + 2, 2 + 2), "update": (2 + 4 + 40 / 128, 2)}
+    in_megatron_s_layout = audit.muon_layout_bytes(muon_strategy(audit.strategy_for("sr", "fp32")), "shard")
+    assert in_megatron_s_layout["update"] == (2 + 4 + 40 / 64, 2)
 
 
 def test_readme_muon_audit_table_states_each_calls_layout_bytes():
@@ -426,11 +415,11 @@ def test_readme_muon_audit_table_states_each_calls_layout_bytes():
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[: next(
         index for index, line in enumerate(lines) if not line.startswith("| ")
     )]]
-    assert [(option, storage, kind) for option, storage, kind, *_ in rows] == [
+    assert sorted((option, storage, kind) for option, storage, kind, *_ in rows) == sorted(
         (option, storage, kind) for kind in codegen.KINDS for option, storage in audit.configurations()
-    ]
-    for option, storage, _, momentum, update, _, total, roofline, *_ in rows:
-        layout = audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)))
+    )
+    for option, storage, kind, momentum, update, _, total, roofline, *_ in rows:
+        layout = audit.muon_layout_bytes(muon_strategy(audit.strategy_for(option, storage)), kind)
         assert (momentum, update) == tuple(f"{read:g} + {written:g}" for read, written in layout.values())
         whole = sum(sum(pair) for pair in layout.values())
         assert total == f"{whole:g}" and roofline == f"{audit.roofline_ms(whole):.1f} ms"

@@ -428,6 +428,7 @@ def _muon_chains_agree(
             "unequal": sorted(key for key in compared if not _same_tensor(straight, key, resumed[key])),
         }
         result["state_bytes"][run.split(" ")[-1]] = state_bytes(optimizer)
+        result[run]["muon_buckets"] = _muon_bucket_layouts(optimizer)
 
     for chain in loaded_by:
         model, optimizer = fresh(chain)
@@ -456,12 +457,22 @@ def _state_tensors(optimizer) -> list[torch.Tensor]:
     """Every state tensor of the chain's optimizers, in order (a distributed optimizer's: its shards' buffers)."""
     tensors = []
     for inner in optimizer.chained_optimizers:
-        shards = getattr(inner.optimizer, "shards", None)
-        if shards is None:
+        if not hasattr(inner.optimizer, "shards"):
             tensors += [value for state in inner.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
         else:
-            tensors += [buffer for shard in shards for bucket in shard.state_buckets for buffer in bucket.state.values()]
+            tensors += [buffer for bucket in inner.optimizer.state_buckets() for buffer in bucket.state.values()]
     return tensors
+
+
+def _muon_bucket_layouts(optimizer) -> list[str]:
+    """How each bucket of the chain's Muon optimizers holds its weights: laid out ``in place`` in
+    DDP's buffer, as ``rows`` of it, or in a buffer of its ``own``."""
+    from megatron_lowprec.optim import Muon
+
+    return [
+        "in place" if bucket.in_place else "rows" if bucket.param_rows is not None else "own"
+        for inner in optimizer.chained_optimizers if isinstance(inner.optimizer, Muon) for bucket in inner.optimizer.buckets
+    ]
 
 
 def _named_tensors(model, optimizer) -> dict[str, torch.Tensor]:

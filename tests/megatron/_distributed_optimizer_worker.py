@@ -105,7 +105,7 @@ def sharded_equals_unsharded(
             "sharded_padding_bytes": sum(
                 (state_bucket.numel - sum(state_bucket.numels)) / state_bucket.numel
                 * sum(buffer.numel() * buffer.element_size() for buffer in state_bucket.state.values())
-                for shard in sharded.shards for state_bucket in shard.state_buckets
+                for state_bucket in sharded.state_buckets()
             ),
             "unsharded_bytes": runs[False][2],
             "buckets": len(sharded.shards),
@@ -331,10 +331,10 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
             optimizer = built.result
             if distributed:
                 reported = optimizer.optimizer.state_bytes()
-                entries = sum(len(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
-                state_buckets = sum(len(shard.state_buckets) for shard in optimizer.optimizer.shards)
-                owned = sum(sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
-                padding = sum(b.numel - sum(b.numels) for shard in optimizer.optimizer.shards for b in shard.state_buckets)
+                entries = sum(len(b.numels) for b in optimizer.optimizer.state_buckets())
+                state_buckets = len(optimizer.optimizer.state_buckets())
+                owned = sum(sum(b.numels) for b in optimizer.optimizer.state_buckets())
+                padding = sum(b.numel - sum(b.numels) for b in optimizer.optimizer.state_buckets())
                 moved_params = 0
             else:
                 reported = _unsharded_state_bytes(optimizer)

@@ -155,7 +155,8 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
     megatron's layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, or
     ``optimizer="dist_muon"`` before megatron-core 0.19) at DP=2 trains 3 steps as the unsharded chain,
     every parameter and each rank's state bit for bit (option sr; from megatron-core 0.19 also in
-    megatron's shard-aligned layout, DDP reduce-scattering, its Muon fused in DDP's buffer), with
+    megatron's shard-aligned layout, DDP reduce-scattering, its Muon fused in DDP's buffer, each of
+    its buckets laid out in place there), with
     each rank holding part of the state and both ranks together all of it (sr and C); the unsharded
     chain resumes from the layer-wise chain's dist checkpoint (C) and from its own (sr), bit for bit;
     and its state dict in a file per rank (Megatron-LM's torch checkpoints) restores every state
@@ -199,6 +200,9 @@ def test_muon_updates_hidden_weights_as_torch_muon_and_the_rest_with_adamw(tmp_p
                 assert ran[run]["unequal"] == [] and ran[run]["uncompared"] == [], (option, run, ran[run])
                 assert ran[run]["compared"] > len(rank["muon"]) + len(rank["adamw"]), (option, run)
             assert ran.get("reloaded from its file", "layer_wise" not in trained_by) is True, option
+            if "layer_wise_layout" in trained_by:
+                layouts = ran["trained by layer_wise_layout"]["muon_buckets"]
+                assert layouts and set(layouts) == {"in place"}, layouts
     for option, *_ in chains:
         state_bytes = [rank["chains"][option]["state_bytes"] for rank in ranks]
         unsharded = state_bytes[0]["unsharded"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lowprec.optim.buckets import ALIGNMENT
+from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
 
 from .launch import run_ranks
 
@@ -135,18 +135,19 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
     """Measured with the CPU allocator on each rank of a DP=2 megatron GPT whose tensors are whole
     multiples of the alignment: building the optimizer leaves exactly the state it reports
     allocated (no second gradient buffer, no FP32 copy beside the masters of D, coat and D-BF16; a few words
-    of tables per parameter, and an int32 per row of ``ALIGNMENT`` elements where the step reads megatron's
-    buffers in rows); that state is the README's bytes/param (parameter and gradient
-    excluded) over the elements the rank updates, plus the zero padding where a shard boundary cuts
-    a parameter; a step keeps nothing allocated."""
+    of tables per parameter, and an int32 per row of 64 elements where the step reads each row's
+    parameter group); that state is the README's bytes/param (parameter and gradient excluded) over
+    the elements the rank updates, plus, in a shard laid out in place in megatron's buffers, the
+    padding megatron leaves before each parameter (under 64 elements each); a step keeps nothing
+    allocated."""
     per_element = _strategy(option).bytes_per_param() - 4
     for rank in costs:
         result = rank[f"{option}-{layout}"]
-        rows = (result["owned"] + result["padding"]) // ALIGNMENT + 2 * result["state_buckets"]
+        rows = (result["owned"] + result["padding"]) // ROW + 2 * result["state_buckets"]
         tables = 128 * result["entries"] + 4 * rows
         assert result["reported_bytes"] <= result["built_bytes"] <= result["reported_bytes"] + tables
         assert result["reported_bytes"] == pytest.approx(per_element * (result["owned"] + result["padding"]), rel=1e-9)
-        assert result["padding"] <= (0 if layout == "unsharded" else ALIGNMENT * result["state_buckets"])
+        assert result["padding"] <= (0 if layout == "unsharded" else ROW * result["entries"])
         if option in STEPPED_OPTIONS:
             assert result["step_kept_bytes"] == 0
 

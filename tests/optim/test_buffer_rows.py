@@ -85,10 +85,11 @@ def test_padding_of_groups_repeats_the_entry_s_last_group_column_by_column():
 
 @pytest.mark.parametrize("option", ["C", "e5m2-64"])
 def test_repeat_into_padding_copies_each_entry_s_last_element_into_its_state_s_padding(option):
-    """Every per-element state buffer's padding holds its entry's last element (FP8 payloads by their
-    bits), and a group of padding holds the entry's last group's scale; the entries' own state is
-    unchanged. FP8 moments in groups of 64 in 128-element rows: an entry of 70 elements has a whole
-    group of padding."""
+    """In a packed shard's bucket (its parameters rows of another buffer), every per-element state
+    buffer's padding holds its entry's last element (FP8 payloads by their bits), and a group of
+    padding holds the entry's last group's scale; the entries' own state is unchanged. FP8 moments in
+    groups of 64 in 128-element rows: an entry of 70 elements has a whole group of padding. Any other
+    bucket's padding is left as it is."""
     strategy = get_strategy(option) if option == "C" else PrecisionStrategy(
         "e5m2-64", "FP8 E5M2 moments in groups of 64", moments="fp8", fp8_format="e5m2", fp8_group_size=64, fp8_expand=False,
     )
@@ -99,6 +100,9 @@ def test_repeat_into_padding_copies_each_entry_s_last_element_into_its_state_s_p
         bits = buffer.view(torch.uint8) if buffer.element_size() == 1 else buffer
         bits.copy_(torch.randint(0, 60, bits.shape, generator=generator).to(bits.dtype))
     before = {key: buffer.clone() for key, buffer in bucket.state.items()}
+    bucket.repeat_into_padding_()
+    assert all(torch.equal(buffer, before[key]) for key, buffer in bucket.state.items())
+    bucket.param_rows = ([0, 64], bucket.rows_in(torch.zeros(192, dtype=torch.bfloat16), [0, 64]))
     bucket.repeat_into_padding_()
     for key, buffer in bucket.state.items():
         bits, old = (buffer.view(torch.uint8), before[key].view(torch.uint8)) if buffer.element_size() == 1 else (buffer, before[key])

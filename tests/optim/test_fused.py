@@ -598,7 +598,7 @@ def _stepped_uncompiled(strategy, kind, window, monkeypatch):
         params = bucket.param_buffer
     else:
         bucket, grad, entry_grads, grad_data = codegen._shard_bucket(strategy, PIECE_SHAPES, [0, 0, 0, 1, 1], device="cpu", fill=fill)
-        params = bucket.param_rows[1].source
+        params = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1].source
     hyper = {0: dict(codegen.STEP_HYPER), 1: dict(codegen.STEP_HYPER, lr=3e-3, weight_decay=0.0)}
     for step in range(1, 4):
         grad_data.copy_(torch.randn(grad_data.shape, generator=generator) * 10.0 ** (step - 2))

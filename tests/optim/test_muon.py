@@ -404,15 +404,20 @@ def test_fused_step_is_the_eager_step_bit_for_bit_for_every_option(device):
 
 
 @pytest.mark.parametrize(
-    "option,in_buffer", [(option, False) for option in OPTIONS] + [(option, True) for option in ("sr", "coat", "D-BF16")]
+    "option,layout",
+    [(option, "own") for option in OPTIONS]
+    + [(option, layout) for option in ("sr", "coat", "D-BF16") for layout in ("megatron", "foreign gaps")],
 )
-def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, in_buffer, monkeypatch):
+def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, layout, monkeypatch):
     """While their compile is pending (background compilation) the fused step's momentum and update
     calls run uncompiled, in pieces of at most ``EAGER_WINDOW_ELEMENTS`` elements (here 128: the
     bucket in 9 pieces, the wide weight in 3), whose directions are joined for Newton-Schulz: the
     eager step's bits in every parameter and state tensor over 3 steps, stochastic rounding over the
-    whole bucket as on GPUs; also with the weights left in a buffer of megatron's layout
-    (``params_in_buffer``), read and written there a piece at a time."""
+    whole bucket as on GPUs; also with the weights left in a buffer (``params_in_buffer``), read and
+    written there a piece at a time: in megatron's layout (the weights one after the other, each
+    start padded to 64 elements with zeros) one bucket laid out in place (coat's: as rows, its
+    weights off its FP8 groups); with another owner's elements between the weights, a bucket per
+    weight, laid out in place or (coat's weights that are not whole FP8 groups) as rows."""
     from megatron_lowprec.optim import fused as fused_module
     from megatron_lowprec.optim import muon as muon_module
     from megatron_lowprec.optim.background_compile import BackgroundCompiles
@@ -423,14 +428,21 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     calls, kernel = [], muon_module.muon_momentum_kernel_
     monkeypatch.setattr(muon_module, "muon_momentum_kernel_", lambda *args: calls.append(1) or kernel(*args))
     start = [_random(shape, index).bfloat16() for index, shape in enumerate(FUSED_SHAPES)]
-    twins = []
-    for fused in (False, True):
-        params = _in_one_buffer(start)[0] if fused and in_buffer else [torch.nn.Parameter(values.clone()) for values in start]
-        twins.append((params, Muon(
-            params, lr=0.02, option=option, fused=fused, seed=3, background_compile=fused, params_in_buffer=fused and in_buffer,
-        )))
-    (eager_params, eager), (fused_params, fused) = twins
-    assert (fused.buckets[0].param_rows is not None) == in_buffer
+    eager_params = [torch.nn.Parameter(values.clone()) for values in start]
+    eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
+    in_buffer = layout != "own"
+    if in_buffer:
+        fused_params, buffer, outside = _in_one_buffer(start, megatron=layout == "megatron")
+        kept = buffer[outside].clone()
+    else:
+        fused_params = [torch.nn.Parameter(values.clone()) for values in start]
+    fused = Muon(fused_params, lr=0.02, option=option, fused=True, seed=3, background_compile=True, params_in_buffer=in_buffer)
+    in_place = [bucket.in_place for bucket in fused.buckets]
+    if layout == "megatron":
+        assert in_place == [option != "coat"]
+    elif layout == "foreign gaps":
+        assert len(in_place) == len(FUSED_SHAPES) and any(in_place)
+        assert all(bucket.in_place or bucket.param_rows is not None for bucket in fused.buckets)
     for step in range(3):
         for index, (p, q) in enumerate(zip(eager_params, fused_params)):
             p.grad = (_random(p.shape, 100 * step + index) * 10.0 ** (step - 1)).bfloat16()
@@ -438,7 +450,9 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
         eager.step()
         calls.clear()
         fused.step()
-        assert len(calls) == fused.buckets[0].numel // 128
+        assert len(calls) == sum(-(-bucket.numel // 128) for bucket in fused.buckets)
+        if in_buffer:
+            assert torch.equal(buffer[outside].view(torch.int16), kept.view(torch.int16)), step
     for index, (p, q) in enumerate(zip(eager_params, fused_params)):
         assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), index
         for key, value in eager.state[p].items():
@@ -446,32 +460,42 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
             assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other, key
 
 
-def _in_one_buffer(values: list[torch.Tensor], gap: int = 64) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
-    """Parameters of ``values`` that are views of one flat BF16 buffer, each after ``gap`` elements of
-    another owner (as in megatron DDP's parameter buffer), that buffer, and the mask of its gaps."""
-    starts = [gap * (index + 1) + sum(v.numel() for v in values[:index]) for index in range(len(values))]
-    buffer = torch.full((starts[-1] + values[-1].numel() + gap,), 7.0, dtype=torch.bfloat16)
-    gaps = torch.ones(buffer.numel(), dtype=torch.bool)
+def _in_one_buffer(
+    values: list[torch.Tensor], gap: int = 64, megatron: bool = False,
+) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
+    """Parameters of ``values`` that are views of one flat BF16 buffer, that buffer, and the mask of
+    its elements outside them. Each parameter after ``gap`` elements of another owner (7.0); with
+    ``megatron``, as megatron lays out one rank's shard of its DDP buffer: ``gap`` elements of other
+    ranks' shards before and after the parameters, each start padded to 64 elements with zeros."""
+    starts, position = [], 0
+    for index, value in enumerate(values):
+        position = -(-position // 64) * 64 if megatron and index else position + gap
+        starts.append(position)
+        position += value.numel()
+    buffer = torch.full((position + gap,), 7.0, dtype=torch.bfloat16)
+    outside = torch.ones(buffer.numel(), dtype=torch.bool)
+    if megatron:
+        buffer[starts[0] : position] = 0
     params = []
     for start, value in zip(starts, values):
         view = buffer[start : start + value.numel()].view(value.shape)
         view.copy_(value)
-        gaps[start : start + value.numel()] = False
+        outside[start : start + value.numel()] = False
         param = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
         param.data = view
         params.append(param)
-    return params, buffer, gaps
+    return params, buffer, outside
 
 
 @pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
 def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
-    """``params_in_buffer=True`` (megatron's shard-aligned layer-wise layout), option D-BF16: the
-    parameters stay views of the buffer they live in (another owner's elements between them
-    untouched), whose elements the fused step reads and writes in place as rows of it (the remainder
-    master joined and split there), with the eager step's bits in every parameter and state tensor
-    over 3 steps. A parameter moved out of the buffer then makes its bucket step eagerly, with a
-    warning, the same bits. (Stochastic rounding, whose calls on a CPU run per weight over its slice
-    of the buffer, the plain step's code: tests/megatron/test_build_optimizer.py, in megatron's layout.)"""
+    """``params_in_buffer=True``, option D-BF16, with another owner's elements between the weights:
+    the parameters stay views of the buffer they live in (those elements untouched), each weight a
+    bucket laid out in place there (the remainder master joined and split there), with the eager
+    step's bits in every parameter and state tensor over 3 steps, compiled. A parameter moved out of
+    the buffer then makes its bucket step eagerly, with a warning, the same bits. (Stochastic
+    rounding, whose calls on a CPU run per weight over its slice of the buffer, the plain step's
+    code: tests/megatron/test_build_optimizer.py, in megatron's layout.)"""
     option = "D-BF16"
     from megatron_lowprec.optim.fused import EagerFallbackWarning
 
@@ -480,7 +504,8 @@ def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
     params, buffer, gaps = _in_one_buffer(start)
     eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
     fused = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, seed=3)
-    assert fused.buckets[0].param_buffer is None and fused.buckets[0].param_rows is not None
+    assert all(bucket.in_place and bucket.param_buffer.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+               for bucket in fused.buckets)
     for step in range(4):
         if step == 3:
             params[1].data = params[1].detach().clone()
