@@ -415,7 +415,8 @@ def _shard_bucket(
     group ``groups[i]``): the shard begins half a row into a row of the buffer (as a shard of DP=4
     may), or, with FP8 moments, at the start of that FP8 group (the rank's range once
     ``owned_bounds`` has moved the boundary off the group). The whole gradient buffer last. ``fill``
-    sets the parameter buffer's values before the bucket is built (zeros otherwise)."""
+    sets the parameter buffer's values before the bucket is built (zeros otherwise; megatron's
+    padding stays zero)."""
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device)) for shape in shapes]
     numels = [param.numel() for param in params]
     starts, position = [], 0
@@ -428,6 +429,8 @@ def _shard_bucket(
     grad_data = torch.zeros(total, dtype=torch.bfloat16, device=device)
     if fill:
         fill(param_data)
+    for end, start in zip([start + numel for start, numel in zip(starts, numels)], starts[1:] + [total]):
+        param_data[end:start] = 0
     shard_start = total // 2 + ROW // 2
     if strategy.moments == "fp8":
         shard_start -= shard_start % strategy.fp8_group_size
@@ -458,7 +461,8 @@ def _layout_bucket(
     lays out one rank's shard of it (each start padded to :data:`MEGATRON_PARAM_ALIGNMENT` elements,
     the padding zero), between :data:`LAYOUT_GAP` elements of other ranks' shards, laid out in place
     (:func:`~megatron_lowprec.optim.buckets.params_in_place`), their gradients the same range of DDP's
-    gradient buffer (the whole gradient buffer last). ``fill`` sets the parameter buffer's values
+    gradient buffer, or, where that layout does not fit, both read as rows of DDP's buffers (the
+    whole gradient buffer last). ``fill`` sets the parameter buffer's values
     before the bucket is built (zeros otherwise; megatron's padding stays zero)."""
     numels = [math.prod(shape) for shape in shapes]
     starts, position = [], LAYOUT_GAP
@@ -481,7 +485,10 @@ def _layout_bucket(
     in_place = params_in_place(strategy, params)
     bucket, _ = build_bucket(strategy, group, params, own_params=False, in_place=in_place)
     entry_grads = [grad_data[start : start + numel] for start, numel in zip(starts, numels)]
-    return bucket, grad_data[starts[0] : starts[-1] + numels[-1]], entry_grads, grad_data
+    if in_place is not None:
+        return bucket, grad_data[starts[0] : starts[-1] + numels[-1]], entry_grads, grad_data
+    bucket.param_rows = (starts, bucket.rows_in(param_data, starts))
+    return bucket, bucket.rows_in(grad_data, starts), entry_grads, grad_data
 
 
 @dataclasses.dataclass(frozen=True)

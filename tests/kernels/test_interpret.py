@@ -79,11 +79,14 @@ def test_interpreted_muon_kernels_are_bit_identical_to_the_eager_muon_step(compa
     (interpreted, with :data:`interpret.SHIMS`; Newton-Schulz eager between them) leave every
     parameter and state bit as the eager step does (in megatron's layer-wise layout, DDP's whole
     buffer, other ranks' elements included); both calls ran their generated kernel, one launch each,
-    each step (in the layout too, where the bucket lies in place in DDP's buffer)."""
+    each step (in the layout too, where the bucket lies in place in DDP's buffer; coat's compared
+    bucket there, no whole number of FP8 groups, reads its weights as rows, and its update call
+    gathers them first: more launches)."""
     result = comparisons[("muon", option, storage, kind, arch)]
     assert result.error is None, result.error
     assert result.mismatches == {}
-    assert result.launches == len(audit.MUON_CALLS) * interpret.STEPS
+    calls = len(audit.MUON_CALLS) * interpret.STEPS
+    assert (result.launches > calls) if kind == "shard" and option == "coat" else (result.launches == calls)
 
 
 def test_bf16_shim_rounds_to_nearest_even_as_torch_does():
