@@ -64,10 +64,16 @@ def compile_exact(function: Callable, options: dict[str, Any] | None = None) -> 
     a new value compiles again, as a new shape does not. ``automatic_dynamic_shapes`` is off: every
     size is dynamic from the first compile anyway, and Dynamo's memory of earlier calls would otherwise
     give a later compile's sizes symbols of their own, and Inductor's cache key with them (a compile
-    child could then not fill the training process's cache entry)."""
+    child could then not fill the training process's cache entry). Without duck shapes: sizes and
+    storage offsets that are equal by chance (a shard's parameters at the offsets of its state, a
+    grid of as many rows as columns) keep symbols of their own, so that the next call, where they
+    differ, does not compile again (sizes that must be equal are made so by the operations' guards)."""
+    from torch.fx.experimental import _config as symbolic_shapes_config
+
     options = {**inductor_options(), **(options or {})}
     compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
     compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
+    compiled = symbolic_shapes_config.patch(use_duck_shape=False)(compiled)
     division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
 
     @functools.wraps(function)
