@@ -13,9 +13,8 @@ whole bucket:
   without bucket-sized FP32 temporaries);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
   element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
-  and its stream row by an integer division),
-  in windows
-  of at most :data:`MAX_CALL_ELEMENTS` (int32 element indices). On CPUs, whose vector units lack
+  and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
+  (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
   stream layout (about 0.1 ms of Python and guard overhead each);
 * a distributed optimizer's shard, whose entries may belong to several parameter groups in any

@@ -72,8 +72,8 @@ SUPPORTED_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 SR_ROW_TABLE_BYTES = 4 + 4 + 4 + 8 + 8 + 3 * 4
 """Bytes :class:`BucketStream` reads per row of its table (a bucket's ``row_width`` elements), whose
-elements share every lookup: the row's entry (int32); the entry's column shift and
-row length (int32), first row start and row stride (int64), and three round keys (int32)."""
+elements share every lookup: the row's entry (int32); the entry's column shift and row length
+(int32), first row start and row stride (int64), and three round keys (int32)."""
 
 
 def call_rows(like: torch.Tensor, phase: torch.Tensor, width: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -118,8 +118,8 @@ class CounterStream(NamedTuple):
 class BucketStream(NamedTuple):
     """The counter-based SR words of a whole call over a flat bucket (or a window of one), for
     devices with integer division (GPUs). No row of ``row_width`` elements of the call holds two
-    entries (:meth:`~megatron_lowprec.optim.buckets.Bucket.entry_rows`),
-    so each element finds its entry with one lookup in a per-row table (no search), and its global
+    entries (:meth:`~megatron_lowprec.optim.buckets.Bucket.entry_rows`), so each element finds its
+    entry with one lookup in a per-row table (no search), and its global
     index in its entry's stream arithmetically: its row and column by one division by the entry's row
     length, and the row's start from the entry's first row start and row stride (int64). The entry's
     round keys at this step come from a block of steps kept on the device
