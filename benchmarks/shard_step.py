@@ -15,8 +15,9 @@ faster). ``--sizes`` are the shard's elements.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -101,20 +102,12 @@ class PlainStep:
             )
 
 
-def paired_medians(first, second, warmup: int, repeats: int, sync) -> tuple[float, float]:
-    """Median step times of ``first`` and ``second``, their steps alternating."""
-    for _ in range(warmup):
-        first.step()
-        second.step()
-    sync()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for subject, subject_times in zip((first, second), times):
-            start = time.perf_counter()
-            subject.step()
-            sync()
-            subject_times.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+def paired_median_seconds() -> Callable:
+    """``benchmarks/optimizer_step.py``'s alternating timer (median step times of two steppers)."""
+    spec = importlib.util.spec_from_file_location("optimizer_step", Path(__file__).with_name("optimizer_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paired_median_seconds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             strategy = get_strategy(option)
             shard = ShardStep(strategy, parse_size(size), args.tensors, device)
             plain = PlainStep(shard, device)
-            plain_seconds, shard_seconds = paired_medians(plain, shard, args.warmup, args.repeats, sync)
+            plain_seconds, shard_seconds = paired_median_seconds()(plain, shard, args.warmup, args.repeats, sync)
             layout = "in place" if shard.bucket.in_place else "packed"
             print(f"| {strategy.name} | {shard.bucket.numel} | {layout} | {plain_seconds * 1e3:.2f} | "
                   f"{shard_seconds * 1e3:.2f} | {shard_seconds / plain_seconds:.2f} |", flush=True)
