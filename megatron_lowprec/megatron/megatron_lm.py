@@ -296,7 +296,12 @@ def main(argv: list[str] | None = None) -> None:
     ``SCRIPT`` (``pretrain_gpt.py``) as ``__main__`` with :func:`install` in effect."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m megatron_lowprec.megatron.megatron_lm PRETRAIN_SCRIPT [MEGATRON-LM ARGUMENTS]")
+        raise SystemExit(
+            "usage: lowprec-megatron-lm PRETRAIN_SCRIPT [MEGATRON-LM ARGUMENTS] --lowprec-option OPTION\n"
+            "   or: python -m megatron_lowprec.megatron.megatron_lm PRETRAIN_SCRIPT [...]\n"
+            "under torchrun: torchrun [...] --no-python lowprec-megatron-lm pretrain_gpt.py [...]\n"
+            "the --lowprec-* flags: docs/reference/megatron_lm_flags.md, or PRETRAIN_SCRIPT --help"
+        )
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_lm: no script {script}")

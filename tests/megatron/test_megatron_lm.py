@@ -141,7 +141,7 @@ def test_the_model_hook_sees_the_built_chunks_on_both_signatures(newer):
 
 
 def test_the_launcher_names_what_is_missing():
-    with pytest.raises(SystemExit, match="usage: python -m megatron_lowprec.megatron.megatron_lm PRETRAIN_SCRIPT"):
+    with pytest.raises(SystemExit, match="usage: lowprec-megatron-lm PRETRAIN_SCRIPT"):
         megatron_lm.main([])
     with pytest.raises(SystemExit, match="no script"):
         megatron_lm.main(["/nonexistent/pretrain_gpt.py"])
