@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 from typing import Any
 
 import torch
@@ -332,8 +333,25 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         torch.save(self.state_dict(), filename)
 
     def load_state_dict_from_file(self, filename: str) -> None:
-        """The state dict that :meth:`save_state_dict_to_file` wrote on this rank."""
-        self.load_state_dict(torch.load(filename, weights_only=False))
+        """The state dict that :meth:`save_state_dict_to_file` wrote on this rank, unpickled with
+        ``weights_only=True``: a checkpoint holds tensors and plain containers, never code to run."""
+        self.load_state_dict(load_tensors_only(filename))
+
+
+def load_tensors_only(filename: str) -> Any:
+    """``torch.load(filename, weights_only=True)``; a file that asks to build any other object (a
+    crafted or foreign pickle) stops with one line naming the file and the object, before anything
+    of it runs."""
+    try:
+        return torch.load(filename, weights_only=True)
+    except pickle.UnpicklingError as error:
+        torch_advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [line.replace("WeightsUnpickler error:", "").strip() for line in str(error).splitlines()]
+        refused = next((line for line in lines if line and not line.startswith(torch_advice)), "an object it may not build")
+        raise ValueError(
+            f"{filename}: refused to unpickle it, the optimizer's state file holds only tensors and plain "
+            f"containers ({refused})"
+        ) from None
 
 
 def is_muon_param(param: torch.nn.Parameter) -> bool:
