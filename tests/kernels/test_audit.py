@@ -12,16 +12,36 @@ import ctypes
 import importlib
 import operator
 import os
+import re
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_lowprec.kernels import audit, codegen
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
 from tests.numerics.test_mcf import BF16, round_nearest_even
+from tools.kernel_audit import audit, codegen
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+"""The recorded result files: the audit's tables (``--markdown``) and the H200's step kernels."""
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the Markdown table under the line that starts with ``header``."""
+    lines = text.split(header, 1)[1].splitlines()[2:]
+    rows = lines[: next((index for index, line in enumerate(lines) if not line.lstrip().startswith("| ")), len(lines))]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in rows]
+
+
+def _stamped(text: str) -> bool:
+    """Whether a result file names its date, machine or device, torch and triton versions and commit."""
+    return all(re.search(pattern, text, re.M) for pattern in (
+        r"^- (Generated|Measured): \d{4}-\d{2}-\d{2}", r"^- (Machine|Device): \S", r"torch \d+\.\d+", r"triton \d+\.\d+",
+        r"^- Commits?: [0-9a-f]{7}",
+    ))
+
 
 CASES = [
     (option, storage, kind, arch)
@@ -64,7 +84,7 @@ def _params(defects):
 
 @pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_DEFECTS))
 def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage, kind, arch):
-    """Each rule of :data:`~megatron_lowprec.kernels.audit.RULES` (compiles; no approximate, flushing or
+    """Each rule of :data:`~tools.kernel_audit.audit.RULES` (compiles; no approximate, flushing or
     contracted instruction; no FP64; one launch per bucket; no recompilation; global bytes equal to
     the layout's minimum) for each option, storage, kind and architecture."""
     check = audits[("adamw", option, storage, kind, arch)].check(rule)
@@ -249,7 +269,7 @@ def test_roundings_to_bfloat16_between_fp32_operations_survive_cuda_codegen(form
 
 
 def test_bf16_adds_and_products_rounded_once_equal_fp32_ones_rounded_to_bf16():
-    """What :func:`~megatron_lowprec.kernels.audit.narrowed_bf16_operations` accepts: for BF16 ``a`` and
+    """What :func:`~tools.kernel_audit.audit.narrowed_bf16_operations` accepts: for BF16 ``a`` and
     ``b``, ``fp32(a + b)`` and ``fp32(a * b)`` rounded to BF16 are the exact sum and product rounded
     once (a subtraction is the sum with -b), against exact rationals: random patterns, operands of close exponents (sums that cancel or
     carry), subnormals and values near the largest."""
@@ -325,40 +345,37 @@ def test_a_changed_internal_raises_codegen_setup_error(monkeypatch):
         codegen.generate("A")
 
 
-def test_readme_audit_table_states_each_layouts_bytes_and_roofline():
-    """The README's audit table: every row's layout bytes and 1.3B roofline time are the audit's."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    rows = [
-        [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
-        if line.startswith("| ") and line.count("|") == len(audit.RULES) + 7
-    ]
-    rows = [cells for cells in rows if cells[2] in codegen.KINDS]
-    assert rows
+def test_audit_result_file_states_each_layouts_bytes_and_roofline():
+    """docs/results/kernel_audit.md (``--markdown``): stamped, one row per option, master storage and
+    step, each row's layout bytes and 1.3B roofline time the audit's."""
+    text = (RESULTS / "kernel_audit.md").read_text(encoding="utf-8")
+    assert _stamped(text)
+    rows = _table_rows(text, "| option | master | step | layout B/elem (read+write) |")
+    assert sorted((option, storage, kind) for option, storage, kind, *_ in rows) == sorted(
+        (option, storage, kind) for kind in codegen.KINDS for option, storage in audit.configurations()
+    )
     for option, storage, kind, layout, _, roofline, *_ in rows:
         read, written = audit.layout_bytes(audit.strategy_for(option, storage), kind)
         assert layout == f"{read:g} + {written:g} = {read + written:g}"
         assert roofline == f"{audit.roofline_ms(read + written):.1f} ms"
 
 
-def test_readme_gpu_step_table_divides_each_layouts_bytes_by_the_measured_time():
-    """The README's H200 tables (two sessions; the second adds the whole step's times): each row's
-    bytes are its layout's (plain bucket) and its bandwidth is those bytes for 256M elements over
-    the measured kernel time."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    options = {option for option, _ in audit.configurations()}
-    tables = [
-        [
-            [cell.strip() for cell in line.strip().strip("|").split("|")] for line in readme.splitlines()
-            if line.startswith("  | ") and line.count("|") == columns + 1 and line.split("|")[1].split()[0] in options
-        ]
-        for columns in (6, 8)
-    ]
-    assert [{cells[0].split()[0] for cells in rows} for rows in tables] == [options, options]
-    for name, _, milliseconds, layout, bandwidth, *_ in tables[0] + tables[1]:
+def test_gpu_step_kernel_result_divides_each_layouts_bytes_by_the_measured_time():
+    """docs/results/gpu_step_kernels.md (the H200's step kernels): stamped, one row per option, each
+    row's bytes its layout's (plain bucket), its bandwidth those bytes for 256M elements over the
+    measured kernel time, and its share of the copy's bandwidth measured beside it."""
+    text = (RESULTS / "gpu_step_kernels.md").read_text(encoding="utf-8")
+    assert _stamped(text)
+    copies = {cells[0]: float(cells[-1]) for cells in _table_rows(text, "| measurement |")}
+    rows = _table_rows(text, "| option (master) |")
+    assert sorted(cells[0].split()[0] for cells in rows) == sorted({option for option, _ in audit.configurations()})
+    for name, _, milliseconds, layout, bandwidth, of_copy, *_, measurement in rows:
         option, _, storage = name.partition(" ")
         read, written = audit.layout_bytes(audit.strategy_for(option, storage.strip("()") or "fp32"))
         assert float(layout) == read + written
-        assert bandwidth == f"{(read + written) * 256e6 / (float(milliseconds) * 1e-3) / 1e12:.2f}"
+        measured = (read + written) * 256e6 / (float(milliseconds) * 1e-3) / 1e12
+        assert bandwidth == f"{measured:.2f}"
+        assert of_copy == f"{measured / copies[measurement]:.0%}"
 
 
 @pytest.mark.parametrize("windowed", [True, False], ids=["windowed", "every_digit"])
@@ -405,16 +422,13 @@ def test_muon_layout_bytes_count_the_state_and_what_newton_schulz_exchanges():
     assert in_megatron_s_layout["update"] == (2 + 4 + 40 / 64, 2)
 
 
-def test_readme_muon_audit_table_states_each_calls_layout_bytes():
-    """The README's Muon audit table: every option and master storage of each kind (a plain bucket,
-    megatron's layer-wise layout), each call's layout bytes, the total and its 1.3B roofline time are
-    the audit's."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    header = "| option | master | kind | momentum call: layout B/elem |"
-    lines = readme.split(header, 1)[1].splitlines()[2:]
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[: next(
-        index for index, line in enumerate(lines) if not line.startswith("| ")
-    )]]
+def test_muon_audit_result_file_states_each_calls_layout_bytes():
+    """docs/results/kernel_audit_muon.md (``--markdown``): stamped, every option and master storage of
+    each kind (a plain bucket, megatron's layer-wise layout), each call's layout bytes, the total and
+    its 1.3B roofline time the audit's."""
+    text = (RESULTS / "kernel_audit_muon.md").read_text(encoding="utf-8")
+    assert _stamped(text)
+    rows = _table_rows(text, "| option | master | kind | momentum call: layout B/elem |")
     assert sorted((option, storage, kind) for option, storage, kind, *_ in rows) == sorted(
         (option, storage, kind) for kind in codegen.KINDS for option, storage in audit.configurations()
     )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lowprec.kernels import audit, codegen, interpret
+from tools.kernel_audit import audit, codegen, interpret
 
 CASES = [
     (option, storage, kind, arch)

@@ -581,8 +581,8 @@ def _stepped_uncompiled(strategy, kind, window, monkeypatch):
     """A bucket of :data:`PIECE_SHAPES` stepped 3 times while its compile is pending (a background
     compile that never starts), uncompiled calls in pieces of ``window`` elements; its parameters
     and state, and how many uncompiled calls ran."""
-    from megatron_lowprec.kernels import codegen
     from megatron_lowprec.optim.background_compile import BackgroundCompiles
+    from tools.kernel_audit import codegen
 
     monkeypatch.setattr(fused_module, "EAGER_WINDOW_ELEMENTS", window)
     monkeypatch.setattr(fused_module, "BACKGROUND_COMPILES", BackgroundCompiles())

@@ -332,7 +332,7 @@ COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "re
 def gpu_formulation(monkeypatch):
     """What the fused step computes where Inductor emits Triton: 16-bit roundings that survive compilation, division
     and square root through float64 (as on a device outside ``elementary.IEEE_FP32_DEVICES``; CUDA's
-    FP32 ``div.rn``/``sqrt.rn`` formulation is checked in its PTX by ``kernels/audit.py``), stochastic
+    FP32 ``div.rn``/``sqrt.rn`` formulation is checked in its PTX by ``tools/kernel_audit/audit.py``), stochastic
     rounding once per bucket."""
     monkeypatch.setattr(formats, "CAST_ROUNDING_DEVICES", ())
     monkeypatch.setattr(elementary, "NATIVE_FP32_DEVICES", ())

@@ -1,9 +1,9 @@
 """The fused step's division and square root in the PTX that a GPU runs (generated on this machine by
-``kernels/codegen.py``): IEEE FP32 instructions, no FP64 and no approximation (numerics/elementary.py)."""
+``tools/kernel_audit/codegen.py``): IEEE FP32 instructions, no FP64 and no approximation (numerics/elementary.py)."""
 
 import re
 
-from megatron_lowprec.kernels.codegen import generate
+from tools.kernel_audit.codegen import generate
 
 
 def test_the_adam_update_divides_and_takes_square_roots_in_ieee_fp32_on_gpus():

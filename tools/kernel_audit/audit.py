@@ -34,8 +34,10 @@ parameters left in DDP's buffer, the bucket laid out in place there, ``Muon(para
 :func:`muon_layout_bytes`, which counts the BF16 direction the momentum call hands Newton-Schulz and
 the FP32 orthogonalized step the update call takes from it).
 
-Run ``python -m megatron_lowprec.kernels.audit`` for the tables (``--help`` for a subset;
-``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``).
+Run ``python -m tools.kernel_audit.audit`` from the repository root for the tables (``--help`` for a
+subset; ``--interpret`` also runs the kernels under Triton's interpreter, ``interpret.py``;
+``--markdown docs/results`` writes them as ``kernel_audit.md`` and ``kernel_audit_muon.md``, stamped
+with where and from what they were generated).
 """
 
 from __future__ import annotations
@@ -44,14 +46,20 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import datetime
 import multiprocessing
+import os
+import platform
 import re
+import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
-from megatron_lowprec.kernels.codegen import (
+from tools.kernel_audit.codegen import (
     ARCHES,
     CALLS_PER_STEP,
     KINDS,
@@ -631,8 +639,70 @@ def fp8_quantization_kernels(fp8_dtype: torch.dtype, group_size: int | None, arc
         return generate_function(functools.partial(quant._quantize_rows, fp8_dtype=fp8_dtype), (shape,), torch.bfloat16, arch)
 
 
+MARKDOWN_FILES = {"adamw": "kernel_audit.md", "muon": "kernel_audit_muon.md"}
+"""The result file of each optimizer's table under ``--markdown DIR``."""
+
+MARKDOWN_TITLES = {"adamw": "Kernel audit: AdamW's fused step", "muon": "Kernel audit: Muon's fused step"}
+
+MARKDOWN_LEGENDS = {
+    "adamw": (
+        "One row per option, master storage and step (a plain bucket, a distributed optimizer's shard): "
+        "the bytes per element of the option's state layout, read + written; the bytes of every global "
+        "load and store of the generated PTX at sm_90 (option D runs torch's own fused AdamW: no "
+        "generated kernel); the step's time for 1.3B parameters at 3.35 TB/s (an H100's HBM3) from the "
+        "layout's bytes; and each rule of the audit over the audited architectures (✓, or ✗ with the "
+        "architectures that fail)."
+    ),
+    "muon": (
+        "One row per option, master storage and kind (a plain bucket; `shard`: its bucket in megatron's "
+        "layer-wise layout, laid out in place in DDP's buffer): the layout bytes per element, read + "
+        "written, of Muon's two compiled calls around Newton-Schulz (momentum, update), the bytes of "
+        "their generated PTX at sm_90, the total and its time for 1.3B parameters at 3.35 TB/s (an "
+        "H100's HBM3), and each rule of the audit over the audited architectures (✓, or ✗ with the "
+        "architectures that fail)."
+    ),
+}
+
+
+def generation_stamp(command: str) -> str:
+    """Where, when and from what the tables were generated: the UTC date, the machine, the torch and
+    triton versions, the commit of the repository (with ``+ uncommitted changes`` where its tree
+    differs) and ``command``."""
+    import triton
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += " + uncommitted changes"
+    machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs (kernels generated and compiled for the GPU architectures, none run)"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"- Generated: {date}\n- Machine: {machine}\n- torch {torch.__version__}, triton {triton.__version__}\n"
+        f"- Commit: {commit}\n- Command: `{command}`"
+    )
+
+
+def markdown_report(optimizer: str, audits: list[StepAudit], stamp: str, extra: list[str] = ()) -> str:
+    """The result file of ``optimizer``'s table: a title, the stamp, the legend, the table, ``extra``
+    lines and the failing checks (or that none failed)."""
+    rows = table(audits) if optimizer == "adamw" else muon_table(audits)
+    failed = failures([audit for audit in audits if audit.code.optimizer == optimizer])
+    verdict = "Every rule passes for every row." if not failed else "\n".join(
+        f"- FAIL {check.option} ({check.master_storage}, {check.kind}, sm_{check.arch}) {check.rule}: {check.detail}"
+        for check in failed
+    )
+    return "\n\n".join([f"# {MARKDOWN_TITLES[optimizer]}", stamp, MARKDOWN_LEGENDS[optimizer], rows, *extra, verdict]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.audit", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_audit.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
     parser.add_argument("--kind", action="append", choices=KINDS, help="plain or shard (default: both; Muon's shard: its bucket in megatron's layer-wise layout)")
     parser.add_argument("--arch", action="append", type=int, choices=ARCHES, help="compute capability (default: 90 and 80)")
@@ -642,7 +712,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="processes that generate configurations in parallel")
     parser.add_argument(
         "--interpret", action="store_true",
-        help="also run the generated kernels under Triton's interpreter against the eager step (kernels/interpret.py)",
+        help="also run the generated kernels under Triton's interpreter against the eager step (interpret.py)",
+    )
+    parser.add_argument(
+        "--markdown", type=Path, metavar="DIR",
+        help=f"also write the tables as Markdown result files in DIR ({', '.join(MARKDOWN_FILES.values())}), stamped",
     )
     args = parser.parse_args(argv)
     pairs = configurations()
@@ -653,20 +727,31 @@ def main(argv: list[str] | None = None) -> int:
     adamw_pairs = pairs if "adamw" in optimizers else []
     muon_pairs = pairs if "muon" in optimizers else []
     audits = run_audit(adamw_pairs, args.kind or KINDS, tuple(args.arch or ARCHES), args.workers, muon_pairs, args.kind or KINDS)
+    norm_lines = []
     if adamw_pairs:
         print(table(audits))
         for dtype in (torch.float32, torch.bfloat16):
-            print(f"exact gradient norm, {dtype}: bytes read per gradient element by each kernel that reads it: "
-                  f"{gradient_norm_reads(dtype)}")
+            norm_lines.append(f"exact gradient norm, {dtype}: bytes read per gradient element by each kernel that reads it: "
+                              f"{gradient_norm_reads(dtype)}")
+            print(norm_lines[-1])
     if muon_pairs:
         print("Muon:")
         print(muon_table(audits))
+    if args.markdown is not None:
+        command = shlex.join(["python", "-m", "tools.kernel_audit.audit", *(sys.argv[1:] if argv is None else argv)])
+        stamp = generation_stamp(command)
+        args.markdown.mkdir(parents=True, exist_ok=True)
+        for optimizer, extra in (("adamw", ["\n".join(f"- {line}" for line in norm_lines)]), ("muon", [])):
+            if (adamw_pairs if optimizer == "adamw" else muon_pairs):
+                (args.markdown / MARKDOWN_FILES[optimizer]).write_text(
+                    markdown_report(optimizer, audits, stamp, extra), encoding="utf-8"
+                )
     failed = failures(audits)
     for check in failed:
         print(f"FAIL {check.option} ({check.master_storage}, {check.kind}, sm_{check.arch}) {check.rule}: {check.detail}")
     differing = []
     if args.interpret:
-        from megatron_lowprec.kernels import interpret
+        from tools.kernel_audit import interpret
 
         comparisons = interpret.run_comparisons(adamw_pairs, args.kind or KINDS, args.workers, muon_pairs, args.kind or KINDS)
         print(interpret.report(comparisons))

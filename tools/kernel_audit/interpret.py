@@ -10,7 +10,7 @@ parameter and state bit must agree. The interpreted twin takes the GPU's path th
 :class:`~megatron_lowprec.optim.kernel.BucketStream`: ``BUCKET_STREAM_DEVICES`` holds the CPU too;
 FP8 group statistics recomputed in the kernel: ``GROUP_STATISTICS_DEVICES`` too), and Dynamo traces the step's CUDA code: it fakes every CPU tensor of one or more dimensions as a
 ``cuda:0`` tensor (0-d tensors are the step's host scalars, on the host on a GPU too), so that
-Inductor writes the kernels of :mod:`~megatron_lowprec.kernels.codegen`'s audit (a test compares their
+Inductor writes the kernels of :mod:`~tools.kernel_audit.codegen`'s audit (a test compares their
 sources). The wrapper Inductor writes around them runs on the host: its ``empty_strided_cuda``
 allocates CPU tensors, its device guard does nothing.
 
@@ -47,8 +47,8 @@ kernel, which within a launch (whose own patch stays in force until it ends) cha
 Triton reads ``TRITON_INTERPRET`` when a kernel (or a helper of Inductor's) is decorated, so each
 comparison runs in a process of its own started with it set (:func:`run_comparisons`).
 
-Run ``python -m megatron_lowprec.kernels.interpret`` (``--help`` for a subset), or
-``python -m megatron_lowprec.kernels.audit --interpret``; ``--norm`` runs :func:`compare_norm` (the
+Run ``python -m tools.kernel_audit.interpret`` (``--help`` for a subset), or
+``python -m tools.kernel_audit.audit --interpret``; ``--norm`` runs :func:`compare_norm` (the
 exact gradient norm's kernels, integer arithmetic only: no shim).
 """
 
@@ -72,7 +72,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from megatron_lowprec.kernels import codegen
+from tools.kernel_audit import codegen
 
 SHAPES = ((4, 64), (300,), (64,))
 """The parameters of a compared bucket: a matrix, and two vectors whose entries end in padding. Their
@@ -93,10 +93,10 @@ ARCH = 90
 def compared_arches(option: str, master_storage: str, kind: str, optimizer: str = "adamw") -> tuple[int, ...]:
     """The devices whose kernels :func:`run_comparisons` runs for a configuration: :data:`ARCH`, and
     for AdamW's plain step with an FP32 master also one device of each other group of the audit's
-    (:func:`~megatron_lowprec.kernels.codegen.trace_groups`: FP8 payloads as integer codes below
+    (:func:`~tools.kernel_audit.codegen.trace_groups`: FP8 payloads as integer codes below
     sm_89). The coding is the same function in every configuration of an option, and of Muon's FP8
     momentum too, and a comparison takes minutes on two cores, so one configuration per option proves it."""
-    from megatron_lowprec.kernels.audit import strategy_for
+    from tools.kernel_audit.audit import strategy_for
 
     arches = (ARCH, *(arch for arch in codegen.ARCHES if arch != ARCH))
     groups = codegen.trace_groups(strategy_for(option, master_storage), arches)
@@ -285,7 +285,7 @@ def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Laun
     """Compiled steps on CPU tensors run the CUDA kernels generated for ``arch``, interpreted
     with :func:`gpu_conversions`, on that GPU's path through the fused step (one call per bucket,
     FP8 payloads as codes below sm_89, FP8 group statistics recomputed in the kernel). Inside
-    :func:`~megatron_lowprec.kernels.codegen.cuda_codegen` (the device's properties, Triton's target),
+    :func:`~tools.kernel_audit.codegen.cuda_codegen` (the device's properties, Triton's target),
     with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the interpreted kernels need TRITON_INTERPRET=1 set before triton is imported")
@@ -460,7 +460,7 @@ def compare(
     (an AdamW shard laid out in place: megatron's buffers whole, its padding included, which stays
     zero). ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
     in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer)."""
-    from megatron_lowprec.kernels.audit import strategy_for
+    from tools.kernel_audit.audit import strategy_for
 
     started = time.perf_counter()
     strategy = strategy_for(option, master_storage)
@@ -513,7 +513,7 @@ def run_comparisons(
     configurations) for each kind, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``,
     each on its :func:`compared_arches`, in ``workers`` processes started with ``TRITON_INTERPRET=1``
     (results in the order of ``muon_pairs``, ``muon_kinds``, then ``pairs``, ``kinds`` and arches)."""
-    from megatron_lowprec.kernels.audit import configurations
+    from tools.kernel_audit.audit import configurations
 
     tasks = [
         (option, storage, kind, arch, "muon")
@@ -689,10 +689,10 @@ def report(comparisons: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_lowprec.kernels.audit import OPTIMIZERS, configurations
+    from tools.kernel_audit.audit import OPTIMIZERS, configurations
     from megatron_lowprec.optim.strategies import get_strategy
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_lowprec.kernels.interpret", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_audit.interpret", description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", action="append", help="an option (repeatable; default: every option)")
     parser.add_argument("--kind", action="append", choices=codegen.KINDS, help="plain or shard (default: both; Muon's shard: its bucket in megatron's layer-wise layout)")
     parser.add_argument(
