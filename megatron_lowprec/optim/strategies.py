@@ -192,14 +192,40 @@ class PrecisionStrategy:
             + LOW_PRECISION_BYTES * numel * extra_components
         )
 
-    def bytes_per_param(self, numel: int | None = None) -> float:
-        """Bytes per parameter including the 16-bit parameter and its 16-bit gradient (Collage Table 2).
+    @property
+    def default_grad_reduce_in_fp32(self) -> bool:
+        """Whether megatron-core's DDP keeps this option's gradients in FP32 unless told otherwise: the
+        one place that decides it for ``lowprec-train``'s ``precision.grad_reduce_in_fp32`` and the
+        figures it reports. FP32 for options with an FP32 master, whose update then reads the gradient
+        as megatron-core's own mixed-precision optimizer does; the parameter's 16-bit format for the
+        others. (Megatron-LM's ``--bf16`` reduces in FP32 for every option unless
+        ``--grad-reduce-in-bf16``.)"""
+        return self.master_weights
 
-        With ``numel`` given, the FP8 group metadata of a tensor of that size is counted exactly;
-        without it, groups are taken as full.
+    def grad_bytes(self, grad_reduce_in_fp32: bool | None = None) -> int:
+        """Bytes per element of the gradient buffer: 4 where gradients are reduced in FP32, else 2 (the
+        16-bit parameter's format); ``None``: :attr:`default_grad_reduce_in_fp32`."""
+        if grad_reduce_in_fp32 is None:
+            grad_reduce_in_fp32 = self.default_grad_reduce_in_fp32
+        return FP32_BYTES if grad_reduce_in_fp32 else LOW_PRECISION_BYTES
+
+    def bytes_per_param(
+        self, numel: int | None = None, grad_reduce_in_fp32: bool | None = None, state_shards: int = 1
+    ) -> float:
+        """Bytes per parameter as megatron-core allocates them: the 16-bit parameter, the gradient
+        buffer (:meth:`grad_bytes`; ``None``: the option's default) and the optimizer state divided
+        over ``state_shards`` data-parallel ranks (megatron's distributed optimizer shards moments and
+        masters; parameter and gradient buffers stay whole on every rank).
+
+        ``grad_reduce_in_fp32=False`` counts a 16-bit gradient: Collage Table 2's figure, and plain
+        PyTorch's, where a parameter's gradient has its dtype. With ``numel`` given, the FP8 group
+        metadata of a tensor of that size is counted exactly; without it, groups are taken as full.
         """
+        if state_shards < 1:
+            raise ValueError(f"state_shards={state_shards} must be a positive number of data-parallel ranks")
         count = self.fp8_group_size if numel is None else numel
-        return (2 * LOW_PRECISION_BYTES * count + self.state_bytes(count)) / count
+        whole = LOW_PRECISION_BYTES + self.grad_bytes(grad_reduce_in_fp32)
+        return whole + self.state_bytes(count) / count / state_shards
 
 
 _REGISTRY: dict[str, PrecisionStrategy] = {}

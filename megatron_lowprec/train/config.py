@@ -112,7 +112,13 @@ class PrecisionConfig:
     shared_randomness: bool = True
     """Stochastic rounding draws the same bits on every replica of a parameter (SR paper Alg. 1)."""
     grad_reduce_in_fp32: Optional[bool] = None
-    """Reduce gradients in FP32 (``None``: FP32 for options with FP32 master weights, else BF16)."""
+    """Keep megatron-core's DDP gradient buffer in FP32: gradients accumulate over micro-batches and are
+    reduced over data-parallel ranks in FP32 (megatron-core's ``grad_reduce_in_fp32``). ``None``: the
+    option's own (:func:`reduces_grads_in_fp32`): FP32 for the options that keep an FP32 master, BF16
+    for the others (each option's in docs/reference/options.md). FP32 costs 2 bytes per parameter
+    more than BF16 (a 4-byte gradient buffer instead of a 2-byte one, counted in the reported
+    bytes/param) and twice the bytes of every gradient all-reduce or reduce-scatter; BF16 rounds each
+    micro-batch's accumulation and the reduction to BF16."""
     track_update_quality: bool = False
     """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
     fp8_layers: Optional[bool] = None
@@ -389,6 +395,14 @@ def uses_fp8_layers(precision: PrecisionConfig) -> bool:
     if precision.fp8_layers is not None:
         return precision.fp8_layers
     return get_strategy(precision.option).fp8_layers
+
+
+def reduces_grads_in_fp32(precision: PrecisionConfig) -> bool:
+    """Whether DDP keeps the gradients in FP32: ``precision.grad_reduce_in_fp32`` if given, else the
+    option's own (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.default_grad_reduce_in_fp32`)."""
+    if precision.grad_reduce_in_fp32 is not None:
+        return precision.grad_reduce_in_fp32
+    return get_strategy(precision.option).default_grad_reduce_in_fp32
 
 
 def option_label(precision: PrecisionConfig) -> str:

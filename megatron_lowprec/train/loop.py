@@ -34,7 +34,9 @@ import numpy
 import torch
 
 from megatron_lowprec.train import checkpoint, profiling
-from megatron_lowprec.train.config import ConfigError, TrainConfig, data_parallel_size, precision_strategy
+from megatron_lowprec.train.config import (
+    ConfigError, TrainConfig, data_parallel_size, precision_strategy, reduces_grads_in_fp32,
+)
 from megatron_lowprec.train.config import OptimizerConfig as AppOptimizerConfig
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
@@ -218,14 +220,12 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    grad_reduce_in_fp32 = config.precision.grad_reduce_in_fp32
-    if grad_reduce_in_fp32 is None:
-        grad_reduce_in_fp32 = strategy.master_weights
     optimizer_config = megatron_optimizer_config(optim)
     model = DistributedDataParallel(
         config=module.config,
         ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=optimizer_config.use_distributed_optimizer
+            grad_reduce_in_fp32=reduces_grads_in_fp32(config.precision),
+            use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
         ),
         module=module,
     )

@@ -29,7 +29,9 @@ from statistics import fmean
 import torch
 
 from megatron_lowprec.train import throughput
-from megatron_lowprec.train.config import ConfigError, TrainConfig, option_label, precision_strategy, to_yaml
+from megatron_lowprec.train.config import (
+    ConfigError, TrainConfig, data_parallel_size, option_label, precision_strategy, reduces_grads_in_fp32, to_yaml,
+)
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
@@ -248,18 +250,22 @@ class MetricsLogger:
         return optimizer.optimizer.skipped_steps
 
     def _bytes_per_param(self) -> float:
-        """Bytes per parameter of the option (parameter, gradient and optimizer state); with Muon,
-        its one momentum for the hidden weights and AdamW's two moments for the rest, by element count."""
+        """Bytes per parameter on each rank as allocated: the 16-bit parameter, DDP's gradient buffer
+        (4 bytes where ``precision.grad_reduce_in_fp32``) and the option's optimizer state, divided over
+        the data-parallel ranks with ``optimizer.distributed``; with Muon, its one momentum for the
+        hidden weights and AdamW's two moments for the rest, by element count."""
         strategy = precision_strategy(self.config.precision)
+        shards = data_parallel_size(self.config, torch.distributed.get_world_size()) if self.config.optimizer.distributed else 1
+        allocated = {"grad_reduce_in_fp32": reduces_grads_in_fp32(self.config.precision), "state_shards": shards}
         if self.config.optimizer.name != "muon":
-            return strategy.bytes_per_param()
+            return strategy.bytes_per_param(**allocated)
         from megatron_lowprec.megatron.optimizer import is_muon_param
         from megatron_lowprec.optim.muon import muon_strategy
 
         hidden = sum(p.numel() for p in self.run.model.parameters() if is_muon_param(p))
         total = sum(p.numel() for p in self.run.model.parameters())
-        muon_bytes = muon_strategy(strategy).bytes_per_param()
-        return (hidden * muon_bytes + (total - hidden) * strategy.bytes_per_param()) / total
+        muon_bytes = muon_strategy(strategy).bytes_per_param(**allocated)
+        return (hidden * muon_bytes + (total - hidden) * strategy.bytes_per_param(**allocated)) / total
 
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Save the summary, close the metrics file and wandb, then print the summary: the run's last
@@ -269,6 +275,7 @@ class MetricsLogger:
             "option": option_label(self.config.precision),
             "optimizer": self.config.optimizer.name,
             "bytes_per_param": self._bytes_per_param(),
+            "grad_reduce_in_fp32": reduces_grads_in_fp32(self.config.precision),
             "model": self.config.model.name,
             "parameters": self.parameters,
             "steps": self.run.iteration,

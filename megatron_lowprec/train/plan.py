@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from megatron_lowprec.train.config import TrainConfig, data_parallel_size, option_label, precision_strategy
+from megatron_lowprec.train.config import (
+    TrainConfig, data_parallel_size, option_label, precision_strategy, reduces_grads_in_fp32,
+)
+from megatron_lowprec.optim.strategies import LOW_PRECISION_BYTES
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 from megatron_lowprec.train.model_size import parameter_count
 
@@ -13,6 +16,32 @@ def _vocab_size(config: TrainConfig) -> int | None:
     if config.model.vocab_size is not None:
         return config.model.vocab_size
     return EMBEDDED_DEFAULT_VOCAB_SIZE if config.data.kind == "embedded" else None
+
+
+def _state_shards(config: TrainConfig, dp: int) -> int:
+    """Ranks that megatron's distributed optimizer divides the optimizer state over (1 without it)."""
+    return dp if config.optimizer.distributed else 1
+
+
+def _bytes_per_param(config: TrainConfig, dp: int) -> float:
+    """Bytes per parameter on each rank as allocated: parameter, gradient buffer, optimizer state."""
+    strategy = precision_strategy(config.precision)
+    return strategy.bytes_per_param(
+        grad_reduce_in_fp32=reduces_grads_in_fp32(config.precision), state_shards=_state_shards(config, dp)
+    )
+
+
+def _bytes_text(config: TrainConfig, dp: int) -> str:
+    """The bytes/param of ``config`` and what they are made of."""
+    strategy = precision_strategy(config.precision)
+    fp32 = reduces_grads_in_fp32(config.precision)
+    shards = _state_shards(config, dp)
+    state = strategy.state_bytes(strategy.fp8_group_size) / strategy.fp8_group_size / shards
+    sharded = f" (sharded over DP {shards})" if shards > 1 else ""
+    return (
+        f"{_bytes_per_param(config, dp):g} bytes/param: {LOW_PRECISION_BYTES} parameter + {strategy.grad_bytes(fp32)} "
+        f"gradient (precision.grad_reduce_in_fp32={str(fp32).lower()}) + {state:g} optimizer state{sharded}"
+    )
 
 
 def describe(config: TrainConfig, world_size: int, world_size_note: str = "") -> str:
@@ -32,8 +61,7 @@ def describe(config: TrainConfig, world_size: int, world_size_note: str = "") ->
         f"  steps: {trainer.max_steps} ({trainer.max_steps * tokens_per_step:,} tokens), "
         f"warmup {config.optimizer.lr_warmup_steps}, {config.optimizer.lr_decay_style} decay "
         f"{config.optimizer.lr:g} -> {config.optimizer.min_lr:g}",
-        f"  precision: option {option_label(config.precision)}, {strategy.bytes_per_param():g} bytes/param "
-        f"(parameters, gradients and optimizer state)",
+        f"  precision: option {option_label(config.precision)}, {_bytes_text(config, dp)}",
         f"  attention: {attention_backend(config)} (model.attention_backend={model.attention_backend})",
     ]
     vocab_size = _vocab_size(config)
@@ -45,7 +73,7 @@ def describe(config: TrainConfig, world_size: int, world_size_note: str = "") ->
         per_rank = count / (trainer.tensor_model_parallel_size * trainer.pipeline_model_parallel_size)
         lines.append(
             f"  model: {model.name}, {count / 1e6:,.1f}M parameters (vocab {padded}); "
-            f"~{per_rank * strategy.bytes_per_param() / 2**30:,.2f} GiB of model and optimizer state per rank"
+            f"~{per_rank * _bytes_per_param(config, dp) / 2**30:,.2f} GiB of parameters, gradients and optimizer state per rank"
         )
         state = per_rank * strategy.state_bytes(strategy.fp8_group_size) / strategy.fp8_group_size / 2**30
         chosen = "sharded" if config.optimizer.distributed else "unsharded"

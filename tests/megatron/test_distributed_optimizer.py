@@ -140,7 +140,7 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
     the elements the rank updates, plus, in a shard laid out in place in megatron's buffers, the
     padding megatron leaves before each parameter (under 64 elements each); a step keeps nothing
     allocated."""
-    per_element = _strategy(option).bytes_per_param() - 4
+    per_element = _strategy(option).bytes_per_param(grad_reduce_in_fp32=False) - 4
     for rank in costs:
         result = rank[f"{option}-{layout}"]
         rows = (result["owned"] + result["padding"]) // ROW + 2 * result["state_buckets"]

@@ -144,10 +144,10 @@ def test_bytes_per_param_measured_from_state_tensors(option, shapes, device):
     numel = sum(p.numel() for p in params)
     grad_bytes = 2 * numel
     measured = (_state_nbytes(optimizer) + sum(p.numel() * p.element_size() for p in params) + grad_bytes) / numel
-    expected = sum(get_strategy(option).bytes_per_param(p.numel()) * p.numel() for p in params) / numel
+    expected = sum(get_strategy(option).bytes_per_param(p.numel(), grad_reduce_in_fp32=False) * p.numel() for p in params) / numel
     assert measured == pytest.approx(expected, rel=0, abs=1e-12)
     if get_strategy(option).moments != "fp8":
-        assert measured == get_strategy(option).bytes_per_param()
+        assert measured == get_strategy(option).bytes_per_param(grad_reduce_in_fp32=False)
 
 
 def test_construction_allocates_the_state_and_no_temporaries(option):

