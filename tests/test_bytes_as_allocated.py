@@ -1,0 +1,123 @@
+"""The bytes/param that ``lowprec-train`` reports are the bytes megatron-core and the optimizer allocate.
+
+For every registered option (each of its master storages, and the gradient buffer in its default
+and its other format), a tiny GPT is built as ``lowprec-train`` builds it (``train/model.py``,
+megatron-core's DDP with ``precision.grad_reduce_in_fp32`` resolved by the app's own rule, the
+option's optimizer from ``build_optimizer``) in one gloo rank on the CPU bridge. The storages its
+parameters, DDP's gradient buffer and the optimizer's state tensors hold, counted each once, must be
+the reported bytes/param times the parameter count, and building the optimizer must allocate nothing
+besides its state. Every tensor of the model is a multiple of 128 elements (whole FP8 groups, no
+alignment padding), so the two are equal exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_lowprec.optim.strategies import MASTER_STORAGES, available_strategies
+
+from .allocations import kept_allocations
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("hydra") is None,
+    reason="megatron-core and hydra-core are needed",
+)
+
+MODEL = ["model.hidden_size=128", "model.num_layers=1", "model.seq_length=16", "model.vocab_size=128"]
+"""A GPT whose every weight, bias and norm has a multiple of 128 elements."""
+
+
+def _cases() -> list[tuple[str, str | None, bool]]:
+    """(option, master storage or None for the option's own, flip the default gradient format)."""
+    cases = []
+    for strategy in available_strategies():
+        storages = MASTER_STORAGES if strategy.master_weights else (None,)
+        cases += [(strategy.name, storage, flip) for storage in storages for flip in (False, True)]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def megatron_rank(tmp_path_factory):
+    """One gloo rank with megatron's parallel state, inside the CPU bridge (a no-op with CUDA)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_lowprec.megatron.cpu import cpu_bridge
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("megatron_rank") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with cpu_bridge():
+            parallel_state.initialize_model_parallel()
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            yield
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every state tensor of a precision optimizer: per parameter, or per shard of megatron's
+    distributed optimizer."""
+    if hasattr(optimizer, "state_buckets"):
+        return [tensor for bucket in optimizer.state_buckets() for tensor in bucket.state.values()]
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+@pytest.mark.parametrize("option, master_storage, flip_gradient_format", _cases())
+def test_reported_bytes_per_param_are_the_bytes_megatron_and_the_optimizer_allocate(
+    megatron_rank, option, master_storage, flip_gradient_format
+):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+    from megatron_lowprec.train.app import compose
+    from megatron_lowprec.train.config import precision_strategy, reduces_grads_in_fp32
+    from megatron_lowprec.train.loop import megatron_optimizer_config
+    from megatron_lowprec.train.model import gpt_model
+    from megatron_lowprec.train.plan import describe
+
+    overrides = [f"precision={option}", *MODEL]
+    if master_storage is not None:
+        overrides.append(f"precision.master_storage={master_storage}")
+    default_fp32 = reduces_grads_in_fp32(compose(overrides).precision)
+    if flip_gradient_format:
+        overrides.append(f"precision.grad_reduce_in_fp32={str(not default_fp32).lower()}")
+    config = compose(overrides)
+    fp32_gradients = reduces_grads_in_fp32(config.precision)
+    assert fp32_gradients == (default_fp32 != flip_gradient_format)
+
+    module = gpt_model(config, config.model.vocab_size)
+    model = DistributedDataParallel(
+        config=module.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=fp32_gradients),
+        module=module,
+    )
+    strategy = precision_strategy(config.precision)
+    built = kept_allocations(
+        lambda: build_optimizer(
+            strategy.name, [model], megatron_optimizer_config(config.optimizer), fused=False,
+            background_compile=False, master_storage=config.precision.master_storage,
+        )
+    )
+    parameters = list(model.parameters())
+    numel = sum(parameter.numel() for parameter in parameters)
+    gradient_buffer = _storage_bytes(buffer.grad_data for buffer in model.buffers)
+    state = _storage_bytes(_state_tensors(built.result.optimizer))
+
+    assert gradient_buffer == numel * (4 if fp32_gradients else 2)
+    assert all(parameter.dtype == torch.bfloat16 for parameter in parameters)
+    held = _storage_bytes(parameters) + gradient_buffer + state
+    reported = strategy.bytes_per_param(grad_reduce_in_fp32=fp32_gradients)
+    assert held == reported * numel, (held / numel, reported)
+    assert state <= built.end <= state + _storage_bytes(parameters)
+    assert f"{reported:g} bytes/param: 2 parameter + {4 if fp32_gradients else 2} gradient" in describe(config, 1)
