@@ -36,6 +36,7 @@ import argparse
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -191,11 +192,12 @@ def measure(architecture: str, flow: str, batch: int, seq: int, hidden: int, see
     return units
 
 
-def format_table(results: dict[tuple[str, str], dict[str, float]]) -> str:
-    """One row per (architecture, flow): U per module, total, and the ratio to that architecture's BF16."""
+def table_rows(results: dict[tuple[str, str], dict[str, float]]) -> tuple[list[str], list[list[str]]]:
+    """The header and one row per (architecture, flow): U per module, total, and the ratio to that
+    architecture's BF16."""
     modules = sorted({name for units in results.values() for name in units if name != "total"})
     header = ["layer", "flow", *modules, "total U", "vs bf16"]
-    rows = [header]
+    rows = []
     for (architecture, flow), units in results.items():
         baseline = results[(architecture, "bf16")]["total"]
         rows.append([
@@ -205,6 +207,13 @@ def format_table(results: dict[tuple[str, str], dict[str, float]]) -> str:
             f"{units['total']:.2f}",
             f"{units['total'] / baseline:.3f} ({baseline / units['total']:.2f}x less)",
         ])
+    return header, rows
+
+
+def format_table(results: dict[tuple[str, str], dict[str, float]]) -> str:
+    """:func:`table_rows` as aligned text."""
+    header, rows = table_rows(results)
+    rows = [header, *rows]
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows)
 
@@ -214,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     args = parser.parse_args(argv)
     results = {
         (architecture, flow): measure(architecture, flow, args.batch, args.seq, args.hidden)
@@ -226,6 +237,19 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results))
     print(f"COAT Table 2, Llama-style: bf16 {PAPER_LLAMA_UNITS['bf16']}U, coat {PAPER_LLAMA_UNITS['coat']}U "
           f"({PAPER_LLAMA_UNITS['bf16'] / PAPER_LLAMA_UNITS['coat']:.2f}x less)")
+    if args.markdown is not None:
+        import report
+
+        header, rows = table_rows(results)
+        report.write_result(args.markdown, "Activation memory of one transformer layer: BF16 against COAT's FP8 flow",
+                            header, rows, [
+            f"`python benchmarks/activation_memory.py --batch {args.batch} --seq {args.seq} --hidden {args.hidden}`: "
+            "bytes each module saves for backward in one forward pass (saved-tensor hooks, each storage counted once, "
+            f"parameters left out), in COAT's unit U = batch x seq x hidden x 2 bytes = {args.batch * args.seq * args.hidden * 2:,} "
+            f"bytes (llama ffn {llama_ffn_hidden(args.hidden)}, gpt ffn {4 * args.hidden}). The bytes do not depend on "
+            f"the machine. COAT's Table 2, Llama-style: bf16 {PAPER_LLAMA_UNITS['bf16']}U, coat {PAPER_LLAMA_UNITS['coat']}U; "
+            "the benchmark's docstring lists where its accounting differs.", *args.note,
+        ])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset (configs/model/)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     arguments = parser.parse_args()
 
     from megatron_lowprec.train import checkpoint
@@ -58,6 +60,20 @@ def main() -> None:
         print(f"  {name:<18} {seconds * 1e3:9.1f} ms")
     print(f"  checksums / save   {median['save checksums'] / median['save']:.1%}")
     print(f"  verification / load {median['load verification'] / median['load']:.1%}")
+    if arguments.markdown is not None:
+        import report
+
+        report.write_result(
+            arguments.markdown, "Checkpoint checksums: their share of a save and a load",
+            ["model", "checkpoint MiB", "save ms", "checksums ms", "checksums / save", "load ms", "verification ms",
+             "verification / load"],
+            [[arguments.model, f"{size / 2**20:.1f}", f"{median['save'] * 1e3:.1f}", f"{median['save checksums'] * 1e3:.1f}",
+              f"{median['save checksums'] / median['save']:.1%}", f"{median['load'] * 1e3:.1f}",
+              f"{median['load verification'] * 1e3:.1f}", f"{median['load verification'] / median['load']:.1%}"]],
+            [f"`python benchmarks/checkpoint_checksum.py --model {arguments.model} --repeats {arguments.repeats}`: one "
+             "process, option A, medians. The save's time includes its checksums (XXH3-128 of every file); the "
+             "verification (sizes and checksums at resume) is timed apart from the load.", *arguments.note],
+        )
 
 
 if __name__ == "__main__":

@@ -113,19 +113,29 @@ def megatron_lm_first_iteration_seconds(checkout: Path, option_flags: list[str],
     return float(found.group(1)) / 1000
 
 
-def megatron_lm_table(checkout: Path, options: list[str], root: Path) -> None:
+MEGATRON_LM_HEADER = ["option", "first iteration (s)", "without background compile (s)", "Megatron's optimizer (s)", "ratio",
+                      "ratio without"]
+
+
+def megatron_lm_table(checkout: Path, options: list[str], root: Path) -> list[list[str]]:
     """Print Megatron-LM's first iteration per option, with and without background compilation,
-    beside Megatron's own optimizer run just before each option."""
-    print("| option | first iteration (s) | without background compile (s) | Megatron's optimizer (s) | ratio | ratio without |")
-    print("|---|---|---|---|---|---|")
+    beside Megatron's own optimizer run just before each option; return the rows."""
+    print("| " + " | ".join(MEGATRON_LM_HEADER) + " |\n|" + "---|" * len(MEGATRON_LM_HEADER))
+    rows = []
     for option in options:
         stock = megatron_lm_first_iteration_seconds(checkout, [], root / f"mlm-{option}-stock")
         background, foreground = (
             megatron_lm_first_iteration_seconds(checkout, ["--lowprec-option", option, *flags], root / f"mlm-{option}-{name}")
             for name, flags in (("background", []), ("foreground", ["--no-lowprec-background-compile"]))
         )
-        print(f"| {option} | {background:.2f} | {foreground:.2f} | {stock:.2f} | {background / stock:.2f} | {foreground / stock:.2f} |",
-              flush=True)
+        rows.append([option, f"{background:.2f}", f"{foreground:.2f}", f"{stock:.2f}", f"{background / stock:.2f}",
+                     f"{foreground / stock:.2f}"])
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    return rows
+
+
+HEADER = ["option", "first step, cold (s)", "AdamW, cold (s)", "cold / AdamW", "first step, warm (s)", "AdamW, warm (s)",
+          "warm / AdamW", "first compiled step, cold (s)", "first compiled step, warm (s)"]
 
 
 def main() -> None:
@@ -138,10 +148,23 @@ def main() -> None:
                         help="precision.background_compile of the option's runs (default: on)")
     parser.add_argument("--megatron-lm", type=Path, metavar="CHECKOUT",
                         help="time Megatron-LM's pretrain_gpt.py of this checkout instead of lowprec-train")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     args = parser.parse_args()
+    device = "cuda" if _cuda_available() else "cpu"
     if args.megatron_lm is not None:
         with tempfile.TemporaryDirectory(prefix="first_iteration_") as scratch:
-            megatron_lm_table(args.megatron_lm.resolve(), args.options, Path(scratch))
+            rows = megatron_lm_table(args.megatron_lm.resolve(), args.options, Path(scratch))
+        if args.markdown is not None:
+            import report
+
+            report.write_result(args.markdown, "Megatron-LM's first iteration, per option", MEGATRON_LM_HEADER, rows, [
+                f"`python benchmarks/first_step.py --megatron-lm CHECKOUT --options {' '.join(args.options)}`: Megatron-LM's "
+                "`pretrain_gpt.py` through `torchrun -m megatron_lowprec.megatron.megatron_lm`, one process, a 2-layer "
+                "64-wide GPT on mock data, an empty Inductor cache per run; the first iteration's time as Megatron-LM "
+                "logs it, with background compilation (the entry's default) and without, beside Megatron's own "
+                "optimizer run just before.", *args.note,
+            ], device=device)
         return
     with tempfile.TemporaryDirectory(prefix="first_step_") as scratch:
         root = Path(scratch)
@@ -161,14 +184,33 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     print(f"{os.cpu_count()} CPUs, {args.repeats} run(s) per cell (median); baseline: {BASELINE} = torch.optim.AdamW, "
           "run just before each option's run")
-    print("| option | first step, cold (s) | AdamW, cold (s) | cold / AdamW | first step, warm (s) | AdamW, warm (s) "
-          "| warm / AdamW | first compiled step, cold (s) | first compiled step, warm (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER))
+    cells = []
     for option, row in rows:
         (cold, cold_compiled), (warm, warm_compiled) = row["cold"], row["warm"]
         base_cold, base_warm = row["baseline cold"][0], row["baseline warm"][0]
-        print(f"| {option} | {cold:.1f} | {base_cold:.1f} | {cold / base_cold:.2f} | {warm:.1f} | {base_warm:.1f} "
-              f"| {warm / base_warm:.2f} | {cold_compiled:.1f} | {warm_compiled:.1f} |")
+        cells.append([option, f"{cold:.1f}", f"{base_cold:.1f}", f"{cold / base_cold:.2f}", f"{warm:.1f}", f"{base_warm:.1f}",
+                      f"{warm / base_warm:.2f}", f"{cold_compiled:.1f}", f"{warm_compiled:.1f}"])
+        print("| " + " | ".join(cells[-1]) + " |")
+    if args.markdown is not None:
+        import report
+
+        background = "" if args.background_compile else " --no-background-compile"
+        report.write_result(args.markdown, "Time to the first optimizer step, per option", HEADER, cells, [
+            f"`python benchmarks/first_step.py --options {' '.join(args.options)} --repeats {args.repeats}{background}`: "
+            "`lowprec-train precision=OPTION` on the embedded default, a fresh process per run, from its start to the "
+            "end of its first optimizer step and of its first step with the compiled kernel; cold: an empty Inductor "
+            f"cache, warm: the same cache again. Baseline: `precision={BASELINE}` (megatron-core's own optimizer, "
+            "plain `torch.optim.AdamW` on CPU), run just before each. Compare each row's ratios, not seconds across "
+            "rows.", *args.note,
+        ], device=device)
+
+
+def _cuda_available() -> bool:
+    """Whether the runs, which pick CUDA where it is there, train on a GPU."""
+    import torch
+
+    return torch.cuda.is_available()
 
 if __name__ == "__main__":
     main()

@@ -165,6 +165,29 @@ def format_table(results: list[OptionResult], device: torch.device) -> str:
     return "\n".join(lines)
 
 
+def write_markdown(path: Path, args: argparse.Namespace, results: list[OptionResult], device: torch.device) -> None:
+    """The check's table as a stamped result file (``report.py``)."""
+    import report
+
+    def number(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    memory = "peak allocated GiB" if device.type == "cuda" else "peak RSS GiB"
+    report.write_result(
+        path, "GPU check: every option fused against eager, then a short training run",
+        ["option", "B/param", "tokens/s", memory, "final loss", "fused-vs-eager mismatches", "result"],
+        [[r.option, f"{r.bytes_per_param:g}", number(r.tokens_per_second, ",.0f"), number(r.peak_gib, ".2f"),
+          number(r.final_loss, ".4f"), number(r.mismatches, "d"), "ok" if r.passed else r.error or "MISMATCH"]
+         for r in results],
+        [f"`python benchmarks/gpu_check.py --model {args.model} --seq-length {args.seq_length} --micro-batch "
+         f"{args.micro_batch} --steps {args.steps} --check-steps {args.check_steps}`: per option, in a process of its "
+         f"own, the elements of parameters and state whose bits differ between the fused and the eager step after "
+         f"{args.check_steps} steps over mixed shapes, then `lowprec-train` for {args.steps} steps; tokens/s over the "
+         f"last {args.window} steps. B/param: the option's 16-bit parameter, 16-bit gradient and state.", *args.note],
+        device=device,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -177,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-steps", type=int, default=30, help="fused-vs-eager optimizer steps")
     parser.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a temporary one)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     args = parser.parse_args(argv)
     for option in args.options:
         get_strategy(option)
@@ -195,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = args.work_dir or Path(temporary)
         results = [check_option_in_subprocess(args, option, work_dir) for option in args.options]
     print(format_table(results, device), flush=True)
+    if args.markdown is not None:
+        write_markdown(args.markdown, args, results, device)
     return 0 if all(result.passed for result in results) else 1
 
 

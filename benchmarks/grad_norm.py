@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,9 +60,11 @@ def gradients(numel: int, dtype: torch.dtype, tensors: int, buffer: bool, device
 
 
 def run(sizes: list[int], dtypes: list[str], warmup: int, repeats: int, device: torch.device, tensors: int = 1,
-        buffer: bool = False) -> None:
+        buffer: bool = False) -> list[tuple[int, str, float, float]]:
+    """Print a row per size and dtype; return them as (elements, dtype, FP32 seconds, exact seconds)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"{'elements':>10} {'dtype':>9} {'tensors':>7} {'fp32 ms':>9} {'exact ms':>9} {'ratio':>7}")
+    results = []
     for numel in sizes:
         for name in dtypes:
             grads = gradients(numel, DTYPES[name], tensors, buffer, device)
@@ -76,6 +79,8 @@ def run(sizes: list[int], dtypes: list[str], warmup: int, repeats: int, device: 
             fp32_seconds, exact_seconds = paired_medians((fp32_norm, exact_norm), warmup, repeats, sync)
             print(f"{numel:>10.3g} {name:>9} {tensors:>7} {fp32_seconds * 1e3:>9.3f} {exact_seconds * 1e3:>9.3f} "
                   f"{exact_seconds / fp32_seconds:>7.1f}")
+            results.append((numel, name, fp32_seconds, exact_seconds))
+    return results
 
 
 def main() -> None:
@@ -87,9 +92,29 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tensors", type=int, default=1, help="gradients the elements are split into")
     parser.add_argument("--buffer", action="store_true", help="the gradients are consecutive views of one buffer")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     arguments = parser.parse_args()
-    run([parse_size(size) for size in arguments.sizes], arguments.dtypes, arguments.warmup, arguments.repeats,
-        torch.device(arguments.device), arguments.tensors, arguments.buffer)
+    device = torch.device(arguments.device)
+    results = run([parse_size(size) for size in arguments.sizes], arguments.dtypes, arguments.warmup, arguments.repeats,
+                  device, arguments.tensors, arguments.buffer)
+    if arguments.markdown is not None:
+        import report
+
+        layout = f"{arguments.tensors} gradients" + (", views of one buffer" if arguments.buffer else "")
+        command = (f"`python benchmarks/grad_norm.py --sizes {' '.join(arguments.sizes)} --dtypes {' '.join(arguments.dtypes)} "
+                   f"--tensors {arguments.tensors}{' --buffer' if arguments.buffer else ''} --warmup {arguments.warmup} "
+                   f"--repeats {arguments.repeats}`")
+        report.write_result(
+            arguments.markdown, "Exact gradient norm against megatron's FP32 norm",
+            ["elements", "gradients", "layout", "FP32 norm ms", "exact norm ms", "exact / FP32"],
+            [[f"{numel:.3g}", name, layout, f"{fp32 * 1e3:.3f}", f"{exact * 1e3:.3f}", f"{exact / fp32:.1f}"]
+             for numel, name, fp32, exact in results],
+            [f"{command}, {torch.get_num_threads()} threads. The exact norm (`numerics/square_sum.py`: Σ x² as integer "
+             "digit sums, the same bits at every DP/TP/PP layout) against `torch._foreach_norm` and the norm of the "
+             "norms, as megatron's `get_grad_norm_fp32` computes it; calls alternating, medians.", *arguments.note],
+            device=device,
+        )
 
 
 if __name__ == "__main__":

@@ -56,13 +56,14 @@ def train_command(arguments: argparse.Namespace, optimizer: str, option: str, lr
         f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}", f"optimizer.lr_warmup_steps={arguments.warmup}",
         f"trainer.max_steps={arguments.steps}", f"trainer.micro_batch_size={arguments.micro_batch}",
         f"trainer.global_batch_size={arguments.global_batch}", f"trainer.eval_interval={arguments.steps}",
-        f"trainer.eval_iters={arguments.eval_iters}", f"trainer.log_interval={arguments.steps}",
+        f"trainer.eval_iters={arguments.eval_iters}", "trainer.log_interval=1",
         "trainer.save=false", "logging.wandb=false", f"run_dir={run_dir}", *arguments.set,
     ]
 
 
 def final_losses(arguments: argparse.Namespace, work_dir: Path) -> dict[tuple[str, str, float], dict]:
-    """(optimizer, option, lr) → the run's summary (``final_valid_loss``, ``final_train_loss``, ...)."""
+    """(optimizer, option, lr) → the run's summary (``final_valid_loss``, ``final_train_loss``, ...) and
+    its training loss per step (``train_losses``: (step, loss) pairs from ``metrics.jsonl``)."""
     runs = [("muon", option) for option in arguments.options] + [BASELINE]
     summaries = {}
     for lr in arguments.lrs:
@@ -75,6 +76,8 @@ def final_losses(arguments: argparse.Namespace, work_dir: Path) -> dict[tuple[st
             if finished.returncode != 0:
                 raise RuntimeError(f"{optimizer} {option} lr {lr:g} failed:\n{finished.stdout[-3000:]}{finished.stderr[-3000:]}")
             summaries[optimizer, option, lr] = json.loads((run_dir / "summary.json").read_text())
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            summaries[optimizer, option, lr]["train_losses"] = [(row["step"], row["loss"]) for row in rows if row["split"] == "train"]
             print(f"  {optimizer} {option} lr {lr:g}: validation loss {summaries[optimizer, option, lr]['final_valid_loss']:.4f}",
                   file=sys.stderr, flush=True)
     return summaries
@@ -146,6 +149,60 @@ def megatron_core_muon_note() -> str:
             f"{version('emerging-optimizers')}, FP32 weights, BF16 Newton-Schulz")
 
 
+def write_markdown(arguments: argparse.Namespace, summaries: dict, times: dict) -> None:
+    """The validation-loss table and the step-time table, those measured, as a stamped result file
+    (``report.py``), with each run's training loss per step plotted beside it, one panel per lr."""
+    import report
+
+    runs = [("muon", option) for option in arguments.options] + [BASELINE]
+    tables = []
+    if summaries:
+        command = (f"`python benchmarks/muon_loss.py --options {' '.join(arguments.options)} --lrs "
+                   f"{' '.join(f'{lr:g}' for lr in arguments.lrs)} --steps {arguments.steps} --warmup {arguments.warmup} "
+                   f"--micro-batch {arguments.micro_batch} --global-batch {arguments.global_batch} "
+                   f"--eval-iters {arguments.eval_iters}" + (f" --set {' '.join(arguments.set)}" if arguments.set else "") + "`")
+        tables.append((
+            ["run", *(f"lr {lr:g}" for lr in arguments.lrs)],
+            [[f"{optimizer} {option}", *(f"{summaries[optimizer, option, lr]['final_valid_loss']:.4f}" for lr in arguments.lrs)]
+             for optimizer, option in runs],
+            f"{command}: final validation loss of one `lowprec-train` run per cell on the embedded default (the tiny "
+            "GPT on the shipped corpus), `optimizer=muon` with each option (Moonshot's preset: update RMS matched to "
+            f"AdamW's) and AdamW D beside them; {arguments.steps} steps (learning-rate warmup {arguments.warmup}, cosine "
+            f"decay to a tenth of the peak), batch {arguments.global_batch} x 64 tokens, validation on "
+            f"{arguments.eval_iters} batches after the last step (a uniform prediction over the 4096 tokens scores "
+            "8.32). One seed: differences of a few 1e-4 are within what another seed could move.",
+        ))
+    if times:
+        tables.append((
+            ["optimizer", "ms", "vs AdamW D", "vs eager"],
+            [[name, f"{1e3 * seconds:.2f}", f"{seconds / times['adamw D']:.2f}",
+              f"{seconds / times[name.removesuffix(' fused')]:.2f}" if name.endswith(" fused") else ""]
+             for name, seconds in times.items()],
+            f"One optimizer step over BF16 parameters shaped as {arguments.time_layers} layers' hidden weights "
+            f"({sum(r * c for r, c in hidden_weight_shapes(arguments.time_layers)):,} parameters), the optimizers stepping "
+            f"in turn, median of {arguments.repeats} after {arguments.time_warmup} (`--time-layers {arguments.time_layers} "
+            f"--repeats {arguments.repeats} --muon-steps {' '.join(arguments.muon_steps)}`), {torch.get_num_threads()} "
+            f"threads; {megatron_core_muon_note()}.",
+        ))
+    (header, rows, description), *more = tables
+    notes = [description, *arguments.note]
+    for more_header, more_rows, more_description in more:
+        notes += [more_description, report.markdown_table(more_header, more_rows)]
+
+    def loss_curves(figure) -> None:
+        panels = figure.subplots(1, len(arguments.lrs), sharey=True, squeeze=False)[0]
+        for axes, lr in zip(panels, arguments.lrs):
+            for optimizer, option in runs:
+                steps, losses = zip(*summaries[optimizer, option, lr]["train_losses"])
+                axes.plot(steps, losses, label=f"{optimizer} {option}", linewidth=1)
+            axes.set_title(f"training loss, peak lr {lr:g}", fontsize=9)
+            axes.set_xlabel("step")
+        panels[-1].legend(fontsize=7)
+
+    report.write_result(arguments.markdown, "Muon's options: validation loss and step time", header, rows, notes,
+                        plot=loss_curves if summaries else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--options", nargs="+", default=list(DEFAULT_OPTIONS), help="Muon's precision options")
@@ -165,8 +222,15 @@ def main() -> None:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-loss", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
+                        help="also write the tables as a stamped Markdown file, with the loss curves beside it as PNG")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     arguments = parser.parse_args()
+    if arguments.markdown is not None and arguments.skip_loss and arguments.skip_timing:
+        parser.error("--markdown writes the loss table or the step-time table; --skip-loss with --skip-timing leaves neither")
     results: dict = {}
+    summaries: dict = {}
+    times: dict = {}
     if not arguments.skip_loss:
         with tempfile.TemporaryDirectory(prefix="muon_loss_") as work:
             summaries = final_losses(arguments, Path(work))
@@ -193,6 +257,8 @@ def main() -> None:
         results["step_seconds"] = times
     if arguments.json is not None:
         arguments.json.write_text(json.dumps(results, indent=1))
+    if arguments.markdown is not None:
+        write_markdown(arguments, summaries, times)
     if not all(math.isfinite(loss) for loss in results.get("valid_loss", {}).values()):
         raise SystemExit("a run ended with a non-finite validation loss")
 

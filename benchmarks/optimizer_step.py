@@ -195,7 +195,9 @@ PATHS = {"fused": dict(fused=True), "eager": dict(fused=False), "uncompiled": di
 def run(
     sizes: list[int], options: list[str], warmup: int, repeats: int, device: torch.device, path: str = "fused",
     kernels: bool = False, pieces: int | None = None, tensors: int = 4,
-) -> None:
+) -> list[dict]:
+    """Print a row per option beside its paired baseline; return each option's figures (see the keys
+    below), the bytes split into parameter, gradient, moments and other states, and master."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
@@ -207,6 +209,7 @@ def run(
         f"{'copy %':>7} {'peak MB':>8} {'bucket MB':>9}"
     )
     windows = {"": pieces, "(whole)": 1 << 62} if path == "uncompiled" else {"": None}
+    results = []
     for numel in sizes:
         bandwidth = copy_bandwidth(numel, device, repeats, sync)
         print(f"fp32 copy of {numel:.2g} elements: {bandwidth / 1e9:.1f} GB/s (the 'copy %' reference)")
@@ -223,6 +226,9 @@ def run(
                     params = make_params(numel, torch.bfloat16, device, torch.bfloat16, tensors)
                     optimizer = AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, option=strategy, **PATHS[path])
                     state_bytes = tensor_bytes(v for s in optimizer.state.values() for v in s.values())
+                    master_bytes = tensor_bytes(
+                        v for s in optimizer.state.values() for k, v in s.items() if k.startswith("master")
+                    )
                     bytes_per_param = (state_bytes + tensor_bytes(params) + tensor_bytes(p.grad for p in params)) / numel
                     traffic = 2 * 2 + 2 + 2 * state_bytes / numel
                     baseline_time, seconds = paired_median_seconds(baseline, optimizer, warmup, repeats, sync)
@@ -235,7 +241,18 @@ def run(
                     ))
                     if kernels:
                         print(f"{'':>8} {option:>12} {kernel_summary(optimizer.step)}")
+                    results.append({
+                        "params": numel, "option": option + suffix, "bytes_per_param": bytes_per_param,
+                        "param_bytes": tensor_bytes(params) / numel,
+                        "grad_bytes": tensor_bytes(p.grad for p in params) / numel,
+                        "megatron_grad_bytes": 4 if strategy.master_weights else 2,
+                        "state_bytes": (state_bytes - master_bytes) / numel, "master_bytes": master_bytes / numel,
+                        "seconds": seconds, "baseline_seconds": baseline_time, "traffic": traffic,
+                        "copy_bandwidth": bandwidth, "peak_bytes": peak, "baseline_peak_bytes": baseline_peak,
+                        "bucket_bytes": largest_bucket,
+                    })
                     del optimizer, params
+    return results
 
 
 def kernel_summary(step) -> str:
@@ -261,6 +278,74 @@ def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak,
     )
 
 
+def write_markdown(path: Path, results: list[dict], device: torch.device, settings: str, notes: list[str]) -> None:
+    """The step-time table and the bytes table as a stamped result file (``report.py``), with two plots
+    beside it: step time against a copy of the option's bytes (``NAME.png``) and the bytes per
+    parameter stacked by component (``NAME-memory.png``)."""
+    import report
+
+    header = ["params", "option", "step ms", "torch FP32 ms", "ratio", "Gparam/s", "eff GB/s", "copy %", "peak MB",
+              "bucket MB"]
+    rows = [[
+        f"{r['params']:.3g}", r["option"], f"{r['seconds'] * 1e3:.2f}", f"{r['baseline_seconds'] * 1e3:.2f}",
+        f"{r['seconds'] / r['baseline_seconds']:.2f}", f"{r['params'] / r['seconds'] / 1e9:.3f}",
+        f"{r['traffic'] * r['params'] / r['seconds'] / 1e9:.2f}",
+        f"{100 * r['traffic'] * r['params'] / r['seconds'] / r['copy_bandwidth']:.1f}",
+        f"{r['peak_bytes'] / 2**20:.1f}", f"{r['bucket_bytes'] / 2**20:.1f}",
+    ] for r in results]
+    first_size = [r for r in results if r["params"] == results[0]["params"]]
+    memory = report.markdown_table(
+        ["option", "parameter", "gradient (here)", "gradient buffer (Megatron path)", "moments and other state",
+         "master", "B/param (here)", "B/param (Megatron path)"],
+        [[r["option"], f"{r['param_bytes']:g}", f"{r['grad_bytes']:g}", f"{r['megatron_grad_bytes']:g}",
+          f"{r['state_bytes']:.5g}", f"{r['master_bytes']:g}", f"{r['bytes_per_param']:.5g}",
+          f"{r['bytes_per_param'] - r['grad_bytes'] + r['megatron_grad_bytes']:.5g}"] for r in first_size],
+    )
+    copies = ", ".join(sorted({f"{r['params']:.3g} elements: {r['copy_bandwidth'] / 1e9:.1f} GB/s" for r in results}))
+    notes = [
+        f"{settings}. Ratio: the option's median step time over torch's FP32 fused AdamW's, their steps alternating "
+        f"in the same process. Copy %: the option's effective bandwidth (bytes it must read and write per parameter "
+        f"x parameters / step time) as a share of a plain FP32 copy in the same run ({copies}). Peak MB: memory a "
+        "step allocates beyond what was live before it; bucket MB: the largest bucket's 16-bit parameters.",
+        *notes,
+        "Bytes per parameter, measured from the tensors the optimizer holds (parameter, gradient, state):",
+        memory,
+        "The gradient here is the BF16 gradient this benchmark allocates. `lowprec-train` reduces gradients in FP32 "
+        "(`precision.grad_reduce_in_fp32`) by default where the option keeps an FP32 master, so megatron-core's "
+        "gradient buffer there holds 4 B per parameter; the Megatron-path columns count it so (from that rule, not "
+        "measured here).",
+    ]
+
+    def step_against_copy(figure) -> None:
+        axes = figure.add_subplot()
+        labels = [f"{r['option']}\n{r['params']:.2g}" if len(results) > len(first_size) else r["option"] for r in results]
+        positions = range(len(results))
+        axes.bar([x - 0.2 for x in positions], [r["seconds"] * 1e3 for r in results], 0.4, label="step")
+        axes.bar([x + 0.2 for x in positions], [r["traffic"] * r["params"] / r["copy_bandwidth"] * 1e3 for r in results],
+                 0.4, label="a copy of its bytes")
+        axes.set_xticks(list(positions), labels, rotation=45, ha="right")
+        axes.set_ylabel("ms")
+        axes.set_title(f"Optimizer step against copy bandwidth ({report.device_name(device)})", fontsize=9)
+        axes.legend()
+
+    def stacked_bytes(figure) -> None:
+        axes = figure.add_subplot()
+        bottom = [0.0] * len(first_size)
+        for key, label in (("param_bytes", "parameter"), ("megatron_grad_bytes", "gradient buffer (Megatron path)"),
+                           ("state_bytes", "moments and other state"), ("master_bytes", "master")):
+            heights = [r[key] for r in first_size]
+            axes.bar([r["option"] for r in first_size], heights, bottom=bottom, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        axes.set_ylabel("bytes per parameter")
+        axes.set_title("Bytes per parameter by component", fontsize=9)
+        axes.tick_params(axis="x", rotation=45)
+        axes.legend(fontsize=8)
+
+    report.write_result(path, "Optimizer step: every option against torch's FP32 fused AdamW", header, rows, notes,
+                        device=device, plot=step_against_copy)
+    report.save_plot(stacked_bytes, path.with_name(path.stem + "-memory.png"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1M"], help="parameter counts, e.g. 1M 16M 64M")
@@ -283,6 +368,9 @@ def main() -> None:
         "--tensors", type=int, default=4, help="parameters the elements are split into (4: a transformer-like mix; "
         "more: near-equal, as a model's weights, where the step's host work shows)",
     )
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
+                        help="also write the table as a stamped Markdown file, with plots beside it as PNG")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.pieces is not None and not args.uncompiled:
@@ -291,8 +379,14 @@ def main() -> None:
         parser.error(f"--kernels lists GPU kernels and needs --device cuda; got --device {args.device}")
     sizes = [parse_size(s) for s in args.sizes]
     path = "eager" if args.eager else "uncompiled" if args.uncompiled else "fused"
-    run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces,
-        tensors=args.tensors)
+    results = run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces,
+                  tensors=args.tensors)
+    if args.markdown is not None:
+        settings = (f"`python benchmarks/optimizer_step.py --sizes {' '.join(args.sizes)} --tensors {args.tensors} "
+                    f"--warmup {args.warmup} --repeats {args.repeats}"
+                    + (f" --options {' '.join(args.options)}" if args.options != default_options() else "")
+                    + f"` (path {path}, {torch.get_num_threads()} threads)")
+        write_markdown(args.markdown, results, device, settings, args.note)
 
 
 if __name__ == "__main__":

@@ -118,12 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
-    print("| option | shard elements | layout | plain buckets ms | shard ms | shard / plain |")
-    print("|---|---|---|---|---|---|")
+    header = ["option", "shard elements", "layout", "plain buckets ms", "shard ms", "shard / plain"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    rows = []
     for size in args.sizes:
         for option in args.options:
             strategy = get_strategy(option)
@@ -131,8 +134,21 @@ def main(argv: list[str] | None = None) -> None:
             plain = PlainStep(shard, device)
             plain_seconds, shard_seconds = paired_median_seconds()(plain, shard, args.warmup, args.repeats, sync)
             layout = "in place" if shard.bucket.in_place else "packed"
-            print(f"| {strategy.name} | {shard.bucket.numel} | {layout} | {plain_seconds * 1e3:.2f} | "
-                  f"{shard_seconds * 1e3:.2f} | {shard_seconds / plain_seconds:.2f} |", flush=True)
+            rows.append([strategy.name, shard.bucket.numel, layout, f"{plain_seconds * 1e3:.2f}", f"{shard_seconds * 1e3:.2f}",
+                         f"{shard_seconds / plain_seconds:.2f}"])
+            print("| " + " | ".join(str(cell) for cell in rows[-1]) + " |", flush=True)
+    if args.markdown is not None:
+        import report
+
+        command = (f"`python benchmarks/shard_step.py --sizes {' '.join(args.sizes)} --tensors {args.tensors} "
+                   f"--warmup {args.warmup} --repeats {args.repeats} --options {' '.join(args.options)}`")
+        report.write_result(args.markdown, "Distributed optimizer: a shard in place against plain buckets", header, rows, [
+            f"{command}, {torch.get_num_threads()} threads. The shard: the second half of a megatron-like DDP bucket "
+            f"(rank 1 of DP=2, {args.tensors} parameters of two parameter groups, starts padded to 64 elements), stepped "
+            "in place over megatron's buffers as the distributed optimizer steps it; plain buckets: the same elements "
+            "in a bucket per parameter group that owns its parameters and gradients. Their steps alternate; medians; "
+            "lower ratio is faster.", *args.note,
+        ], device=device)
 
 
 if __name__ == "__main__":

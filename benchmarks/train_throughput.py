@@ -144,14 +144,14 @@ def median_results(rounds: list[dict]) -> dict:
     return {key: statistics.median(result[key] for result in rounds) for key in rounds[0]}
 
 
-def table(results: dict[str, dict], failures: dict[str, str] | None = None) -> str:
-    """A Markdown table, one row per run in the order of ``results`` (stock first); a failed run's
+def table_rows(results: dict[str, dict], failures: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:
+    """The header and one row per run in the order of ``results`` (stock first); a failed run's
     row names its failure, and without stock's figures the ratios are left out."""
     failures = failures or {}
     stock = results.get(STOCK)
     mfu = any("mfu" in result for result in results.values())
     header = ["run", "tokens/s", "TFLOP/s/GPU", *(["MFU"] if mfu else []), "peak GiB", "tokens/s vs stock", "peak vs stock"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for label in [*results, *failures]:
         if label in failures:
             cells = [label, f"failed: {failures[label]}", *["-"] * (len(header) - 2)]
@@ -166,8 +166,15 @@ def table(results: dict[str, dict], failures: dict[str, str] | None = None) -> s
                 f"{result['tokens_per_second'] / stock['tokens_per_second']:.2f}" if stock else "-",
                 f"{result['peak_gib'] / stock['peak_gib']:.2f}" if stock else "-",
             ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return header, rows
+
+
+def table(results: dict[str, dict], failures: dict[str, str] | None = None) -> str:
+    """:func:`table_rows` as a Markdown table."""
+    header, rows = table_rows(results, failures)
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def main() -> None:
@@ -185,6 +192,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help=f"profile {PROFILED_STEPS} untimed steps after the timed ones of each run's first round into DIR")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as a stamped Markdown file")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph for the Markdown file's notes")
     arguments = parser.parse_args()
     runs = dict(parse_run(text) for text in [STOCK, *(run for run in arguments.runs if run != STOCK)])
     measured: dict[str, list[dict]] = {label: [] for label in runs}
@@ -206,12 +215,25 @@ def main() -> None:
                 print(f"round {round_index + 1}, {label}: {result['tokens_per_second']:,.0f} tokens/s, "
                       f"peak {result['peak_gib']:.2f} GiB", flush=True)
     results = {label: median_results(rounds) for label, rounds in measured.items() if label not in failures}
-    print(
+    settings = (
         f"model {arguments.model}, micro-batch {arguments.micro_batch}, global batch {arguments.global_batch}, "
         f"{arguments.nproc} process(es), {arguments.steps} timed steps after {arguments.warmup}, "
         f"median of {arguments.rounds} round(s); overrides {' '.join(arguments.set) or 'none'}"
     )
+    print(settings)
     print(table(results, failures))
+    if arguments.markdown is not None:
+        import report
+        import torch
+
+        header, rows = table_rows(results, failures)
+        report.write_result(arguments.markdown, f"Training throughput against stock megatron-core ({arguments.model})",
+                            header, rows, [
+            f"`python benchmarks/train_throughput.py --runs {' '.join(arguments.runs)}`, {settings}: one `lowprec-train` "
+            "process per run, stock megatron-core (`precision=megatron`) the baseline of the ratios; tokens/s over the "
+            "timed steps (the fused step compiled at the first step); peak memory of the run on the largest rank "
+            "(allocated on GPUs, the resident set on CPUs).", *arguments.note,
+        ], device="cuda" if torch.cuda.is_available() else "cpu")
     if arguments.json is not None:
         arguments.json.write_text(json.dumps({**results, **{label: {"failed": why} for label, why in failures.items()}}, indent=1))
     if failures:
