@@ -48,7 +48,10 @@ import importlib.util
 import os
 import runpy
 import sys
+import warnings
 from typing import Any
+
+from packaging.version import Version
 
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
@@ -94,8 +97,34 @@ def _one_line_errors_for_our_flags(parser: argparse.ArgumentParser) -> None:
     parser.error = error_without_usage
 
 
+class _EarlierSpelling(argparse.Action):
+    """An earlier spelling of a flag, hidden from ``--help``: sets what the flag ``current`` sets, with a
+    warning naming both."""
+
+    def __init__(self, option_strings: list[str], dest: str, current: str, const: Any, **unused: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.current = current
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        warnings.warn(f"{option_string} is deprecated; use {self.current}", FutureWarning)
+        setattr(namespace, self.dest, self.const)
+
+
+RENAMED_FLAGS = {
+    "--lowprec-no-shared-randomness": ("--no-lowprec-shared-randomness", "lowprec_shared_randomness", False),
+    "--lowprec-emulate-no-clamp-outer-range": ("--no-lowprec-emulate-clamp-outer-range", "lowprec_emulate_clamp_outer_range", False),
+    "--lowprec-emulate-no-clamp-inner-range": ("--no-lowprec-emulate-clamp-inner-range", "lowprec_emulate_clamp_inner_range", False),
+}
+"""Earlier spellings of flags: the current flag, the argument it sets and the value."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``)."""
+    """The ``--lowprec-*`` arguments in their own group of Megatron-LM's parser (an ``extra_args_provider``).
+
+    Each is ``--lowprec-`` and the key of ``lowprec-train``'s ``precision`` group (``--lowprec-master-storage``
+    is ``precision.master_storage``); a switch is ``--lowprec-KEY`` and ``--no-lowprec-KEY``, as argparse
+    and Megatron-LM spell a negation. The earlier spellings of :data:`RENAMED_FLAGS` work with a warning.
+    """
     _one_line_errors_for_our_flags(parser)
     group = parser.add_argument_group(title="megatron-lowprec precision options")
     group.add_argument(
@@ -104,14 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--lowprec-seed", type=int, default=None,
                        help="seed of stochastic rounding's random stream (default: --seed)")
-    group.add_argument("--lowprec-no-shared-randomness", dest="lowprec_shared_randomness", action="store_false",
-                       help="each rank draws its own stochastic-rounding bits (the SR paper's ablation)")
+    group.add_argument("--lowprec-shared-randomness", action=argparse.BooleanOptionalAction, default=True,
+                       help="every replica of a parameter draws the same stochastic-rounding bits (SR paper Alg. 1; default: on); "
+                            "--no-lowprec-shared-randomness: each rank its own (the SR paper's ablation)"),
     group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled optimizer step (default: where it is available)")
     group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
                        help="the first steps run the fused step uncompiled (the same bits) while a child process "
                             "compiles it into Inductor's cache (default: on)")
-    group.add_argument("--lowprec-track-update-quality", action="store_true",
+    group.add_argument("--lowprec-track-update-quality", action=argparse.BooleanOptionalAction, default=False,
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
                        help="FP32 master of D, coat or D-BF16 kept whole or as a 16-bit remainder below the BF16 "
@@ -121,12 +151,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
                        help="emulate the linear layers' matmuls in this format, e.g. E8M5")
     group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest")
-    group.add_argument("--lowprec-emulate-no-clamp-outer-range", dest="lowprec_emulate_clamp_outer_range",
-                       action="store_false")
-    group.add_argument("--lowprec-emulate-no-clamp-inner-range", dest="lowprec_emulate_clamp_inner_range",
-                       action="store_false")
+    group.add_argument("--lowprec-emulate-clamp-outer-range", action=argparse.BooleanOptionalAction, default=True,
+                       help="the emulation saturates magnitudes above the format's largest value")
+    group.add_argument("--lowprec-emulate-clamp-inner-range", action=argparse.BooleanOptionalAction, default=True,
+                       help="the emulation flushes magnitudes below the format's subnormals")
     group.add_argument("--lowprec-layers-exclude", nargs="*", default=["output_layer"], metavar="MODULE",
                        help="modules kept in BF16 by the FP8 layers and the emulation (default: output_layer)")
+    for earlier, (current, dest, value) in RENAMED_FLAGS.items():
+        group.add_argument(earlier, dest=dest, action=_EarlierSpelling, current=current, const=value)
     return parser
 
 
@@ -138,9 +170,67 @@ def _with_precision_arguments(parse_args):
                 parser = extra_args_provider(parser)
             return add_arguments(parser)
 
-        return parse_args(providers, *args, **kwargs)
+        parsed = parse_args(providers, *args, **kwargs)
+        _refuse_muon_with_megatrons_distributed_optimizer(parsed)
+        _print_rank_0(requested_optimizer(parsed))
+        return parsed
 
     return parse_args_with_precision
+
+
+MUON_WITH_DISTRIBUTED_OPTIMIZER = Version("0.18")
+"""From this megatron-core, Megatron-LM takes ``--optimizer muon --use-distributed-optimizer`` (its
+layer-wise distributed optimizer); before it, its ``validate_args`` refuses the pair."""
+
+
+def _refuse_muon_with_megatrons_distributed_optimizer(args: argparse.Namespace) -> None:
+    """One line instead of Megatron-LM 0.16/0.17's assertion on ``--optimizer muon
+    --use-distributed-optimizer``, naming the precision option's alternative: ``--optimizer dist_muon``."""
+    from megatron_lowprec.megatron import compat
+
+    optimizer = getattr(args, "optimizer", "adam")
+    if getattr(args, "lowprec_option", None) is None or "muon" not in optimizer or not getattr(args, "use_distributed_optimizer", False):
+        return
+    version = compat.megatron_core_version()
+    if version < MUON_WITH_DISTRIBUTED_OPTIMIZER:
+        _stop(
+            f"megatron-lowprec: Megatron-LM at megatron-core {version} refuses --optimizer {optimizer} with "
+            f"--use-distributed-optimizer; to shard option {args.lowprec_option}'s Muon over the data-parallel ranks use "
+            "--optimizer dist_muon without --use-distributed-optimizer (the layer-wise distributed optimizer: each "
+            f"matrix and its state on one rank), or megatron-core {MUON_WITH_DISTRIBUTED_OPTIMIZER}+"
+        )
+
+
+def requested_optimizer(args: argparse.Namespace) -> str:
+    """The line that opens a run: the precision option and the optimizer its flags ask for."""
+    optimizer = getattr(args, "optimizer", "adam")
+    option = getattr(args, "lowprec_option", None)
+    if option is None:
+        return f"megatron-lowprec: no --lowprec-option; megatron's own optimizer (--optimizer {optimizer})"
+    if "muon" in optimizer:
+        sharded = ", sharded by layer over the data-parallel ranks" if optimizer.startswith("dist_") else ""
+        return (f"megatron-lowprec: option {option} with --optimizer {optimizer}: the project's Muon for the 2-D hidden "
+                f"weights chained with its AdamW for the rest, both with option {option}{sharded}")
+    return f"megatron-lowprec: option {option} with --optimizer {optimizer}: the project's AdamW with option {option}"
+
+
+def _rank() -> int:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _print_rank_0(line: str) -> None:
+    """``line`` printed by the first rank only, as Megatron-LM's ``print_rank_0`` does."""
+    if _rank() == 0:
+        print(line, flush=True)
+
+
+def _stop(line: str) -> None:
+    """Every rank exits with status 1, the first printing ``line`` (one line, not one per rank)."""
+    raise SystemExit(line if _rank() == 0 else 1)
 
 
 def precision_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,16 +241,100 @@ def precision_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+TRAINING_MODULE = "megatron.training.training"
+
+OPTIMIZER_BUILDERS = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
+"""The functions of megatron-core that Megatron-LM's ``setup_model_and_optimizer`` calls to build the
+optimizer (bound by name in ``megatron.training.training``): ``get_megatron_optimizer`` for every
+``--optimizer`` from 0.18, and until 0.17 for all but Muon, which ``get_megatron_muon_optimizer``
+builds (``--optimizer muon``, or ``dist_muon`` for its layer-wise distributed optimizer)."""
+
+_BUILT_THROUGH: list[str] = []
+"""The :data:`OPTIMIZER_BUILDERS` whose replacement ran during the current ``setup_model_and_optimizer``."""
+
+
 def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
     """Megatron-LM's ``get_megatron_optimizer``: the precision option when ``--lowprec-option`` is given."""
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    _BUILT_THROUGH.append("get_megatron_optimizer")
+    precision_config = _precision_config(config)
+    if precision_config is None:
+        return _original(TRAINING_MODULE, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
+    return build_optimizer(precision_config, model_chunks, *args, **kwargs)
+
+
+def get_megatron_muon_optimizer(
+    config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
+    layer_wise_distributed_optimizer=False, pg_collection=None,
+):
+    """Megatron-LM's ``get_megatron_muon_optimizer`` (megatron-core 0.16 and 0.17): with
+    ``--lowprec-option``, the project's Muon for the 2-D hidden weights chained with its AdamW for the
+    rest, both with the option (emerging-optimizers is not needed), sharded by layer with
+    ``layer_wise_distributed_optimizer`` (``--optimizer dist_muon``); megatron-core's own otherwise."""
+    from megatron_lowprec.megatron import compat
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    _BUILT_THROUGH.append("get_megatron_muon_optimizer")
+    precision_config = _precision_config(config, **(compat.layer_wise_fields() if layer_wise_distributed_optimizer else {}))
+    if precision_config is None:
+        return _original(TRAINING_MODULE, "get_megatron_muon_optimizer")(
+            config, model_chunks, config_overrides, use_gloo_process_groups, layer_wise_distributed_optimizer, pg_collection
+        )
+    return build_optimizer(
+        precision_config, model_chunks, config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+    )
+
+
+def _precision_config(config, **changes):
+    """Megatron's optimizer ``config`` with the ``--lowprec-*`` settings and ``changes`` as a
+    :class:`LowPrecisionOptimizerConfig`; None without ``--lowprec-option``."""
     from megatron.training import get_args
 
-    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
 
     settings = precision_settings(get_args())
     if settings["lowprec_option"] is None:
-        return _original("megatron.training.training", "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
-    return build_optimizer(LowPrecisionOptimizerConfig.from_optimizer_config(config, **settings), model_chunks, *args, **kwargs)
+        return None
+    return LowPrecisionOptimizerConfig.from_optimizer_config(config, **settings, **changes)
+
+
+def _checked_after_building(setup_model_and_optimizer):
+    """Megatron-LM's ``setup_model_and_optimizer`` that, once the optimizer is built and before the
+    first iteration, prints the option and the optimizer in use (rank 0), or stops with one line
+    where ``--lowprec-option`` asked for an option that does not step every parameter
+    (:func:`~megatron_lowprec.megatron.option_check.optimizer_in_use`)."""
+
+    @functools.wraps(setup_model_and_optimizer)
+    def setup_and_check(*args, **kwargs):
+        _BUILT_THROUGH.clear()
+        model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
+        if optimizer is not None:
+            _print_rank_0(_optimizer_in_use(model, optimizer))
+        return model, optimizer, scheduler
+
+    return setup_and_check
+
+
+def _optimizer_in_use(model_chunks, optimizer) -> str:
+    from megatron.training import get_args
+
+    from megatron_lowprec.megatron import compat, option_check
+
+    args = get_args()
+    through = " and ".join(f"the plugin's {name}" for name in dict.fromkeys(_BUILT_THROUGH))
+    path = (f"megatron-core {compat.megatron_core_version()}, Megatron-LM's setup_model_and_optimizer with --optimizer "
+            f"{args.optimizer} through {through or 'none of ' + ', '.join(OPTIMIZER_BUILDERS)}")
+    try:
+        return option_check.optimizer_in_use(
+            optimizer, model_chunks, args.lowprec_option, asked_by="--lowprec-option", path=path,
+            remedy=(f"run megatron-core {compat.SUPPORTED_RANGE} with megatron_lm.install() called before pretrain "
+                    "(python -m megatron_lowprec.megatron.megatron_lm SCRIPT calls it), or build the optimizer with "
+                    "megatron_lowprec.megatron.optimizer.build_optimizer"),
+        )
+    except option_check.OptionNotInUse as error:
+        _stop(str(error))
 
 
 def layer_precision_hook(model_chunks) -> list[str]:
@@ -213,8 +387,10 @@ def install() -> None:
     for module, name in compat.megatron_lm_argument_parsers():
         _replace(module, name, _with_precision_arguments(getattr(module, name)))
     _replace(training, "get_megatron_optimizer", get_megatron_optimizer)
+    if hasattr(training, "get_megatron_muon_optimizer"):
+        _replace(training, "get_megatron_muon_optimizer", get_megatron_muon_optimizer)
     _replace(training, "setup_model_and_optimizer",
-             compat.add_model_hook(training.setup_model_and_optimizer, layer_precision_hook))
+             _checked_after_building(compat.add_model_hook(training.setup_model_and_optimizer, layer_precision_hook)))
     from megatron.core.datasets import utils as dataset_utils
 
     _replace(dataset_utils, "compile_helpers", _compile_helpers_unless_built(dataset_utils.compile_helpers))
