@@ -9,7 +9,7 @@ top of the typed schema :class:`~megatron_lowprec.train.config.TrainConfig`; eve
 same config. Errors in the config (an unknown option or key, a layout that does not fit the world
 size) are reported in one line, before any process group, dataset or model is created (exit 2), as
 is a checkpoint that cannot be resumed from. ``--help`` lists the config groups and the most used
-keys; ``--version`` the versions of this package, torch and megatron-core. Ctrl-C stops with one
+keys, ``--help-config`` every key; ``--version`` the versions of this package, torch and megatron-core. Ctrl-C stops with one
 line naming the step reached and the checkpoint a rerun resumes from (exit 130); a diverged run (loss or
 gradient norm not finite for ``trainer.max_nonfinite_steps`` steps in a row) with one line (exit 3).
 """
@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, to_yaml, validate
+from megatron_lowprec.train.reference import config_help_text
 from megatron_lowprec.train.usage import help_text, version_text
 
 CONFIG_DIR_VARIABLE = "LOWPREC_CONFIG_DIR"
 SCHEMA_NAME = "train_schema"
 HELP_FLAGS = ("-h", "--help")
+HELP_CONFIG_FLAGS = ("--help-config",)
 VERSION_FLAGS = ("-V", "--version")
 def config_dir() -> Path:
     """``$LOWPREC_CONFIG_DIR``, else the ``configs/`` folder of the source tree this package is in."""
@@ -169,9 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if any(argument in HELP_FLAGS for argument in arguments):
+    help_config = any(argument in HELP_CONFIG_FLAGS for argument in arguments)
+    if help_config or any(argument in HELP_FLAGS for argument in arguments):
         try:
-            print(help_text(config_dir()), flush=True)
+            print(config_help_text() if help_config else help_text(config_dir()), flush=True)
         except BrokenPipeError:  # lowprec-train --help | head
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -188,7 +191,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if options:
             raise ConfigError(
                 f"unknown option {options[0]!r}: lowprec-train takes Hydra overrides (key=value, group=member) "
-                f"and {', '.join(HELP_FLAGS + VERSION_FLAGS)}"
+                f"and {', '.join(HELP_FLAGS + HELP_CONFIG_FLAGS + VERSION_FLAGS)}"
             )
         config = compose(arguments)
         world_size, world_size_note = _planned_world_size(config, launched="WORLD_SIZE" in os.environ)

@@ -3,13 +3,12 @@
 The help is built from what it describes, so that it cannot drift: the config groups and presets are
 the files in the config directory (each summarised by the first sentence of its leading comment),
 and the keys are fields of the schema :class:`~megatron_lowprec.train.config.TrainConfig` (each
-described by the first sentence of its docstring, with its default).
+described by the first sentence of its docstring, with its default). ``--help-config`` prints every
+key (:func:`megatron_lowprec.train.reference.config_help_text`).
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
 import re
 import sys
 import textwrap
@@ -17,15 +16,15 @@ from importlib import metadata
 from pathlib import Path
 
 from megatron_lowprec.train.config import TrainConfig
+from megatron_lowprec.train.reference import field_docs
 
-SOURCE_TREE = Path(__file__).resolve().parents[2]
 HELP_WIDTH = 100
 HELP_LINES = 2
 """Lines of ``--help`` text per group member or key; longer descriptions end in "..."."""
 USAGE = """\
 usage: lowprec-train [GROUP=MEMBER ...] [KEY=VALUE ...] [+experiment=PRESET]
        torchrun --nproc-per-node N -m megatron_lowprec.train [...]  (N ranks; or launch/torchrun.sh)
-       lowprec-train --help | --version
+       lowprec-train --help | --help-config | --version
 
 Pretrain a megatron-core GPT with one low-precision optimizer option. Every argument is a Hydra
 override of the typed config; a wrong key or value stops the run before any work (exit 2).
@@ -55,23 +54,7 @@ COMMON_KEYS = (
     "resume",
     "resume_from",
 )
-"""The keys ``--help`` describes (every key: the schema in ``megatron_lowprec/train/config.py``)."""
-
-
-def field_docs(schema: type) -> dict[str, str]:
-    """The docstring under each field of a schema dataclass, read from its source, on one line."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(schema))).body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
+"""The keys ``--help`` describes (every key: ``--help-config``)."""
 
 
 def _first_sentence(text: str, clauses: bool = False) -> str:
@@ -130,7 +113,7 @@ def _rows(rows: list[tuple[str, str]], indent: int, max_lines: int = HELP_LINES)
 def help_text(directory: Path) -> str:
     """What ``lowprec-train --help`` prints: usage, the config groups in ``directory`` with their
     members and one-line summaries (a preset's: the paper table it reproduces), the most used keys
-    with their defaults, and where the README is."""
+    with their defaults, and where every key and the training app are documented."""
     lines = [USAGE, "", f"config groups (GROUP=MEMBER; in {directory}):"]
     for group in ("precision", "optimizer", "model", "data"):
         lines.append(f"  {group}=")
@@ -144,12 +127,11 @@ def help_text(directory: Path) -> str:
         default, sentence = _key_help(key)
         rows.append((key, f"{sentence} [{default}]"))
     lines += _rows(rows, 2)
-    readme = SOURCE_TREE / "README.md"
     lines += [
         "",
-        "Every key with its type and meaning: megatron_lowprec/train/config.py. Runs, resuming, preemption",
-        'and the run directory: the README\'s section "Training: lowprec-train"' + (":" if readme.is_file() else "."),
-        *([f"  {readme}"] if readme.is_file() else []),
+        "Every key with its type, default and meaning: lowprec-train --help-config, and the documentation's",
+        'reference page "lowprec-train config" (docs/reference/config.md). Runs, resuming, preemption and',
+        'the run directory: its how-to "The training app" (docs/how-to/training-app.md).',
     ]
     return "\n".join(lines)
 

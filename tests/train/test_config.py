@@ -55,7 +55,7 @@ def test_precision_flag_selects_the_option(option):
 
 
 def test_precision_accepts_every_name_and_alias_in_any_case_wherever_an_option_is_named():
-    """README: option names are case-insensitive, with aliases. The Hydra group (``precision=c``,
+    """Option names are case-insensitive, with aliases. The Hydra group (``precision=c``,
     ``precision=collage_plus``), ``precision.option``, Megatron-LM's ``--lowprec-option`` and the
     Python API's ``AdamW(option=...)`` all take them."""
     import argparse
@@ -276,7 +276,7 @@ def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
     assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in capsys.readouterr().out
 
 
-def test_help_lists_the_groups_the_most_used_keys_and_the_readme(capsys):
+def test_help_lists_the_groups_the_most_used_keys_and_where_every_key_is(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     groups = out.split("config groups")[1].split("most used keys")[0]
@@ -288,10 +288,20 @@ def test_help_lists_the_groups_the_most_used_keys_and_the_readme(capsys):
     keys = out.split("most used keys")[1]
     assert "trainer.max_steps" in keys and "Optimizer steps to train [300]" in keys
     assert "trainer.exit_signal" in keys and "optimizer.override_opt_param_scheduler" in keys
-    assert "README" in out and "Training: lowprec-train" in out
-    paths = (str(config_dir()), str(Path(__file__).resolve().parents[2]))
-    assert max(len(line) for line in out.splitlines() if not any(path in line for path in paths)) <= 100
+    assert "lowprec-train --help-config" in out and "docs/reference/config.md" in out
+    assert max(len(line) for line in out.splitlines() if str(config_dir()) not in line) <= 100
     assert main(["precision=C", "-h"]) == 0 and "config groups" in capsys.readouterr().out
+
+
+def test_help_config_prints_every_key_with_its_type_and_default(capsys):
+    from megatron_lowprec.train.reference import config_keys
+
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    for key in config_keys():
+        assert f"\n  {key.key} ({key.type}, default {key.default})\n" in out, key.key
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main(["precision=C", "--help-config"]) == 0 and capsys.readouterr().out == out
 
 
 def test_version_names_the_package_torch_and_megatron_core(capsys):
