@@ -198,6 +198,7 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_lowprec.megatron.option_check import optimizer_in_use
     from megatron_lowprec.megatron.optimizer import build_optimizer
 
     trainer, optim = config.trainer, config.optimizer
@@ -243,6 +244,8 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
             track_update_quality=config.precision.track_update_quality,
             master_storage=config.precision.master_storage,
         )
+        optimizer_in_use(optimizer, [model], strategy.name, asked_by="precision.option", path="lowprec-train's build_run",
+                         remedy="build_optimizer left them to another optimizer: report this line", error=ConfigError)
     module.config.finalize_model_grads_func = finalize_model_grads
     module.config.grad_scale_func = optimizer.scale_loss
     decay_steps = optim.lr_decay_steps or max(trainer.max_steps, 1)
