@@ -8,7 +8,7 @@ background while the first steps run it uncompiled, ``precision.background_compi
 this benchmark sets unless given ``--no-background-compile``; for an option
 that compiles nothing, the second step), after which the process exits. Cold: an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``), what
 a new user and CI have. Warm: the same directory again, what the user's next run has. The baseline
-is ``precision=megatron``, megatron-core's own optimizer, which on CPU is plain ``torch.optim.AdamW``
+is ``baseline=megatron``, megatron-core's own optimizer, which on CPU is plain ``torch.optim.AdamW``
 (nothing compiled), timed just before each cold and each warm run of an option. Before any timing one untimed baseline run prepares the
 corpus cache, so that no run pays for it. Runs go one after another; on a shared machine compare
 the ratios of one run, not absolute seconds across runs.
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 BASELINE = "megatron"
-"""The app's precision member for megatron-core's own optimizer (``torch.optim.AdamW`` on CPU)."""
+"""The app's ``baseline`` member for megatron-core's own optimizer (``torch.optim.AdamW`` on CPU)."""
 
 FIRST_STEP_MARK = "FIRST_STEP_END"
 COMPILED_STEP_MARK = "COMPILED_STEP_END"
@@ -76,7 +76,7 @@ def first_step_seconds(option: str, cache_dir: Path, run_dir: Path, background_c
     environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     started = time.time()
     completed = subprocess.run(
-        [sys.executable, "-c", CHILD, f"precision={option}", f"run_dir={run_dir}",
+        [sys.executable, "-c", CHILD, f"{'baseline' if option == BASELINE else 'precision'}={option}", f"run_dir={run_dir}",
          f"precision.background_compile={str(background_compile).lower()}"],
         env=environment, capture_output=True, text=True,
     )
@@ -200,7 +200,7 @@ def main() -> None:
             f"`python benchmarks/first_step.py --options {' '.join(args.options)} --repeats {args.repeats}{background}`: "
             "`lowprec-train precision=OPTION` on the embedded default, a fresh process per run, from its start to the "
             "end of its first optimizer step and of its first step with the compiled kernel; cold: an empty Inductor "
-            f"cache, warm: the same cache again. Baseline: `precision={BASELINE}` (megatron-core's own optimizer, "
+            f"cache, warm: the same cache again. Baseline: `baseline={BASELINE}` (megatron-core's own optimizer, "
             "plain `torch.optim.AdamW` on CPU), run just before each. Compare each row's ratios, not seconds across "
             "rows.", *args.note,
         ], device=device)

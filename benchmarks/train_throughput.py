@@ -1,7 +1,7 @@
 """Training throughput of precision options against stock megatron-core, on the same model in one invocation.
 
 Each run is a ``lowprec-train`` process (``torchrun`` with ``--nproc`` > 1) on the same model, data,
-batch and layout, differing only in the precision config; stock megatron-core (``precision=megatron``:
+batch and layout, differing only in the precision config; stock megatron-core (``baseline=megatron``:
 its own ``get_megatron_optimizer``, BF16 parameters, FP32 master weights) is always among them and is
 the baseline of the ratios. Runs go one after another, ``--rounds`` times in turn (so that a machine
 whose speed drifts slows every run alike), and each figure is the median over the rounds. Each run
@@ -49,15 +49,20 @@ import tempfile
 from pathlib import Path
 
 STOCK = "megatron"
+BASELINES = (STOCK, "te_fp8")
+"""Run names that are members of the app's ``baseline`` group (stock megatron-core, Transformer
+Engine's FP8) rather than precision options."""
 PROFILED_STEPS = 2
 """Steps profiled after the timed ones with ``--profile``."""
 DEFAULT_RUNS = ("A", "B", "C", "D", "D-MW", "kahan", "sr", "coat")
 
 
 def parse_run(text: str) -> tuple[str, list[str]]:
-    """``NAME[:OVERRIDE,...]`` → the label and the run's Hydra overrides."""
+    """``NAME[:OVERRIDE,...]`` → the label and the run's Hydra overrides (``NAME``: an option or one of
+    :data:`BASELINES`)."""
     name, _, extra = text.partition(":")
-    return text, [f"precision={name}", *(override for override in extra.split(",") if override)]
+    group = "baseline" if name in BASELINES else "precision"
+    return text, [f"{group}={name}", *(override for override in extra.split(",") if override)]
 
 
 def train_command(arguments: argparse.Namespace, overrides: list[str], run_dir: Path, profile: bool = False) -> list[str]:
@@ -230,7 +235,7 @@ def main() -> None:
         report.write_result(arguments.markdown, f"Training throughput against stock megatron-core ({arguments.model})",
                             header, rows, [
             f"`python benchmarks/train_throughput.py --runs {' '.join(arguments.runs)}`, {settings}: one `lowprec-train` "
-            "process per run, stock megatron-core (`precision=megatron`) the baseline of the ratios; tokens/s over the "
+            "process per run, stock megatron-core (`baseline=megatron`) the baseline of the ratios; tokens/s over the "
             "timed steps (the fused step compiled at the first step); peak memory of the run on the largest rank "
             "(allocated on GPUs, the resident set on CPUs).", *arguments.note,
         ], device="cuda" if torch.cuda.is_available() else "cpu")

@@ -404,8 +404,8 @@ def qkv_split_rows(model_chunks: list[torch.nn.Module], split_qkv: bool) -> dict
     return rows
 
 
-MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
-"""megatron-core's ``muon_scale_mode`` names and :class:`Muon`'s ``scale_mode`` for each."""
+MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+"""megatron-core's ``muon_scale_mode`` names, which :class:`Muon`'s ``scale_mode`` takes as they are."""
 
 MUON_COEFFICIENT_TYPES = {"quintic": QUINTIC_COEFFICIENT_SETS, "simple": NS_COEFFICIENTS}
 """megatron-core's ``muon_coefficient_type`` names (emerging-optimizers' sets) and :class:`Muon`'s
@@ -469,7 +469,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ...)`` as ``get_megatron_optimizer`` is called, and :meth:`provide` as Megatron-Bridge calls it.
 
     ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
-    ``coat``); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
+    ``coat``, ``D-BF16``, or an alias); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
     ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
     it is available), and ``lowprec_background_compile`` lets the first steps run it uncompiled (the
     same bits) while a child process compiles it into Inductor's cache (see ``AdamW``; off here as in
@@ -787,7 +787,7 @@ def _build_muon(
         nesterov=getattr(config, compat.muon_nesterov_field()),
         ns_coefficients=MUON_COEFFICIENT_TYPES[getattr(config, "muon_coefficient_type", "quintic")],
         ns_steps=config.muon_num_ns_steps,
-        scale_mode=MUON_SCALE_MODES[config.muon_scale_mode],
+        scale_mode=config.muon_scale_mode,
         extra_scale_factor=config.muon_extra_scale_factor,
         option=strategy,
         fused=config.lowprec_fused,

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -103,15 +104,20 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 SCALE_MODES: dict[str, Callable[[int, int], float]] = {
-    "original": lambda rows, columns: math.sqrt(max(1, rows / columns)),
+    "shape_scaling": lambda rows, columns: math.sqrt(max(1, rows / columns)),
     "match_rms_adamw": lambda rows, columns: 0.2 * math.sqrt(max(rows, columns)),
     "spectral": lambda rows, columns: math.sqrt(max(rows, columns)),
     "unit_rms_norm": lambda rows, columns: math.sqrt(rows / columns),
 }
-"""s(m, n) for an m x n weight: torch's ``adjust_lr_fn`` choices ``"original"`` (Keller Jordan's
-√max(1, m/n), megatron-core's ``"shape_scaling"``) and ``"match_rms_adamw"`` (Moonshot's 0.2·√max(m, n),
-arXiv 2502.16982 §2.2), and megatron-core's ``"spectral"`` (√max(m, n), its default) and
-``"unit_rms_norm"`` (√(m/n))."""
+"""s(m, n) for an m x n weight, by megatron-core's ``muon_scale_mode`` names: ``"shape_scaling"``
+(Keller Jordan's √max(1, m/n), torch's ``adjust_lr_fn="original"``), ``"spectral"`` (√max(m, n), its
+default) and ``"unit_rms_norm"`` (√(m/n)); and torch's ``"match_rms_adamw"`` (Moonshot's
+0.2·√max(m, n), arXiv 2502.16982 §2.2), which megatron-core spells ``"spectral"`` with
+``muon_extra_scale_factor=0.2``."""
+EARLIER_SCALE_MODES = {"original": "shape_scaling"}
+"""Earlier spellings of :data:`SCALE_MODES` names (torch's ``adjust_lr_fn`` name): :class:`Muon` takes
+them with a warning, :func:`update_scale` (which a parameter group restored from an earlier
+checkpoint reaches) without."""
 
 
 def muon_strategy(option: str | PrecisionStrategy) -> PrecisionStrategy:
@@ -123,6 +129,7 @@ def muon_strategy(option: str | PrecisionStrategy) -> PrecisionStrategy:
 
 def update_scale(shape: torch.Size | tuple[int, int], scale_mode: str) -> float:
     """s(m, n) of :data:`SCALE_MODES` for a weight of ``shape`` (m, n)."""
+    scale_mode = EARLIER_SCALE_MODES.get(scale_mode, scale_mode)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode={scale_mode!r} is not valid; choose one of {', '.join(SCALE_MODES)}")
     rows, columns = shape
@@ -224,7 +231,7 @@ def orthogonal_step_(
     ns_coefficients: Coefficients = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
     eps: float = NS_EPS,
-    scale_mode: str = "original",
+    scale_mode: str = "shape_scaling",
     extra_scale_factor: float = 1.0,
     sharded: ShardedMatrix | None = None,
     split_rows: tuple[int, ...] | None = None,
@@ -368,6 +375,15 @@ def _as_tuples(coefficients: Any) -> Any:
     return tuple(_as_tuples(value) for value in coefficients) if isinstance(coefficients, (tuple, list)) else coefficients
 
 
+def _current_scale_mode(scale_mode: str) -> str:
+    """``scale_mode``, an earlier spelling (:data:`EARLIER_SCALE_MODES`) as the current one with a warning."""
+    if scale_mode not in EARLIER_SCALE_MODES:
+        return scale_mode
+    current = EARLIER_SCALE_MODES[scale_mode]
+    warnings.warn(f"scale_mode={scale_mode!r} is deprecated; use scale_mode={current!r} (megatron-core's name)", FutureWarning, stacklevel=3)
+    return current
+
+
 def _check_hyperparameters(group: dict[str, Any]) -> None:
     checks = [
         ("lr", group["lr"] >= 0, ">= 0"),
@@ -388,9 +404,10 @@ class Muon(PrecisionOptimizer):
     :func:`megatron_lowprec.optim.strategies.strategy_names`) that decides the momentum's storage and
     how the update is rounded into the parameter (module docstring; C is B for Muon).
 
-    Hyperparameters and defaults are ``torch.optim.Muon``'s; ``scale_mode`` is torch's
-    ``adjust_lr_fn`` (``"original"``, ``"match_rms_adamw"``) or megatron-core's ``"spectral"`` and
-    ``"unit_rms_norm"``, times ``extra_scale_factor`` (megatron-core's ``muon_extra_scale_factor``).
+    Hyperparameters and defaults are ``torch.optim.Muon``'s; ``scale_mode`` (:data:`SCALE_MODES`) is
+    megatron-core's ``muon_scale_mode`` (``"shape_scaling"``, torch's default ``adjust_lr_fn``,
+    ``"spectral"``, ``"unit_rms_norm"``) or torch's ``"match_rms_adamw"``, times ``extra_scale_factor``
+    (megatron-core's ``muon_extra_scale_factor``).
     ``ns_coefficients`` is torch's one (a, b, c) for every Newton-Schulz iteration or, as
     megatron-core's coefficient types, a sequence of triples taken in turn (:func:`coefficient_schedule`).
     Parameters must be 2-D and bfloat16 or float16 (others: :class:`~megatron_lowprec.optim.AdamW`
@@ -431,7 +448,7 @@ class Muon(PrecisionOptimizer):
         ns_coefficients: Coefficients = NS_COEFFICIENTS,
         eps: float = NS_EPS,
         ns_steps: int = NS_STEPS,
-        scale_mode: str = "original",
+        scale_mode: str = "shape_scaling",
         extra_scale_factor: float = 1.0,
         *,
         option: str | PrecisionStrategy,
@@ -460,7 +477,7 @@ class Muon(PrecisionOptimizer):
         self._stream_layouts: dict[torch.nn.Parameter, StreamLayout] = {}
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=_as_tuples(ns_coefficients), eps=eps, ns_steps=ns_steps, scale_mode=scale_mode,
+            ns_coefficients=_as_tuples(ns_coefficients), eps=eps, ns_steps=ns_steps, scale_mode=_current_scale_mode(scale_mode),
             extra_scale_factor=extra_scale_factor,
         )
         super().__init__(params, defaults)
@@ -469,6 +486,7 @@ class Muon(PrecisionOptimizer):
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
+        group["scale_mode"] = _current_scale_mode(group["scale_mode"])
         _check_hyperparameters(group)
         by_layout: dict[tuple[torch.device, torch.dtype, int | None], list[torch.nn.Parameter]] = {}
         for index, param in enumerate(group["params"]):

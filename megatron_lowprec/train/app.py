@@ -19,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lowprec.train.config import ConfigError, TrainConfig, model_parallel_size, to_yaml, validate
+from megatron_lowprec.train.config import (
+    ConfigError, TrainConfig, adopt_renamed_spellings, model_parallel_size, to_yaml, validate,
+)
 from megatron_lowprec.train.reference import config_help_text
 from megatron_lowprec.train.usage import help_text, version_text
 
@@ -46,7 +49,9 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     """The typed config of ``train.yaml`` with Hydra ``overrides`` applied.
 
     Hydra's own errors (an unknown group member such as ``precision=Z``, which lists the
-    available ones, or a key the schema does not have) become :class:`ConfigError`.
+    available ones, or a key the schema does not have) become :class:`ConfigError`. Earlier
+    spellings (``precision=megatron``, :data:`~megatron_lowprec.train.config.RENAMED_KEYS`) work with
+    a warning naming the current one.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -62,14 +67,18 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
         with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
             composed = hydra_compose(config_name="train", overrides=overrides)
         _reject_unknown_keys(OmegaConf.to_container(composed), TrainConfig, "")
-        return OmegaConf.to_object(composed)
+        config = OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(_explain(error)) from None
+    _refuse_a_precision_the_baseline_replaces(config, overrides)
+    return adopt_renamed_spellings(config)
 
 
 def _canonical_precision(override: str, directory: Path) -> str:
     """``precision=<name>`` with ``<name>`` in any case or an alias of an option (``precision=c``,
-    ``precision=collage_plus``) as the name of its file in ``precision/``; other overrides as they are."""
+    ``precision=collage_plus``) as the name of its file in ``precision/``; ``precision=<baseline>``,
+    the earlier spelling of ``baseline=<baseline>`` (``megatron``, ``te_fp8``), as that, with a
+    warning; other overrides as they are."""
     from megatron_lowprec.optim.strategies import get_strategy
 
     key, separator, value = override.partition("=")
@@ -78,11 +87,26 @@ def _canonical_precision(override: str, directory: Path) -> str:
     files = {path.stem.lower(): path.stem for path in (directory / "precision").glob("*.yaml")}
     if value.lower() in files:
         return f"precision={files[value.lower()]}"
+    baselines = {path.stem.lower(): path.stem for path in (directory / "baseline").glob("*.yaml")}
+    if value.lower() in baselines:
+        warnings.warn(f"precision={value} is deprecated; use baseline={baselines[value.lower()]}", FutureWarning, stacklevel=3)
+        return f"baseline={baselines[value.lower()]}"
     try:
         name = get_strategy(value).name
     except ValueError:
         return override  # Hydra names the choices
     return f"precision={files.get(name.lower(), value)}"
+
+
+def _refuse_a_precision_the_baseline_replaces(config: TrainConfig, overrides: Sequence[str]) -> None:
+    """A ``baseline=`` member sets ``precision.option`` over the ``precision`` group's: a ``precision=``
+    override naming another option would be dropped without a word; stop instead."""
+    chosen = dict(override.split("=", 1) for override in overrides if override.startswith(("precision=", "baseline=")))
+    baseline, option = chosen.get("baseline", "null"), chosen.get("precision")
+    if baseline != "null" and option is not None and option != config.precision.option:
+        raise ConfigError(
+            f"baseline={baseline} trains option {config.precision.option}; precision={option} contradicts it, drop one"
+        )
 
 
 def _reject_unknown_keys(values: dict, schema: type, prefix: str) -> None:

@@ -9,7 +9,7 @@ NumPy), restored when the layout is unchanged; it holds tensors and plain contai
 read with ``weights_only=True``. Every option, ``coat`` included (its FP8 states are saved per
 element, :mod:`megatron_lowprec.megatron.checkpoint_state`), and the distributed optimizer save the
 same model-space optimizer state, so a checkpoint resumes at another TP/PP layout, data-parallel
-size or ``optimizer.distributed`` setting. The common part also records the model's architecture
+size or ``optimizer.use_distributed_optimizer`` setting. The common part also records the model's architecture
 and batch geometry (:func:`~megatron_lowprec.train.config.run_shape`); a resume with other values
 stops, but for the keys ``resume_allow_changes`` names.
 

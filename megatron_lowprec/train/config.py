@@ -1,8 +1,10 @@
 """The typed schema of ``lowprec-train``'s Hydra config, and the checks that run before any work.
 
-Hydra merges ``configs/train.yaml`` and one file per group (``model/``, ``precision/``, ``data/``,
-``trainer/``, ``logging/``) onto :class:`TrainConfig`, so a misspelt or unknown key is an error that
-names the node and its valid keys. :func:`validate` then checks the values that depend on each
+Hydra merges ``configs/train.yaml`` and one file per group (``model/``, ``precision/``,
+``optimizer/``, ``data/``, ``trainer/``, ``logging/``, and ``baseline/`` where one is chosen) onto
+:class:`TrainConfig`, so a misspelt or unknown key is an error that names the node and its valid
+keys. Earlier spellings of renamed keys and values (:data:`RENAMED_KEYS`, :data:`RENAMED_VALUES`)
+are still accepted with a warning (:func:`adopt_renamed_spellings`). :func:`validate` then checks the values that depend on each
 other (parallel layout, batch sizes, option names) before a process group, a model or a dataset
 exists.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,7 +33,7 @@ MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 MUON_TP_MODES = ("blockwise", "duplicated")
 MUON_COEFFICIENT_TYPES = ("simple", "quintic")
 EMULATION_ROUNDINGS = ("nearest", "stochastic")
-TE_FP8_RECIPES = ("delayed", "current")
+TE_FP8_RECIPES = ("delayed", "tensorwise")
 EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
 
 
@@ -134,18 +137,21 @@ class PrecisionConfig:
     """Emulation saturates magnitudes above the format's largest value (the paper's outer range)."""
     emulate_clamp_inner_range: bool = True
     """Emulation flushes magnitudes below the format's subnormals (the paper's inner range)."""
-    emulate_exclude: list[str] = field(default_factory=lambda: ["output_layer"])
+    layers_exclude: list[str] = field(default_factory=lambda: ["output_layer"])
     """Modules (dotted name parts, e.g. ``output_layer``, ``decoder.layers.0``) that the FP8 flow and
     the emulation leave in BF16; the LM head by default. ``[]`` converts every linear."""
     te_fp8_recipe: Optional[str] = None
-    """Transformer Engine's own FP8 as the baseline: ``delayed`` (DelayedScaling) or ``current``
-    (Float8CurrentScaling); needs Transformer Engine."""
+    """Transformer Engine's own FP8 linears (megatron-core's ``fp8="hybrid"``) with this ``fp8_recipe``:
+    ``delayed`` (DelayedScaling) or ``tensorwise`` (Float8CurrentScaling); needs Transformer Engine.
+    ``baseline=te_fp8`` selects it with option D, the baseline COAT's FP8 flow is compared against."""
     megatron_optimizer: bool = False
     """Train with megatron-core's own ``get_megatron_optimizer`` instead of this package's AdamW: BF16
     parameters, FP32 main gradients and master weights, its Adam (torch's without apex/TE). The stock
-    Megatron-LM path that ``precision=megatron`` selects as the baseline; it has option D's numerics,
-    so ``option`` must be D. With ``optimizer=muon`` it is megatron-core's own Muon (``TensorParallelMuon``
-    for the hidden weights, its Adam for the rest), where NVIDIA's emerging-optimizers imports."""
+    Megatron-LM path that ``baseline=megatron`` selects; it has option D's numerics, so ``option``
+    must be D. With ``optimizer=muon`` it is megatron-core's own Muon (``TensorParallelMuon`` for the
+    hidden weights, its Adam for the rest), where NVIDIA's emerging-optimizers imports."""
+    emulate_exclude: Optional[list[str]] = None
+    """Deprecated spelling of ``layers_exclude``, accepted with a warning."""
 
 
 @dataclass
@@ -199,7 +205,7 @@ class OptimizerConfig:
     """Muon with tensor parallelism, megatron-core's ``muon_tp_mode``: ``blockwise`` (its default)
     orthogonalises each shard on its own, ``duplicated`` all-gathers each sharded weight and
     orthogonalises it whole on every rank (the update of the unsplit weight)."""
-    distributed: bool = False
+    use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps and updates only its
     shard of every optimizer state (gradients reduce-scattered, parameters all-gathered); needs a
     data-parallel size above 1. Training is bit-identical either way. With ``name=muon`` it is
@@ -212,6 +218,8 @@ class OptimizerConfig:
     """On resume, take this config's schedule and continue it from the checkpoint's step."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's schedule and ignore this config's."""
+    distributed: Optional[bool] = None
+    """Deprecated spelling of ``use_distributed_optimizer``, accepted with a warning."""
 
 
 @dataclass
@@ -414,7 +422,7 @@ def _validate_megatron_optimizer(precision: PrecisionConfig) -> None:
     if get_strategy(precision.option).name != "D":
         raise ConfigError(
             f"precision.megatron_optimizer=true runs megatron-core's FP32-master Adam, option D's numerics; "
-            f"precision.option={precision.option!r} cannot go with it (use precision=megatron)"
+            f"precision.option={precision.option!r} cannot go with it (use baseline=megatron)"
         )
     if precision.track_update_quality or precision.fused or precision.master_storage not in (None, "fp32"):
         raise ConfigError(
@@ -459,7 +467,7 @@ def _validate_layer_precision(precision: PrecisionConfig) -> None:
         _choice("precision.te_fp8_recipe", precision.te_fp8_recipe, TE_FP8_RECIPES)
         if importlib.util.find_spec("transformer_engine") is None:
             raise ConfigError(
-                "precision=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine, which is not installed; "
+                "baseline=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine, which is not installed; "
                 "precision=coat is this package's FP8 flow without it"
             )
         if uses_fp8_layers(precision) or precision.emulate is not None:
@@ -488,7 +496,7 @@ def _validate_muon(config: TrainConfig) -> None:
     refused = [
         (
             config.precision.megatron_optimizer and not _megatron_muon_imports(),
-            "precision=megatron: megatron-core's own Muon needs NVIDIA's emerging-optimizers, which does not import here "
+            "baseline=megatron: megatron-core's own Muon needs NVIDIA's emerging-optimizers, which does not import here "
             "(it declares Python >= 3.12; .ci/megatron_newest.sh builds a venv where it runs on 3.11)",
         ),
         (config.precision.track_update_quality, "precision.track_update_quality=true (Muon measures no update quality)"),
@@ -586,11 +594,47 @@ def _validate_profile(trainer: TrainerConfig, world_size: int) -> None:
         )
 
 
+RENAMED_KEYS = {
+    "precision.emulate_exclude": "precision.layers_exclude",
+    "optimizer.distributed": "optimizer.use_distributed_optimizer",
+}
+"""Earlier spellings of keys and the current ones: the Megatron-LM flag's name (``--lowprec-layers-exclude``),
+megatron-core's name (``use_distributed_optimizer``)."""
+
+RENAMED_VALUES = {"precision.te_fp8_recipe": {"current": "tensorwise"}}
+"""Earlier spellings of values and the current ones: megatron-core's ``fp8_recipe`` names."""
+
+
+def adopt_renamed_spellings(config: TrainConfig) -> TrainConfig:
+    """``config`` with every earlier spelling of :data:`RENAMED_KEYS` and :data:`RENAMED_VALUES` it
+    uses moved to the current one, each with a warning naming both."""
+    for old, new in RENAMED_KEYS.items():
+        (section, old_name), new_name = old.split("."), new.split(".")[1]
+        node = getattr(config, section)
+        if getattr(node, old_name) is not None:
+            warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=2)
+            setattr(node, new_name, getattr(node, old_name))
+            setattr(node, old_name, None)
+    for key, renamed in RENAMED_VALUES.items():
+        section, name = key.split(".")
+        node = getattr(config, section)
+        value = getattr(node, name)
+        if value in renamed:
+            warnings.warn(f"{key}={value} is deprecated; use {key}={renamed[value]}", FutureWarning, stacklevel=2)
+            setattr(node, name, renamed[value])
+    return config
+
+
 def to_yaml(config: TrainConfig) -> str:
-    """The resolved config as YAML (written to the run directory and printed by ``dry_run``)."""
+    """The resolved config as YAML (written to the run directory and printed by ``dry_run``), without
+    the earlier spellings of :data:`RENAMED_KEYS`."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    values = OmegaConf.to_container(OmegaConf.structured(config))
+    for old in RENAMED_KEYS:
+        section, name = old.split(".")
+        del values[section][name]
+    return OmegaConf.to_yaml(values)
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
@@ -681,17 +725,17 @@ def validate(config: TrainConfig, world_size: int) -> None:
             "model.attention_backend=te needs Transformer Engine, which is not installed; "
             "use model.attention_backend=sdpa (or auto)"
         )
-    if config.optimizer.distributed:
+    if config.optimizer.use_distributed_optimizer:
         if dp == 1:
             raise ConfigError(
-                f"optimizer.distributed=true shards the optimizer state over the data-parallel ranks, but "
+                f"optimizer.use_distributed_optimizer=true shards the optimizer state over the data-parallel ranks, but "
                 f"{world_size} rank(s) at TP {tp} x PP {pp} leave a data-parallel size of 1; "
-                "set optimizer.distributed=false or launch more ranks"
+                "set optimizer.use_distributed_optimizer=false or launch more ranks"
             )
         if not config.precision.shared_randomness:
             raise ConfigError(
-                "optimizer.distributed=true updates each element on one rank only, so replicas cannot drift; "
-                "precision.shared_randomness=false needs optimizer.distributed=false"
+                "optimizer.use_distributed_optimizer=true updates each element on one rank only, so replicas cannot drift; "
+                "precision.shared_randomness=false needs optimizer.use_distributed_optimizer=false"
             )
     _validate_layer_precision(config.precision)
     _validate_optimizer(config.optimizer)

@@ -173,7 +173,7 @@ class Run:
 
 def megatron_optimizer_config(optim: AppOptimizerConfig):
     """megatron's ``OptimizerConfig`` for the app's ``optimizer`` settings: Adam, or Muon with its
-    ``muon_*`` settings; ``distributed`` is megatron's distributed optimizer for Adam and its
+    ``muon_*`` settings; ``use_distributed_optimizer`` is megatron's distributed optimizer for Adam and its
     layer-wise distributed optimizer for Muon (:func:`~megatron_lowprec.megatron.compat.layer_wise_fields`)."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -181,12 +181,12 @@ def megatron_optimizer_config(optim: AppOptimizerConfig):
 
     fields = {name: getattr(optim, name) for name in MEGATRON_OPTIMIZER_FIELDS}
     if optim.name != "muon":
-        return OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=optim.distributed, **fields)
+        return OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=optim.use_distributed_optimizer, **fields)
     muon = {name: getattr(optim, name) for name in MEGATRON_MUON_FIELDS}
     muon[compat.muon_nesterov_field()] = muon.pop("muon_use_nesterov")
     config = OptimizerConfig(
         **{"optimizer": "muon", "bf16": True, "params_dtype": torch.bfloat16, **fields, **muon,
-           **(compat.layer_wise_fields() if optim.distributed else {})}
+           **(compat.layer_wise_fields() if optim.use_distributed_optimizer else {})}
     )
     config.muon_coefficient_type = optim.muon_coefficient_type  # a config field from megatron-core 0.17, read where present
     return config

@@ -252,10 +252,10 @@ class MetricsLogger:
     def _bytes_per_param(self) -> float:
         """Bytes per parameter on each rank as allocated: the 16-bit parameter, DDP's gradient buffer
         (4 bytes where ``precision.grad_reduce_in_fp32``) and the option's optimizer state, divided over
-        the data-parallel ranks with ``optimizer.distributed``; with Muon, its one momentum for the
+        the data-parallel ranks with ``optimizer.use_distributed_optimizer``; with Muon, its one momentum for the
         hidden weights and AdamW's two moments for the rest, by element count."""
         strategy = precision_strategy(self.config.precision)
-        shards = data_parallel_size(self.config, torch.distributed.get_world_size()) if self.config.optimizer.distributed else 1
+        shards = data_parallel_size(self.config, torch.distributed.get_world_size()) if self.config.optimizer.use_distributed_optimizer else 1
         allocated = {"grad_reduce_in_fp32": reduces_grads_in_fp32(self.config.precision), "state_shards": shards}
         if self.config.optimizer.name != "muon":
             return strategy.bytes_per_param(**allocated)

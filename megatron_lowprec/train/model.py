@@ -92,7 +92,7 @@ def transformer_config(config: TrainConfig):
         deterministic_mode=trainer.deterministic,
         **megatron_fusions(config, torch.cuda.is_available()),
         fp8="hybrid" if te_fp8 else None,
-        fp8_recipe={"delayed": "delayed", "current": "tensorwise"}.get(te_fp8, "delayed"),
+        fp8_recipe=te_fp8 or "delayed",
     )
 
 
@@ -140,7 +140,7 @@ def apply_layer_precision(config: TrainConfig, module) -> list[str]:
                 "clamp_inner_range": precision.emulate_clamp_inner_range,
             }
         )
-    return convert([module], fp8_layers=fp8_layers, emulation=emulation, exclude=precision.emulate_exclude)
+    return convert([module], fp8_layers=fp8_layers, emulation=emulation, exclude=precision.layers_exclude)
 
 
 def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):

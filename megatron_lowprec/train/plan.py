@@ -20,7 +20,7 @@ def _vocab_size(config: TrainConfig) -> int | None:
 
 def _state_shards(config: TrainConfig, dp: int) -> int:
     """Ranks that megatron's distributed optimizer divides the optimizer state over (1 without it)."""
-    return dp if config.optimizer.distributed else 1
+    return dp if config.optimizer.use_distributed_optimizer else 1
 
 
 def _bytes_per_param(config: TrainConfig, dp: int) -> float:
@@ -76,9 +76,9 @@ def describe(config: TrainConfig, world_size: int, world_size_note: str = "") ->
             f"~{per_rank * _bytes_per_param(config, dp) / 2**30:,.2f} GiB of parameters, gradients and optimizer state per rank"
         )
         state = per_rank * strategy.state_bytes(strategy.fp8_group_size) / strategy.fp8_group_size / 2**30
-        chosen = "sharded" if config.optimizer.distributed else "unsharded"
+        chosen = "sharded" if config.optimizer.use_distributed_optimizer else "unsharded"
         lines.append(
             f"  optimizer state per rank: {state:,.3f} GiB unsharded, {state / dp:,.3f} GiB sharded over DP {dp} "
-            f"(optimizer.distributed={str(config.optimizer.distributed).lower()}: {chosen})"
+            f"(optimizer.use_distributed_optimizer={str(config.optimizer.use_distributed_optimizer).lower()}: {chosen})"
         )
     return "\n".join(lines)

@@ -44,7 +44,7 @@ COMMON_KEYS = (
     "optimizer.lr",
     "optimizer.min_lr",
     "optimizer.lr_warmup_steps",
-    "optimizer.distributed",
+    "optimizer.use_distributed_optimizer",
     "optimizer.override_opt_param_scheduler",
     "precision.track_update_quality",
     "model.attention_backend",
@@ -115,7 +115,7 @@ def help_text(directory: Path) -> str:
     members and one-line summaries (a preset's: the paper table it reproduces), the most used keys
     with their defaults, and where every key and the training app are documented."""
     lines = [USAGE, "", f"config groups (GROUP=MEMBER; in {directory}):"]
-    for group in ("precision", "optimizer", "model", "data"):
+    for group in ("precision", "baseline", "optimizer", "model", "data"):
         lines.append(f"  {group}=")
         lines += _rows([(path.stem, _summary(path)) for path in sorted((directory / group).glob("*.yaml"))], 4)
     lines.append("  +experiment=   (paper presets; every key stays overridable)")

@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def _run(tmp_path: Path, world_size: int, argv: list[str], steps: int = 2) -> li
 def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
-        "--lowprec-option", "sr", "--lowprec-seed", "3", "--lowprec-no-shared-randomness", "--no-lowprec-fused",
+        "--lowprec-option", "sr", "--lowprec-seed", "3", "--no-lowprec-shared-randomness", "--no-lowprec-fused",
         "--no-lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
@@ -65,6 +66,29 @@ def test_arguments_parse_into_the_configs_fields():
     assert megatron_lm.precision_settings(defaults)["lowprec_seed"] == 1234
     assert defaults.lowprec_option is None and defaults.lowprec_fp8_layers is None
     assert defaults.lowprec_background_compile is True
+
+
+@pytest.mark.parametrize(
+    "earlier, current",
+    [
+        ("--lowprec-no-shared-randomness", "--no-lowprec-shared-randomness"),
+        ("--lowprec-emulate-no-clamp-outer-range", "--no-lowprec-emulate-clamp-outer-range"),
+        ("--lowprec-emulate-no-clamp-inner-range", "--no-lowprec-emulate-clamp-inner-range"),
+    ],
+)
+def test_an_earlier_flag_spelling_sets_what_the_current_one_sets_with_one_warning(earlier, current):
+    """The negations once spelt ``--lowprec-no-KEY`` are ``--no-lowprec-KEY`` (argparse's and
+    Megatron-LM's spelling): the earlier one still parses to the same arguments, with one warning
+    naming both, and is not in ``--help``; the current one warns nothing."""
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        earlier_args = parser.parse_args([earlier])
+    assert [str(warning.message) for warning in caught] == [f"{earlier} is deprecated; use {current}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parser.parse_args([current]) == earlier_args != parser.parse_args([])
+    assert current in parser.format_help() and earlier not in parser.format_help()
 
 
 def test_options_by_any_name_and_an_unknown_one_refused_with_the_valid_ones(capsys):
@@ -186,7 +210,7 @@ def test_megatron_lm_builds_muon_with_its_own_muon_flags_and_the_option(tmp_path
         "--muon-extra-scale-factor", "0.5",
     ])[0]
     assert (rank["optimizer"], rank["chained"], rank["option"]) == ("LowPrecisionMuonOptimizer", ["Muon", "AdamW"], "sr")
-    assert rank["muon_group"] == {"momentum": 0.9, "nesterov": True, "ns_steps": 4, "scale_mode": "original",
+    assert rank["muon_group"] == {"momentum": 0.9, "nesterov": True, "ns_steps": 4, "scale_mode": "shape_scaling",
                                   "extra_scale_factor": 0.5}
     assert rank["muon_params"] == sorted([
         *(f"module.module.decoder.layers.{layer}.{module}.weight" for layer in range(2)

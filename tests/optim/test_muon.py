@@ -250,7 +250,7 @@ def test_a_parameter_that_is_not_2d_is_sent_to_adamw():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        (dict(option="A", scale_mode="rms"), r"scale_mode='rms'.*original, match_rms_adamw, spectral, unit_rms_norm"),
+        (dict(option="A", scale_mode="rms"), r"scale_mode='rms'.*shape_scaling, match_rms_adamw, spectral, unit_rms_norm"),
         (dict(option="A", momentum=1.0), r"momentum=1.0.*\[0, 1\)"),
         (dict(option="A", ns_steps=0), r"ns_steps=0"),
         (dict(option="A", ns_coefficients=((3.0, -4.0),)), r"ns_coefficients=\(\(3.0, -4.0\),\).*sequence of such triples"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,20 +34,66 @@ def test_default_is_the_tiny_model_on_the_embedded_corpus():
     validate(config, world_size=1)
 
 
-def test_one_precision_file_per_option():
-    """One file per optimizer option, plus te_fp8 (Transformer Engine's FP8 layers over option D) and
-    megatron (megatron-core's own optimizer, option D's numerics)."""
-    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(
-        [*OPTIONS, "te_fp8", "megatron"]
-    )
+def test_one_precision_file_per_option_and_the_baselines_in_their_own_group():
+    """``precision/`` holds one file per option and nothing else; ``baseline/`` the stock runs the options
+    are compared against: megatron (megatron-core's own optimizer, option D's numerics) and te_fp8
+    (Transformer Engine's FP8 layers over option D)."""
+    assert sorted(path.stem for path in (config_dir() / "precision").glob("*.yaml")) == sorted(OPTIONS)
+    assert sorted(path.stem for path in (config_dir() / "baseline").glob("*.yaml")) == ["megatron", "te_fp8"]
+    te_fp8 = compose(["baseline=te_fp8"]).precision
+    assert (te_fp8.option, te_fp8.te_fp8_recipe, te_fp8.megatron_optimizer) == ("D", "delayed", False)
+    assert compose().precision.te_fp8_recipe is None and not compose().precision.megatron_optimizer
 
 
-def test_megatron_selects_megatron_cores_optimizer():
+def test_baseline_megatron_selects_megatron_cores_optimizer():
     from megatron_lowprec.train.config import option_label
 
-    precision = compose(["precision=megatron"]).precision
+    precision = compose(["baseline=megatron"]).precision
     assert precision.megatron_optimizer and precision.option == "D"
     assert option_label(precision) == "megatron" and option_label(compose().precision) == "A"
+    assert compose(["precision=D", "baseline=megatron"]) == compose(["baseline=megatron"])
+    assert compose(["+experiment=coat_olmo_1b", "baseline=megatron"]).precision.option == "D"
+
+
+def test_a_precision_the_baseline_would_replace_is_refused(capsys):
+    message = _fails(capsys, "precision=C", "baseline=megatron")
+    assert message.count("\n") == 1 and "baseline=megatron trains option D; precision=C contradicts it, drop one" in message
+
+
+def _compose_warning(overrides: list[str]) -> tuple[TrainConfig, list[str]]:
+    """The config of ``overrides`` and the FutureWarnings composing it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = compose(overrides)
+    return config, [str(warning.message) for warning in caught if issubclass(warning.category, FutureWarning)]
+
+
+@pytest.mark.parametrize(
+    "earlier, current, message",
+    [
+        (["precision=megatron"], ["baseline=megatron"], "precision=megatron is deprecated; use baseline=megatron"),
+        (["precision=Megatron"], ["baseline=megatron"], "precision=Megatron is deprecated; use baseline=megatron"),
+        (["precision=te_fp8"], ["baseline=te_fp8"], "precision=te_fp8 is deprecated; use baseline=te_fp8"),
+        (["precision.emulate=E8M5", "precision.emulate_exclude=[]"], ["precision.emulate=E8M5", "precision.layers_exclude=[]"],
+         "precision.emulate_exclude is deprecated; use precision.layers_exclude"),
+        (["optimizer.distributed=true"], ["optimizer.use_distributed_optimizer=true"],
+         "optimizer.distributed is deprecated; use optimizer.use_distributed_optimizer"),
+        (["baseline=te_fp8", "precision.te_fp8_recipe=current"], ["baseline=te_fp8", "precision.te_fp8_recipe=tensorwise"],
+         "precision.te_fp8_recipe=current is deprecated; use precision.te_fp8_recipe=tensorwise"),
+    ],
+)
+def test_earlier_spellings_compose_as_the_current_ones_with_one_warning(earlier, current, message):
+    """Renamed group members, keys and values: the earlier spelling gives the config of the current one
+    and one warning naming both; the current spelling warns nothing, and the run's YAML has no
+    earlier key."""
+    from megatron_lowprec.train.config import to_yaml
+
+    config, warned = _compose_warning(earlier)
+    assert warned == [message]
+    expected, none = _compose_warning(current)
+    assert config == expected and none == []
+    assert "emulate_exclude" not in to_yaml(config) and "  distributed:" not in to_yaml(config)
+    assert "layers_exclude" in to_yaml(config) and "use_distributed_optimizer" in to_yaml(config)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -72,7 +119,6 @@ def test_precision_accepts_every_name_and_alias_in_any_case_wherever_an_option_i
             assert parser.parse_args(["--lowprec-option", spelled]).lowprec_option == strategy.name
             assert AdamW([parameter], option=spelled, fused=False).strategy.name == strategy.name
     assert compose(["precision.option=collage_PLUS"]).precision.option == "collage_PLUS"
-    assert compose(["precision=Megatron"]).precision.megatron_optimizer
     assert compose(["precision=collage_plus"]) == compose(["precision=C"])
 
 
@@ -139,11 +185,12 @@ def _without_te(*values):
         (["precision=coat", "precision.emulate=E4M3"], "fp8_layers"),
         (["trainer.sharpness_eps=0"], "sharpness_eps=0"),
         (["model.attention_backend=flash"], "auto, sdpa, unfused, te"),
-        (["precision=megatron", "precision.option=A"], "precision.option='A'"),
-        (["precision=megatron", "precision.track_update_quality=true"], "megatron_optimizer=true"),
+        (["baseline=megatron", "precision.option=A"], "precision.option='A'"),
+        (["baseline=megatron", "precision.track_update_quality=true"], "megatron_optimizer=true"),
+        (["baseline=te_fp8", "precision.te_fp8_recipe=current_scaling"], "choose one of: delayed, tensorwise"),
         _without_te(["model.attention_backend=te"], "model.attention_backend=sdpa"),
         _without_te(["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
-        _without_te(["precision=te_fp8"], "precision=coat"),
+        _without_te(["baseline=te_fp8"], "baseline=te_fp8 (precision.te_fp8_recipe) needs Transformer Engine"),
     ],
 )
 def test_bad_choice_names_the_valid_ones(capsys, overrides, named):
@@ -234,21 +281,21 @@ def test_a_run_dir_that_cannot_be_created_is_a_config_error(capsys, tmp_path):
 
 
 def test_distributed_optimizer_needs_data_parallel_ranks(capsys, monkeypatch):
-    assert "data-parallel size of 1" in _fails(capsys, "optimizer.distributed=true")
+    assert "data-parallel size of 1" in _fails(capsys, "optimizer.use_distributed_optimizer=true")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "shared_randomness=false needs optimizer.distributed=false" in _fails(
-        capsys, "optimizer.distributed=true", "precision=sr", "precision.shared_randomness=false"
+    assert "shared_randomness=false needs optimizer.use_distributed_optimizer=false" in _fails(
+        capsys, "optimizer.use_distributed_optimizer=true", "precision=sr", "precision.shared_randomness=false"
     )
 
 
 def test_dry_run_plan_shows_the_state_per_rank_with_and_without_sharding(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["trainer.dry_run=true", "precision=C", "model=gpt_125m", "optimizer.distributed=true"]) == 0
+    assert main(["trainer.dry_run=true", "precision=C", "model=gpt_125m", "optimizer.use_distributed_optimizer=true"]) == 0
     plan = capsys.readouterr().out.split("plan:")[1]
     line = next(line for line in plan.splitlines() if "optimizer state per rank:" in line)
     unsharded, sharded = (float(part.split(" GiB")[0].split()[-1]) for part in line.split(",")[:2])
     assert sharded == pytest.approx(unsharded / 2, abs=1e-3) and unsharded > 0
-    assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in line
+    assert "sharded over DP 2 (optimizer.use_distributed_optimizer=true: sharded)" in line
 
 
 def test_master_storage_sets_how_the_fp32_master_is_stored(capsys, tmp_path):
@@ -269,11 +316,11 @@ def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
     message = _fails(capsys, "precision=A", "precision.master_storage=remainder")
     assert "option 'A' keeps no FP32 master" in message and "D, coat, D-BF16" in message
     assert "precision.master_storage belong to this package's AdamW" in _fails(
-        capsys, "precision=megatron", "precision.master_storage=remainder"
+        capsys, "baseline=megatron", "precision.master_storage=remainder"
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["trainer.dry_run=true", "precision=D-BF16", "optimizer.distributed=true"]) == 0
-    assert "sharded over DP 2 (optimizer.distributed=true: sharded)" in capsys.readouterr().out
+    assert main(["trainer.dry_run=true", "precision=D-BF16", "optimizer.use_distributed_optimizer=true"]) == 0
+    assert "sharded over DP 2 (optimizer.use_distributed_optimizer=true: sharded)" in capsys.readouterr().out
 
 
 def test_help_lists_the_groups_the_most_used_keys_and_where_every_key_is(capsys):
@@ -395,18 +442,18 @@ def test_muon_settings_are_checked_before_any_work(capsys, overrides, named):
     assert message.count("\n") == 1 and message.startswith("lowprec-train: config error: ") and named in message, message
 
 
-def test_precision_megatron_with_muon_needs_megatron_cores_muon_to_import(capsys, monkeypatch):
-    """``precision=megatron`` with ``optimizer=muon`` is megatron-core's own Muon, which needs NVIDIA's
+def test_baseline_megatron_with_muon_needs_megatron_cores_muon_to_import(capsys, monkeypatch):
+    """``baseline=megatron`` with ``optimizer=muon`` is megatron-core's own Muon, which needs NVIDIA's
     emerging-optimizers: where it does not import, one line says so before any work; where it does,
     the config is valid (the run itself: by hand in the newest-megatron venv, see the README)."""
     from megatron_lowprec.train import config as train_config
 
     monkeypatch.setattr(train_config, "_megatron_muon_imports", lambda: False)
-    message = _fails(capsys, "optimizer=muon", "precision=megatron")
-    assert message.count("\n") == 1 and "optimizer.name=muon cannot run with precision=megatron" in message, message
+    message = _fails(capsys, "optimizer=muon", "baseline=megatron")
+    assert message.count("\n") == 1 and "optimizer.name=muon cannot run with baseline=megatron" in message, message
     assert "needs NVIDIA's emerging-optimizers, which does not import here" in message and "megatron_newest.sh" in message
     monkeypatch.setattr(train_config, "_megatron_muon_imports", lambda: True)
-    config = compose(["optimizer=muon", "precision=megatron"])
+    config = compose(["optimizer=muon", "baseline=megatron"])
     validate(config, world_size=1)
     assert config.precision.megatron_optimizer and config.optimizer.name == "muon"
 

@@ -1,0 +1,112 @@
+"""One spelling per setting: ``lowprec-train``'s ``precision`` keys, the Megatron-LM entry's
+``--lowprec-*`` flags, ``build_optimizer``'s keywords and ``LowPrecisionOptimizerConfig``'s fields
+name each setting alike, and Muon's scale modes are megatron-core's ``muon_scale_mode`` names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+
+from megatron_lowprec.train.config import PrecisionConfig
+
+PRECISION_KEYS_WITHOUT_A_FLAG = {
+    "grad_reduce_in_fp32": "Megatron-LM's own --accumulate-allreduce-grads-in-fp32",
+    "te_fp8_recipe": "Megatron-LM's own --fp8-format and --fp8-recipe",
+    "megatron_optimizer": "Megatron-LM without --lowprec-option",
+    "emulate_exclude": "the earlier spelling of layers_exclude",
+}
+"""The ``precision`` keys that the Megatron-LM entry spells with Megatron-LM's own flags."""
+
+
+def test_each_lowprec_flag_is_the_precision_key_of_its_name_with_its_default():
+    """``--lowprec-KEY`` is ``precision.KEY`` with the same default (``--lowprec-option``: none, for
+    megatron's own optimizer; ``--lowprec-seed``: the app's ``trainer.seed``), a switch
+    ``--lowprec-KEY`` / ``--no-lowprec-KEY``; every other key has a Megatron-LM flag of its own."""
+    from megatron_lowprec.megatron.megatron_lm import add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser())
+    fields = {field.name: field for field in dataclasses.fields(PrecisionConfig)}
+    defaults = PrecisionConfig()
+    flagged = set()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or not action.option_strings[0].startswith("--lowprec-"):
+            continue
+        key = action.option_strings[0].removeprefix("--lowprec-").replace("-", "_")
+        assert action.dest == f"lowprec_{key}"
+        if key == "seed":
+            continue
+        assert key in fields, action.option_strings
+        flagged.add(key)
+        if key != "option":
+            assert action.default == getattr(defaults, key), key
+        switch = "bool" in str(fields[key].type)
+        assert switch == isinstance(action, argparse.BooleanOptionalAction), key
+        if switch:
+            assert action.option_strings == [f"--lowprec-{key.replace('_', '-')}", f"--no-lowprec-{key.replace('_', '-')}"]
+    assert set(fields) - flagged == set(PRECISION_KEYS_WITHOUT_A_FLAG)
+
+
+def test_build_optimizers_keywords_and_the_configs_fields_are_the_precision_keys():
+    """``build_optimizer(..., seed=, shared_randomness=, fused=, background_compile=,
+    track_update_quality=, master_storage=)`` and ``LowPrecisionOptimizerConfig.lowprec_*`` name the
+    settings as the ``precision`` keys do (``seed``: the app's ``trainer.seed``)."""
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+
+    keywords = [
+        name for name, parameter in inspect.signature(build_optimizer).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    keys = {field.name for field in dataclasses.fields(PrecisionConfig)}
+    assert set(keywords) - {"seed"} <= keys
+    config_fields = {field.name for field in dataclasses.fields(LowPrecisionOptimizerConfig) if field.name.startswith("lowprec_")}
+    assert config_fields == {f"lowprec_{name}" for name in ["option", *keywords]}
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(64, 16), (16, 64), (48, 48)])
+def test_muon_scale_modes_are_megatron_cores_names(rows, columns):
+    """megatron-core's ``muon_scale_mode`` formulas: ``shape_scaling`` √max(1, m/n) (Keller Jordan's,
+    torch's ``adjust_lr_fn="original"``), ``spectral`` √max(m, n), ``unit_rms_norm`` √(m/n)."""
+    from megatron_lowprec.megatron.optimizer import MUON_SCALE_MODES
+    from megatron_lowprec.optim.muon import update_scale
+
+    expected = {
+        "shape_scaling": math.sqrt(max(1.0, rows / columns)),
+        "spectral": math.sqrt(max(rows, columns)),
+        "unit_rms_norm": math.sqrt(rows / columns),
+    }
+    assert set(MUON_SCALE_MODES) == set(expected)
+    for mode, scale in expected.items():
+        assert update_scale((rows, columns), mode) == pytest.approx(scale, rel=1e-15)
+    assert update_scale((rows, columns), "original") == update_scale((rows, columns), "shape_scaling")
+
+
+def test_muon_takes_the_earlier_scale_mode_original_as_shape_scaling_with_one_warning():
+    """``Muon(scale_mode="original")`` (torch's name) is ``"shape_scaling"``: its groups hold the
+    current name, one warning names both, and a step gives the same bits; the current name warns nothing."""
+    from megatron_lowprec.optim import Muon
+
+    def stepped(scale_mode: str) -> tuple[torch.Tensor, Muon]:
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(32, 8).to(torch.bfloat16))
+        param.grad = torch.randn(32, 8).to(torch.bfloat16)
+        optimizer = Muon([param], lr=0.01, scale_mode=scale_mode, option="D", fused=False)
+        optimizer.step()
+        return param.detach().clone(), optimizer
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        earlier, optimizer = stepped("original")
+    assert [str(warning.message) for warning in caught if issubclass(warning.category, FutureWarning)] == [
+        "scale_mode='original' is deprecated; use scale_mode='shape_scaling' (megatron-core's name)"
+    ]
+    assert optimizer.param_groups[0]["scale_mode"] == "shape_scaling"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        current, _ = stepped("shape_scaling")
+    assert torch.equal(earlier.view(torch.int16), current.view(torch.int16))
