@@ -278,7 +278,16 @@ def _row(numel, name, bytes_per_param, seconds, traffic, ratio, bandwidth, peak,
     )
 
 
-def write_markdown(path: Path, results: list[dict], device: torch.device, settings: str, notes: list[str]) -> None:
+STEP_TITLES = {
+    "fused": "Optimizer step: every option against torch's FP32 fused AdamW",
+    "eager": "Optimizer step, the eager reference: every option against torch's FP32 fused AdamW",
+    "uncompiled": "Optimizer step before its compile: uncompiled in pieces and whole, against torch's FP32 fused AdamW",
+}
+
+
+def write_markdown(
+    path: Path, results: list[dict], device: torch.device, step_path: str, settings: str, notes: list[str]
+) -> None:
     """The step-time table and the bytes table as a stamped result file (``report.py``), with two plots
     beside it: step time against a copy of the option's bytes (``NAME.png``) and the bytes per
     parameter stacked by component (``NAME-memory.png``)."""
@@ -320,13 +329,15 @@ def write_markdown(path: Path, results: list[dict], device: torch.device, settin
         axes = figure.add_subplot()
         labels = [f"{r['option']}\n{r['params']:.2g}" if len(results) > len(first_size) else r["option"] for r in results]
         positions = range(len(results))
-        axes.bar([x - 0.2 for x in positions], [r["seconds"] * 1e3 for r in results], 0.4, label="step")
-        axes.bar([x + 0.2 for x in positions], [r["traffic"] * r["params"] / r["copy_bandwidth"] * 1e3 for r in results],
-                 0.4, label="a copy of its bytes")
+        bars = (("step", lambda r: r["seconds"]), ("torch FP32 fused AdamW, paired", lambda r: r["baseline_seconds"]),
+                ("a copy of its bytes", lambda r: r["traffic"] * r["params"] / r["copy_bandwidth"]))
+        for index, (label, seconds) in enumerate(bars):
+            axes.bar([x + 0.27 * (index - 1) for x in positions], [seconds(r) * 1e3 for r in results], 0.27, label=label)
         axes.set_xticks(list(positions), labels, rotation=45, ha="right")
+        axes.set_yscale("log")
         axes.set_ylabel("ms")
         axes.set_title(f"Optimizer step against copy bandwidth ({report.device_name(device)})", fontsize=9)
-        axes.legend()
+        axes.legend(fontsize=8)
 
     def stacked_bytes(figure) -> None:
         axes = figure.add_subplot()
@@ -341,7 +352,7 @@ def write_markdown(path: Path, results: list[dict], device: torch.device, settin
         axes.tick_params(axis="x", rotation=45)
         axes.legend(fontsize=8)
 
-    report.write_result(path, "Optimizer step: every option against torch's FP32 fused AdamW", header, rows, notes,
+    report.write_result(path, STEP_TITLES[step_path], header, rows, notes,
                         device=device, plot=step_against_copy)
     report.save_plot(stacked_bytes, path.with_name(path.stem + "-memory.png"))
 
@@ -384,9 +395,13 @@ def main() -> None:
     if args.markdown is not None:
         settings = (f"`python benchmarks/optimizer_step.py --sizes {' '.join(args.sizes)} --tensors {args.tensors} "
                     f"--warmup {args.warmup} --repeats {args.repeats}"
+                    + {"fused": "", "eager": " --eager", "uncompiled": " --uncompiled"}[path]
+                    + (f" --pieces {args.pieces}" if args.pieces is not None else "")
                     + (f" --options {' '.join(args.options)}" if args.options != default_options() else "")
-                    + f"` (path {path}, {torch.get_num_threads()} threads)")
-        write_markdown(args.markdown, results, device, settings, args.note)
+                    + f"`, {torch.get_num_threads()} threads"
+                    + (f", pieces of {args.pieces or fused.EAGER_WINDOW_ELEMENTS} elements; `(whole)`: the same call "
+                       "over the whole bucket" if path == "uncompiled" else ""))
+        write_markdown(args.markdown, results, device, path, settings, args.note)
 
 
 if __name__ == "__main__":
