@@ -32,7 +32,7 @@ def test_the_benchmark_reports_each_option_against_torch_fused_adamw():
 
 def test_the_benchmark_measures_both_master_storages_from_the_state_tensors():
     """Whole and remainder masters side by side, bytes/param counted from the parameters, their BF16
-    gradients and the optimizer's state tensors: the README's figures."""
+    gradients and the optimizer's state tensors (plain PyTorch: a 16-bit gradient)."""
     result = subprocess.run(
         [sys.executable, str(BENCHMARK), "--sizes", "5000", "--options", "D", "D:remainder", "D-BF16", "D-BF16:fp32",
          "--warmup", "1", "--repeats", "1"],

@@ -136,7 +136,7 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
     multiples of the alignment: building the optimizer leaves exactly the state it reports
     allocated (no second gradient buffer, no FP32 copy beside the masters of D, coat and D-BF16; a few words
     of tables per parameter, and an int32 per row of 64 elements where the step reads each row's
-    parameter group); that state is the README's bytes/param (parameter and gradient excluded) over
+    parameter group); that state is the option's bytes/param less parameter and gradient over
     the elements the rank updates, plus, in a shard laid out in place in megatron's buffers, the
     padding megatron leaves before each parameter (under 64 elements each); a step keeps nothing
     allocated."""

@@ -304,7 +304,7 @@ def test_a_skip_that_drops_one_remainder_bit_is_caught(monkeypatch):
 @pytest.mark.parametrize("option, expected", [("D", 14.0), ("coat", 8.125), ("D-BF16", 10.0)])
 def test_bytes_per_param_of_the_remainder_form_measured_from_the_state_tensors(option, expected, device):
     """Bytes/param of a 2^16-element parameter (whole FP8 groups) counted from its 16-bit parameter, a
-    16-bit gradient and every state tensor: the README's figures."""
+    16-bit gradient (plain PyTorch's) and every state tensor."""
     param = torch.nn.Parameter(torch.randn(2**16).to(device, torch.bfloat16))
     optimizer = AdamW([param], option=option, master_storage="remainder")
     state_bytes = sum(v.numel() * v.element_size() for v in optimizer.state[param].values() if torch.is_tensor(v))
