@@ -166,6 +166,20 @@ def _check_run_dir(config: TrainConfig) -> None:
         raise ConfigError(f"run_dir={str(directory)!r} is not writable")
 
 
+def _compose_saying_earlier_spellings(arguments: Sequence[str]) -> TrainConfig:
+    """:func:`compose`, each earlier spelling's warning printed as one line by rank 0; other warnings as
+    Python shows them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        config = compose(arguments)
+    for warning in caught:
+        if issubclass(warning.category, FutureWarning) and "is deprecated; use" in str(warning.message):
+            _print_rank_zero(f"lowprec-train: warning: {warning.message}")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    return config
+
+
 def _planned_world_size(config: TrainConfig, launched: bool) -> tuple[int, str]:
     """The world size to validate and plan for, and the note a dry run prints about it."""
     if launched:
@@ -217,7 +231,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                 f"unknown option {options[0]!r}: lowprec-train takes Hydra overrides (key=value, group=member) "
                 f"and {', '.join(HELP_FLAGS + HELP_CONFIG_FLAGS + VERSION_FLAGS)}"
             )
-        config = compose(arguments)
+        config = _compose_saying_earlier_spellings(arguments)
         world_size, world_size_note = _planned_world_size(config, launched="WORLD_SIZE" in os.environ)
         validate(config, world_size)
         _check_resumable(config)

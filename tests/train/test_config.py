@@ -68,6 +68,13 @@ def _compose_warning(overrides: list[str]) -> tuple[TrainConfig, list[str]]:
     return config, [str(warning.message) for warning in caught if issubclass(warning.category, FutureWarning)]
 
 
+def test_lowprec_train_says_an_earlier_spelling_in_one_line(capsys):
+    assert main(["precision=megatron", "trainer.dry_run=true"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines().count("lowprec-train: warning: precision=megatron is deprecated; use baseline=megatron") == 1
+    assert "FutureWarning" not in err
+
+
 @pytest.mark.parametrize(
     "earlier, current, message",
     [
