@@ -15,6 +15,7 @@ import textwrap
 from importlib import metadata
 from pathlib import Path
 
+from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train.config import TrainConfig
 from megatron_lowprec.train.reference import field_docs
 
@@ -96,6 +97,13 @@ def _summary(path: Path) -> str:
     return _first_sentence(" ".join(lines), clauses=True)
 
 
+def _member_summary(group: str, path: Path) -> str:
+    """A group member's summary; a precision option's after its bytes per parameter as allocated."""
+    if group != "precision":
+        return _summary(path)
+    return f"{get_strategy(path.stem).bytes_per_param():g} bytes/param; {_summary(path)}"
+
+
 def _rows(rows: list[tuple[str, str]], indent: int, max_lines: int = HELP_LINES) -> list[str]:
     """Two columns, the second wrapped to :data:`HELP_WIDTH` under itself, ``max_lines`` at most."""
     width = max(len(name) for name, _ in rows)
@@ -117,7 +125,7 @@ def help_text(directory: Path) -> str:
     lines = [USAGE, "", f"config groups (GROUP=MEMBER; in {directory}):"]
     for group in ("precision", "baseline", "optimizer", "model", "data"):
         lines.append(f"  {group}=")
-        lines += _rows([(path.stem, _summary(path)) for path in sorted((directory / group).glob("*.yaml"))], 4)
+        lines += _rows([(path.stem, _member_summary(group, path)) for path in sorted((directory / group).glob("*.yaml"))], 4)
     lines.append("  +experiment=   (paper presets; every key stays overridable)")
     presets = sorted((directory / "experiment").glob("*.yaml"))
     lines += _rows([(path.stem, _summary(path).split(": ")[0]) for path in presets], 4, max_lines=1)
