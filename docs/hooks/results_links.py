@@ -1,10 +1,15 @@
-"""Links inside the benchmark result files (``docs/results/*.md``) that work where the pages include them.
+"""Included material that stays correct where it lands: benchmark result files and sections of generated pages.
 
 A result file is written by its benchmark and included into a page with pymdownx.snippets
 (``--8<-- "docs/results/NAME.md"``); it is not a page of its own, so that each figure appears once.
 Its links name sibling files (``[kernel_audit.md](kernel_audit.md)``, ``![...](plot.png)``), which
 resolve against the including page's folder. This hook rewrites such a link after the snippets are
 expanded: to the page that includes that result file, or to the file itself under ``results/``.
+
+A page may also take one section of a generated reference page, written once from the code, with
+``<!-- include-section: reference/options.md#Bytes per parameter -->`` (a path under ``docs/`` and
+a heading's text): the section's body, without its heading, up to the next heading of its level or
+above, its relative links rewritten for the including page. A missing file or heading is an error.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from markdown.preprocessors import Preprocessor
 
 INCLUDE = re.compile(r'--8<--\s+"docs/results/([^"]+\.md)"')
 LINK_TARGET = re.compile(r"(\]\()([^)/\s#]+)(#[^)\s]*)?(\))")
+SECTION = re.compile(r"^<!-- include-section: (?P<path>[^#]+)#(?P<heading>.+?) -->$", re.M)
+HEADING = re.compile(r"^(#+) (.*)$")
+RELATIVE_LINK = re.compile(r"(\]\()(?![a-z]+://|#|/)([^)\s]+)(\))")
 
 _docs_dir = Path()
 _includers: dict[str, str] = {}
@@ -67,7 +75,27 @@ def on_config(config):
     return config
 
 
+def _section(path: str, heading: str, page: str) -> str:
+    lines = (_docs_dir / path).read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(lines) if (m := HEADING.match(line)) and m[2].strip() == heading]
+    if not starts:
+        raise ValueError(f"{page}: no heading {heading!r} in {path} to include")
+    level = len(HEADING.match(lines[starts[0]])[1])
+    body = []
+    for line in lines[starts[0] + 1:]:
+        m = HEADING.match(line)
+        if m and len(m[1]) <= level:
+            break
+        body.append(line)
+
+    def relink(match: re.Match) -> str:
+        target = os.path.normpath(os.path.join(os.path.dirname(path), match[2]))
+        return f"{match[1]}{_relative(target, page)}{match[3]}"
+
+    return "\n".join(RELATIVE_LINK.sub(relink, line) for line in body).strip("\n")
+
+
 def on_page_markdown(markdown, page, config, files):
     global _current_page
     _current_page = page.file.src_uri
-    return markdown
+    return SECTION.sub(lambda m: _section(m["path"].strip(), m["heading"].strip(), _current_page), markdown)
