@@ -103,6 +103,26 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
+def allocated_bytes_per_param(config: TrainConfig, parameters: list[torch.nn.Parameter], world_size: int) -> float:
+    """Bytes per parameter on each rank as allocated, for the summary: the 16-bit parameter, DDP's
+    gradient buffer (4 bytes where ``precision.grad_reduce_in_fp32``) and the option's optimizer
+    state, divided over the data-parallel ranks with ``optimizer.use_distributed_optimizer``; with
+    Muon, its one momentum for the hidden weights among ``parameters`` and AdamW's two moments for the
+    rest, by element count."""
+    strategy = precision_strategy(config.precision)
+    shards = data_parallel_size(config, world_size) if config.optimizer.use_distributed_optimizer else 1
+    allocated = {"grad_reduce_in_fp32": reduces_grads_in_fp32(config.precision), "state_shards": shards}
+    if config.optimizer.name != "muon":
+        return strategy.bytes_per_param(**allocated)
+    from megatron_lowprec.megatron.optimizer import is_muon_param
+    from megatron_lowprec.optim.muon import muon_strategy
+
+    hidden = sum(p.numel() for p in parameters if is_muon_param(p))
+    total = sum(p.numel() for p in parameters)
+    muon_bytes = muon_strategy(strategy).bytes_per_param(**allocated)
+    return (hidden * muon_bytes + (total - hidden) * strategy.bytes_per_param(**allocated)) / total
+
+
 def _performance_text(performance: dict) -> str:
     """``12.3 TFLOP/s/GPU | MFU 1.2% | peak 3.40 GiB allocated, 4.00 GiB reserved``; on CPUs
     ``TFLOP/s/process`` and ``peak RSS`` (a rank is a process there, not a GPU)."""
@@ -250,22 +270,7 @@ class MetricsLogger:
         return optimizer.optimizer.skipped_steps
 
     def _bytes_per_param(self) -> float:
-        """Bytes per parameter on each rank as allocated: the 16-bit parameter, DDP's gradient buffer
-        (4 bytes where ``precision.grad_reduce_in_fp32``) and the option's optimizer state, divided over
-        the data-parallel ranks with ``optimizer.use_distributed_optimizer``; with Muon, its one momentum for the
-        hidden weights and AdamW's two moments for the rest, by element count."""
-        strategy = precision_strategy(self.config.precision)
-        shards = data_parallel_size(self.config, torch.distributed.get_world_size()) if self.config.optimizer.use_distributed_optimizer else 1
-        allocated = {"grad_reduce_in_fp32": reduces_grads_in_fp32(self.config.precision), "state_shards": shards}
-        if self.config.optimizer.name != "muon":
-            return strategy.bytes_per_param(**allocated)
-        from megatron_lowprec.megatron.optimizer import is_muon_param
-        from megatron_lowprec.optim.muon import muon_strategy
-
-        hidden = sum(p.numel() for p in self.run.model.parameters() if is_muon_param(p))
-        total = sum(p.numel() for p in self.run.model.parameters())
-        muon_bytes = muon_strategy(strategy).bytes_per_param(**allocated)
-        return (hidden * muon_bytes + (total - hidden) * strategy.bytes_per_param(**allocated)) / total
+        return allocated_bytes_per_param(self.config, list(self.run.model.parameters()), torch.distributed.get_world_size())
 
     def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
         """Save the summary, close the metrics file and wandb, then print the summary: the run's last
