@@ -10,33 +10,64 @@ or add two lines at the top of a copy of ``pretrain_gpt.py``, before its megatro
     from megatron_lowprec.megatron import megatron_lm
     megatron_lm.install()
 
-:func:`install` changes three functions of ``megatron.training`` (megatron-core 0.16.1 to 0.19;
+:func:`install` changes these functions of ``megatron.training`` (megatron-core 0.16.1 to 0.19;
 Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17):
 
 - ``parse_args`` also adds :func:`add_arguments` (the ``--lowprec-*`` group), whichever entry point
   asks for the arguments (``initialize_megatron`` until 0.17, ``parse_and_validate_args`` from 0.18)
-  and whatever ``extra_args_provider`` the script passes;
-- ``get_megatron_optimizer``, which ``setup_model_and_optimizer`` calls, builds the precision option
+  and whatever ``extra_args_provider`` the script passes, and prints the run's first line (rank 0):
+  the option and the optimizer asked for (:func:`requested_optimizer`);
+- ``get_megatron_optimizer`` and ``get_megatron_muon_optimizer``, the functions that
+  ``setup_model_and_optimizer`` builds the optimizer with (from 0.18 the first for every
+  ``--optimizer``; at 0.16 and 0.17 the second for ``--optimizer muon`` and ``dist_muon``, where it
+  is megatron-core's Muon on NVIDIA's emerging-optimizers), build the precision option
   with :func:`~megatron_lowprec.megatron.optimizer.build_optimizer` from Megatron-LM's optimizer
   config, its ``config_overrides`` (weight-decay exemptions, ``--decoupled-lr``, muP) and the
-  ``--lowprec-*`` settings; without ``--lowprec-option`` it is megatron's own. With ``--optimizer
+  ``--lowprec-*`` settings; without ``--lowprec-option`` they are megatron's own. With ``--optimizer
   muon`` it is our Muon for the 2-D hidden weights chained with AdamW for the rest, both with the
-  option, taking Megatron-LM's ``--muon-momentum``, ``--muon-nesterov``, ``--muon-num-ns-steps``,
+  option (emerging-optimizers is not needed), taking Megatron-LM's ``--muon-momentum``,
+  ``--muon-nesterov`` (``--muon-use-nesterov`` until 0.17), ``--muon-num-ns-steps``,
   ``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv``,
   ``--muon-coefficient-type`` (``quintic`` or ``simple``, from 0.17) and
-  ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), and
-  ``--use-distributed-optimizer`` (megatron's layer-wise sharding for Muon, in its shard-aligned layout
-  or with ``--no-use-layer-wise-param-layout``);
+  ``--muon-tp-mode`` (``blockwise`` or ``duplicated``), sharded by layer over the data-parallel ranks
+  with ``--optimizer dist_muon`` or, from 0.18, ``--use-distributed-optimizer`` (megatron's layer-wise
+  sharding for Muon, in its shard-aligned layout or with ``--no-use-layer-wise-param-layout``);
 - ``setup_model_and_optimizer`` puts COAT's FP8 layers (``--lowprec-fp8-layers``, on with ``coat``)
   or the ExMy emulation (``--lowprec-emulate E8M5``) into each freshly built model chunk, before
-  ``Float16Module`` and DDP wrap it.
+  ``Float16Module`` and DDP wrap it; once the optimizer is built, before the first iteration, it
+  prints the option and the optimizers in use (rank 0), or, where ``--lowprec-option`` asked for an
+  option that some parameter is not stepped with (a Megatron-LM that builds its optimizer through a
+  function not replaced here), stops the run with one line naming the megatron-core version, the
+  path taken and what to do (:func:`~megatron_lowprec.megatron.option_check.optimizer_in_use`, which
+  ``lowprec-train`` calls too).
+
+Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
+refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
+alternative instead of letting its assertion fire. The check is kept, not lifted: there
+``--use-distributed-optimizer`` has DDP reduce-scatter the gradients into shards without the
+layer-wise layout (0.19's) that a sharded Muon needs, and Megatron-LM's checkpointing takes the
+optimizer for its ``DistributedOptimizer`` (``save_parameter_state``). The alternative is ``--optimizer
+dist_muon``, which these versions pass to ``get_megatron_muon_optimizer`` as
+``layer_wise_distributed_optimizer``: the project's layer-wise distributed Muon (each matrix and its
+state on one data-parallel rank, DDP all-reducing), as ``lowprec-train`` (``optimizer.distributed``)
+and ``build_optimizer`` (``use_layer_wise_distributed_optimizer``) offer it.
+
+How each version is checked: at 0.19 (the newest job, ``.ci/megatron_newest.sh``), Megatron-LM's own
+argument parsing, ``initialize_megatron``, ``setup_model_and_optimizer`` and ``pretrain`` with
+``--optimizer adam`` and ``muon`` at DP=1 and TP=2 (``tests/megatron/test_megatron_lm.py``); 0.18
+calls the same ``get_megatron_optimizer`` for Muon from the same place. At 0.16, whose wheel lacks
+``megatron.training``, against that version's call pattern (``tests/megatron/test_megatron_lm_call_pattern.py``):
+a stand-in ``megatron.training`` whose ``setup_model_and_optimizer`` calls ``get_megatron_muon_optimizer``
+for ``'muon' in config.optimizer`` and ``get_megatron_optimizer`` otherwise, each looked up in its
+``training`` module where Megatron-LM imports it, on megatron-core 0.16.1 itself, at DP=1 and TP=2;
+0.17's ``setup_model_and_optimizer`` makes the same two calls.
 
 Also, megatron's dataset ``compile_helpers`` no longer runs ``make`` where the installed megatron-core
 already ships its C++ helpers built (a pip-installed megatron-core has no Makefile for them), and
 otherwise compiles them for the running Python (:func:`compile_dataset_helpers`).
 
 Everything else is Megatron-LM's: checkpoints (``--ckpt-format torch_dist``), the scheduler, logging,
-``--use-distributed-optimizer``. Without CUDA the module's launcher also activates the CPU bridge
+``--use-distributed-optimizer`` with Adam. Without CUDA the module's launcher also activates the CPU bridge
 (:func:`activate_cpu_trial`) so that a tiny GPT can be tried on a laptop with gloo.
 """
 

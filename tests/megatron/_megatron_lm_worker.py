@@ -10,6 +10,8 @@ here and the optimizer, and its ``train_step`` trains a few iterations. Writes `
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -76,8 +78,8 @@ def _initialize_megatron(args_defaults: dict) -> None:
 
 
 def pretrain_routing(argv: list[str], steps: int) -> dict:
-    """Megatron-LM's argument parsing, model and optimizer construction with the plugin installed,
-    then ``steps`` iterations of Megatron-LM's ``train_step``."""
+    """Megatron-LM's argument parsing, model and optimizer construction with the plugin installed
+    (the plugin's lines kept), then ``steps`` iterations of Megatron-LM's ``train_step``."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -88,10 +90,13 @@ def pretrain_routing(argv: list[str], steps: int) -> dict:
     sys.argv = ["pretrain_gpt.py", *argv]
     cpu_trial = megatron_lm.activate_cpu_trial()
     megatron_lm.install()
-    _initialize_megatron({"tokenizer_type": "NullTokenizer"})
-    model, optimizer, scheduler = training.setup_model_and_optimizer(
-        model_provider_func=model_provider, model_type=ModelType.encoder_or_decoder
-    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _initialize_megatron({"tokenizer_type": "NullTokenizer"})
+        model, optimizer, scheduler = training.setup_model_and_optimizer(
+            model_provider_func=model_provider, model_type=ModelType.encoder_or_decoder
+        )
+    print(printed.getvalue(), end="", flush=True)
     args = get_args()
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
@@ -111,6 +116,7 @@ def pretrain_routing(argv: list[str], steps: int) -> dict:
     return {
         **_muon_settings(model[0], chained),
         "cpu_trial": cpu_trial,
+        "plugin_lines": [line for line in printed.getvalue().splitlines() if line.startswith("megatron-lowprec:")],
         "lowprec_option": args.lowprec_option,
         "optimizer": type(optimizer).__name__,
         "option": getattr(getattr(inner, "strategy", None), "name", None),

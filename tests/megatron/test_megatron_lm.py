@@ -191,10 +191,13 @@ def test_megatron_lm_builds_an_emulated_model_and_without_the_flag_megatrons_opt
     emulated = _run(tmp_path / "emulated", 1, ["--lowprec-option", "C", "--lowprec-emulate", "E8M5", "--lowprec-seed", "3", *UNCOMPILED])[0]
     assert (emulated["optimizer"], emulated["option"], emulated["seed"]) == ("LowPrecisionOptimizer", "C", 3)
     assert emulated["emulated_linears"] > 0 and emulated["fp8_linears"] == 0
+    assert emulated["plugin_lines"][0] == "megatron-lowprec: option C with --optimizer adam: the project's AdamW with option C"
     stock = _run(tmp_path / "stock", 1, [])[0]
     assert stock["lowprec_option"] is None and stock["option"] is None
     assert stock["optimizer"] in ("Float16OptimizerWithFloat16Params", "ChainedOptimizer")
     assert stock["losses_finite"]
+    assert stock["plugin_lines"][0] == "megatron-lowprec: no --lowprec-option; megatron's own optimizer (--optimizer adam)"
+    assert stock["plugin_lines"][1].startswith(f"megatron-lowprec: no precision option; megatron's optimizer {stock['optimizer']}[")
 
 
 @requires_megatron_training
@@ -221,6 +224,41 @@ def test_megatron_lm_builds_muon_with_its_own_muon_flags_and_the_option(tmp_path
         f"module.module.decoder.layers.{layer}.self_attention.linear_qkv.weight": [8, 8, 8] for layer in range(2)
     }, "Megatron-LM splits QKV by default: 4 heads of 8 channels, a query group per head"
     assert rank["losses_finite"] and rank["weight_decays"] == [0.0, 0.1]
+    _assert_plugin_lines(rank, "muon", "sr", ["Muon", "AdamW"])
+
+
+def _assert_plugin_lines(rank: dict, optimizer: str, option: str, chained: list[str]) -> None:
+    """The plugin's first line names the option and optimizer asked for; its line after the build,
+    the optimizer in use, the megatron-core version and the builder that Megatron-LM's
+    ``setup_model_and_optimizer`` called (``get_megatron_muon_optimizer`` for Muon until 0.17)."""
+    from megatron_lowprec.megatron import compat
+
+    version = compat.megatron_core_version()
+    builder = "get_megatron_muon_optimizer" if optimizer == "muon" and version < megatron_lm.MUON_WITH_DISTRIBUTED_OPTIMIZER else "get_megatron_optimizer"
+    first, in_use = rank["plugin_lines"]
+    assert first.startswith(f"megatron-lowprec: option {option} with --optimizer {optimizer}: the project's {chained[0]}")
+    stepped_by = " + ".join(f"{name} with option {option}" for name in chained)
+    assert in_use.startswith(f"megatron-lowprec: option {option}, optimizer {rank['optimizer']}[{stepped_by}], every one of the")
+    assert in_use.endswith(f"(megatron-core {version}, Megatron-LM's setup_model_and_optimizer with --optimizer {optimizer} "
+                           f"through the plugin's {builder})")
+
+
+@requires_megatron_training
+@pytest.mark.parametrize("optimizer, chained", [("adam", ["AdamW"]), ("muon", ["Muon", "AdamW"])], ids=["adam", "muon"])
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["dp1", "tp2"])
+def test_megatron_lms_setup_builds_the_option(tmp_path, optimizer, chained, tensor_parallel):
+    """``--optimizer adam`` and ``--optimizer muon`` with ``--lowprec-option B`` at DP=1 and TP=2
+    through Megatron-LM's own ``setup_model_and_optimizer`` (whichever builder it calls at the
+    installed version): the project's optimizers with option B on every rank, the plugin's lines
+    on rank 0 only, an iteration trains."""
+    ranks = _run(tmp_path, tensor_parallel, [
+        "--optimizer", optimizer, "--lowprec-option", "B", "--tensor-model-parallel-size", str(tensor_parallel),
+        "--global-batch-size", "2", *UNCOMPILED,
+    ], steps=1)
+    for rank in ranks:
+        assert rank["option"] == "B" and rank.get("chained", ["AdamW"]) == chained and rank["losses_finite"]
+    assert all(rank["plugin_lines"] == [] for rank in ranks[1:])
+    _assert_plugin_lines(ranks[0], optimizer, "B", chained)
 
 
 def _extras() -> dict[str, list[str]]:
