@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megatron_lowprec.optim.muon import muon_strategy
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, PrecisionStrategy, available_strategies
+from megatron_lowprec.optim.strategies import LOW_PRECISION_BYTES, MASTER_STORAGES, PrecisionStrategy, available_strategies
 from megatron_lowprec.train.config import TrainConfig
 
 GENERATOR = "python -m megatron_lowprec.train.reference docs/reference"
@@ -224,8 +224,8 @@ def options_page() -> str:
         "",
         "As megatron-core and the optimizer allocate them on each rank: the 2-byte parameter, the",
         "gradient buffer (4 bytes where gradients are reduced in FP32, 2 in BF16) and the optimizer",
-        "state (moments, master, corrections; COAT's FP8 groups count their scale and exponent, 8 bytes",
-        "per 128 elements). `lowprec-train` reduces gradients in FP32 for the options with an FP32",
+        "state (moments and corrections, master; COAT's FP8 groups count their scale and exponent, 8",
+        "bytes per 128 elements). `lowprec-train` reduces gradients in FP32 for the options with an FP32",
         "master and in BF16 for the others (`precision.grad_reduce_in_fp32` changes it); Megatron-LM's",
         "`--bf16` reduces them in FP32 for every option unless `--grad-reduce-in-bf16`. Megatron's",
         "distributed optimizer (`optimizer.use_distributed_optimizer`, `--use-distributed-optimizer`)",
@@ -240,10 +240,14 @@ def options_page() -> str:
     rows = []
     for strategy in strategies:
         for variant in _storages(strategy):
+            group = variant.fp8_group_size
             rows.append([
                 f"`{variant.name}`",
                 f"`{variant.master_storage}`" if variant.master_weights else "—",
-                f"{_gradient(variant)}",
+                _number(LOW_PRECISION_BYTES),
+                f"{variant.grad_bytes()} ({_gradient(variant)})",
+                _number(variant.state_bytes(group) / group - variant.master_bytes),
+                _number(variant.master_bytes),
                 _number(variant.bytes_per_param()),
                 _number(variant.bytes_per_param(state_shards=DISTRIBUTED_DP)),
                 _number(variant.bytes_per_param(grad_reduce_in_fp32=True)),
@@ -251,8 +255,9 @@ def options_page() -> str:
                 _number(muon_strategy(variant).bytes_per_param()),
             ])
     lines += _table(
-        ["option", "master", "gradient", "bytes/param", f"distributed, DP={DISTRIBUTED_DP}",
-         "FP32 gradients (Megatron-LM `--bf16`)", "BF16 gradients (Collage Table 2)", "Muon (hidden weights)"],
+        ["option", "master storage", "parameter", "gradient", "moments, corrections", "master", "bytes/param",
+         f"distributed, DP={DISTRIBUTED_DP}", "FP32 gradients (Megatron-LM `--bf16`)", "BF16 gradients (Collage Table 2)",
+         "Muon (hidden weights)"],
         rows,
     )
     return "\n".join(lines) + "\n"

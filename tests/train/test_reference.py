@@ -95,7 +95,9 @@ def test_the_readme_option_table_holds_the_registry_and_its_bytes_as_allocated()
 def test_the_options_page_holds_the_registry_and_its_bytes_as_allocated():
     text = (REFERENCE / "options.md").read_text(encoding="utf-8")
     _check_names(_table(text, ["option", "aliases", "summary"]))
-    rows = _table(text, ["option", "master", "gradient", "bytes/param", f"distributed, DP={DISTRIBUTED_DP}"])
+    header = ["option", "master storage", "parameter", "gradient", "moments, corrections", "master", "bytes/param",
+              f"distributed, DP={DISTRIBUTED_DP}"]
+    rows = _table(text, header)
     expected = {
         (strategy.name, storage if strategy.master_weights else "—")
         for strategy in available_strategies()
@@ -106,6 +108,7 @@ def test_the_options_page_holds_the_registry_and_its_bytes_as_allocated():
         strategy = get_strategy(_name(row[0]))
         if row[1] != "—":
             strategy = strategy.with_master_storage(row[1].strip("`"))
-        assert row[2] == ("FP32" if strategy.master_weights else "BF16"), row
-        assert _bytes(row[3]) == strategy.bytes_per_param(), row
-        assert _bytes(row[4]) == strategy.bytes_per_param(state_shards=DISTRIBUTED_DP), row
+        components = [_bytes(cell) for cell in row[2:6]]
+        assert row[3] == ("4 (FP32)" if strategy.master_weights else "2 (BF16)"), row
+        assert sum(components) == _bytes(row[6]) == strategy.bytes_per_param(), row
+        assert _bytes(row[7]) == strategy.bytes_per_param(state_shards=DISTRIBUTED_DP), row
