@@ -173,10 +173,11 @@ def write_markdown(arguments: argparse.Namespace, summaries: dict, times: dict) 
             "8.32). One seed: differences of a few 1e-4 are within what another seed could move.",
         ))
     if times:
+        fused = "fused" in arguments.muon_steps
         tables.append((
-            ["optimizer", "ms", "vs AdamW D", "vs eager"],
+            ["optimizer", "ms", "vs AdamW D", *(["vs eager"] if fused else [])],
             [[name, f"{1e3 * seconds:.2f}", f"{seconds / times['adamw D']:.2f}",
-              f"{seconds / times[name.removesuffix(' fused')]:.2f}" if name.endswith(" fused") else ""]
+              *([f"{seconds / times[name.removesuffix(' fused')]:.2f}" if name.endswith(" fused") else ""] if fused else [])]
              for name, seconds in times.items()],
             f"One optimizer step over BF16 parameters shaped as {arguments.time_layers} layers' hidden weights "
             f"({sum(r * c for r, c in hidden_weight_shapes(arguments.time_layers)):,} parameters), the optimizers stepping "
