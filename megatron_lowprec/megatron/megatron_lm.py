@@ -253,9 +253,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+_PRINTED: set[str] = set()
+"""The lines :func:`_print_rank_0` printed in this process (Megatron-LM 0.16's ``pretrain_gpt.py``
+parses its arguments more than once)."""
+
+
 def _print_rank_0(line: str) -> None:
-    """``line`` printed by the first rank only, as Megatron-LM's ``print_rank_0`` does."""
-    if _rank() == 0:
+    """``line`` printed once by the first rank only, as Megatron-LM's ``print_rank_0`` does."""
+    if _rank() == 0 and line not in _PRINTED:
+        _PRINTED.add(line)
         print(line, flush=True)
 
 

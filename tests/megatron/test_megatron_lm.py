@@ -261,6 +261,20 @@ def test_megatron_lms_setup_builds_the_option(tmp_path, optimizer, chained, tens
     _assert_plugin_lines(ranks[0], optimizer, "B", chained)
 
 
+@requires_megatron_training
+def test_dist_muon_is_the_layer_wise_muon_of_the_option(tmp_path):
+    """``--optimizer dist_muon --lowprec-option B`` at DP=2 through Megatron-LM's own
+    ``setup_model_and_optimizer``: the project's layer-wise distributed Muon with option B (each
+    matrix and its state on one data-parallel rank), the alternative to ``--optimizer muon
+    --use-distributed-optimizer`` where Megatron-LM refuses that pair (before 0.18); an iteration trains."""
+    ranks = _run(tmp_path, 2, ["--optimizer", "dist_muon", "--lowprec-option", "B", *UNCOMPILED], steps=1)
+    for rank in ranks:
+        assert (rank["optimizer"], rank["option"], rank["chained"][0]) == ("LayerWiseLowPrecisionMuonOptimizer", "B", "Muon")
+        assert rank["losses_finite"]
+    assert ranks[0]["plugin_lines"][0].endswith("both with option B, sharded by layer over the data-parallel ranks")
+    assert ranks[0]["plugin_lines"][1].startswith("megatron-lowprec: option B, optimizer LayerWiseLowPrecisionMuonOptimizer[")
+
+
 def _extras() -> dict[str, list[str]]:
     """setup.py's ``extras_require``, read by running it with ``setup`` replaced."""
     import runpy

@@ -57,6 +57,16 @@ def test_setup_model_and_optimizer_of_0_16_builds_the_option(tmp_path, optimizer
 
 
 @without_megatron_training
+def test_dist_muon_of_0_16_is_the_layer_wise_muon_of_the_option(tmp_path):
+    """``--optimizer dist_muon``, which 0.16 passes to ``get_megatron_muon_optimizer`` as
+    ``layer_wise_distributed_optimizer``, at DP=2: the project's layer-wise distributed Muon with option B."""
+    for result in _setup(tmp_path, 2, ["--optimizer", "dist_muon", "--lowprec-option", "B"]):
+        assert (result["optimizer"], result["chained"], result["options"]) == (
+            "LayerWiseLowPrecisionMuonOptimizer", ["Muon", "AdamW"], ["B", "B"])
+        assert result["stepped"]
+
+
+@without_megatron_training
 def test_an_optimizer_the_plugin_did_not_build_stops_the_run_in_one_line(tmp_path):
     """A ``setup_model_and_optimizer`` that builds through a function the plugin does not replace
     (megatron-core's own ``get_megatron_optimizer``) stops before the first step: rank 0 says, in
@@ -90,6 +100,7 @@ def test_muon_with_megatrons_distributed_optimizer_is_refused_in_one_line_where_
     (and ``dist_muon``): with ``--lowprec-option``, one line naming ``--optimizer dist_muon`` instead of
     its assertion; from 0.18 the pair passes; without ``--lowprec-option`` it is Megatron-LM's to judge."""
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(megatron_lm, "_PRINTED", set())
     flags = ["--optimizer", optimizer, "--use-distributed-optimizer"]
     assert _megatron_lm_parse_args(flags)().lowprec_option is None
     assert capsys.readouterr().out == f"megatron-lowprec: no --lowprec-option; megatron's own optimizer (--optimizer {optimizer})\n"
