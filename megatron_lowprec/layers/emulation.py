@@ -1,4 +1,4 @@
-"""ExMy emulation of matrix multiplications ("To FP8 and Back Again", section 3.2; NOTES.md).
+"""ExMy emulation of matrix multiplications ("To FP8 and Back Again", section 3.2).
 
 The inputs, weights and outputs of a matmul (and, in backward, the gradients) are rounded to a
 reduced format ExMy while storage and accumulation stay in high precision: removing mantissa bits

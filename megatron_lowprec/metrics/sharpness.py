@@ -1,4 +1,5 @@
-"""Last-token loss-landscape sharpness ("To FP8 and Back Again", section 3.1; NOTES.md).
+"""Last-token loss-landscape sharpness ("To FP8 and Back Again", section 3.1, whose formula the
+paper's text states in words; written out below).
 
 For the logit vector x (length V) of the last position of a sequence and f(x) the cross-entropy of
 its next-token target, the box C_eps = {z : |z_i| <= eps (|x_i| + 1)} and
@@ -23,7 +24,7 @@ LossAndGradient = Callable[[np.ndarray], tuple[float, np.ndarray]]
 
 
 def box_sharpness(loss_and_grad: LossAndGradient, x: np.ndarray, eps: float = DEFAULT_EPS) -> float:
-    """phi(x, f, eps) for a loss ``loss_and_grad(y) -> (f(y), df/dy)`` on float64 vectors (NOTES.md).
+    """phi(x, f, eps) for a loss ``loss_and_grad(y) -> (f(y), df/dy)`` on float64 vectors (the module's formula).
 
     L-BFGS-B runs on the same problem in scaled variables: z = half_width * u with u in the unit box,
     and the loss increase divided by ``SEARCH_SCALE`` times the largest |d f / d u_i| at u = 0.
