@@ -22,12 +22,10 @@ the cache holds one byte per weight element while the block runs.
 
 Matmuls run on ``torch._scaled_mm`` on GPUs that have it (compute capability >= 8.9, every
 dimension a multiple of 16, not both operands E5M2), else they are emulated: dequantize to FP32
-(payload * scale), FP32 matmul, cast to the output dtype. On CPUs "auto" emulates too: torch 2.13's
-CPU ``_scaled_mm`` is 30 to 10,000 times slower than the emulation (0.2 to 14 s against 1 to 75 ms
-for products of 64x32x96 to 256x128x512, 2 busy cores), and it also sums the exact FP8 products in
-FP32, in an order it picks by instruction set (AVX2, AVX-512, AMX), so the two backends agree
-within FP32 summation error, not bit for bit (tests/layers/test_fp8_linear.py); ``backend="scaled_mm"``
-still asks for it.
+(payload * scale), FP32 matmul, cast to the output dtype. On CPUs "auto" emulates too: torch's CPU
+``_scaled_mm`` is orders of magnitude slower than the emulation, and it sums the exact FP8 products
+in FP32 in an order it picks by instruction set (AVX2, AVX-512, AMX), so the two backends agree
+within FP32 summation error, not bit for bit; ``backend="scaled_mm"`` still asks for it.
 Non-finite inputs give NaN outputs or gradients (the optimizer then skips the step).
 """
 
@@ -84,7 +82,7 @@ def quantize_per_tensor(x: torch.Tensor, fp8_format: str | torch.dtype) -> tuple
 
     ``fp8_format`` is "e4m3" or "e5m2" (or the torch dtype); the cast is torch's round-to-nearest-even.
     The scale is the correctly rounded quotient on every device (eager CUDA multiplies a tensor by a
-    Python float's reciprocal instead of dividing: 1 ulp off, seen on an H200). x is quantized as
+    Python float's reciprocal instead of dividing, which can be 1 ulp off). x is quantized as
     one row by :func:`~megatron_lowprec.numerics.quant.quantize_rows` (one compiled call on GPUs that
     convert FP8 in Triton).
     """
@@ -111,8 +109,8 @@ def row_major(payload: torch.Tensor) -> torch.Tensor:
     """``payload`` laid out row-major, as ``torch._scaled_mm`` takes its first operand (and the
     transpose of its second). The backward pass's operands are transposed views; where Inductor
     compiles FP8 (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`) they are copied
-    by one compiled kernel that reads and writes tiles (ATen's strided copy of FP8 payloads took
-    14% of COAT's GPU time in GPT-1.3B training on an H200), elsewhere by ``contiguous()``."""
+    by one compiled kernel that reads and writes tiles (ATen's strided copy of FP8 payloads is slow
+    on GPUs), elsewhere by ``contiguous()``."""
     return payload if payload.is_contiguous() else compiled_where_fp8_converts(_copied, payload.device)(payload)
 
 
