@@ -16,11 +16,12 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).with_name("megatron_lm_0_16")))
+from _cpu_bridge_worker import _seeded_model, _train_step, _transformer_config
 
-from _cpu_bridge_worker import _train_step, _transformer_config, _seeded_model  # noqa: E402
+from tests.megatron.launch import run_scenario
 
-from tests.megatron.launch import run_scenario  # noqa: E402
+STAND_IN = Path(__file__).with_name("megatron_lm_0_16")
+"""The folder whose ``megatron/training`` stands in for Megatron-LM 0.16's."""
 
 
 def _model_provider(pre_process=True, post_process=True):
@@ -40,6 +41,8 @@ def setup_as_megatron_lm_0_16(argv: list[str], megatrons_own_builder: bool) -> d
     the plugin does not replace."""
     from megatron.core.enums import ModelType
     from megatron.core.optimizer import get_megatron_optimizer
+
+    sys.path.insert(0, str(STAND_IN))
     from megatron.training import initialize, training
 
     from megatron_lowprec.megatron import megatron_lm, optimizer as lowprec_optimizer
