@@ -110,7 +110,7 @@ def main() -> None:
             ["elements", "gradients", "layout", "FP32 norm ms", "exact norm ms", "exact / FP32"],
             [[f"{numel:.3g}", name, layout, f"{fp32 * 1e3:.3f}", f"{exact * 1e3:.3f}", f"{exact / fp32:.1f}"]
              for numel, name, fp32, exact in results],
-            [f"{command}, {torch.get_num_threads()} threads. The exact norm (`numerics/square_sum.py`: Σ x² as integer "
+            [f"{command}, {report.threads()}. The exact norm (`numerics/square_sum.py`: Σ x² as integer "
              "digit sums, the same bits at every DP/TP/PP layout) against `torch._foreach_norm` and the norm of the "
              "norms, as megatron's `get_grad_norm_fp32` computes it; calls alternating, medians.", *arguments.note],
             device=device,

@@ -182,8 +182,8 @@ def write_markdown(arguments: argparse.Namespace, summaries: dict, times: dict) 
             f"One optimizer step over BF16 parameters shaped as {arguments.time_layers} layers' hidden weights "
             f"({sum(r * c for r, c in hidden_weight_shapes(arguments.time_layers)):,} parameters), the optimizers stepping "
             f"in turn, median of {arguments.repeats} after {arguments.time_warmup} (`--time-layers {arguments.time_layers} "
-            f"--repeats {arguments.repeats} --muon-steps {' '.join(arguments.muon_steps)}`), {torch.get_num_threads()} "
-            f"threads; {megatron_core_muon_note()}.",
+            f"--repeats {arguments.repeats} --muon-steps {' '.join(arguments.muon_steps)}`), {report.threads()}; "
+            f"{megatron_core_muon_note()}.",
         ))
     (header, rows, description), *more = tables
     notes = [description, *arguments.note]

@@ -288,9 +288,9 @@ STEP_TITLES = {
 def write_markdown(
     path: Path, results: list[dict], device: torch.device, step_path: str, settings: str, notes: list[str]
 ) -> None:
-    """The step-time table and the bytes table as a stamped result file (``report.py``), with two plots
-    beside it: step time against a copy of the option's bytes (``NAME.png``) and the bytes per
-    parameter stacked by component (``NAME-memory.png``)."""
+    """The step-time table as a stamped result file (``report.py``); for the compiled fused step also
+    the bytes table and two plots beside it: step time against a copy of the option's bytes
+    (``NAME.png``) and the bytes per parameter stacked by component (``NAME-memory.png``)."""
     import report
 
     header = ["params", "option", "step ms", "torch FP32 ms", "ratio", "Gparam/s", "eff GB/s", "copy %", "peak MB",
@@ -317,6 +317,11 @@ def write_markdown(
         f"x parameters / step time) as a share of a plain FP32 copy in the same run ({copies}). Peak MB: memory a "
         "step allocates beyond what was live before it; bucket MB: the largest bucket's 16-bit parameters.",
         *notes,
+    ]
+    if step_path != "fused":
+        report.write_result(path, STEP_TITLES[step_path], header, rows, notes, device=device)
+        return
+    notes += [
         "Bytes per parameter, measured from the tensors the optimizer holds (parameter, gradient, state):",
         memory,
         "The gradient here is the BF16 gradient this benchmark allocates. `lowprec-train` reduces gradients in FP32 "
@@ -393,12 +398,14 @@ def main() -> None:
     results = run(sizes, args.options, args.warmup, args.repeats, device, path, kernels=args.kernels, pieces=args.pieces,
                   tensors=args.tensors)
     if args.markdown is not None:
+        import report
+
         settings = (f"`python benchmarks/optimizer_step.py --sizes {' '.join(args.sizes)} --tensors {args.tensors} "
                     f"--warmup {args.warmup} --repeats {args.repeats}"
                     + {"fused": "", "eager": " --eager", "uncompiled": " --uncompiled"}[path]
                     + (f" --pieces {args.pieces}" if args.pieces is not None else "")
                     + (f" --options {' '.join(args.options)}" if args.options != default_options() else "")
-                    + f"`, {torch.get_num_threads()} threads"
+                    + f"`, {report.threads()}"
                     + (f", pieces of {args.pieces or fused.EAGER_WINDOW_ELEMENTS} elements; `(whole)`: the same call "
                        "over the whole bucket" if path == "uncompiled" else ""))
         write_markdown(args.markdown, results, device, path, settings, args.note)

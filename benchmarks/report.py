@@ -57,6 +57,14 @@ def device_name(device=None) -> str:
     return cpu_name()
 
 
+def threads() -> str:
+    """The threads torch computes with on the CPU, as words: "1 thread", "2 threads"."""
+    import torch
+
+    count = torch.get_num_threads()
+    return f"{count} thread" + ("s" if count != 1 else "")
+
+
 def git_commit(repository: Path = REPOSITORY) -> str:
     """The short hash of ``HEAD``, with ``+dirty`` when tracked files differ from it; "unknown"
     outside a git checkout."""

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         command = (f"`python benchmarks/shard_step.py --sizes {' '.join(args.sizes)} --tensors {args.tensors} "
                    f"--warmup {args.warmup} --repeats {args.repeats} --options {' '.join(args.options)}`")
         report.write_result(args.markdown, "Distributed optimizer: a shard in place against plain buckets", header, rows, [
-            f"{command}, {torch.get_num_threads()} threads. The shard: the second half of a megatron-like DDP bucket "
+            f"{command}, {report.threads()}. The shard: the second half of a megatron-like DDP bucket "
             f"(rank 1 of DP=2, {args.tensors} parameters of two parameter groups, starts padded to 64 elements), stepped "
             "in place over megatron's buffers as the distributed optimizer steps it; plain buckets: the same elements "
             "in a bucket per parameter group that owns its parameters and gradients. Their steps alternate; medians; "
