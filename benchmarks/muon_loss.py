@@ -7,7 +7,8 @@ option, and AdamW with option D beside them, at each learning rate of ``--lrs`` 
 decays to a tenth of it after a warmup of ``--warmup`` steps). The small default learning rate puts
 Muon's updates (RMS about 0.2·lr) below half a BF16 ulp of the typical weight, where nearest
 rounding loses them and the other options should not. The validation loss is measured once, after
-the last step, on ``--eval-iters`` batches.
+the last step, on ``--eval-iters`` batches; ``--markdown PATH`` writes the tables stamped
+(``report.py``) with every run's training loss per step plotted beside them.
 
 Step time: in this process, one optimizer step over BF16 parameters shaped as the default model's
 hidden weights (``--time-layers`` layers of QKV, projection, fc1 and fc2; Muon's share of the model)

@@ -22,6 +22,9 @@ starts), whose calls run the step's kernel uncompiled in pieces of ``fused.EAGER
 elements; each option also runs with the whole bucket in one uncompiled call (``A(whole)``), the
 baseline of its peak memory, in the same run.
 
+``--markdown PATH`` writes the table stamped (``report.py``); for the compiled step also the bytes per
+parameter by component, plotted stacked beside it, and the step time beside a copy of its bytes.
+
 An option may name its master's storage (``D:remainder``, ``D-BF16:fp32``); by default every option
 runs, and each option with an FP32 master also in its other storage, next to it.
 
