@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics import inductor
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
@@ -40,48 +41,26 @@ as their uint8 codes (``optim/fused.py: fp8_payloads_as_codes``)."""
 
 def inductor_options() -> dict[str, Any]:
     """:data:`INDUCTOR_OPTIONS` and those of :data:`OPTIONAL_INDUCTOR_OPTIONS` this torch has."""
-    from torch._inductor import config as inductor_config
-
-    options = dict(INDUCTOR_OPTIONS)
-    options.update({name: value for name, value in OPTIONAL_INDUCTOR_OPTIONS.items() if _has_option(inductor_config, name)})
-    return options
+    return {**INDUCTOR_OPTIONS, **inductor.supported_options(OPTIONAL_INDUCTOR_OPTIONS)}
 
 
-def _has_option(config: Any, dotted_name: str) -> bool:
-    for part in dotted_name.split("."):
-        if not hasattr(config, part):
-            return False
-        config = getattr(config, part)
-    return True
-
-
-def compile_exact(function: Callable, options: dict[str, Any] | None = None) -> Callable:
+def compile_exact(
+    function: Callable, options: dict[str, Any] | None = None,
+    around: tuple[Callable[[], contextlib.AbstractContextManager], ...] = (),
+) -> Callable:
     """``function`` compiled with :func:`inductor_options` (and ``options``, more Inductor options),
     dynamic shapes and one graph, traced under :func:`ieee_fp32_division` where those options compile
     FP32 division to the IEEE instruction: the bits of its eager form on every backend, as long as it
     is built from operations that every backend computes alike (``numerics/elementary.py``). Python
-    numbers among its arguments are constants of the graph (``specialize_int``, ``specialize_float``):
-    a new value compiles again, as a new shape does not. ``automatic_dynamic_shapes`` is off: every
-    size is dynamic from the first compile anyway, and Dynamo's memory of earlier calls would otherwise
-    give a later compile's sizes symbols of their own, and Inductor's cache key with them (a compile
-    child could then not fill the training process's cache entry). Without duck shapes: sizes and
-    storage offsets that are equal by chance (a shard's parameters at the offsets of its state, a
-    grid of as many rows as columns) keep symbols of their own, so that the next call, where they
-    differ, does not compile again (sizes that must be equal are made so by the operations' guards)."""
-    from torch.fx.experimental import _config as symbolic_shapes_config
-
+    numbers among its arguments are constants of the graph: a new value compiles again, as a new
+    shape does not. Without duck shapes: sizes and storage offsets that are equal by chance (a
+    shard's parameters at the offsets of its state, a grid of as many rows as columns) keep symbols
+    of their own, so that the next call, where they differ, does not compile again (sizes that must
+    be equal are made so by the operations' guards). These Dynamo settings, and the contexts
+    ``around``, apply around each call only (:func:`~megatron_lowprec.numerics.inductor.compile_scoped`)."""
     options = {**inductor_options(), **(options or {})}
-    compiled = torch.compile(function, dynamic=True, fullgraph=True, options=options)
-    compiled = torch._dynamo.config.patch(specialize_int=True, specialize_float=True, automatic_dynamic_shapes=False)(compiled)
-    compiled = symbolic_shapes_config.patch(use_duck_shape=False)(compiled)
-    division = ieee_fp32_division if options.get(IEEE_DIVISION_OPTION) else contextlib.nullcontext
-
-    @functools.wraps(function)
-    def call(*args):
-        with division():
-            return compiled(*args)
-
-    return call
+    division = (ieee_fp32_division,) if options.get(IEEE_DIVISION_OPTION) else ()
+    return inductor.compile_scoped(function, options, specialize_numbers=True, duck_shapes=False, around=(*around, *division))
 
 
 def triton_converts_fp8(device: torch.device) -> bool:
@@ -102,5 +81,13 @@ def _compiled_once(function: Callable) -> Callable:
 def compiled_where_fp8_converts(function: Callable, device: torch.device) -> Callable:
     """``function`` compiled by :func:`compile_exact` (once per function) where Inductor compiles FP8
     casts on ``device`` (:func:`triton_converts_fp8`), else ``function`` itself: how COAT's layers run
-    their quantization and backward passes."""
-    return _compiled_once(function) if triton_converts_fp8(device) else function
+    their quantization and backward passes. Outside the torch and triton versions the package's
+    compiler internals were written for, ``function`` itself, after one warning
+    (:func:`~megatron_lowprec.numerics.inductor.warn_unsupported`)."""
+    if not triton_converts_fp8(device):
+        return function
+    unsupported = inductor.unsupported_reason(device.type)
+    if unsupported is not None:
+        inductor.warn_unsupported(unsupported)
+        return function
+    return _compiled_once(function)

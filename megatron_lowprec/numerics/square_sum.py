@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_lowprec.numerics import inductor
+
 DIGITS = 15
 """40-bit digits: ``x² · 2^298`` is below 2^556 for finite float32 ``x``, and the last digit takes
 what a sum carries beyond."""
@@ -78,8 +80,9 @@ PARTIALS_PER_CARRY = 1 << 20
 """Calls' results (each digit below 2^41) added up before a carry: their sum stays below 2^63."""
 
 RECOMPILE_LIMIT = 16
-"""Dynamo's recompile limit is raised to at least this: :func:`_row_partials` makes one graph per
-gradient dtype (FP32, BF16, FP16) and storage offset (Dynamo specializes offsets 0 and 1), at most 9."""
+"""Dynamo's recompile limit around the compiled digit sums' calls (at least this): :func:`_row_partials`
+makes one graph per gradient dtype (FP32, BF16, FP16) and storage offset (Dynamo specializes offsets
+0 and 1), at most 9."""
 
 COMPILE_OPTIONS = {"realize_opcount_threshold": 1 << 16}
 """Inductor otherwise stores a value's digit parts to memory after about 30 operations and reads them
@@ -260,16 +263,20 @@ def _eager_digit_sums(values: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled_digit_sums() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """:func:`_windowed_digit_sums` and :func:`_torch_digit_sums` compiled (CUDA): each one kernel that
-    reads each value once (audited in ``kernels/audit.py``), for any number of rows, one compilation
+    reads each value once (audited by ``tools/kernel_audit``), for any number of rows, one compilation
     per dtype and storage offset (:data:`RECOMPILE_LIMIT`); run eagerly (on ``TORCH_CHUNK_ELEMENTS``
-    values at a time), with a warning, where Triton is not installed."""
+    values at a time), with a warning, where Triton is not installed or outside the torch and triton
+    versions the package's compiler internals were written for."""
     if importlib.util.find_spec("triton") is None:
         warnings.warn("Triton is not installed: the exact gradient norm's digit sums run eagerly on CUDA "
                       "(the same bits, about 100 kernels per 256K values instead of 5 per gradient)", stacklevel=3)
         return _windowed_digit_sums, _torch_digit_sums
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    unsupported = inductor.unsupported_reason("cuda")
+    if unsupported is not None:
+        inductor.warn_unsupported(unsupported)
+        return _windowed_digit_sums, _torch_digit_sums
     return tuple(
-        torch.compile(function, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+        inductor.compile_scoped(function, COMPILE_OPTIONS, recompile_limit=RECOMPILE_LIMIT)
         for function in (_windowed_digit_sums, _torch_digit_sums)
     )
 

@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics import inductor
+
 GPU_FREE_MEMORY_SHARE = 0.5
 """On a GPU, the largest share of the free device memory that a call's storages may take in the
 compile child; a call whose storages need more compiles in the training process."""
@@ -201,25 +203,17 @@ class BackgroundCompiles:
 def _start_child(jobs: list[_Job]) -> _Child:
     """A child process (``python -m megatron_lowprec.optim.background_compile``) compiling ``jobs``,
     with this process's compile configs, import path and Inductor cache directory."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     directory = tempfile.TemporaryDirectory(prefix="megatron-lowprec-compile-")
     payload = {
         "jobs": [(job.recipe, job.skeleton, job.grad_enabled) for job in jobs],
-        "configs": {
-            "inductor": inductor_config.save_config_portable(),
-            "dynamo": torch._dynamo.config.save_config_portable(),
-            "functorch": functorch_config.save_config_portable(),
-        },
+        "configs": inductor.compile_configs(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     spec_path = Path(directory.name) / "jobs.pkl"
     spec_path.write_bytes(pickle.dumps(payload))
     environment = dict(os.environ)
-    environment["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()
+    environment["TORCHINDUCTOR_CACHE_DIR"] = inductor.inductor_cache_dir()
     environment["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
     child = _Child(None, [job.kind for job in jobs], directory)
     with open(child.output_path, "wb") as output:
@@ -243,14 +237,8 @@ def compile_jobs(spec_path: Path, results_path: Path) -> None:
     """The child's work: take the parent's configs (setting only what differs: a setter can change
     the cache key even to the value it had), then call each job's compiled function on
     zero-filled tensors of its skeleton; write each job's error (``None``: compiled)."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
     payload = pickle.loads(Path(spec_path).read_bytes())
-    configs = payload["configs"]
-    inductor_config.load_config(configs["inductor"])
-    torch._dynamo.config.load_config(configs["dynamo"])
-    functorch_config.load_config(configs["functorch"])
+    inductor.load_compile_configs(payload["configs"])
     if torch.are_deterministic_algorithms_enabled() != payload["deterministic"]:
         torch.use_deterministic_algorithms(payload["deterministic"])
     if torch.get_float32_matmul_precision() != payload["float32_matmul_precision"]:

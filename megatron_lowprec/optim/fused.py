@@ -9,8 +9,9 @@ allocates no second copy of either. One compiled call (:func:`fused_call_argumen
 whole bucket:
 
 * flat, or as [groups, group_size] for FP8 moments (coat), so that each group is decoded, updated and
-  re-quantized with its new statistics inside one kernel (on GPUs :data:`GROUP_STATISTICS_OPTIONS`:
-  without bucket-sized FP32 temporaries);
+  re-quantized with its new statistics inside one kernel (on GPUs
+  :data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`: without bucket-sized FP32
+  temporaries);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
   element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
   and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
@@ -57,11 +58,9 @@ Triton kernels on GPU. What keeps the compiled step bit-identical to the eager o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
-import logging
 import os
 import shutil
 import warnings
@@ -70,8 +69,10 @@ from typing import Any
 
 import torch
 
+from megatron_lowprec.numerics import inductor
 from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, compile_exact, inductor_options
 from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
+from megatron_lowprec.numerics.inductor import EagerFallbackWarning
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
 from megatron_lowprec.optim.buckets import (
@@ -91,79 +92,17 @@ from megatron_lowprec.optim.master import stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
-GROUP_STATISTICS_OPTIONS = {
-    "realize_reads_threshold": 8,
-    "realize_acc_reads_threshold": 16,
-    "realize_cpu_acc_reads_threshold": 16,
-    "max_fusion_size": 256,
-}
-"""Inductor options for strategies with FP8 moments (COAT): each group's updated moments feed the
-master update, two group reductions (max|x|, smallest non-zero) and the re-quantization, and under
-Inductor's defaults (4 reads; 8 or 12 accumulated) they are stored in bucket-sized FP32 buffers
-between those loops. With these thresholds they are recomputed from the FP8 payloads instead, so
-the step reads the state a few times but allocates only per-group buffers. Options this torch's
-Inductor lacks are left out (it then stores them). ``max_fusion_size`` (64 nodes by default): a
-shard's step, which also places each element in megatron's buffers, has more nodes than that where
-FP8 payloads are integer codes (sm_80), and its last moment's payload store was left to a kernel of
-its own. GPUs only (:func:`group_statistics_in_kernel`), with :func:`fusion_after_reordering`."""
-
-POST_FUSION_OPTION = "_post_fusion_custom_pass"
-FUSION_ROUNDS = 10
-"""At most as many fusion rounds as Inductor's own fusion loop."""
-
-
-@functools.cache
-def fusion_after_reordering() -> Any:
-    """An Inductor scheduler pass (``_post_fusion_custom_pass``) that repeats Inductor's fusion
-    rounds after its last, loop-reordering round, until nothing fuses. COAT's element pass reads the
-    old group scales and is fused with the group reductions only in that last round, so without
-    more rounds each moment's new-scale store ([groups] pointwise, after every read of the old
-    scales) stays a kernel of its own: with them the plain step is one kernel, which stores each new
-    scale once per group. A :class:`CustomSchedulerPass` with a ``uuid``, so that Inductor's FX graph
-    cache keys on it; None where this torch has the option but not that class (torch 2.11, seen on an
-    H200): the step then stores each new scale in a kernel of its own."""
-    try:
-        from torch._inductor.custom_graph_pass import CustomSchedulerPass
-    except ImportError:
-        return None
-
-    class FusionAfterReordering(CustomSchedulerPass):
-        def __call__(self, nodes):
-            if not nodes:
-                return nodes
-            scheduler = nodes[0].scheduler
-            for _ in range(FUSION_ROUNDS):
-                fused = scheduler.fuse_nodes_once(nodes, is_reorder_round=False)
-                if len(fused) == len(nodes):
-                    return fused
-                nodes = fused
-            return nodes
-
-        def uuid(self) -> str:
-            return "megatron_lowprec.fusion_after_reordering.v1"
-
-    return FusionAfterReordering()
-
 GROUP_STATISTICS_DEVICES = ("cuda",)
-"""Device types whose FP8-moment step takes :data:`GROUP_STATISTICS_OPTIONS`. On a CPU, where memory
-is not what limits the step, recomputing costs more than it saves: COAT's cold compile took 72 s
+"""Device types whose FP8-moment step takes
+:data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`. On a CPU, where memory is not
+what limits the step, recomputing costs more than it saves: COAT's cold compile took 72 s
 with them and 49 s without (2 cores, one 4M-parameter bucket), while the compiled step got 7% faster
 (65.5 against 70.0 ms)."""
-
-LOW_PRECISION_TILING_TAG = "|megatron_lowprec.low_precision_tiling.v1"
-"""Added to torch.compile's cache key while :func:`_low_precision_tiling` is in force."""
-
-NO_OUTER_LOOP_FUSION_TAG = "|megatron_lowprec.no_outer_loop_fusion.v1"
-"""Added to torch.compile's cache key while :func:`_without_outer_loop_fusion` is in force."""
 
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
 a per-row table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
 lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
-
-class EagerFallbackWarning(UserWarning):
-    """A fused bucket, or one call of its step, ran the eager reference instead of the compiled kernel:
-    the same bits, but one pass per parameter and several kernels each."""
 
 
 def warn_eager_fallback(what: str, reason: str) -> None:
@@ -175,11 +114,6 @@ def bucket_entries(bucket: Bucket) -> str:
     """The parameters of a bucket, by group and shape, for messages."""
     shapes = ", ".join(str(tuple(param.shape)) for param in bucket.params)
     return f"the bucket of parameter group {bucket.group_index} (parameters of shapes {shapes})"
-
-
-RECOMPILE_LIMIT = 64
-"""Dynamo's recompile limit is raised to at least this: each strategy, dtype and rank of the views
-(flat buckets; [rows, row_length] grids under SR, with one row or more) is one compilation."""
 
 
 TRITON_MIN_CAPABILITY = (7, 0)
@@ -194,7 +128,11 @@ def fused_unavailable_reason(device: torch.device) -> str | None:
     """Why ``torch.compile`` cannot build the fused step on ``device`` (``None``: it can), for every
     option alike. It needs a C++ compiler on CPU; on a GPU Triton and a compute capability of at
     least :data:`TRITON_MIN_CAPABILITY` (FP8 moments compile at every capability:
-    :func:`fp8_payloads_as_codes`)."""
+    :func:`fp8_payloads_as_codes`), and torch (triton on GPUs) within the versions the package's
+    compiler internals were written for (:func:`~megatron_lowprec.numerics.inductor.unsupported_reason`)."""
+    unsupported = inductor.unsupported_reason(device.type)
+    if unsupported is not None:
+        return unsupported
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             return "Triton is not installed"
@@ -236,12 +174,16 @@ def fused_available(device: torch.device) -> bool:
 def resolve_fused(device: torch.device, requested: bool | None) -> bool:
     """Whether the optimizer's buckets on ``device`` take the fused step. ``requested=None``: where
     available, and on a GPU where it is not, the eager step with an :class:`EagerFallbackWarning`
-    naming why; ``True`` where unavailable: ``ValueError`` naming why."""
+    naming why (outside the supported torch and triton versions, on every device, once per process);
+    ``True`` where unavailable: ``ValueError`` naming why."""
     reason = None if requested is False else fused_unavailable_reason(device)
     if requested and reason is not None:
         raise ValueError(f"fused=True cannot compile the step on {device}: {reason}; use fused=False or None")
-    if requested is None and reason is not None and device.type == "cuda":
-        warn_eager_fallback(f"every bucket on {device}", reason)
+    if requested is None and reason is not None:
+        if reason == inductor.unsupported_reason(device.type):
+            inductor.warn_unsupported(reason)
+        elif device.type == "cuda":
+            warn_eager_fallback(f"every bucket on {device}", reason)
     return reason is None if requested is None else requested
 
 
@@ -254,156 +196,18 @@ def compiled_kernel(group_statistics: bool = False) -> Callable:
 
 def compile_step_function(function: Callable, group_statistics: bool = False) -> Callable:
     """``function`` (an element-wise step over a call's tensors) compiled as every fused step is,
-    by :func:`~megatron_lowprec.numerics.compiled.compile_exact`, with :data:`GROUP_STATISTICS_OPTIONS`
-    for strategies with FP8 moments (``group_statistics``), under :func:`_low_precision_tiling` and
-    :func:`_without_outer_loop_fusion`. Python numbers are constants there: the strategy's FP8 group
-    size must be one, or every group index becomes a scalar division by a symbol, and so are the
+    by :func:`~megatron_lowprec.numerics.compiled.compile_exact`, with Inductor's options for FP8
+    group statistics (``group_statistics``:
+    :func:`~megatron_lowprec.numerics.inductor.group_statistics_options`), each call under
+    :func:`~megatron_lowprec.numerics.inductor.step_code_generation` (Inductor's C++ code generator
+    as the fused step wants it). Python numbers are constants there: the strategy's FP8 group size
+    must be one, or every group index becomes a scalar division by a symbol, and so are the
     polynomial coefficients of ``numerics/elementary.py`` (step-dependent values are 0-d tensors).
     ``automatic_dynamic_shapes`` is off there: without it a compile child
     (:mod:`~megatron_lowprec.optim.background_compile`) could not fill the training process's cache
-    entry, as seen after the other fused tests."""
-    from torch._inductor import config as inductor_config
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    options = {}
-    if group_statistics:
-        options.update({k: v for k, v in GROUP_STATISTICS_OPTIONS.items() if hasattr(inductor_config, k)})
-        if hasattr(inductor_config, POST_FUSION_OPTION) and fusion_after_reordering() is not None:
-            options[POST_FUSION_OPTION] = fusion_after_reordering()
-    compiled = compile_exact(function, options)
-
-    def call(*args):
-        with _low_precision_tiling(), _without_outer_loop_fusion():
-            return compiled(*args)
-
-    return call
-
-
-@contextlib.contextmanager
-def _low_precision_tiling():
-    """While compiling, Inductor's C++ loops that touch a 16-bit float are vectorized as many
-    elements wide as one vector of that type (16 on AVX2), not as one FP32 vector (8).
-
-    Inductor picks the 16-bit width only when every node of a loop is 16-bit; a loop that mixes BF16
-    parameters with FP32 moments or int32 SR words runs 8 wide, and ATen loads and stores 8 BF16
-    through a stack buffer (a partial vector), which slows D-MW, D, sr and coat down by up to 2.5x
-    on CPU (a BF16/FP32 AdamW-like loop: 19.9 ms at 8 wide, 8.3 ms at 16 wide, 16M elements). Only
-    the vector width changes, not the arithmetic (the fused-vs-eager tests check every option bit for
-    bit). The choice is part of the compile caches' key (``cache_key_tag``), so that code compiled
-    without it is not reused.
-
-    This reaches into Inductor's internals, which change between torch versions. Inductor's own
-    choice is kept whenever they differ from what is expected here: a missing piece (checked before
-    patching), another signature or return shape of ``select_tiling``, or any exception while the
-    width is chosen (see :func:`_low_precision_tiling_select`; logged once)."""
-    from torch._inductor.codegen import cpp
-
-    original = getattr(cpp, "TilingSelect", None)
-    needed = (
-        hasattr(original, "select_tiling"),
-        hasattr(cpp, "_get_loop_body"),
-        hasattr(cpp, "get_loop_body_lowp_fp"),
-        hasattr(getattr(torch.compiler, "config", None), "cache_key_tag"),
-    )
-    if not all(needed):
-        yield
-        return
-    cpp.TilingSelect = _low_precision_tiling_select(original)
-    try:
-        with _cache_key_tag_extended(LOW_PRECISION_TILING_TAG):
-            yield
-    finally:
-        cpp.TilingSelect = original
-
-
-@contextlib.contextmanager
-def _without_outer_loop_fusion():
-    """While compiling, Inductor's C++ scheduler does not fuse loop nests by their outer loops.
-
-    COAT's step offers it one such fusion (its group reductions and the element passes over the same
-    groups). Inductor then generates every kernel of the fused node around shared local buffers,
-    finds that their loop levels do not line up, and generates them all again apart: the same loops
-    in the end (in another order), after 10-13 s of a 55 s cold compile spent on the first pass (2
-    cores, torch 2.13). Declining the fusion up front skips that pass. CPU code only (Triton's
-    scheduler is another class), and part of the compile caches' key (``cache_key_tag``). Where this
-    torch's C++ scheduler has no ``can_fuse_vertical_outer_loop``, nothing is changed."""
-    from torch._inductor.codegen import cpp
-
-    scheduling = getattr(cpp, "CppScheduling", None)
-    if not hasattr(scheduling, "can_fuse_vertical_outer_loop") or not hasattr(
-        getattr(torch.compiler, "config", None), "cache_key_tag"
-    ):
-        yield
-        return
-    original = scheduling.can_fuse_vertical_outer_loop
-    scheduling.can_fuse_vertical_outer_loop = _no_outer_loop_fusion
-    try:
-        with _cache_key_tag_extended(NO_OUTER_LOOP_FUSION_TAG):
-            yield
-    finally:
-        scheduling.can_fuse_vertical_outer_loop = original
-
-
-@contextlib.contextmanager
-def _cache_key_tag_extended(suffix: str):
-    """``torch.compiler.config.cache_key_tag`` with ``suffix`` appended while the block runs: what
-    ``torch.compiler.config.patch`` does, in a quarter of its time (entered at every call of a
-    compiled step: 4 µs against 17 to 38 on a CPU core)."""
-    config = torch.compiler.config
-    tag = config.cache_key_tag
-    config.cache_key_tag = tag + suffix
-    try:
-        yield
-    finally:
-        config.cache_key_tag = tag
-
-
-def _no_outer_loop_fusion(scheduling: Any, node1: Any, node2: Any) -> bool:
-    """``CppScheduling.can_fuse_vertical_outer_loop`` under :func:`_without_outer_loop_fusion`."""
-    return False
-
-
-@functools.cache
-def _warn_tiling_fallback(reason: str) -> None:
-    """Log once per reason that Inductor's own tiling is used."""
-    logging.getLogger(__name__).warning(
-        "16-bit vector tiling is off, Inductor's own tiling is used (this torch's Inductor differs: %s)", reason
-    )
-
-
-def _widened_tiling(selected: Any, fn_list: Any) -> Any:
-    """``selected`` = (factors, indices, ...) with FP32-wide factors widened to one 16-bit vector when
-    every low-precision node of ``fn_list`` has the same 16-bit dtype; raises on any other shape."""
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.codegen import cpp
-
-    factors, indices, *rest = selected
-    isa = cpu_vec_isa.pick_vec_isa()
-    low_precision = {cpp.get_loop_body_lowp_fp(body)[0] for body in cpp._get_loop_body(fn_list)} - {None}
-    if len(low_precision) == 1 and factors and set(factors) == {isa.nelements(torch.float)}:
-        factors = [isa.nelements(low_precision.pop())] * len(factors)
-    return (factors, indices, *rest)
-
-
-@functools.cache
-def _low_precision_tiling_select(base: type) -> type:
-    class LowPrecisionTilingSelect(base):
-        """Inductor's tiling, widened to one 16-bit vector for loops that touch a 16-bit float; Inductor's
-        own result, unchanged, when it is not the expected (factors, indices, stats) or widening fails."""
-
-        def select_tiling(self, *args, **kwargs):
-            selected = super().select_tiling(*args, **kwargs)
-            fn_list = kwargs.get("fn_list", args[0] if args else None)
-            if not (isinstance(selected, tuple) and len(selected) == 3 and isinstance(selected[0], list)):
-                _warn_tiling_fallback(f"select_tiling returned {type(selected).__name__} of another shape")
-                return selected
-            try:
-                return _widened_tiling(selected, fn_list)
-            except Exception as error:
-                _warn_tiling_fallback(f"{type(error).__name__}: {error}")
-                return selected
-
-    return LowPrecisionTilingSelect
+    entry."""
+    options = inductor.group_statistics_options() if group_statistics else {}
+    return compile_exact(function, options, around=(inductor.step_code_generation,))
 
 
 MAX_CALL_ELEMENTS = 1 << 30
@@ -536,18 +340,14 @@ def _compiled_or_eager(
         if background_compile:
             return BACKGROUND_COMPILES.call(recipe, lambda *_: uncompiled(), args, warn_failed)
         return recipe.build()(*args)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
-        warn_eager_fallback(
-            bucket_entries(bucket),
-            f"torch.compile hit its recompile limit (torch._dynamo.config.recompile_limit = "
-            f"{torch._dynamo.config.recompile_limit})",
-        )
+    except inductor.recompile_limit_error():
+        warn_eager_fallback(bucket_entries(bucket), f"torch.compile hit its recompile limit (at least {inductor.RECOMPILE_LIMIT})")
         return uncompiled()
 
 
 def group_statistics_in_kernel(strategy: PrecisionStrategy, device: torch.device) -> bool:
     """Whether the compiled step of ``strategy`` on ``device`` recomputes its FP8 groups' statistics
-    from the payloads (:data:`GROUP_STATISTICS_OPTIONS`) rather than storing them."""
+    from the payloads (:data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`) rather than storing them."""
     return strategy.moments == "fp8" and device.type in GROUP_STATISTICS_DEVICES
 
 
@@ -584,11 +384,9 @@ def compiled_master_codec() -> tuple[Callable, Callable]:
     window is a slice of the bucket's remainder buffer, and with them a window of the whole buffer
     gives the slice and its base one size symbol, so that Dynamo guards on their equality and compiles
     again for a window of a part (a shard of two parameter groups)."""
-    from torch.fx.experimental import _config as symbolic_shapes_config
-
     options = inductor_options()
     return tuple(
-        symbolic_shapes_config.patch(use_duck_shape=False)(torch.compile(function, dynamic=True, fullgraph=True, options=options))
+        inductor.compile_scoped(function, options, duck_shapes=False)
         for function in (_join_master_window, _split_master_window_)
     )
 

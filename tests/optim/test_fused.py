@@ -5,6 +5,7 @@ Inductor's C++ code generator and are CPU-only."""
 import pytest
 import torch
 
+from megatron_lowprec.numerics import inductor
 from megatron_lowprec.optim import AdamW, PrecisionStrategy, get_strategy
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim import torch_fused
@@ -168,15 +169,15 @@ def test_group_statistics_compile_without_the_scheduler_pass_class(monkeypatch):
         assert torch.equal(step(torch.ones(3)), torch.full((3,), 2.0))
         return captured["options"]
 
-    fused_module.fusion_after_reordering.cache_clear()
-    assert fused_module.POST_FUSION_OPTION in compile_options()
+    inductor.fusion_after_reordering.cache_clear()
+    assert inductor.POST_FUSION_OPTION in compile_options()
     monkeypatch.delattr(custom_graph_pass, "CustomSchedulerPass")
-    fused_module.fusion_after_reordering.cache_clear()
+    inductor.fusion_after_reordering.cache_clear()
     try:
-        assert fused_module.fusion_after_reordering() is None
-        assert fused_module.POST_FUSION_OPTION not in compile_options()
+        assert inductor.fusion_after_reordering() is None
+        assert inductor.POST_FUSION_OPTION not in compile_options()
     finally:
-        fused_module.fusion_after_reordering.cache_clear()
+        inductor.fusion_after_reordering.cache_clear()
 
 
 def test_without_background_compile_the_first_step_compiles_in_the_training_process(monkeypatch):
@@ -383,9 +384,9 @@ def test_low_precision_tiling_is_scoped_to_the_compiled_step_and_tags_the_cache_
     from torch._inductor.codegen import cpp
 
     original, tag = cpp.TilingSelect, torch.compiler.config.cache_key_tag
-    with fused_module._low_precision_tiling():
+    with inductor.low_precision_tiling():
         assert issubclass(cpp.TilingSelect, original) and cpp.TilingSelect is not original
-        assert torch.compiler.config.cache_key_tag == tag + fused_module.LOW_PRECISION_TILING_TAG
+        assert torch.compiler.config.cache_key_tag == tag + inductor.LOW_PRECISION_TILING_TAG
     assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
 
 
@@ -393,12 +394,12 @@ def test_outer_loop_fusion_is_declined_only_while_the_step_compiles_and_tags_the
     from torch._inductor.codegen import cpp
 
     original, tag = cpp.CppScheduling.can_fuse_vertical_outer_loop, torch.compiler.config.cache_key_tag
-    with fused_module._without_outer_loop_fusion():
+    with inductor.without_outer_loop_fusion():
         assert cpp.CppScheduling.can_fuse_vertical_outer_loop(None, None, None) is False
-        assert torch.compiler.config.cache_key_tag == tag + fused_module.NO_OUTER_LOOP_FUSION_TAG
+        assert torch.compiler.config.cache_key_tag == tag + inductor.NO_OUTER_LOOP_FUSION_TAG
     assert cpp.CppScheduling.can_fuse_vertical_outer_loop is original and torch.compiler.config.cache_key_tag == tag
     monkeypatch.delattr(cpp.CppScheduling, "can_fuse_vertical_outer_loop")
-    with fused_module._without_outer_loop_fusion():
+    with inductor.without_outer_loop_fusion():
         assert not hasattr(cpp.CppScheduling, "can_fuse_vertical_outer_loop") and torch.compiler.config.cache_key_tag == tag
 
 
@@ -407,7 +408,7 @@ def test_without_the_inductor_pieces_it_needs_the_tiling_is_inductor_s_own(monke
 
     monkeypatch.delattr(cpp, "_get_loop_body")
     original, tag = cpp.TilingSelect, torch.compiler.config.cache_key_tag
-    with fused_module._low_precision_tiling():
+    with inductor.low_precision_tiling():
         assert cpp.TilingSelect is original and torch.compiler.config.cache_key_tag == tag
 
 
@@ -426,9 +427,9 @@ class _OtherSignatureTiling:
 
 
 def test_another_select_tiling_shape_or_signature_keeps_inductor_s_result():
-    two_values = fused_module._low_precision_tiling_select(_TwoValueTiling)()
+    two_values = inductor.low_precision_tiling_select(_TwoValueTiling)()
     assert two_values.select_tiling([], []) == ([8], [0])
-    other = fused_module._low_precision_tiling_select(_OtherSignatureTiling)()
+    other = inductor.low_precision_tiling_select(_OtherSignatureTiling)()
     assert other.select_tiling(None, [], "outer", extra=1) == ([8], [0], {"loop_kind": "outer", "extra": 1})
 
 
@@ -437,9 +438,9 @@ def test_a_failure_while_widening_keeps_inductor_s_result_and_is_logged_once(cap
         def select_tiling(self, fn_list, var_sizes_list):
             return [8], [0], None
 
-    tiling = fused_module._low_precision_tiling_select(ExpectedShapeTiling)()
-    fused_module._warn_tiling_fallback.cache_clear()
-    with caplog.at_level("WARNING", logger=fused_module.__name__):
+    tiling = inductor.low_precision_tiling_select(ExpectedShapeTiling)()
+    inductor._warn_tiling_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger=inductor.__name__):
         assert tiling.select_tiling(object(), []) == ([8], [0], None)
         assert tiling.select_tiling(object(), []) == ([8], [0], None)
     assert len([r for r in caplog.records if "16-bit vector tiling is off" in r.getMessage()]) == 1
@@ -452,7 +453,7 @@ def test_the_fused_step_compiles_and_stays_exact_when_the_tiling_patch_breaks(mo
     def broken(selected, fn_list):
         raise ValueError("not enough values to unpack (expected 3, got 2)")
 
-    monkeypatch.setattr(fused_module, "_widened_tiling", broken)
+    monkeypatch.setattr(inductor, "widened_tiling", broken)
     fused_module.compiled_kernel.cache_clear()
     torch._dynamo.reset()
     try:
