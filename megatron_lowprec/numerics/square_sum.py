@@ -332,8 +332,8 @@ def _partial_carry(sums: torch.Tensor) -> torch.Tensor:
 
 
 def _carried(sums: list[int]) -> list[int]:
-    """:func:`_carry` of sums held by the host, in Python integers (the tensor operations take 0.14 ms
-    on 17 values, as long as the C kernel over a million values)."""
+    """:func:`_carry` of sums held by the host, in Python integers (on a handful of values, tensor
+    operations cost as much as a kernel over a million)."""
     sums = list(sums)
     for digit in range(DIGITS - 1):
         sums[digit + 1] += sums[digit] >> DIGIT_BITS

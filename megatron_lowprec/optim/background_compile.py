@@ -1,8 +1,8 @@
 """Compiling the fused step in a child process while the first steps run it uncompiled.
 
 Compiling a call of the fused step of a new kind (strategy, dtypes, which sizes are 0 or 1, ...)
-costs Dynamo's trace, Inductor's code generation and a C++ compile (Triton on GPUs): 15 to 70 s on
-2 CPU cores with an empty cache. Inductor keeps what it generates in its on-disk caches (the FX graph
+costs Dynamo's trace, Inductor's code generation and a C++ compile (Triton on GPUs): tens of
+seconds on a few CPU cores with an empty cache. Inductor keeps what it generates in its on-disk caches (the FX graph
 cache under ``$TORCHINDUCTOR_CACHE_DIR``), keyed by the traced graph, its inputs' metadata and the
 compile options, not by the process. So a child process that calls the same compiled function on
 tensors of the same metadata fills the cache entry that the training process looks up later, and

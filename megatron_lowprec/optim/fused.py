@@ -17,7 +17,7 @@ whole bucket:
   and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
   (int32 element indices). On CPUs, whose vector units lack
   integer division, one call per entry instead, over its slice viewed as [rows, row_length] of its
-  stream layout (about 0.1 ms of Python and guard overhead each);
+  stream layout (each call costs Python and guard overhead);
 * a distributed optimizer's shard, whose entries may belong to several parameter groups in any
   order, takes each element's scalars from per-group values by its row's slot
   (:class:`~megatron_lowprec.optim.kernel.GroupScalars`, in a power of two of at least two slots: one
@@ -95,9 +95,8 @@ from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 GROUP_STATISTICS_DEVICES = ("cuda",)
 """Device types whose FP8-moment step takes
 :data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`. On a CPU, where memory is not
-what limits the step, recomputing costs more than it saves: COAT's cold compile took 72 s
-with them and 49 s without (2 cores, one 4M-parameter bucket), while the compiled step got 7% faster
-(65.5 against 70.0 ms)."""
+what limits the step, recomputing costs more than it saves: the cold compile grows by about half
+for a step only a few percent faster."""
 
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:

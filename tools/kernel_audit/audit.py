@@ -1,7 +1,7 @@
 """Audit of the fused optimizer step's CUDA kernels, generated on this machine (``codegen.py``).
 
 For every option and master storage, plain bucket and distributed-optimizer shard, sm_90 and sm_80,
-the rules (issue 27):
+the rules:
 
 * ``compiles``: every kernel compiles for the architecture (the rules on PTX fail for one that does not);
 * ``instructions``: no approximate or flushing floating-point instruction (:data:`FORBIDDEN`) and no
