@@ -41,7 +41,7 @@ MOMENTUM_TOLERANCE = 2**-23
 
 @pytest.mark.parametrize("master_storage", ["fp32", "remainder"])
 @pytest.mark.parametrize("shape", [(16, 24), (40, 8), (64, 64)])
-@pytest.mark.parametrize(("scale_mode", "adjust_lr_fn", "nesterov"), [("original", None, True), ("match_rms_adamw", "match_rms_adamw", False)])
+@pytest.mark.parametrize(("scale_mode", "adjust_lr_fn", "nesterov"), [("shape_scaling", None, True), ("match_rms_adamw", "match_rms_adamw", False)])
 def test_option_d_is_torch_muon_on_the_fp32_master_within_its_roundings(master_storage, shape, scale_mode, adjust_lr_fn, nesterov):
     """D keeps an FP32 master and FP32 momentum and runs torch's Muon on them, operation for operation
     but for the roundings: torch's two lerps (momentum, Nesterov) and ``add_(alpha=)`` round once
@@ -59,7 +59,7 @@ def test_option_d_is_torch_muon_on_the_fp32_master_within_its_roundings(master_s
     hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
     torch_muon = torch.optim.Muon([reference], adjust_lr_fn=adjust_lr_fn, **hyper)
     ours = Muon([param], scale_mode=scale_mode, option="D", master_storage=master_storage, fused=False, **hyper)
-    scale = math.sqrt(max(1, shape[0] / shape[1])) if scale_mode == "original" else 0.2 * math.sqrt(max(shape))
+    scale = math.sqrt(max(1, shape[0] / shape[1])) if scale_mode == "shape_scaling" else 0.2 * math.sqrt(max(shape))
     summed_grads = torch.zeros(shape)
     for step in range(1, 5):
         grad = _random(shape, step)
@@ -85,10 +85,10 @@ def _joined(param, remainder):
 
 
 def test_scale_modes_match_torch_and_megatron_core_formulas():
-    """torch's adjust_lr_fn: "original" √max(1, m/n), "match_rms_adamw" 0.2√max(m, n); megatron-core's
-    "spectral" √max(m, n), "unit_rms_norm" √(m/n)."""
-    assert update_scale((64, 16), "original") == 2.0
-    assert update_scale((16, 64), "original") == 1.0
+    """torch's adjust_lr_fn: "original" (megatron-core's "shape_scaling") √max(1, m/n), "match_rms_adamw"
+    0.2√max(m, n); megatron-core's "spectral" √max(m, n), "unit_rms_norm" √(m/n)."""
+    assert update_scale((64, 16), "shape_scaling") == 2.0
+    assert update_scale((16, 64), "shape_scaling") == 1.0
     assert update_scale((16, 64), "match_rms_adamw") == pytest.approx(1.6, rel=1e-15)
     assert update_scale((16, 64), "spectral") == 8.0
     assert update_scale((16, 64), "unit_rms_norm") == 0.5
@@ -537,8 +537,7 @@ def _megatron_core_muon():
 
 
 MEGATRON_COEFFICIENTS = {"simple": NS_COEFFICIENTS, "quintic": QUINTIC_COEFFICIENT_SETS}
-MEGATRON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "original", "unit_rms_norm": "unit_rms_norm"}
-"""megatron-core's names of the coefficient sets and scale modes, and ours (``shape_scaling`` is torch's ``original``)."""
+"""megatron-core's names of the coefficient sets, and ours (the scale modes share megatron-core's names)."""
 
 
 @pytest.mark.parametrize("steps", [5, 7])
@@ -599,7 +598,7 @@ def test_option_d_steps_as_megatron_cores_muon(coefficient_type, scale_mode, nes
     )
     ours = Muon(
         params, **hyper, ns_coefficients=MEGATRON_COEFFICIENTS[coefficient_type], ns_steps=5,
-        scale_mode=MEGATRON_SCALE_MODES[scale_mode], extra_scale_factor=0.2, option="D",
+        scale_mode=scale_mode, extra_scale_factor=0.2, option="D",
         split_rows=lambda param: qkv_rows if split_qkv and param is params[0] else None,
     )
     largest_gradient = 0.0

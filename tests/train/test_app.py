@@ -20,7 +20,7 @@ from tests.megatron.launch import run_ranks
 WORKER = Path(__file__).with_name("_app_worker.py")
 OPTIONS = [strategy.name for strategy in available_strategies()]
 OPTIONS_AND_STOCK = [*OPTIONS, "megatron"]
-"""The precision options and megatron-core's own optimizer (``precision=megatron``)."""
+"""The precision options and megatron-core's own optimizer (``baseline=megatron``)."""
 LAYOUT_OPTIONS = ("A", "C", "D", "sr")
 UNCOMPILED = "precision.fused=false"
 """For the tests whose subject is a layout, a layer flow or resharding, not the compiled step: each
@@ -108,7 +108,7 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
     """From one initial checkpoint (saved at DP=2, resharded by dist_checkpointing), option D trains
     the same data at TP=1 (DP=2), TP=2 and PP=2; then A, C and sr train at each layout, logging EDQ
     and the last-token sharpness (gathered from the last stage's tensor-parallel shards), uncompiled. At
-    DP=2, ``optimizer=muon`` (megatron's defaults: QKV split) with ``optimizer.distributed=true``
+    DP=2, ``optimizer=muon`` (megatron's defaults: QKV split) with ``optimizer.use_distributed_optimizer=true``
     (megatron's layer-wise distributed optimizer) trains as without it, bit for bit."""
     init = tmp_path / "init"
     layouts = {
@@ -129,7 +129,7 @@ def test_layouts_train_and_match_tensor_parallel_one(tmp_path, cache_dir):
             )
     for distributed in ("false", "true"):
         steps.append({"overrides": _tiny(cache_dir, tmp_path / f"muon-distributed-{distributed}", "precision=sr", "optimizer=muon",
-                                         f"optimizer.distributed={distributed}", "trainer.max_steps=2", UNCOMPILED)})
+                                         f"optimizer.use_distributed_optimizer={distributed}", "trainer.max_steps=2", UNCOMPILED)})
     results = _run(tmp_path, 2, steps)
     muon, muon_layer_wise = results[-2:]
     results = results[:-2]
@@ -234,8 +234,8 @@ def test_fp8_layer_flow_and_exmy_emulation(tmp_path, cache_dir):
         "coat_tp1": ["precision=coat"],
         "coat_tp2": ["precision=coat", "trainer.tensor_model_parallel_size=2"],
         "plain": ["precision=A"],
-        "e8m7": ["precision=A", "precision.emulate=E8M7", "precision.emulate_exclude=[]"],
-        "e8m3": ["precision=A", "precision.emulate=E8M3", "precision.emulate_exclude=[]"],
+        "e8m7": ["precision=A", "precision.emulate=E8M7", "precision.layers_exclude=[]"],
+        "e8m3": ["precision=A", "precision.emulate=E8M3", "precision.layers_exclude=[]"],
     }
     steps = [{"overrides": _tiny(cache_dir, tmp_path / name, "trainer.max_steps=3", UNCOMPILED, *overrides)}
              for name, overrides in runs.items()]
@@ -249,7 +249,7 @@ def test_fp8_layer_flow_and_exmy_emulation(tmp_path, cache_dir):
 
 
 def test_distributed_optimizer_trains_resumes_and_reshards_coat(tmp_path, cache_dir):
-    """``optimizer.distributed=true`` at DP=2 with coat: the same losses and parameters as the
+    """``optimizer.use_distributed_optimizer=true`` at DP=2 with coat: the same losses and parameters as the
     unsharded run, resuming a copy of its step-2 checkpoint gives the straight run bit for bit, and
     the same checkpoint resumes at TP=2 (DP=1, unsharded), which coat could not before. Gradients
     are reduced in BF16: with FP32 gradients the unsharded optimizer clips by megatron's FP32 norm,
@@ -258,11 +258,11 @@ def test_distributed_optimizer_trains_resumes_and_reshards_coat(tmp_path, cache_
     straight, resumed, unsharded, resharded = (tmp_path / name for name in ("straight", "resumed", "unsharded", "tp2"))
     common = ("precision=coat", "trainer.max_steps=4", "precision.grad_reduce_in_fp32=false", UNCOMPILED)
     steps = [
-        {"overrides": _tiny(cache_dir, straight, *common, "optimizer.distributed=true", "trainer.save=true",
+        {"overrides": _tiny(cache_dir, straight, *common, "optimizer.use_distributed_optimizer=true", "trainer.save=true",
                             "trainer.save_interval=2")},
         {"overrides": _tiny(cache_dir, unsharded, *common)},
         {"copy_checkpoint": {"run_dir": str(straight), "iteration": 2, "to": str(resumed)}},
-        {"overrides": _tiny(cache_dir, resumed, *common, "optimizer.distributed=true", "resume=true")},
+        {"overrides": _tiny(cache_dir, resumed, *common, "optimizer.use_distributed_optimizer=true", "resume=true")},
         {"copy_checkpoint": {"run_dir": str(straight), "iteration": 2, "to": str(resharded)}},
         {"overrides": _tiny(cache_dir, resharded, *common, "trainer.tensor_model_parallel_size=2", "resume=true")},
     ]

@@ -37,14 +37,14 @@ def test_muon_preset_takes_megatron_cores_qkv_split_and_tensor_parallel_defaults
 
 
 def test_distributed_is_the_layer_wise_optimizer_for_muon_and_zero1_for_adam():
-    """``optimizer.distributed=true``: megatron's distributed optimizer with AdamW, its layer-wise one
+    """``optimizer.use_distributed_optimizer=true``: megatron's distributed optimizer with AdamW, its layer-wise one
     with Muon (the config field from megatron-core 0.19, ``optimizer="dist_muon"`` before), as
     Megatron-LM's ``--use-distributed-optimizer`` maps them."""
     from megatron.core.optimizer import OptimizerConfig
 
-    adam = _megatron_config("optimizer.distributed=true")
+    adam = _megatron_config("optimizer.use_distributed_optimizer=true")
     assert adam.optimizer == "adam" and adam.use_distributed_optimizer
-    muon = _megatron_config("optimizer=muon", "optimizer.distributed=true")
+    muon = _megatron_config("optimizer=muon", "optimizer.use_distributed_optimizer=true")
     assert not muon.use_distributed_optimizer
     if "use_layer_wise_distributed_optimizer" in {field.name for field in dataclasses.fields(OptimizerConfig)}:
         assert muon.optimizer == "muon" and muon.use_layer_wise_distributed_optimizer
