@@ -40,7 +40,7 @@ from megatron_lowprec.train.config import (
 from megatron_lowprec.train.config import OptimizerConfig as AppOptimizerConfig
 from megatron_lowprec.train.data import TrainingData, batches, build_training_data
 from megatron_lowprec.train.determinism import enable_determinism
-from megatron_lowprec.train.metrics import MetricsLogger
+from megatron_lowprec.train.metrics import MetricsLogger, finite_record
 from megatron_lowprec.train.model import gpt_model, padded_vocab_size
 from megatron_lowprec.train.signals import ExitSignals, end_with_launcher
 
@@ -132,11 +132,6 @@ class Diverged(Exception):
             f"(steps {self.steps[0]}-{self.steps[-1]}; last: loss {self.record['loss']:g}{grad_norm}); stopped "
             f"without saving them; {kept} (a lower optimizer.lr, or trainer.max_nonfinite_steps=0 to train on)"
         )
-
-
-def _finite(record: dict) -> bool:
-    """The step's loss and gradient norm (where the optimizer reports one) are finite."""
-    return math.isfinite(record["loss"]) and (record["grad_norm"] is None or math.isfinite(record["grad_norm"]))
 
 
 class Interrupted(Exception):
@@ -412,10 +407,11 @@ def evaluate_sharpness(run: Run) -> float:
 
 
 def train(config: TrainConfig) -> dict:
-    """Run the training of ``config``; returns the summary (also printed and saved by rank 0), or,
-    when an exit signal stopped it, where it stopped (``stopped_by``, ``steps``, ``checkpoint``).
-    Ctrl-C raises :class:`Interrupted`; a checkpoint that cannot be resumed ``checkpoint.ResumeError``,
-    one that cannot be written ``checkpoint.SaveError``; a diverged run :class:`Diverged`; a run
+    """Run the training of ``config``; returns the summary (saved by rank 0 as ``summary.json``): its
+    ``status`` is ``finished``, or ``stopped by <signal>`` when an exit signal stopped it (with
+    ``stopped_by``, ``steps``, ``checkpoint``). Ctrl-C raises :class:`Interrupted`; a checkpoint that
+    cannot be resumed ``checkpoint.ResumeError``, one that cannot be written ``checkpoint.SaveError``;
+    a diverged run :class:`Diverged` (after saving the summary, status ``diverged``); a run
     directory another job holds, or a vocabulary below the tokenizer's, ``ConfigError``."""
     end_with_launcher(launched="TORCHELASTIC_RUN_ID" in os.environ)
     with distributed_environment(config):
@@ -472,13 +468,14 @@ def _train_steps(
         interval.append(train_step(run))
         step_seconds.append(time.perf_counter() - started)
         profiler.after_step(run.iteration)
-        nonfinite_steps = [] if _finite(interval[-1]) else [*nonfinite_steps, run.iteration]
+        nonfinite_steps = [] if finite_record(interval[-1]) else [*nonfinite_steps, run.iteration]
         diverged = trainer.max_nonfinite_steps and len(nonfinite_steps) >= trainer.max_nonfinite_steps
         stop_signal = exit_signals.received()
         if run.iteration % trainer.log_interval == 0 or run.iteration == trainer.max_steps or stop_signal or diverged:
             logger.train(run.iteration, interval, tokens_per_step * len(interval) / sum(step_seconds[-len(interval):]))
             record, interval = interval[-1], []
         if diverged:
+            logger.diverged(nonfinite_steps, record, tokens_per_step * len(step_seconds) / sum(step_seconds))
             logger.close(exit_code=DIVERGED_EXIT_CODE)
             raise Diverged(run.run_dir, nonfinite_steps, record)
         if stop_signal:
@@ -486,7 +483,7 @@ def _train_steps(
                 checkpoint.save(run)
                 saved_at = run.iteration
             saved = checkpoint.checkpoint_path(run.run_dir, run.iteration) if saved_at == run.iteration else None
-            return logger.stop(stop_signal, saved)
+            return logger.stop(stop_signal, saved, tokens_per_step * len(step_seconds) / sum(step_seconds))
         if run.iteration % trainer.eval_interval == 0 and run.iteration < trainer.max_steps:
             logger.valid(run.iteration, evaluate(run))
         if trainer.sharpness_interval and run.iteration % trainer.sharpness_interval == 0:

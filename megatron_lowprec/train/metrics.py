@@ -10,7 +10,10 @@ GPUs, ``peak_rss_gib`` on CPUs; the largest rank's), ``skipped_steps`` and, with
 ``precision.track_update_quality``, ``edq`` and ``imprecision_percent`` (means over the interval);
 valid lines hold ``loss`` and ``perplexity``; sharpness lines hold ``sharpness`` and its box
 half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer. The file and
-``summary.json`` are strict JSON: a value that is NaN or infinite is written as ``null``. A resumed
+``summary.json`` are strict JSON: a value that is NaN or infinite is written as ``null``. The summary's
+``status`` says how the run ended: ``finished`` (``trainer.max_steps`` reached), ``stopped by SIGTERM``
+(or the ``trainer.exit_signal``; with the checkpoint it saved) or ``diverged`` (with the last finite
+step, the steps that were not finite and their last values). A resumed
 run first drops the rows after the step it resumes from (a run started over in the same directory,
 ``resume=false``, all of them), so the file holds one row per step.
 """
@@ -35,6 +38,10 @@ from megatron_lowprec.train.config import (
 from megatron_lowprec.train.model import attention_backend, padded_vocab_size
 
 SUMMARY_FILE = "summary.json"
+FINISHED = "finished"
+"""The summary's ``status`` of a run that reached ``trainer.max_steps``."""
+DIVERGED = "diverged"
+"""The summary's ``status`` of a run stopped by ``trainer.max_nonfinite_steps`` non-finite steps in a row."""
 
 
 def strict_json(value):
@@ -47,6 +54,18 @@ def strict_json(value):
     if isinstance(value, (list, tuple)):
         return [strict_json(item) for item in value]
     return value
+
+
+def finite_record(record: dict) -> bool:
+    """A step's loss and gradient norm (where the optimizer reports one) are finite."""
+    return math.isfinite(record["loss"]) and (record["grad_norm"] is None or math.isfinite(record["grad_norm"]))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` beside ``path`` and rename it over ``path``: a reader sees the old file or the new one."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def _keep_rows_up_to(path: Path, step: int) -> None:
@@ -148,6 +167,7 @@ class MetricsLogger:
         self.run = run
         self.active = torch.distributed.get_rank() == 0
         self.last_train_loss = math.nan
+        self.last_finite_train_loss = math.nan
         self.skipped_steps_logged = 0
         self.wandb = None
         self.parameters = self.parameter_count()
@@ -215,6 +235,9 @@ class MetricsLogger:
     def train(self, step: int, records: list[dict], tokens_per_second: float) -> None:
         """The interval ending at ``step``: console line and metrics row."""
         self.last_train_loss = records[-1]["loss"]
+        finite_losses = [record["loss"] for record in records if finite_record(record)]
+        if finite_losses:
+            self.last_finite_train_loss = finite_losses[-1]
         self.skipped_steps_logged += sum(record["skipped"] for record in records)
         performance = self._performance(tokens_per_second)
         if not self.active:
@@ -272,11 +295,11 @@ class MetricsLogger:
     def _bytes_per_param(self) -> float:
         return allocated_bytes_per_param(self.config, list(self.run.model.parameters()), torch.distributed.get_world_size())
 
-    def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
-        """Save the summary, close the metrics file and wandb, then print the summary: the run's last
-        line. Its train loss is the last step's (the step lines show means over their interval)."""
-        performance = self._performance(tokens_per_second)
-        summary = {
+    def _summary(self, status: str, tokens_per_second: float) -> dict:
+        """The fields every summary has: how the run ended, what was trained, how far and how fast
+        (collective)."""
+        return {
+            "status": status,
             "option": option_label(self.config.precision),
             "optimizer": self.config.optimizer.name,
             "bytes_per_param": self._bytes_per_param(),
@@ -284,34 +307,57 @@ class MetricsLogger:
             "model": self.config.model.name,
             "parameters": self.parameters,
             "steps": self.run.iteration,
-            "final_train_loss": self.last_train_loss,
-            "final_valid_loss": valid_loss,
             "tokens_per_second": tokens_per_second,
             "flops_per_token": self.flops_per_token,
             **({"peak_bf16_tflops": self.peak_flops / 1e12} if self.peak_flops else {}),
-            **performance,
+            **self._performance(tokens_per_second),
             "skipped_steps": self._skipped_steps(),
-            "parameter_digest": parameter_digest(self.run.model),
-            "run_dir": str(self.run_dir),
         }
+
+    def _save_summary(self, summary: dict) -> None:
+        """Write ``summary.json`` (strict JSON) and hand its numbers to wandb (rank 0)."""
         if not self.active:
-            return summary
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+            return
+        _write_atomically(self.run_dir / SUMMARY_FILE, json.dumps(strict_json(summary), indent=1, allow_nan=False))
         if self.wandb is not None:
             self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
-        self.close(exit_code=0)
-        print(
-            f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
-            f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
-            f"train loss {summary['final_train_loss']:.4f} (last step) | validation loss {valid_loss:.4f} | "
-            f"{tokens_per_second:,.0f} tokens/s | {_performance_text(performance)} | {self.run_dir}",
-            flush=True,
+
+    def finish(self, valid_loss: float, tokens_per_second: float) -> dict:
+        """Save the summary, close the metrics file and wandb, then print the summary: the run's last
+        line. Its train loss is the last step's (the step lines show means over their interval)."""
+        summary = self._summary(FINISHED, tokens_per_second)
+        summary.update(
+            final_train_loss=self.last_train_loss,
+            final_valid_loss=valid_loss,
+            parameter_digest=parameter_digest(self.run.model),
+            run_dir=str(self.run_dir),
         )
+        self._save_summary(summary)
+        self.close(exit_code=0)
+        if self.active:
+            print(
+                f"summary: option {summary['option']} ({summary['bytes_per_param']:g} bytes/param) | "
+                f"{summary['model']} {summary['parameters'] / 1e6:.2f}M params | {summary['steps']} steps | "
+                f"train loss {summary['final_train_loss']:.4f} (last step) | validation loss {valid_loss:.4f} | "
+                f"{tokens_per_second:,.0f} tokens/s | {_performance_text(summary)} | {self.run_dir}",
+                flush=True,
+            )
         return summary
 
-    def stop(self, signal_name: str, checkpoint: Path | None) -> dict:
-        """An exit signal stopped the run after ``run.iteration``: one line, files closed; where it stopped."""
+    def stop(self, signal_name: str, checkpoint: Path | None, tokens_per_second: float) -> dict:
+        """An exit signal stopped the run after ``run.iteration``: the summary (status ``stopped by
+        <signal>``, the checkpoint saved), files closed, one line; returns the summary."""
         step, rerun = self.run.iteration, f"run_dir={self.run_dir}"
+        summary = self._summary(f"stopped by {signal_name}", tokens_per_second)
+        summary.update(
+            stopped_by=signal_name,
+            final_train_loss=self.last_train_loss,
+            parameter_digest=parameter_digest(self.run.model),
+            checkpoint=None if checkpoint is None else str(checkpoint),
+            run_dir=str(self.run_dir),
+        )
+        self._save_summary(summary)
+        self.close(exit_code=0)
         if self.config.resume_from is not None:
             rerun += " and without resume_from"
         if checkpoint is None:
@@ -319,13 +365,41 @@ class MetricsLogger:
         else:
             saved = f"and saved {checkpoint}; a rerun with {rerun} resumes from it"
         if self.active:
-            self.close(exit_code=0)
             print(
                 f"lowprec-train: {signal_name} received: stopped after step {step}/{self.config.trainer.max_steps} {saved}",
                 flush=True,
             )
-        return {"stopped_by": signal_name, "steps": step, "checkpoint": None if checkpoint is None else str(checkpoint),
-                "run_dir": str(self.run_dir)}
+        return summary
+
+    def diverged(self, nonfinite_steps: list[int], record: dict, tokens_per_second: float) -> dict:
+        """The loss or the gradient norm was not finite at ``nonfinite_steps`` (consecutive, the last
+        one's ``record``): the summary (status ``diverged``; ``last_finite_step`` is null where no step
+        of the run was finite; ``final_train_loss`` is that step's loss; ``last_loss`` and
+        ``last_grad_norm`` the last step's, null where not finite, as ``reason`` writes them out;
+        ``checkpoint`` the last intact one, which a rerun resumes from); returns the summary. The caller
+        closes the files with the run's exit status."""
+        from megatron_lowprec.train.checkpoint import latest_checkpoint
+
+        grad_norm = "" if record["grad_norm"] is None else f", grad norm {record['grad_norm']:g}"
+        summary = self._summary(DIVERGED, tokens_per_second)
+        summary.update(
+            reason=(
+                f"the loss or the gradient norm was not finite for {len(nonfinite_steps)} steps in a row "
+                f"(trainer.max_nonfinite_steps={self.config.trainer.max_nonfinite_steps}; last: loss {record['loss']:g}{grad_norm})"
+            ),
+            last_finite_step=nonfinite_steps[0] - 1 if nonfinite_steps[0] > 1 else None,
+            nonfinite_steps=list(nonfinite_steps),
+            final_train_loss=self.last_finite_train_loss,
+            last_loss=record["loss"],
+            last_grad_norm=record["grad_norm"],
+            checkpoint=None,
+            run_dir=str(self.run_dir),
+        )
+        if self.active:
+            kept = latest_checkpoint(self.run_dir)
+            summary["checkpoint"] = None if kept is None else str(kept)
+        self._save_summary(summary)
+        return summary
 
     def close(self, exit_code: int) -> None:
         """Close the metrics file and finish the wandb run (quietly: it prints nothing at the end)."""

@@ -267,8 +267,10 @@ def _strict_rows(path: Path) -> list[dict]:
 def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_json(tmp_path, cache_dir):
     """At lr=1e6 the loss turns NaN within a few steps: the run stops after 2 such steps in a row with
     one line and exit 3, saving no checkpoint after the last finite step; metrics.jsonl holds null for
-    NaN. A rerun that trains on (max_nonfinite_steps=0) resumes from the last good checkpoint, saves
-    none of its NaN steps and leaves one row per step and a strict summary.json."""
+    NaN, and a strict summary.json says ``diverged``, the last finite step, the steps that were not and
+    the last good checkpoint. A rerun that trains on (max_nonfinite_steps=0) resumes from the last good
+    checkpoint, saves none of its NaN steps and leaves one row per step and a strict summary.json
+    (``finished``)."""
     run_dir = tmp_path / "run"
     diverging = _tiny(cache_dir, run_dir, "optimizer.lr=1e6", "optimizer.min_lr=0", "trainer.save_interval=1")
     first = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, "trainer.max_steps=8",
@@ -288,6 +290,14 @@ def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_
     rows = _strict_rows(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, last_nan + 1))
     assert [row["loss"] for row in rows][-2:] == [None, None] and None not in [row["loss"] for row in rows][:-2]
+    diverged = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert diverged["status"] == "diverged" and diverged["steps"] == last_nan
+    assert diverged["last_finite_step"] == first_nan - 1 and diverged["nonfinite_steps"] == [first_nan, last_nan]
+    assert diverged["final_train_loss"] == rows[-3]["loss"] and diverged["last_loss"] is None
+    assert diverged["reason"].startswith("the loss or the gradient norm was not finite for 2 steps in a row "
+                                         "(trainer.max_nonfinite_steps=2; last: loss nan")
+    assert diverged["checkpoint"] == str(good) and diverged["run_dir"] == str(run_dir)
+    assert diverged["option"] == "A" and diverged["parameters"] > 0 and diverged["tokens_per_second"] > 0
 
     second = subprocess.run([sys.executable, "-m", "megatron_lowprec.train", *diverging, f"trainer.max_steps={last_nan + 1}",
                              "trainer.max_nonfinite_steps=0"], capture_output=True, text=True, env=_environment(), timeout=300)
@@ -296,7 +306,7 @@ def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_writes_strict_
     assert [(row["step"], row["split"]) for row in rows] == [
         *((step, "train") for step in range(1, last_nan + 2)), (last_nan + 1, "valid")]
     summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
-    assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1
+    assert summary["final_train_loss"] is None and summary["steps"] == last_nan + 1 and summary["status"] == "finished"
     assert sorted(path.name for path in checkpoints_dir(run_dir).glob("iter_*"))[-1] == good.name
 
 
