@@ -8,8 +8,10 @@ before killing it at its time limit or on preemption, and ``--signal=<SIG>@<seco
 signal of one's choice earlier; under ``torchrun`` both the agent (which forwards SIGTERM) and the
 workers receive it. The same signal arriving twice (directly and forwarded) is one request.
 
-SLURM signals the helper processes of a rank as well; :func:`shield_helper` keeps alive one that the
-checkpoint the signal asks for needs. :func:`end_with_launcher` makes a rank and the processes it forks
+SLURM signals the helper processes of a rank as well, as ``kill -TERM -<group>`` and ``timeout`` signal
+every process of the group; a helper that the checkpoint the signal asks for needs is started under
+:func:`signals_blocked` (it inherits the blocked mask, so the signal stays pending in it and never
+kills it) with :func:`end_with_parent` as its initializer (so it still ends with the run). :func:`end_with_launcher` makes a rank and the processes it forks
 (megatron's checkpoint writers) die with their parent, so that ``kill -9`` of the launcher leaves no
 process behind. This module imports only the standard library at the top, so
 that such a helper process starts without torch.
@@ -17,12 +19,14 @@ that such a helper process starts without torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 
@@ -63,19 +67,30 @@ class ExitSignals:
         return signal.Signals(number).name if number else None
 
 
-def shield_helper(numbers: tuple[int, ...]) -> None:
-    """Initializer of a helper process the run needs to write the checkpoint an exit signal asks for:
-    block the exit signals ``numbers`` in it, and end it once the process that started it is gone
-    (so that a run killed with SIGKILL leaves no helper behind)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+@contextlib.contextmanager
+def signals_blocked(numbers: tuple[int, ...]) -> Iterator[None]:
+    """Block the signals ``numbers`` in the calling thread while helper processes start: a child
+    inherits the mask across fork and exec, from its first instruction on, where an initializer would
+    block them only once the child's interpreter is up. A signal that reaches this process meanwhile
+    is delivered when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def end_with_parent() -> None:
+    """Initializer of a helper process started under :func:`signals_blocked`: end it once the process
+    that started it is gone (so that a run killed with SIGKILL leaves no helper behind)."""
     parent = os.getppid()
 
-    def end_with_parent() -> None:
+    def watch_parent() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(0)
 
-    threading.Thread(target=end_with_parent, name="end-with-parent", daemon=True).start()
+    threading.Thread(target=watch_parent, name="end-with-parent", daemon=True).start()
 
 
 PR_SET_PDEATHSIG = 1

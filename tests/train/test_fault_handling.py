@@ -1,5 +1,5 @@
 """Faults a cluster job meets, end to end on a tiny GPT: an exit signal reaching one rank of a DP=2
-torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
+torchrun job, SIGTERM to every process of a run's group or of a torchrun job, damaged checkpoints (truncated, missing, half-written, bytes flipped), a changed
 learning-rate schedule, model or batch geometry on resume, a diverging run, and Ctrl-C. On CPU with gloo (NCCL where CUDA is present)."""
 
 from __future__ import annotations
@@ -366,3 +366,90 @@ def test_one_job_per_run_dir_and_kill_9_of_the_launcher_during_a_save_leaves_no_
                         rf"files were removed, {re.escape(str(latest))} is intact", quota.stderr.strip().splitlines()[-1])
     assert not unwritten.exists() and not unwritten.with_name(unwritten.name + ".partial").exists()
     assert (checkpoints_dir(run_dir) / "latest").read_text() == latest.name and checkpoint_problem(latest) is None
+
+
+def _group_members(groups: set[int]) -> list[psutil.Process]:
+    """Every process whose process group is one of ``groups``."""
+    found = []
+    for candidate in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(candidate.pid) in groups:
+                found.append(candidate)
+    return found
+
+
+def _assert_groups_empty(groups: set[int], timeout: float) -> None:
+    """Within ``timeout`` seconds no process of ``groups`` is left (``killpg(group, 0)`` finds none)."""
+    deadline = time.monotonic() + timeout
+    for group in groups:
+        while True:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                left = [(member.pid, member.cmdline()[:4]) for member in _group_members({group})]
+                os.killpg(group, signal.SIGKILL)
+                pytest.fail(f"processes of group {group} left {timeout} s after the run ended: {left}")
+            time.sleep(0.1)
+
+
+def _assert_stopped_and_saved(output: str, run_dir: Path, world_size: int) -> None:
+    """One stop line naming a complete checkpoint of ``world_size`` ranks, which summary.json (status
+    ``stopped by SIGTERM``) names too."""
+    stop_lines = [line for line in output.splitlines() if "SIGTERM received" in line]
+    assert len(stop_lines) == 1, output[-3000:]
+    match = re.fullmatch(r"lowprec-train: SIGTERM received: stopped after step (\d+)/1000 and saved (\S+); "
+                         r"a rerun with run_dir=(\S+) resumes from it", stop_lines[0])
+    assert match, stop_lines[0]
+    saved = checkpoints_dir(run_dir) / f"iter_{int(match.group(1)):07d}"
+    assert match.group(2) == str(saved) and checkpoint_problem(saved) is None
+    assert json.loads((saved / COMPLETE_FILE).read_text())["world_size"] == world_size
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert summary["status"] == "stopped by SIGTERM" and summary["checkpoint"] == str(saved)
+    assert summary["steps"] == int(match.group(1))
+
+
+def test_sigterm_to_the_process_group_saves_exits_0_and_leaves_no_process(tmp_path, cache_dir):
+    """SIGTERM to every process of a single-process run's group (as ``kill -TERM -<group>``, ``timeout``
+    and SLURM send it), its checkpoint writer service and resource tracker included: the run stops
+    after a step, saves a complete checkpoint, exits 0 with one line, and no process of the group is
+    left."""
+    run_dir = tmp_path / "run"
+    process, lines = _start([sys.executable, "-m", "megatron_lowprec.train",
+                             *_tiny(cache_dir, run_dir, "trainer.max_steps=1000")])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      3/1000", seen, timeout=240)
+    helpers = [member for member in _group_members({process.pid}) if member.pid != process.pid]
+    assert helpers, "the run started no helper process (dist_checkpointing's writer service)"
+    os.killpg(process.pid, signal.SIGTERM)
+    output = _finish(process, lines, seen, timeout=120)
+    assert process.returncode == 0 and "Traceback" not in output, output[-3000:]
+    _assert_stopped_and_saved(output, run_dir, world_size=1)
+    _assert_groups_empty({process.pid}, timeout=10)
+
+
+def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_leaves_no_process(tmp_path, cache_dir):
+    """SIGTERM to every process group of a DP=2 torchrun job (the agent's and each rank's, which
+    torchrun starts in its own session; under SLURM every process of the step gets it) and again from
+    the agent, which forwards it to each rank's group: both ranks stop after the same step and save a
+    complete checkpoint with one line and no traceback of theirs, and no process of the job is left.
+    The agent itself exits 1 with torch's ``SignalException``: torchrun's own status for a signal."""
+    run_dir = tmp_path / "run"
+    process, lines = _start([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "megatron_lowprec.train", *_tiny(cache_dir, run_dir, "trainer.max_steps=1000"),
+    ])
+    seen: list[str] = []
+    _wait_for(process, lines, "step      3/1000", seen, timeout=240)
+    job = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    groups = {os.getpgid(member.pid) for member in job}
+    assert len(groups) == 3 and len(job) > 3, [(member.pid, member.cmdline()[:4]) for member in job]
+    for group in groups:
+        os.killpg(group, signal.SIGTERM)
+    output = _finish(process, lines, seen, timeout=120)
+    assert process.returncode == 1, output[-3000:]
+    assert output.count("Traceback") == 1, output[-3000:]
+    assert re.search(rf"SignalException: Process {process.pid} got signal: {int(signal.SIGTERM)}\s*$", output), output[-3000:]
+    _assert_stopped_and_saved(output, run_dir, world_size=2)
+    _assert_groups_empty(groups, timeout=10)
