@@ -1,0 +1,535 @@
+"""A traffic census of one transformer layer, forward and backward, with COAT's FP8 layers and with stock BF16.
+
+The layer is a GPT decoder layer as megatron-core's local spec builds it (pre-LayerNorm, fused QKV
+linear with bias, rotary embedding, causal attention on ``scaled_dot_product_attention``, output
+projection, residual add, LayerNorm, GELU MLP of two linears, residual add; no dropout), in BF16.
+``stock`` runs torch's own layers; ``coat`` runs the functions that
+:func:`~megatron_lowprec.megatron.layers.apply_layer_precision` puts into the model
+(:func:`~megatron_lowprec.layers.fp8_linear`, :class:`~megatron_lowprec.layers.FP8LayerNorm`,
+:func:`~megatron_lowprec.layers.fp8_gelu`; COAT, Xi et al., 2024, section 5.2) inside
+:func:`~megatron_lowprec.layers.fp8_weight_cache`, as the training loop runs them.
+
+Forward and backward run on fake tensors (``FakeTensorMode``: shapes and dtypes, no data) under a
+``TorchDispatchMode`` that records every aten operation with the bytes of its tensor inputs and
+outputs at their storage dtype and, for matmuls, 2·M·N·K FLOPs by input dtype. The FP8 matmuls take
+the path of a GPU that has ``torch._scaled_mm`` (sm_89 and later): ``_scaled_mm`` on FP8 operands,
+and a row-major copy of each transposed FP8 operand (``fp8_linear.row_major``) recorded before it.
+Attention is counted as one flash-attention kernel each way with its causal matmul FLOPs.
+
+This is the eager launch count: every operation that is not a view is one kernel at its own
+traffic, an upper bound on a fused implementation's launches. On GPUs that convert FP8 in Triton,
+COAT's quantizations, operand copies and norm and activation backward passes each run as one
+compiled call (``numerics/compiled.py: compiled_where_fp8_converts``); the census marks the
+operations inside each such call as its region, and :func:`fused_regions` counts each region as one
+kernel that reads its inputs once and writes its outputs once, a lower bound on the compiled code's
+traffic.
+
+A kernel that is not a GEMM or attention is at its minimum traffic when every byte it moves is one
+the layer must move at its storage dtype. It is not (:func:`non_minimal_reasons`) when it is a
+standalone copy or cast (a transposed FP8 payload, an FP32 copy of a BF16 tensor), when it reads or
+writes an FP32 tensor of at least one element per token (an FP32 copy of a BF16 activation), or when
+it reads a tensor that another non-GEMM kernel of the layer wrote (an amax or a division re-reading
+what the previous operation just wrote: a fusion would keep it in registers).
+
+The roofline prices each kernel at max(bytes / HBM bandwidth, FLOPs / tensor-core peak of its input
+dtype) on an H200, and a step at its layer count times the layer. Calibration scales both estimates
+by the ratio of the measured stock step to stock's estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_lowprec.layers import FP8LayerNorm, fp8_gelu, fp8_linear, fp8_weight_cache
+
+FLAVOURS = ("stock", "coat")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """A GPT decoder layer's sizes, the micro-batch it runs and the model's layer count."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    micro_batch: int
+    layers: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+
+SHAPES = {
+    "gpt_1.3b": LayerShape(hidden=2048, heads=16, ffn=8192, seq=2048, micro_batch=4, layers=24),
+    "tiny": LayerShape(hidden=64, heads=4, ffn=256, seq=64, micro_batch=4, layers=4),
+}
+"""configs/model/gpt_1.3b.yaml at the measured micro-batch 4, and the embedded default
+(configs/model/tiny.yaml, ``trainer.micro_batch_size`` 4)."""
+
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+"""Dense tensor-core peaks by GEMM input dtype."""
+
+MEASURED_STEP_MS = {"stock": 175.0, "coat": 532.0}
+"""Forward and backward of one GPT-1.3B step at micro-batch 4 measured on an H200 (coat with its
+quantization as eager operations)."""
+
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
+COPIES = {"_to_copy", "copy_", "clone", "cat", "constant_pad_nd", "contiguous", "slice_scatter", "_copy_from"}
+REDUCTIONS = {"sum", "mean", "amax", "max", "min", "var_mean", "native_layer_norm", "native_layer_norm_backward",
+              "_softmax", "_softmax_backward_data", "norm", "linalg_vector_norm"}
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+             "lift_fresh", "detach", "lift_fresh_copy", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KINDS = ("gemm", "attention", "elementwise", "reduction", "copy", "fused")
+"""``fused``: one compiled region of :func:`fused_regions`."""
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One recorded kernel launch."""
+
+    op: str
+    kind: str
+    """One of :data:`KINDS`."""
+    phase: str
+    """"forward" or "backward"."""
+    read: int
+    written: int
+    flops: float = 0.0
+    gemm_dtype: str | None = None
+    """"fp8" or "bf16" (any 16-bit or FP32 input) for GEMMs and attention."""
+    region: str | None = None
+    """The compiled function (``compiled_where_fp8_converts``) it runs inside, if any."""
+    region_call: int | None = None
+    signature: str = ""
+    """Its tensors' shapes and dtypes, inputs -> outputs."""
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    """Why it is not at its minimum traffic (empty: it is, or it is a GEMM)."""
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+    def seconds(self) -> float:
+        """Roofline time on an H200."""
+        compute = self.flops / H200_PEAK_FLOPS[self.gemm_dtype] if self.flops else 0.0
+        return max(self.bytes / H200_HBM_BYTES_PER_S, compute)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [value for value in torch.utils._pytree.tree_leaves(tree) if isinstance(value, torch.Tensor)]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a kernel moves for ``tensor``: its elements at its dtype, at most its storage (broadcast views)."""
+    return min(tensor.numel(), tensor.untyped_storage().nbytes() // tensor.element_size()) * tensor.element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{_dtype_name(tensor.dtype)}{list(tensor.shape)}"
+
+
+def _signature(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> str:
+    return ", ".join(map(_describe, inputs)) + " -> " + ", ".join(map(_describe, outputs))
+
+
+def _gemm_dtype(dtype: torch.dtype) -> str:
+    return "fp8" if dtype in FP8_DTYPES else "bf16"
+
+
+def _matmul_flops(name: str, inputs: list[torch.Tensor]) -> float:
+    """2·M·N·K of a matmul op (batched: times the batch) from its operands."""
+    a, b = (inputs[1], inputs[2]) if name in ("addmm", "baddbmm") else (inputs[0], inputs[1])
+    return 2.0 * math.prod(a.shape) * b.shape[-1]
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str):
+    """The value of argument ``name`` of an aten call, positional or keyword (its schema's default if absent)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[index] if index < len(args) else kwargs.get(name, argument.default_value)
+    raise ValueError(f"{func} has no argument {name!r}")
+
+
+def _attention_flops(func, args: tuple, kwargs: dict) -> float:
+    """Flash attention's matmul FLOPs: 2 matmuls forward (QK^T, PV), 5 backward (with QK^T recomputed),
+    each 2·batch·heads·s_q·s_k·d, halved when causal."""
+    query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
+    causal = bool(_argument(func, args, kwargs, "is_causal"))
+    batch_heads = math.prod(query.shape[:-2])
+    per_matmul = 2.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1] * (0.5 if causal else 1.0)
+    return per_matmul * (5 if "backward" in func.overloadpacket.__name__ else 2)
+
+
+class Census(TorchDispatchMode):
+    """Records every kernel an operation launches (see the module docstring)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.kernels: list[Kernel] = []
+        self.phase = "forward"
+        self.region: str | None = None
+        self.region_calls = 0
+        self.regions: dict[int, tuple[str, int, int, str]] = {}
+        """Each compiled call: its function's name, the bytes of its tensor arguments and of its results,
+        their shapes and dtypes."""
+        self._producers: dict[StorageWeakRef, int] = {}
+        """The last kernel that wrote each storage (a weak reference keeps a freed storage's address from reuse)."""
+
+    def compiled_where_fp8_converts(self, function: Callable, device: torch.device) -> Callable:
+        """Stand-in for ``numerics/compiled.py``'s: ``function`` itself, its operations marked as one region."""
+
+        def region(*args, **kwargs):
+            self.region, self.region_calls = function.__name__, self.region_calls + 1
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                self.region = None
+            inputs, outputs = _tensors((args, kwargs)), _tensors(result)
+            self.regions[self.region_calls] = (function.__name__, sum(map(_tensor_bytes, inputs)),
+                                               sum(map(_tensor_bytes, outputs)), _signature(inputs, outputs))
+            return result
+
+        return region
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "_scaled_mm":
+            args = (self._row_major(args[0]), self._row_major(args[1].t()).t(), *args[2:])
+        out = func(*args, **kwargs)
+        if func.namespace == "aten" and not func.is_view and name not in NO_KERNEL:
+            self._record(name, _tensors((args, kwargs)), _tensors(out), func, args, kwargs)
+        return out
+
+    def _row_major(self, payload: torch.Tensor) -> torch.Tensor:
+        """``fp8_linear.row_major`` as a GPU runs it: a transposed FP8 operand copied by one kernel."""
+        if payload.is_contiguous():
+            return payload
+        copy = payload.contiguous()
+        self._record("row_major", [payload], [copy], region="_copied")
+        return copy
+
+    def _record(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], func=None, args=(),
+                kwargs=None, region: str | None = None) -> None:
+        if name in GEMMS:
+            kind, flops, dtype = "gemm", _matmul_flops(name, inputs), _gemm_dtype(inputs[0].dtype if name != "addmm" else inputs[1].dtype)
+        elif "scaled_dot_product" in name:
+            kind, flops, dtype = "attention", _attention_flops(func, args, kwargs), _gemm_dtype(inputs[0].dtype)
+        else:
+            largest = max((tensor.numel() for tensor in inputs), default=0)
+            smaller = outputs and all(tensor.numel() < largest for tensor in outputs)
+            kind = "copy" if name in COPIES or name == "row_major" else "reduction" if name in REDUCTIONS or smaller else "elementwise"
+            flops, dtype = 0.0, None
+        kernel = Kernel(
+            op=name, kind=kind, phase=self.phase, read=sum(map(_tensor_bytes, inputs)),
+            written=sum(map(_tensor_bytes, outputs)), flops=flops, gemm_dtype=dtype,
+            region=region or self.region, region_call=self.region_calls if (region or self.region) else None,
+            signature=_signature(inputs, outputs),
+        )
+        if name == "row_major":
+            self.region_calls += 1
+            kernel.region_call = self.region_calls
+            self.regions[self.region_calls] = ("_copied", kernel.read, kernel.written, kernel.signature)
+        if kind not in ("gemm", "attention"):
+            kernel.reasons = self._reasons(kernel, inputs, outputs)
+        index = len(self.kernels)
+        self.kernels.append(kernel)
+        for tensor in outputs:
+            self._producers[StorageWeakRef(tensor.untyped_storage())] = index
+
+    def _reasons(self, kernel: Kernel, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[str]:
+        """:func:`non_minimal_reasons` of one non-GEMM kernel."""
+        reasons = []
+        if kernel.kind == "copy":
+            casts = sorted({f"{_dtype_name(i.dtype)} to {_dtype_name(o.dtype)}" for i in inputs for o in outputs if i.dtype != o.dtype})
+            if casts:
+                reasons.append("standalone cast " + ", ".join(casts))
+            else:
+                fp8 = any(tensor.dtype in FP8_DTYPES for tensor in outputs)
+                reasons.append("standalone copy of an FP8 payload" if fp8 else "standalone copy")
+        if any(tensor.dtype == torch.float32 and tensor.numel() >= self.tokens for tensor in inputs + outputs):
+            reasons.append("FP32 tensor of activation size")
+        for tensor in inputs:
+            producer = self._producers.get(StorageWeakRef(tensor.untyped_storage()))
+            if producer is not None and self.kernels[producer].kind not in ("gemm", "attention"):
+                reasons.append(f"re-reads what {self.kernels[producer].op} wrote")
+                break
+        return reasons
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron-core's rotary embedding (``_apply_rotary_pos_emb_bshd``): x·cos + rotate_half(x)·sin."""
+    first, second = torch.chunk(x, 2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Layer(torch.nn.Module):
+    """One GPT decoder layer on [seq, batch, hidden] BF16 inputs; ``flavour`` "stock" or "coat"."""
+
+    def __init__(self, shape: LayerShape, flavour: str) -> None:
+        super().__init__()
+        if flavour not in FLAVOURS:
+            raise ValueError(f"unknown flavour {flavour!r}; valid: {', '.join(FLAVOURS)}")
+        self.shape, self.flavour = shape, flavour
+        hidden, ffn = shape.hidden, shape.ffn
+        norm = FP8LayerNorm if flavour == "coat" else torch.nn.LayerNorm
+        self.input_norm = norm(hidden, dtype=torch.bfloat16)
+        self.mlp_norm = norm(hidden, dtype=torch.bfloat16)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(hidden, hidden, dtype=torch.bfloat16)
+        self.fc1 = torch.nn.Linear(hidden, ffn, dtype=torch.bfloat16)
+        self.fc2 = torch.nn.Linear(ffn, hidden, dtype=torch.bfloat16)
+
+    def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, module.weight, module.bias) if self.flavour == "coat" else F.linear(x, module.weight, module.bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        seq, batch, hidden = x.shape
+        heads, head_dim = self.shape.heads, hidden // self.shape.heads
+        qkv = self._linear(self.qkv, self.input_norm(x)).view(seq, batch, heads, 3 * head_dim)
+        query, key, value = torch.split(qkv, head_dim, dim=-1)
+        query, key = _rope(query, cos, sin), _rope(key, cos, sin)
+        attended = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), is_causal=True)
+        x = x + self._linear(self.proj, attended.permute(2, 0, 1, 3).reshape(seq, batch, hidden))
+        intermediate = self._linear(self.fc1, self.mlp_norm(x))
+        activated = fp8_gelu(intermediate) if self.flavour == "coat" else F.gelu(intermediate)
+        return x + self._linear(self.fc2, activated)
+
+
+def _scaled_mm_on_sm90(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``fp8_linear._scaled_mm_chosen`` as an sm_90 GPU answers it."""
+    both_e5m2 = a.dtype == b.dtype == torch.float8_e5m2
+    return not both_e5m2 and all(size % 16 == 0 for size in (*a.shape, b.shape[1]))
+
+
+@contextlib.contextmanager
+def _as_on_gpu(census: Census) -> Iterator[None]:
+    """COAT's path as an sm_90 GPU takes it: ``_scaled_mm`` where it applies, and each compiled call
+    run eagerly with its operations marked (the modules imported the names they call)."""
+    quant, linear, activations = (sys.modules[name] for name in (
+        "megatron_lowprec.numerics.quant", "megatron_lowprec.layers.fp8_linear", "megatron_lowprec.layers.fp8_activations"))
+    with contextlib.ExitStack() as stack:
+        for module in (quant, linear, activations):
+            stack.enter_context(mock.patch.object(module, "compiled_where_fp8_converts", census.compiled_where_fp8_converts))
+        stack.enter_context(mock.patch.object(linear, "_scaled_mm_chosen", _scaled_mm_on_sm90))
+        yield
+
+
+def run_census(shape: LayerShape, flavour: str) -> Census:
+    """The kernels of one layer's forward and backward (see the module docstring)."""
+    census = Census(shape.tokens)
+    head_dim = shape.hidden // shape.heads
+    with FakeTensorMode(), _as_on_gpu(census):
+        layer = Layer(shape, flavour)
+        x = torch.empty(shape.seq, shape.micro_batch, shape.hidden, dtype=torch.bfloat16, requires_grad=True)
+        cos = torch.empty(shape.seq, 1, 1, head_dim, dtype=torch.bfloat16)
+        sin = torch.empty(shape.seq, 1, 1, head_dim, dtype=torch.bfloat16)
+        grad = torch.empty(shape.seq, shape.micro_batch, shape.hidden, dtype=torch.bfloat16)
+        with fp8_weight_cache() if flavour == "coat" else contextlib.nullcontext(), census:
+            output = layer(x, cos, sin)
+            census.phase = "backward"
+            output.backward(grad)
+    return census
+
+
+def fused_regions(census: Census) -> list[Kernel]:
+    """The census's kernels with each compiled region one kernel that reads its arguments once and
+    writes its results once (the minimum a compiled call can reach)."""
+    fused, seen = [], set()
+    for kernel in census.kernels:
+        if kernel.region is None:
+            fused.append(kernel)
+        elif kernel.region_call not in seen:
+            seen.add(kernel.region_call)
+            name, read, written, signature = census.regions[kernel.region_call]
+            reasons = ["standalone copy of an FP8 payload"] if name == "_copied" else []
+            fused.append(Kernel(op=name, kind="fused", phase=kernel.phase, read=read, written=written, region=name,
+                                region_call=kernel.region_call, signature=signature, reasons=reasons))
+    return fused
+
+
+@dataclasses.dataclass
+class Summary:
+    """Totals of one census."""
+
+    launches: int
+    read: int
+    written: int
+    gemm_flops: dict[str, float]
+    attention_flops: float
+    seconds: float
+    non_minimal: list[Kernel]
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+def summarize(kernels: list[Kernel]) -> Summary:
+    return Summary(
+        launches=len(kernels),
+        read=sum(kernel.read for kernel in kernels),
+        written=sum(kernel.written for kernel in kernels),
+        gemm_flops={dtype: sum(k.flops for k in kernels if k.kind == "gemm" and k.gemm_dtype == dtype) for dtype in H200_PEAK_FLOPS},
+        attention_flops=sum(kernel.flops for kernel in kernels if kernel.kind == "attention"),
+        seconds=sum(kernel.seconds() for kernel in kernels),
+        non_minimal=[kernel for kernel in kernels if kernel.reasons],
+    )
+
+
+
+COUNTS = (("stock", "eager"), ("coat", "eager"), ("coat", "fused regions"))
+"""The censuses of a shape: every operation a kernel, and for coat also each compiled call one
+(:func:`fused_regions`; stock has no compiled regions)."""
+
+
+def censuses(shape: LayerShape) -> dict[tuple[str, str], list[Kernel]]:
+    """(flavour, count) of :data:`COUNTS` -> the layer's kernels."""
+    stock, coat = run_census(shape, "stock"), run_census(shape, "coat")
+    return {COUNTS[0]: stock.kernels, COUNTS[1]: coat.kernels, COUNTS[2]: fused_regions(coat)}
+
+
+@dataclasses.dataclass
+class Estimate:
+    """The roofline step time of each census of GPT-1.3B, calibrated on the measured stock step."""
+
+    step_ms: dict[tuple[str, str], float]
+    calibration: float
+    """Measured stock step over stock's roofline step."""
+
+    def calibrated_ms(self, key: tuple[str, str]) -> float:
+        return self.step_ms[key] * self.calibration
+
+    def unexplained_ms_per_launch(self, summaries: dict[tuple[str, str], Summary]) -> float:
+        """The measured coat step's excess over its calibrated estimate, per launch coat adds over stock
+        in a step (eager count)."""
+        extra_launches = SHAPES["gpt_1.3b"].layers * (summaries[COUNTS[1]].launches - summaries[COUNTS[0]].launches)
+        return (MEASURED_STEP_MS["coat"] - self.calibrated_ms(COUNTS[1])) / extra_launches
+
+
+def estimate(summaries: dict[tuple[str, str], Summary]) -> Estimate:
+    """:class:`Estimate` from GPT-1.3B's summaries: a step is its layer count times the layer."""
+    layers = SHAPES["gpt_1.3b"].layers
+    step_ms = {key: 1e3 * layers * summary.seconds for key, summary in summaries.items()}
+    return Estimate(step_ms, MEASURED_STEP_MS["stock"] / step_ms[COUNTS[0]])
+
+
+SUMMARY_HEADER = [
+    "shape", "layer flavour", "count", "launches", "read MB", "written MB", "FP8 GEMM GFLOP", "BF16 GEMM GFLOP",
+    "attention GFLOP", "non-minimal kernels", "their MB", "layer roofline ms", "step roofline ms",
+    "calibrated step ms", "measured step ms",
+]
+
+
+def summary_row(shape_name: str, key: tuple[str, str], summary: Summary, roofline: Estimate | None) -> list[str]:
+    """One row of :data:`SUMMARY_HEADER`; the step columns for GPT-1.3B only (``roofline``)."""
+    flavour, count = key
+    step = ["–", "–", "–"]
+    if roofline is not None:
+        measured = f"{MEASURED_STEP_MS[flavour]:g}" if count == "eager" else "not measured"
+        step = [f"{roofline.step_ms[key]:.1f}", f"{roofline.calibrated_ms(key):.1f}", measured]
+    return [
+        shape_name, flavour, count, summary.launches, f"{summary.read / 1e6:.2f}", f"{summary.written / 1e6:.2f}",
+        f"{summary.gemm_flops['fp8'] / 1e9:.4g}", f"{summary.gemm_flops['bf16'] / 1e9:.4g}",
+        f"{summary.attention_flops / 1e9:.4g}", len(summary.non_minimal),
+        f"{sum(k.bytes for k in summary.non_minimal) / 1e6:.2f}", f"{1e3 * summary.seconds:.4g}", *step,
+    ]
+
+
+def non_minimal_rows(kernels: list[Kernel], limit: int | None = None) -> list[list[str]]:
+    """The non-minimal kernels grouped by phase, operation, region and reasons, most bytes first, each
+    with the tensors of its largest member."""
+    groups: dict[tuple, list[Kernel]] = {}
+    for kernel in kernels:
+        if kernel.reasons:
+            groups.setdefault((kernel.phase, kernel.op, kernel.region or "–", "; ".join(kernel.reasons)), []).append(kernel)
+    ordered = sorted(groups.items(), key=lambda item: -sum(k.bytes for k in item[1]))
+    return [[phase, op, region, len(members), f"{sum(k.bytes for k in members) / 1e6:.2f}", reasons,
+             f"`{max(members, key=lambda k: k.bytes).signature}`"]
+            for (phase, op, region, reasons), members in ordered[:limit]]
+
+
+NON_MINIMAL_HEADER = ["phase", "kernel", "compiled region", "launches", "MB", "not minimal because", "largest launch"]
+
+LEGEND = (
+    "One GPT decoder layer (pre-LayerNorm, QKV, rotary embedding, causal flash attention, projection, "
+    "LayerNorm, GELU MLP; BF16, no dropout), forward and backward, on fake tensors. `eager`: every aten "
+    "operation that is not a view is one kernel launch at the bytes of its inputs and outputs, an upper "
+    "bound on a fused implementation's launches; `fused regions`: each of COAT's compiled calls "
+    "(quantization, FP8 operand copy, norm and GELU backward, compiled on GPUs that convert FP8 in Triton) "
+    "one kernel reading its arguments once and writing its results once, a lower bound on the compiled "
+    "code's traffic. GEMM FLOPs are 2·M·N·K by input dtype; attention is one flash-attention kernel each way "
+    "(causal). The roofline prices each kernel at max(bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s for FP8 or "
+    "989 TFLOP/s for BF16) on an H200; a GPT-1.3B step is 24 times the layer, without the embedding, the "
+    "LM head and the optimizer. `calibrated` scales every estimate by the measured stock step (175 ms "
+    "forward and backward, H200, micro-batch 4) over stock's estimate; coat's measured 532 ms was taken "
+    "with its quantization as eager operations. A non-GEMM kernel is not at its minimum traffic when it "
+    "is a standalone copy or cast, moves an FP32 tensor of at least one element per token, or re-reads a "
+    "tensor another non-GEMM kernel wrote. The weights' FP8 quantization is counted once per layer (one "
+    "micro-batch per step)."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_audit.census", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--top", type=int, default=20, help="non-minimal kernel groups listed per census (default 20)")
+    parser.add_argument("--markdown", type=Path, metavar="PATH", help="also write the tables as a stamped result file")
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        raise SystemExit(f"--top must be at least 1, got {args.top}")
+    from benchmarks.report import markdown_table, write_result
+
+    rows, details, roofline, summaries = [], [], None, {}
+    for shape_name in ("gpt_1.3b", "tiny"):
+        kernels = censuses(SHAPES[shape_name])
+        summaries = {key: summarize(value) for key, value in kernels.items()}
+        if shape_name == "gpt_1.3b":
+            roofline = estimate(summaries)
+            gpt_summaries = summaries
+        rows += [summary_row(shape_name, key, summaries[key], roofline if shape_name == "gpt_1.3b" else None)
+                 for key in COUNTS]
+        if shape_name == "gpt_1.3b":
+            for key in COUNTS:
+                details.append(f"#### GPT-1.3B, {key[0]}, {key[1]} count: the non-minimal kernels by bytes (top {args.top})"
+                               "\n\n" + markdown_table(NON_MINIMAL_HEADER, non_minimal_rows(kernels[key], args.top)))
+    speedup = roofline.step_ms[COUNTS[0]] / roofline.step_ms[COUNTS[2]]
+    verdict = (
+        f"GPT-1.3B: coat's calibrated eager estimate is {roofline.calibrated_ms(COUNTS[1]):.0f} ms against "
+        f"{MEASURED_STEP_MS['coat']:g} ms measured; the {MEASURED_STEP_MS['coat'] - roofline.calibrated_ms(COUNTS[1]):.0f} ms "
+        f"left are {1e6 * roofline.unexplained_ms_per_launch(gpt_summaries) / 1e3:.0f} µs per launch coat adds over stock. "
+        f"With its compiled calls at their minimum traffic (fused regions) coat's roofline is {speedup:.2f}x stock's tokens/s."
+    )
+    print(markdown_table(SUMMARY_HEADER, rows))
+    print("\n" + verdict)
+    for detail in details:
+        print("\n" + detail)
+    if args.markdown:
+        write_result(args.markdown, "Traffic census of one transformer layer: COAT's FP8 layers against stock BF16",
+                     SUMMARY_HEADER, rows, [LEGEND, verdict, *details])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
