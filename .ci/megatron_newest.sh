@@ -121,6 +121,7 @@ status=0
     "tests/megatron/test_optimizer_hook.py::test_dist_checkpoint_saved_at_tp2_loads_at_tp1[C]" \
     tests/megatron/test_build_optimizer.py \
     tests/megatron/test_megatron_lm.py \
+    tests/megatron/test_megatron_lm_exit_signal.py \
     "tests/megatron/test_distributed_optimizer.py::test_sharded_states_train_bit_identically_and_hold_their_share[dp2-fp32-reduction]" \
     tests/megatron/test_layers.py \
     tests/megatron/test_megatron_lm_call_pattern.py \

@@ -39,7 +39,10 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   option that some parameter is not stepped with (a Megatron-LM that builds its optimizer through a
   function not replaced here), stops the run with one line naming the megatron-core version, the
   path taken and what to do (:func:`~megatron_lowprec.megatron.option_check.optimizer_in_use`, which
-  ``lowprec-train`` calls too).
+  ``lowprec-train`` calls too); with ``--exit-signal-handler`` it starts megatron's checkpoint writer
+  service, and every process forked later (the data loader's workers), with the exit signal
+  blocked, so that the signal sent to every process of the job (SLURM, ``kill -TERM -<group>``) does
+  not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`).
 
 Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
 refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
@@ -349,9 +352,29 @@ def _checked_after_building(setup_model_and_optimizer):
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         if optimizer is not None:
             _print_rank_0(_optimizer_in_use(model, optimizer))
+        _shield_helpers_from_the_exit_signal()
         return model, optimizer, scheduler
 
     return setup_and_check
+
+
+def _shield_helpers_from_the_exit_signal() -> None:
+    """With ``--exit-signal-handler``, the data loader's workers (forked later) and the checkpoint
+    writer service keep running when the exit signal reaches every process (SLURM, ``kill -TERM
+    -<group>``), so that the save it asks for completes (:mod:`~megatron_lowprec.megatron.exit_signals`)."""
+    import signal
+
+    from megatron.training import get_args
+
+    from megatron_lowprec.megatron import exit_signals
+
+    args = get_args()
+    if not getattr(args, "exit_signal_handler", False):
+        return
+    shielded = [int(getattr(args, "exit_signal", signal.SIGTERM))]
+    exit_signals.shield_forked_children(shielded)
+    if args.save:
+        exit_signals.start_writer_service(shielded)
 
 
 def _optimizer_in_use(model_chunks, optimizer) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-import multiprocessing
 import os
 import pickle
 import random
@@ -41,15 +40,13 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterable, Iterator
-from multiprocessing.managers import SyncManager
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy
 import torch
 
 from megatron_lowprec.train.config import RESUME_CHANGEABLE, ConfigError, option_label, run_shape
-from megatron_lowprec.train.signals import end_with_parent, signals_blocked
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete.json"
@@ -194,30 +191,6 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     finally:
         if handle is not None:
             handle.close()
-
-
-def start_writer_service(shielded: Iterable[signal.Signals]) -> None:
-    """Start the queue megatron's ``dist_checkpointing`` writer reports its results through (a
-    ``multiprocessing`` manager process of the spawn context, which megatron-core otherwise starts at
-    the first save) with the ``shielded`` signals blocked in that process from its start.
-
-    SLURM signals every process of a job step, and ``kill -TERM -<group>`` and ``timeout`` every process
-    of a group: without this, the exit signal that asks for a checkpoint also kills that process and
-    the save fails (``BrokenPipeError``, ``Connection refused``). The resource tracker that the spawn
-    context needs is started first: it ignores the exit signals itself, but its own start unblocks
-    SIGTERM in this thread. The manager ends with the run (:func:`~megatron_lowprec.train.signals.end_with_parent`).
-    """
-    from multiprocessing import resource_tracker
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # started already (or a megatron-core that keeps no such queue)
-    resource_tracker.ensure_running()
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    with signals_blocked(tuple(int(number) for number in shielded)):
-        manager.start(end_with_parent)
-    filesystem_async._results_queue = manager.Queue()
 
 
 @contextlib.contextmanager

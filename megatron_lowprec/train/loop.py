@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from megatron_lowprec.megatron.exit_signals import start_writer_service
 from megatron_lowprec.train import checkpoint, profiling
 from megatron_lowprec.train.config import (
     ConfigError, TrainConfig, data_parallel_size, precision_strategy, reduces_grads_in_fp32,
@@ -431,7 +432,7 @@ def _train_in(config: TrainConfig, run_dir: Path) -> dict:
     try:
         with ExitSignals(config.trainer.exit_signal) as exit_signals:
             if config.trainer.save:
-                checkpoint.start_writer_service(exit_signals.signals)
+                start_writer_service(exit_signals.signals)
             return _train_loop(run, logger, exit_signals, resumed)
     except KeyboardInterrupt:
         logger.close(exit_code=130)

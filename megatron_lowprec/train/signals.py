@@ -9,24 +9,19 @@ signal of one's choice earlier; under ``torchrun`` both the agent (which forward
 workers receive it. The same signal arriving twice (directly and forwarded) is one request.
 
 SLURM signals the helper processes of a rank as well, as ``kill -TERM -<group>`` and ``timeout`` signal
-every process of the group; a helper that the checkpoint the signal asks for needs is started under
-:func:`signals_blocked` (it inherits the blocked mask, so the signal stays pending in it and never
-kills it) with :func:`end_with_parent` as its initializer (so it still ends with the run). :func:`end_with_launcher` makes a rank and the processes it forks
-(megatron's checkpoint writers) die with their parent, so that ``kill -9`` of the launcher leaves no
-process behind. This module imports only the standard library at the top, so
-that such a helper process starts without torch.
+every process of the group; the checkpoint writer service that the save the signal asks for needs
+starts with the signal blocked (:mod:`megatron_lowprec.megatron.exit_signals`).
+:func:`end_with_launcher` makes a rank and the processes it forks (megatron's checkpoint writers) die
+with their parent, so that ``kill -9`` of the launcher leaves no process behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Iterator
 from types import FrameType
 
 
@@ -65,32 +60,6 @@ class ExitSignals:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         number = int(flag.item())
         return signal.Signals(number).name if number else None
-
-
-@contextlib.contextmanager
-def signals_blocked(numbers: tuple[int, ...]) -> Iterator[None]:
-    """Block the signals ``numbers`` in the calling thread while helper processes start: a child
-    inherits the mask across fork and exec, from its first instruction on, where an initializer would
-    block them only once the child's interpreter is up. A signal that reaches this process meanwhile
-    is delivered when the block ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def end_with_parent() -> None:
-    """Initializer of a helper process started under :func:`signals_blocked`: end it once the process
-    that started it is gone (so that a run killed with SIGKILL leaves no helper behind)."""
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch_parent, name="end-with-parent", daemon=True).start()
 
 
 PR_SET_PDEATHSIG = 1
