@@ -59,8 +59,10 @@ def test_the_census_names_the_non_minimal_kernels(kernels):
     assert coat.count(("row_major", "standalone copy of an FP8 payload")) == 12
     assert ("_to_copy", "standalone cast bfloat16 to float32") in coat
     assert ("amax", "FP32 tensor of activation size") in coat
-    assert ("amax", "re-reads what abs wrote") in coat
-    assert reasons(("coat", "fused regions")).count(("_copied", "standalone copy of an FP8 payload")) == 12
+    assert ("amax", "re-reads what abs in _quantize_rows wrote") in coat
+    fused = reasons(("coat", "fused regions"))
+    assert fused.count(("_copied", "standalone copy of an FP8 payload")) == 12
+    assert fused.count(("_quantize_rows", "re-reads what native_layer_norm wrote")) == 2
     stock = reasons(("stock", "eager"))
     assert not [reason for _, reason in stock if "FP32" in reason or "FP8" in reason or "cast" in reason]
     assert all(not kernel.reasons for kernel in kernels["stock", "eager"] if kernel.kind in ("gemm", "attention"))

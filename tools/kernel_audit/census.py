@@ -25,10 +25,10 @@ kernel that reads its inputs once and writes its outputs once, a lower bound on 
 traffic.
 
 A kernel that is not a GEMM or attention is at its minimum traffic when every byte it moves is one
-the layer must move at its storage dtype. It is not (:func:`non_minimal_reasons`) when it is a
+the layer must move at its storage dtype. It is not (``Census.reasons``) when it is a
 standalone copy or cast (a transposed FP8 payload, an FP32 copy of a BF16 tensor), when it reads or
-writes an FP32 tensor of at least one element per token (an FP32 copy of a BF16 activation), or when
-it reads a tensor that another non-GEMM kernel of the layer wrote (an amax or a division re-reading
+writes an FP32 tensor as large as the layer's input (an FP32 copy of a BF16 activation), or when it
+reads a tensor that another non-GEMM kernel wrote in the same pass (an amax or a division re-reading
 what the previous operation just wrote: a fusion would keep it in registers).
 
 The roofline prices each kernel at max(bytes / HBM bandwidth, FLOPs / tensor-core peak of its input
@@ -184,16 +184,16 @@ def _attention_flops(func, args: tuple, kwargs: dict) -> float:
 class Census(TorchDispatchMode):
     """Records every kernel an operation launches (see the module docstring)."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, activation_elements: int) -> None:
         super().__init__()
-        self.tokens = tokens
+        self.activation_elements = activation_elements
+        """Elements of the layer's input (tokens × hidden): an FP32 tensor this large is an FP32 activation."""
         self.kernels: list[Kernel] = []
         self.phase = "forward"
         self.region: str | None = None
         self.region_calls = 0
-        self.regions: dict[int, tuple[str, int, int, str]] = {}
-        """Each compiled call: its function's name, the bytes of its tensor arguments and of its results,
-        their shapes and dtypes."""
+        self.regions: dict[int, Kernel] = {}
+        """Each compiled call as one kernel: reading its tensor arguments once, writing its results once."""
         self._producers: dict[StorageWeakRef, int] = {}
         """The last kernel that wrote each storage (a weak reference keeps a freed storage's address from reuse)."""
 
@@ -202,13 +202,17 @@ class Census(TorchDispatchMode):
 
         def region(*args, **kwargs):
             self.region, self.region_calls = function.__name__, self.region_calls + 1
+            call, inputs, rereads = self.region_calls, _tensors((args, kwargs)), self._rereads(_tensors((args, kwargs)))
             try:
                 result = function(*args, **kwargs)
             finally:
                 self.region = None
-            inputs, outputs = _tensors((args, kwargs)), _tensors(result)
-            self.regions[self.region_calls] = (function.__name__, sum(map(_tensor_bytes, inputs)),
-                                               sum(map(_tensor_bytes, outputs)), _signature(inputs, outputs))
+            outputs = _tensors(result)
+            self.regions[call] = Kernel(
+                op=function.__name__, kind="fused", phase=self.phase, read=sum(map(_tensor_bytes, inputs)),
+                written=sum(map(_tensor_bytes, outputs)), region=function.__name__, region_call=call,
+                signature=_signature(inputs, outputs), reasons=self._activation_fp32(inputs + outputs) + rereads,
+            )
             return result
 
         return region
@@ -251,16 +255,17 @@ class Census(TorchDispatchMode):
         if name == "row_major":
             self.region_calls += 1
             kernel.region_call = self.region_calls
-            self.regions[self.region_calls] = ("_copied", kernel.read, kernel.written, kernel.signature)
         if kind not in ("gemm", "attention"):
-            kernel.reasons = self._reasons(kernel, inputs, outputs)
+            kernel.reasons = self.reasons(kernel, inputs, outputs)
+        if name == "row_major":
+            self.regions[kernel.region_call] = dataclasses.replace(kernel, op="_copied", kind="fused")
         index = len(self.kernels)
         self.kernels.append(kernel)
         for tensor in outputs:
             self._producers[StorageWeakRef(tensor.untyped_storage())] = index
 
-    def _reasons(self, kernel: Kernel, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[str]:
-        """:func:`non_minimal_reasons` of one non-GEMM kernel."""
+    def reasons(self, kernel: Kernel, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[str]:
+        """Why a non-GEMM kernel is not at its minimum traffic (see the module docstring); empty if it is."""
         reasons = []
         if kernel.kind == "copy":
             casts = sorted({f"{_dtype_name(i.dtype)} to {_dtype_name(o.dtype)}" for i in inputs for o in outputs if i.dtype != o.dtype})
@@ -269,14 +274,23 @@ class Census(TorchDispatchMode):
             else:
                 fp8 = any(tensor.dtype in FP8_DTYPES for tensor in outputs)
                 reasons.append("standalone copy of an FP8 payload" if fp8 else "standalone copy")
-        if any(tensor.dtype == torch.float32 and tensor.numel() >= self.tokens for tensor in inputs + outputs):
-            reasons.append("FP32 tensor of activation size")
+        return reasons + self._activation_fp32(inputs + outputs) + self._rereads(inputs)
+
+    def _activation_fp32(self, tensors: list[torch.Tensor]) -> list[str]:
+        if any(tensor.dtype == torch.float32 and tensor.numel() >= self.activation_elements for tensor in tensors):
+            return ["FP32 tensor of activation size"]
+        return []
+
+    def _rereads(self, inputs: list[torch.Tensor]) -> list[str]:
+        """The first input that another non-GEMM kernel wrote in the same pass, named by that kernel (and
+        its region); what the forward pass saved for backward is read there once, as it must be."""
         for tensor in inputs:
-            producer = self._producers.get(StorageWeakRef(tensor.untyped_storage()))
-            if producer is not None and self.kernels[producer].kind not in ("gemm", "attention"):
-                reasons.append(f"re-reads what {self.kernels[producer].op} wrote")
-                break
-        return reasons
+            index = self._producers.get(StorageWeakRef(tensor.untyped_storage()))
+            producer = None if index is None else self.kernels[index]
+            if producer is not None and producer.kind not in ("gemm", "attention") and producer.phase == self.phase:
+                where = f" in {producer.region}" if producer.region else ""
+                return [f"re-reads what {producer.op}{where} wrote"]
+        return []
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -339,7 +353,7 @@ def _as_on_gpu(census: Census) -> Iterator[None]:
 
 def run_census(shape: LayerShape, flavour: str) -> Census:
     """The kernels of one layer's forward and backward (see the module docstring)."""
-    census = Census(shape.tokens)
+    census = Census(shape.tokens * shape.hidden)
     head_dim = shape.hidden // shape.heads
     with FakeTensorMode(), _as_on_gpu(census):
         layer = Layer(shape, flavour)
@@ -363,10 +377,7 @@ def fused_regions(census: Census) -> list[Kernel]:
             fused.append(kernel)
         elif kernel.region_call not in seen:
             seen.add(kernel.region_call)
-            name, read, written, signature = census.regions[kernel.region_call]
-            reasons = ["standalone copy of an FP8 payload"] if name == "_copied" else []
-            fused.append(Kernel(op=name, kind="fused", phase=kernel.phase, read=read, written=written, region=name,
-                                region_call=kernel.region_call, signature=signature, reasons=reasons))
+            fused.append(census.regions[kernel.region_call])
     return fused
 
 
@@ -486,8 +497,8 @@ LEGEND = (
     "LM head and the optimizer. `calibrated` scales every estimate by the measured stock step (175 ms "
     "forward and backward, H200, micro-batch 4) over stock's estimate; coat's measured 532 ms was taken "
     "with its quantization as eager operations. A non-GEMM kernel is not at its minimum traffic when it "
-    "is a standalone copy or cast, moves an FP32 tensor of at least one element per token, or re-reads a "
-    "tensor another non-GEMM kernel wrote. The weights' FP8 quantization is counted once per layer (one "
+    "is a standalone copy or cast, moves an FP32 tensor as large as the layer's input, or re-reads a "
+    "tensor another non-GEMM kernel wrote in the same pass (forward or backward). The weights' FP8 quantization is counted once per layer (one "
     "micro-batch per step)."
 )
 
