@@ -237,6 +237,7 @@ class Census(TorchDispatchMode):
 
     def _record(self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], func=None, args=(),
                 kwargs=None, region: str | None = None) -> None:
+        """Append the kernel of one operation (``row_major``: the census's own operand copy, its own region)."""
         if name in GEMMS:
             kind, flops, dtype = "gemm", _matmul_flops(name, inputs), _gemm_dtype(inputs[0].dtype if name != "addmm" else inputs[1].dtype)
         elif "scaled_dot_product" in name:
@@ -246,15 +247,14 @@ class Census(TorchDispatchMode):
             smaller = outputs and all(tensor.numel() < largest for tensor in outputs)
             kind = "copy" if name in COPIES or name == "row_major" else "reduction" if name in REDUCTIONS or smaller else "elementwise"
             flops, dtype = 0.0, None
+        region = region or self.region
+        if name == "row_major":
+            self.region_calls += 1
         kernel = Kernel(
             op=name, kind=kind, phase=self.phase, read=sum(map(_tensor_bytes, inputs)),
             written=sum(map(_tensor_bytes, outputs)), flops=flops, gemm_dtype=dtype,
-            region=region or self.region, region_call=self.region_calls if (region or self.region) else None,
-            signature=_signature(inputs, outputs),
+            region=region, region_call=self.region_calls if region else None, signature=_signature(inputs, outputs),
         )
-        if name == "row_major":
-            self.region_calls += 1
-            kernel.region_call = self.region_calls
         if kind not in ("gemm", "attention"):
             kernel.reasons = self.reasons(kernel, inputs, outputs)
         if name == "row_major":
