@@ -13,7 +13,8 @@ half-width ``eps``. The option is ``megatron`` for megatron-core's own optimizer
 ``summary.json`` are strict JSON: a value that is NaN or infinite is written as ``null``. The summary's
 ``status`` says how the run ended: ``finished`` (``trainer.max_steps`` reached), ``stopped by SIGTERM``
 (or the ``trainer.exit_signal``; with the checkpoint it saved) or ``diverged`` (with the last finite
-step, the steps that were not finite and their last values). A resumed
+step, the steps that were not finite and their last values); a run removes an earlier run's summary
+as it starts, and Ctrl-C writes none. A resumed
 run first drops the rows after the step it resumes from (a run started over in the same directory,
 ``resume=false``, all of them), so the file holds one row per step.
 """
@@ -183,6 +184,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
         _keep_rows_up_to(run_dir / config.logging.metrics_file, resumed_from or 0)
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)  # an earlier run's: this one writes its own as it ends
         self.metrics = (run_dir / config.logging.metrics_file).open("a", encoding="utf-8")
         if config.logging.wandb:
             self.wandb = _open_wandb(config, run_dir)

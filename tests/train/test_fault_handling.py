@@ -234,8 +234,11 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_and_damaged_ones_are_sk
 
 
 def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path, cache_dir):
-    """SIGINT to the process group (what Ctrl-C does): exit 130, one line, no traceback."""
+    """SIGINT to the process group (what Ctrl-C does): exit 130, one line, no traceback; the summary
+    an earlier run left in the directory is gone (the run removed it as it started) and none is written."""
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2}))
     process, lines = _start([sys.executable, "-m", "megatron_lowprec.train",
                              *_tiny(cache_dir, run_dir, "trainer.max_steps=1000", "trainer.save_interval=1")])
     seen: list[str] = []
@@ -254,6 +257,7 @@ def test_ctrl_c_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tmp_path,
     # A checkpoint is saved after every step (Ctrl-C during a save stops the run once it is written);
     # Ctrl-C between a step and its save leaves the previous one.
     assert checkpoint.name in (f"iter_{int(match.group(1)):07d}", f"iter_{int(match.group(1)) - 1:07d}")
+    assert not (run_dir / "summary.json").exists()
 
 
 def _strict_rows(path: Path) -> list[dict]:
