@@ -376,7 +376,7 @@ class MetricsLogger:
     def diverged(self, nonfinite_steps: list[int], record: dict, tokens_per_second: float) -> dict:
         """The loss or the gradient norm was not finite at ``nonfinite_steps`` (consecutive, the last
         one's ``record``): the summary (status ``diverged``; ``last_finite_step`` is null where no step
-        of the run was finite; ``final_train_loss`` is that step's loss; ``last_loss`` and
+        of the run was finite; ``final_train_loss`` is the loss of this run's last finite step; ``last_loss`` and
         ``last_grad_norm`` the last step's, null where not finite, as ``reason`` writes them out;
         ``checkpoint`` the last intact one, which a rerun resumes from); returns the summary. The caller
         closes the files with the run's exit status."""
