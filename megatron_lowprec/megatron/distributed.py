@@ -7,7 +7,10 @@ r receives the reduced shard ``[r·S, (r+1)·S)``) and all-gathers the parameter
 shards (``start_param_sync``). :class:`DistributedLowPrecisionOptimizer` updates this rank's shard
 with its shard of every state of the precision option (m, v, δθ, δv, Kahan compensation, FP32
 master, FP8 payloads with their group scales and expansion exponents), as megatron's
-``DistributedOptimizer`` does for its FP32 main parameters.
+``DistributedOptimizer`` does for its FP32 main parameters. The optimizer is the plain path's
+:class:`~megatron_lowprec.optim.AdamW`, stepping this rank's shards as its layout
+(:class:`DistributedShards`): the same step, the same per-parameter state-dict format (each owned
+piece's state, flat), one implementation of every option.
 
 Reused from megatron-core: the DDP buffers, their bucketing, padding, reduce-scatter and
 all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_map`` (which

@@ -405,6 +405,7 @@ class AdamW(PrecisionOptimizer):
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
         self.layout = layout
+        self._layout_fused: bool | None = None
         self._laid_out_entries: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -435,6 +436,8 @@ class AdamW(PrecisionOptimizer):
         return resolve_fused(device, self._fused_request)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._layout_fused is not None:
+            raise ValueError("an AdamW over a layout takes its parameter groups at construction; build a new one to add a group")
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
