@@ -168,8 +168,6 @@ class ShardPiece:
     numel: int
     owned_start: int
     """Position of that element in this rank's owned range of the bucket."""
-    entry: int
-    """The run's entry in the shard's :attr:`Shard.state_bucket`."""
 
 
 @dataclass
@@ -313,9 +311,9 @@ class DistributedShards(Layout):
         pieces = [
             ShardPiece(
                 param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
-                param_ranges["param"].size, param_ranges["gbuf_local"].start, entry,
+                param_ranges["param"].size, param_ranges["gbuf_local"].start,
             )
-            for entry, (param, param_ranges) in enumerate(runs)
+            for param, param_ranges in runs
         ]
         if not pieces:
             return Shard(bucket, group, rank, bounds, pieces, None, None)

@@ -252,7 +252,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 expected = self.state.get(param)
                 if expected is None and saved is None:
                     continue
-                if saved is None or expected is None or _master_as_one_key(saved) != _master_as_one_key(expected):
+                if expected is None:
+                    raise ValueError(f"state dict holds a state of parameter {index}, which this optimizer keeps none of")
+                if saved is None or _master_as_one_key(saved) != _master_as_one_key(expected):
                     raise ValueError(f"state of parameter {index} does not hold {sorted(expected)}")
                 for key, value in expected.items():
                     if key in MASTER_KEYS.values():
@@ -301,8 +303,6 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                         state[key].copy_(value)
                     else:
                         state[key] = value
-        for bucket in self.buckets:
-            bucket.repeat_into_padding_()
         extra = state_dict["lowprec"]
         self.skipped_steps = extra["skipped_steps"]
         self.seed = extra["seed"]
@@ -423,6 +423,15 @@ class AdamW(PrecisionOptimizer):
                 self._laid_out_entries[param] = (bucket, index)
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
         self._layout_fused = self._wants_fused(device)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`PrecisionOptimizer.load_state_dict`; a layout's buckets then fill their padding
+        from their entries (:meth:`~megatron_lowprec.optim.buckets.Bucket.repeat_into_padding_`)."""
+        super().load_state_dict(state_dict)
+        if self.layout is not None:
+            for bucket in self.buckets:
+                bucket.repeat_into_padding_()
 
     def _entry_values(self, param: torch.nn.Parameter) -> torch.Tensor:
         if param in self._laid_out_entries:
