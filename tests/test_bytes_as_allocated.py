@@ -72,11 +72,11 @@ def _state_tensors(megatron_optimizer) -> list[torch.Tensor]:
     shard of megatron's distributed optimizer; Muon's and AdamW's where they are chained."""
     chained = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
     tensors = []
-    for optimizer in (wrapper.optimizer for wrapper in chained):
-        if hasattr(optimizer, "state_buckets"):
-            tensors += [tensor for bucket in optimizer.state_buckets() for tensor in bucket.state.values()]
+    for wrapper in chained:
+        if hasattr(wrapper, "state_buckets"):
+            tensors += [tensor for bucket in wrapper.state_buckets() for tensor in bucket.state.values()]
         else:
-            tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+            tensors += [value for state in wrapper.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
     return tensors
 
 

@@ -7,7 +7,10 @@ r receives the reduced shard ``[r·S, (r+1)·S)``) and all-gathers the parameter
 shards (``start_param_sync``). :class:`DistributedLowPrecisionOptimizer` updates this rank's shard
 with its shard of every state of the precision option (m, v, δθ, δv, Kahan compensation, FP32
 master, FP8 payloads with their group scales and expansion exponents), as megatron's
-``DistributedOptimizer`` does for its FP32 main parameters.
+``DistributedOptimizer`` does for its FP32 main parameters. The optimizer is the plain path's
+:class:`~megatron_lowprec.optim.AdamW`, stepping this rank's shards as its layout
+(:class:`DistributedShards`): the same step, the same per-parameter state-dict format (each owned
+piece's state, flat), one implementation of every option.
 
 Reused from megatron-core: the DDP buffers, their bucketing, padding, reduce-scatter and
 all-gather; ``Range`` and ``DistributedOptimizer._build_model_gbuf_param_range_map`` (which
@@ -44,13 +47,11 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.metrics import UpdateQuality
-from megatron_lowprec.numerics.rounding import StreamLayout, counter_round_keys, grid_random_bits
+from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
-from megatron_lowprec.optim.adamw import non_finite_flag
-from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
+from megatron_lowprec.optim.adamw import AdamW, non_finite_flag
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_shard_bucket, elements_per_value
-from megatron_lowprec.optim.fused import fused_bucket_step_, resolve_fused
-from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_, beta2_expansion_for, check_param_dtype
+from megatron_lowprec.optim.layouts import BucketGrads, Layout
 from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
@@ -167,8 +168,6 @@ class ShardPiece:
     numel: int
     owned_start: int
     """Position of that element in this rank's owned range of the bucket."""
-    entry: int
-    """The run's entry in the shard's :attr:`Shard.state_bucket`."""
 
 
 @dataclass
@@ -241,58 +240,56 @@ def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: to
     return False
 
 
-class ShardedAdamW(torch.optim.Optimizer):
-    """The precision-aware AdamW over this rank's shards of megatron's DDP buffers.
+class DistributedShards(Layout):
+    """This rank's shards of megatron's DDP buffers as the layout an :class:`~megatron_lowprec.optim.AdamW`
+    steps: per megatron bucket, the pieces of this rank's owned range (:func:`owned_bounds`) as the
+    entries of one optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out
+    in place in megatron's buffers where its layout allows, else packed rows), each entry's state
+    flat, with the entries of every parameter group, each taking its group's scalars; a
+    tensor-parallel replica's update counts in the update quality on tensor-parallel rank 0 only.
+    The gradients are read where DDP reduce-scattered them (:attr:`Shard.grad`)."""
 
-    ``param_groups`` are the model's (megatron's groups, as the scheduler expects). Each shard's
-    pieces are the entries of one optim bucket (:class:`~megatron_lowprec.optim.buckets.Bucket`, laid
-    out in place in megatron's buffers where its layout allows, else packed:
-    :func:`~megatron_lowprec.optim.buckets.build_shard_bucket`) whose parameters and gradients are
-    read and written where they are in megatron's buffers, so a fused step is one compiled call per
-    shard (:func:`~megatron_lowprec.optim.fused.fused_bucket_step_`), whatever the number of
-    parameters, with each parameter group's scalars per row; a tensor-parallel replica's update
-    counts in the update quality on tensor-parallel rank 0 only."""
+    def __init__(self, buffers: list[Any]) -> None:
+        self.buffers = buffers
+        self.shards: list[Shard] = []
+        self._shard_of: dict[int, Shard] = {}
 
-    def __init__(
+    def build(
         self,
-        groups: list[dict[str, Any]],
-        buffers: list[Any],
         strategy: PrecisionStrategy,
-        *,
-        betas: tuple[float, float],
-        eps: float,
-        seed: int,
-        fused: bool | None,
-        track_update_quality: bool,
-        stream_layouts: dict[torch.nn.Parameter, StreamLayout],
-        background_compile: bool = False,
-    ) -> None:
-        super().__init__(groups, {"betas": tuple(betas), "eps": eps})
-        self.background_compile = background_compile
-        self.strategy = strategy
-        self.seed = seed
-        self.step_count = 0
-        self.skipped_steps = 0
-        self.track_update_quality = track_update_quality
-        self.streams = stream_layouts
-        self.bucket_update_pieces: list[torch.Tensor] = []
-        """The update-quality pieces of each state bucket's last step that count on this rank."""
+        param_groups: list[dict[str, Any]],
+        streams: dict[torch.nn.Parameter, StreamLayout],
+    ) -> list[tuple[Bucket, list[dict[str, Any]]]]:
         if strategy.moments == "fp8" and strategy.param_update == "stochastic":
             raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
-        group_of = {param: index for index, group in enumerate(self.param_groups) for param in group["params"]}
-        for param, index in group_of.items():
-            check_param_dtype(param, strategy, f"parameter of shape {tuple(param.shape)} in group {index}")
+        group_of = {param: index for index, group in enumerate(param_groups) for param in group["params"]}
+        group_size = strategy.fp8_group_size if strategy.moments == "fp8" else 1
         self.shards = [
-            self._build_shard(buffer, bucket, group_of) for buffer in buffers for bucket in buffer.buckets
+            self._build_shard(strategy, streams, buffer, bucket, group_of, group_size)
+            for buffer in self.buffers for bucket in buffer.buckets
         ]
-        device = self.shards[0].bucket.param_data.device if self.shards else torch.device("cpu")
-        self.fused = resolve_fused(device, fused)
+        built = []
+        for shard in self.shards:
+            state_bucket = shard.state_bucket
+            if state_bucket is None:
+                continue
+            self._shard_of[id(state_bucket)] = shard
+            states = [
+                {"step": 0, **{
+                    key: state_bucket.view(buffer, index, elements_per_value(key, strategy))
+                    for key, buffer in state_bucket.state.items()
+                }}
+                for index in range(len(shard.pieces))
+            ]
+            built.append((state_bucket, states))
+        return built
 
-    @property
-    def group_size(self) -> int:
-        return self.strategy.fp8_group_size if self.strategy.moments == "fp8" else 1
+    def bucket_grads(self, bucket: Bucket) -> BucketGrads:
+        shard = self._shard_of[id(bucket)]
+        return shard.grad, shard.grads()
 
-    def _build_shard(self, buffer, bucket, group_of: dict[torch.nn.Parameter, int]) -> Shard:
+    @staticmethod
+    def _build_shard(strategy, streams, buffer, bucket, group_of: dict[torch.nn.Parameter, int], group_size: int) -> Shard:
         range_type, distributed_optimizer = megatron_sharding_api()
         group = buffer.data_parallel_group
         world_size, rank = group.size(), group.rank()
@@ -301,7 +298,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             for param, (start, end, bucket_id) in buffer.param_index_map.items()
             if bucket_id == bucket.bucket_id
         }
-        bounds = owned_bounds(bucket.grad_data.numel(), world_size, sorted(in_bucket.values()), self.group_size)
+        bounds = owned_bounds(bucket.grad_data.numel(), world_size, sorted(in_bucket.values()), group_size)
         ranges = distributed_optimizer._build_model_gbuf_param_range_map(
             {param: (*in_bucket[param], bucket.bucket_id) for param in in_bucket},
             range_type(bounds[rank], bounds[rank + 1]),
@@ -314,20 +311,52 @@ class ShardedAdamW(torch.optim.Optimizer):
         pieces = [
             ShardPiece(
                 param, group_of[param], param_ranges["param"].start, param_ranges["gbuf_world"].start,
-                param_ranges["param"].size, param_ranges["gbuf_local"].start, entry,
+                param_ranges["param"].size, param_ranges["gbuf_local"].start,
             )
-            for entry, (param, param_ranges) in enumerate(runs)
+            for param, param_ranges in runs
         ]
         if not pieces:
             return Shard(bucket, group, rank, bounds, pieces, None, None)
         state_bucket, grad = build_shard_bucket(
-            self.strategy, [piece.param for piece in pieces], [(piece.param_start, piece.numel) for piece in pieces],
+            strategy, [piece.param for piece in pieces], [(piece.param_start, piece.numel) for piece in pieces],
             [piece.bucket_start for piece in pieces], [piece.group_index for piece in pieces],
-            [self.streams[piece.param] for piece in pieces], bucket.param_data, bucket.grad_data,
+            [streams[piece.param] for piece in pieces], bucket.param_data, bucket.grad_data,
             bounds[rank], bounds[rank + 1],
         )
         state_bucket.entry_counted = [tensor_parallel.param_is_not_tensor_parallel_duplicate(piece.param) for piece in pieces]
         return Shard(bucket, group, rank, bounds, pieces, state_bucket, grad)
+
+
+class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimizer):
+    """megatron-core's ``MegatronOptimizer`` interface around a precision-aware
+    :class:`~megatron_lowprec.optim.AdamW` that steps this rank's shards (:class:`DistributedShards`)
+    of DDP chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
+
+    A step: (the training loop's ``finish_grad_sync`` has reduce-scattered the gradients) FP8 group
+    tails exchanged, a non-finite gradient on any rank skips the step everywhere, gradients clipped
+    by their global norm, every owned piece updated, FP8 group tails handed back, and the
+    parameters all-gathered (at once, or overlapped with the next forward pass when DDP's
+    ``overlap_param_gather`` is set, as megatron does)."""
+
+    def __init__(self, optimizer: AdamW, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> None:
+        super().__init__(optimizer, config)
+        self.shards: list[Shard] = optimizer.layout.shards
+        self.is_stub_optimizer = False
+        self.model_chunks = model_chunks
+        self.ddp_config = model_chunks[0].ddp_config
+        self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        self._halo = [shard for shard in self.shards if any(b % shard.megatron_shard_numel for b in shard.bounds[:-1])]
+        self._halo_exchange: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards[0].bucket.grad_data.device
+
+    @property
+    def group_size(self) -> int:
+        """Elements of the strategy's FP8 groups (1 without FP8 state)."""
+        strategy = self.optimizer.strategy
+        return strategy.fp8_group_size if strategy.moments == "fp8" else 1
 
     def state_buckets(self) -> list[Bucket]:
         """The state bucket of every shard that has one."""
@@ -339,147 +368,13 @@ class ShardedAdamW(torch.optim.Optimizer):
             buffer.numel() * buffer.element_size() for state_bucket in self.state_buckets() for buffer in state_bucket.state.values()
         )
 
-    def piece_state(self, shard: Shard, piece: ShardPiece) -> dict[str, torch.Tensor]:
-        """The piece's slices of its state bucket's buffers (flat)."""
-        state_bucket = shard.state_bucket
-        return {
-            key: state_bucket.view(buffer, piece.entry, elements_per_value(key, self.strategy))
-            for key, buffer in state_bucket.state.items()
-        }
+    def piece_state(self, piece: ShardPiece) -> dict[str, torch.Tensor]:
+        """The piece's state: flat views of its state bucket's buffers."""
+        return {key: value for key, value in self.optimizer.state[piece.param].items() if key != "step"}
 
-    def _hyper(self, groups: list[int]) -> dict[int, dict[str, float]]:
-        hyper = {}
-        for index in groups:
-            group = self.param_groups[index]
-            beta1, beta2 = group["betas"]
-            hyper[index] = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        return hyper
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step on every shard (the gradients must be reduced and finite): per state bucket,
-        one compiled call (fused), torch's fused AdamW (option D), or the eager kernel per piece."""
-        self.step_count += 1
-        self.bucket_update_pieces = []
-        sr_seed = self.seed if self.strategy.param_update == "stochastic" else None
-        for shard in self.shards:
-            state_bucket = shard.state_bucket
-            if state_bucket is None:
-                continue
-            entry_grads = [shard.bucket.grad_data[piece.bucket_start : piece.bucket_start + piece.numel] for piece in shard.pieces]
-            hyper = self._hyper(sorted(set(state_bucket.entry_groups)))
-            if self.fused or self.strategy.adam_kernel == "torch_fused":
-                quality = fused_bucket_step_(
-                    state_bucket, self.strategy, shard.grad, entry_grads, hyper, step=self.step_count,
-                    sr_seed=sr_seed, track_update_quality=self.track_update_quality,
-                    background_compile=self.background_compile, compile_master_codec=self.fused,
-                )
-            else:
-                quality = self._eager_step(state_bucket, entry_grads, hyper)
-            if self.track_update_quality:
-                self.bucket_update_pieces.append(quality)
-        if self.background_compile:
-            BACKGROUND_COMPILES.start()
-        return None
-
-    def _eager_step(self, state_bucket: Bucket, entry_grads: list[torch.Tensor], hyper: dict[int, dict[str, float]]):
-        """The eager reference kernel on each piece (in place in megatron's buffers), stochastic
-        rounding with each grid of stream rows' words; the update-quality pieces of the entries that
-        count (:attr:`~megatron_lowprec.optim.buckets.Bucket.entry_counted`)."""
-        pieces = [torch.zeros(4, dtype=torch.float64, device=state_bucket.device)]
-        for index, (param, grad) in enumerate(zip(state_bucket.entry_params(), entry_grads)):
-            values = hyper[state_bucket.entry_groups[index]]
-            scalars = StepScalars.for_step(self.step_count, **values)
-            expansion = beta2_expansion_for(self.strategy, values["beta2"], param.dtype)
-            state = {
-                key: state_bucket.view(buffer, index, elements_per_value(key, self.strategy))
-                for key, buffer in state_bucket.state.items()
-            }
-            counted = state_bucket.entry_counted is None or state_bucket.entry_counted[index]
-            for param_part, grad_part, state_part, words in self._eager_parts(state_bucket, index, param, grad, state):
-                piece = adamw_kernel_(
-                    param_part, grad_part, state_part, self.strategy, scalars, expansion, words, self.track_update_quality
-                )
-                if counted:
-                    pieces.append(piece)
-        return sum(pieces) if self.track_update_quality else None
-
-    def _eager_parts(self, state_bucket: Bucket, index: int, param, grad, state):
-        """(parameter, gradient, state, SR words) of each eager call on entry ``index``: the whole
-        entry, or under stochastic rounding each grid of whole stream rows."""
-        if self.strategy.param_update != "stochastic":
-            yield param, grad, state, None
-            return
-        layout, element_start = state_bucket.streams[index], state_bucket.element_starts[index]
-        keys = counter_round_keys(self.seed, self.step_count, layout.stream)
-        for first, rows, length, offset in layout.grids(element_start, state_bucket.numels[index]):
-            local = slice(first - element_start, first - element_start + rows * length)
-            yield (
-                param[local].view(rows, length), grad[local].view(rows, length),
-                {key: value[local].view(rows, length) for key, value in state.items()},
-                grid_random_bits(keys, offset, layout.row_stride, rows, length, param.device),
-            )
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard state (per bucket shard, its state bucket's buffers, or ``None``), the
-        step, and the SR seed."""
-        state_dict = super().state_dict()
-        state_dict["shards"] = [None if shard.state_bucket is None else dict(shard.state_bucket.state) for shard in self.shards]
-        state_dict["lowprec"] = {
-            "option": self.strategy.name, "step": self.step_count, "skipped_steps": self.skipped_steps,
-            "seed": self.seed, "bounds": [shard.bounds for shard in self.shards],
-        }
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of the same option, layout and data-parallel rank; a
-        mismatch raises ``ValueError`` before anything changes."""
-        extra = state_dict.get("lowprec", {})
-        if extra.get("option") != self.strategy.name:
-            raise ValueError(f"state dict was saved for option {extra.get('option')!r}, this optimizer runs {self.strategy.name!r}")
-        if extra.get("bounds") != [shard.bounds for shard in self.shards]:
-            raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
-                             "reshard it through sharded_state_dict (dist_checkpointing)")
-        pairs = [(saved, shard.state_bucket) for saved, shard in zip(state_dict["shards"], self.shards) if shard.state_bucket]
-        if [saved is None for saved in state_dict["shards"]] != [shard.state_bucket is None for shard in self.shards]:
-            raise ValueError("state dict was saved with another shard layout; reshard it through sharded_state_dict (dist_checkpointing)")
-        for saved, state_bucket in pairs:
-            for key, buffer in state_bucket.state.items():
-                if key not in saved or saved[key].shape != buffer.shape or saved[key].dtype != buffer.dtype:
-                    raise ValueError(f"state {key!r} of a shard does not match: expected {buffer.dtype}{tuple(buffer.shape)}")
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            group.update({key: value for key, value in saved_group.items() if key != "params"})
-        for saved, state_bucket in pairs:
-            for key, buffer in state_bucket.state.items():
-                buffer.copy_(saved[key])
-            state_bucket.repeat_into_padding_()
-        self.step_count = extra["step"]
-        self.skipped_steps = extra["skipped_steps"]
-        self.seed = extra["seed"]
-
-
-class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimizer):
-    """megatron-core's ``MegatronOptimizer`` interface around :class:`ShardedAdamW` for DDP
-    chunks built with ``use_distributed_optimizer=True`` (see the module docstring).
-
-    A step: (the training loop's ``finish_grad_sync`` has reduce-scattered the gradients) FP8 group
-    tails exchanged, a non-finite gradient on any rank skips the step everywhere, gradients clipped
-    by their global norm, every owned piece updated, FP8 group tails handed back, and the
-    parameters all-gathered (at once, or overlapped with the next forward pass when DDP's
-    ``overlap_param_gather`` is set, as megatron does)."""
-
-    def __init__(self, optimizer: ShardedAdamW, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> None:
-        super().__init__(optimizer, config)
-        self.is_stub_optimizer = False
-        self.model_chunks = model_chunks
-        self.ddp_config = model_chunks[0].ddp_config
-        self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
-        self._halo = [shard for shard in optimizer.shards if any(b % shard.megatron_shard_numel for b in shard.bounds[:-1])]
-        self._halo_exchange: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.optimizer.shards[0].bucket.grad_data.device
+    def common_step(self) -> int:
+        """The step every owned piece is at (0 on a rank that owns none)."""
+        return next((self.optimizer.state[piece.param]["step"] for shard in self.shards for piece in shard.pieces), 0)
 
     @property
     def statistics_device(self) -> torch.device:
@@ -490,7 +385,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
 
     def reload_model_params(self, state_dict=None) -> None:
         """The FP32 masters (D, coat, D-BF16) restart from the model's parameters."""
-        for state_bucket in self.optimizer.state_buckets():
+        for state_bucket in self.state_buckets():
             stored = stored_master(state_bucket.state)
             if stored is not None:
                 for index, param in enumerate(state_bucket.entry_params()):
@@ -507,7 +402,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
 
     def _owned_grads(self, for_norm: bool) -> list[torch.Tensor]:
         grads = []
-        for shard in self.optimizer.shards:
+        for shard in self.shards:
             for piece, grad in zip(shard.pieces, shard.grads()):
                 param = piece.param
                 if not for_norm or (param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param)):
@@ -542,7 +437,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         sender's slot, so what earlier exchanges left beyond it is never read."""
         if not self._halo:
             return
-        size = self.optimizer.group_size
+        size = self.group_size
         group = self._halo[0].group
         if self._halo_exchange is None:
             self._halo_exchange = torch.zeros(group.size(), len(self._halo) * size, dtype=torch.float32, device=self.device)
@@ -599,15 +494,52 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         return self.step_with_ready_grads(), grad_norm, zeros
 
     def state_dict(self) -> dict[str, Any]:
+        """The AdamW state dict, the plain optimizer's format: each owned piece's state (flat) under
+        its parameter's index."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A per-rank :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
-        :meth:`sharded_state_dict`."""
+        """A per-rank :meth:`state_dict` (or one in the earlier per-shard format: :meth:`_load_per_shard`),
+        or what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
         if "shards" in state_dict:
-            self.optimizer.load_state_dict(state_dict)
-        else:
+            self._load_per_shard(state_dict)
+        elif "common_step" in state_dict["state"]:
             self._load_sharded(state_dict)
+        else:
+            self.optimizer.load_state_dict(state_dict)
+
+    def _load_per_shard(self, state_dict: dict[str, Any]) -> None:
+        """Restore a per-rank state dict in the per-shard format (each shard's state bucket's
+        buffers under ``shards``, the step under ``lowprec``) of the same option, layout and
+        data-parallel rank; a mismatch raises ``ValueError`` before anything changes."""
+        extra = state_dict.get("lowprec", {})
+        strategy = self.optimizer.strategy
+        if extra.get("option") != strategy.name:
+            raise ValueError(f"state dict was saved for option {extra.get('option')!r}, this optimizer runs {strategy.name!r}")
+        if extra.get("bounds") != [shard.bounds for shard in self.shards]:
+            raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
+                             "reshard it through sharded_state_dict (dist_checkpointing)")
+        if [saved is None for saved in state_dict["shards"]] != [shard.state_bucket is None for shard in self.shards]:
+            raise ValueError("state dict was saved with another shard layout; reshard it through sharded_state_dict (dist_checkpointing)")
+        pairs = [(saved, shard.state_bucket) for saved, shard in zip(state_dict["shards"], self.shards) if shard.state_bucket]
+        for saved, state_bucket in pairs:
+            for key, buffer in state_bucket.state.items():
+                if key not in saved or saved[key].shape != buffer.shape or saved[key].dtype != buffer.dtype:
+                    raise ValueError(f"state {key!r} of a shard does not match: expected {buffer.dtype}{tuple(buffer.shape)}")
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        for saved, state_bucket in pairs:
+            for key, buffer in state_bucket.state.items():
+                buffer.copy_(saved[key])
+            state_bucket.repeat_into_padding_()
+        self._set_steps(extra["step"])
+        self.optimizer.skipped_steps = extra["skipped_steps"]
+        self.optimizer.seed = extra["seed"]
+
+    def _set_steps(self, step: int) -> None:
+        for shard in self.shards:
+            for piece in shard.pieces:
+                self.optimizer.state[piece.param]["step"] = step
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
         """The optimizer state in model space for ``dist_checkpointing``: every state of a
@@ -629,7 +561,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         }
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
         state: dict[Any, Any] = {}
-        for shard in self.optimizer.shards:
+        for shard in self.shards:
             tensors = self._loading_tensors(shard) if is_loading else self._gathered_tensors(shard)
             first_owned = {piece.param for piece in shard.pieces if piece.param_start == 0}
             for param, entry in tensors.items():
@@ -644,7 +576,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                     )
                     for key, value in entry.items()
                 }
-        state["common_step"] = self.optimizer.step_count
+        state["common_step"] = self.common_step()
         groups = []
         for group in self.param_groups:
             saved = {key: value for key, value in group.items() if key != "params"}
@@ -662,7 +594,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         tensors = {}
         for piece in shard.pieces:
             param = piece.param
-            form = checkpoint_state(self.optimizer.piece_state(shard, piece), 1, self.optimizer.strategy, is_loading=True)
+            form = checkpoint_state(self.piece_state(piece), 1, self.optimizer.strategy, is_loading=True)
             tensors[param] = {
                 key: torch.empty(param.shape, dtype=value.dtype, device=value.device) for key, value in form.items()
             }
@@ -678,7 +610,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         }
         params = shard.params()
         for piece, param in zip(shard.pieces, params):
-            form = checkpoint_state(self.optimizer.piece_state(shard, piece), piece.numel, strategy, param=param)
+            form = checkpoint_state(self.piece_state(piece), piece.numel, strategy, param=param)
             for key, value in form.items():
                 local[key][piece.owned_start : piece.owned_start + piece.numel] = value
         written = [piece for piece in shard.pieces if piece.param_start == 0]
@@ -703,18 +635,18 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         if extra["option"] != self.optimizer.strategy.name:
             raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
-        for shard in self.optimizer.shards:
+        for shard in self.shards:
             for piece, param in zip(shard.pieces, shard.params()):
                 whole = loaded["state"][param_ids[piece.param]]
                 run = {key: value.reshape(-1)[piece.param_start : piece.param_start + piece.numel] for key, value in whole.items()}
                 restore_checkpoint_state(
-                    self.optimizer.piece_state(shard, piece), run, piece.numel, self.optimizer.strategy, param=param
+                    self.piece_state(piece), run, piece.numel, self.optimizer.strategy, param=param
                 )
             if shard.state_bucket is not None:
                 shard.state_bucket.repeat_into_padding_()
         for saved, group in zip(loaded["param_groups"], self.param_groups):
             group.update({key: value for key, value in saved.items() if key != "params"})
-        self.optimizer.step_count = loaded["state"]["common_step"]
+        self._set_steps(loaded["state"]["common_step"])
         self.optimizer.skipped_steps = extra["skipped_steps"]
         self.optimizer.seed = extra["seed"]
         if self.optimizer.strategy.master_storage == "remainder":
@@ -761,8 +693,10 @@ def build_distributed_optimizer(
             raise ValueError("use_distributed_optimizer=True with the precision options does not shard expert-parallel parameters")
     if buffers is None:
         buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
-    adamw = ShardedAdamW(
-        groups, buffers, strategy, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, seed=seed, fused=fused,
-        track_update_quality=track_update_quality, stream_layouts=stream_layouts, background_compile=background_compile,
+    adamw = AdamW(
+        groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, weight_decay=config.weight_decay,
+        option=strategy, seed=seed, fused=fused, background_compile=background_compile,
+        track_update_quality=track_update_quality, check_grads_finite=False, stream_layout=stream_layouts.__getitem__,
+        layout=DistributedShards(buffers),
     )
     return DistributedLowPrecisionOptimizer(adamw, config, model_chunks)

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.megatron.distributed import ShardedAdamW
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
 
-PROJECT_STEPPERS = (AdamW, Muon, ShardedAdamW)
+PROJECT_STEPPERS = (AdamW, Muon)
 """The torch optimizers of this project that apply a precision option to the parameters they step."""
 
 

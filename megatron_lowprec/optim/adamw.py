@@ -12,16 +12,26 @@ from typing import Any
 import torch
 
 from megatron_lowprec.metrics.update_quality import UpdateQuality
-from megatron_lowprec.numerics.rounding import StreamLayout, generator_random_bits, layout_random_bits
+from megatron_lowprec.numerics.rounding import (
+    StreamLayout,
+    counter_round_keys,
+    generator_random_bits,
+    grid_random_bits,
+    layout_random_bits,
+)
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, gather_grads, own_grad_buffer
 from megatron_lowprec.optim.fused import bucket_entries, fused_bucket_step_, resolve_fused, warn_eager_fallback
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
     RandomSource,
+    StepScalars,
+    adamw_kernel_,
     adamw_step_,
+    beta2_expansion_for,
     check_param_dtype,
 )
+from megatron_lowprec.optim.layouts import Layout
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
@@ -192,6 +202,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         """The generator whose state the state dict saves (none by default)."""
         return None
 
+    def _entry_values(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The 16-bit values of ``param``'s state entry (the whole parameter by default)."""
+        return param.detach()
+
     def _checked_stream_layout(self, param: torch.nn.Parameter, where: str) -> StreamLayout:
         if self._stream_layout is None:
             return StreamLayout.whole(len(self._stream_layouts), param.numel())
@@ -235,12 +249,16 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 raise ValueError("state dict and optimizer differ in the number of parameters of a group")
             for index, param in zip(saved_group["params"], group["params"]):
                 saved = state_dict["state"].get(index)
-                expected = self.state[param]
+                expected = self.state.get(param)
+                if expected is None and saved is None:
+                    continue
+                if expected is None:
+                    raise ValueError(f"state dict holds a state of parameter {index}, which this optimizer keeps none of")
                 if saved is None or _master_as_one_key(saved) != _master_as_one_key(expected):
                     raise ValueError(f"state of parameter {index} does not hold {sorted(expected)}")
                 for key, value in expected.items():
                     if key in MASTER_KEYS.values():
-                        self._check_loaded_master(index, param, saved)
+                        self._check_loaded_master(index, param, value, saved)
                     elif torch.is_tensor(value) and (saved[key].shape != value.shape or saved[key].dtype != value.dtype):
                         raise ValueError(
                             f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)}, "
@@ -248,15 +266,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                         )
 
     @staticmethod
-    def _check_loaded_master(index: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
-        """A saved master in either storage fits ``param``: FP32 of its shape, or an int16 remainder
-        of its shape below a BF16 parameter."""
+    def _check_loaded_master(index: int, param: torch.Tensor, stored: torch.Tensor, saved: dict[str, Any]) -> None:
+        """A saved master in either storage fits ``param``'s ``stored`` master (its whole shape, or
+        its run's): FP32 of that shape, or an int16 remainder of it below a BF16 parameter."""
         key = next(key for key in MASTER_KEYS.values() if key in saved)
         dtype = torch.float32 if key == MASTER_KEYS["fp32"] else torch.int16
-        if saved[key].shape != param.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
+        if saved[key].shape != stored.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
             raise ValueError(
                 f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "
-                f"{param.dtype} parameter; expected {dtype}{tuple(param.shape)}"
+                f"{param.dtype} parameter; expected {dtype}{tuple(stored.shape)}"
                 + (" below a bfloat16 parameter" if dtype == torch.int16 else "")
             )
 
@@ -275,10 +293,12 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     group[key] = value
             for index, param in zip(saved_group["params"], group["params"]):
+                if index not in state_dict["state"]:
+                    continue
                 state = self.state[param]
                 for key, value in state_dict["state"][index].items():
                     if key in MASTER_KEYS.values():
-                        _load_master_(param.detach(), state, key, value)
+                        _load_master_(self._entry_values(param), state, key, value)
                     elif torch.is_tensor(value):
                         state[key].copy_(value)
                     else:
@@ -328,6 +348,12 @@ class AdamW(PrecisionOptimizer):
     bucket per group, device and dtype, and ``bucket_key(param)`` splits buckets further (e.g.
     tensor-parallel shards apart from replicated parameters, whose metrics are summed differently).
 
+    ``layout`` (a :class:`~megatron_lowprec.optim.layouts.Layout`) steps elements that live
+    elsewhere instead of buckets of its own: e.g. a distributed optimizer's shard of megatron's DDP
+    buffers, each parameter's state the run of its elements there (flat). The step, the state-dict
+    format and the bits of each element are the same; the gradients are the layout's, and a step
+    that is not fused runs the eager reference per entry.
+
     Non-finite gradients: if any gradient holds NaN or inf, the whole step is skipped before any
     state is touched, and :attr:`skipped_steps` is incremented (as a loss scaler skips a step). A
     caller that has already checked (e.g. across ranks, as the Megatron hook does) passes
@@ -358,6 +384,7 @@ class AdamW(PrecisionOptimizer):
         check_grads_finite: bool = True,
         stream_layout: Callable[[torch.nn.Parameter], StreamLayout] | None = None,
         bucket_key: Callable[[torch.nn.Parameter], Hashable] | None = None,
+        layout: Layout | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
         strategy = resolve_option(option, master_weights, master_storage)
@@ -377,8 +404,40 @@ class AdamW(PrecisionOptimizer):
         self.background_compile = background_compile
         self._generator_source = generator
         self._own_generator: torch.Generator | None = None
+        self.layout = layout
+        self._layout_fused: bool | None = None
+        self._laid_out_entries: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        if layout is not None:
+            if generator is not None:
+                raise ValueError("a layout draws SR bits from the counter stream; it takes no generator")
+            self._build_layout(layout)
+
+    def _build_layout(self, layout: Layout) -> None:
+        """The layout's buckets, each entry's state views as its parameter's state."""
+        for bucket, states in layout.build(self.strategy, self.param_groups, self._stream_layouts):
+            self.buckets.append(bucket)
+            for index, (param, state) in enumerate(zip(bucket.params, states)):
+                self.state[param] = state
+                self._laid_out_entries[param] = (bucket, index)
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        self._layout_fused = self._wants_fused(device)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`PrecisionOptimizer.load_state_dict`; a layout's buckets then fill their padding
+        from their entries (:meth:`~megatron_lowprec.optim.buckets.Bucket.repeat_into_padding_`)."""
+        super().load_state_dict(state_dict)
+        if self.layout is not None:
+            for bucket in self.buckets:
+                bucket.repeat_into_padding_()
+
+    def _entry_values(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if param in self._laid_out_entries:
+            bucket, index = self._laid_out_entries[param]
+            return bucket.entry_params()[index]
+        return param.detach()
 
     def _wants_fused(self, device: torch.device) -> bool:
         if self._generator_source is not None and self.strategy.param_update == "stochastic":
@@ -386,6 +445,8 @@ class AdamW(PrecisionOptimizer):
         return resolve_fused(device, self._fused_request)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._layout_fused is not None:
+            raise ValueError("an AdamW over a layout takes its parameter groups at construction; build a new one to add a group")
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         group = self.param_groups[group_index]
@@ -395,6 +456,8 @@ class AdamW(PrecisionOptimizer):
             where = f"parameter {index} of group {group_index}"
             check_param_dtype(param, self.strategy, where)
             self._stream_layouts[param] = self._checked_stream_layout(param, where)
+            if self.layout is not None:
+                continue
             by_layout.setdefault((param.device, param.dtype, self._bucket_key(param)), []).append(param)
         for (device, _, _), params in by_layout.items():
             if self.strategy.adam_kernel == "torch_fused":
@@ -435,17 +498,37 @@ class AdamW(PrecisionOptimizer):
             totals[bucket.group_index] = totals.get(bucket.group_index, 0) + pieces
         return [UpdateQuality.from_tensor(totals[index]) if index in totals else UpdateQuality() for index in range(len(self.param_groups))]
 
-    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
-        group = self.param_groups[bucket.group_index]
+    def _group_hyper(self, index: int) -> dict[str, float]:
+        group = self.param_groups[index]
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _advance_steps(self, bucket: Bucket) -> int:
+        """Every entry of ``bucket`` (one step, as a layout's entries always are) at its next step."""
+        step = self.state[bucket.params[0]]["step"] + 1
+        for param in bucket.params:
+            self.state[param]["step"] = step
+        return step
+
+    def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
+        hyper = {index: self._group_hyper(index) for index in sorted(set(bucket.entry_groups))}
+        if self.layout is not None:
+            if self._layout_fused or self.strategy.adam_kernel == "torch_fused":
+                grad, entry_grads = self.layout.bucket_grads(bucket)
+                return fused_bucket_step_(
+                    bucket, self.strategy, grad, entry_grads, hyper, step=self._advance_steps(bucket), sr_seed=self._sr_seed,
+                    track_update_quality=self.track_update_quality, background_compile=self.background_compile,
+                    compile_master_codec=self._layout_fused,
+                )
+            return self._step_entries_eagerly(bucket, hyper)
         grad, step = self._fused_step_grads(bucket)
         if grad is not None:
             return fused_bucket_step_(
                 bucket, self.strategy, grad, [param.grad.reshape(-1) for param in bucket.params],
-                {bucket.group_index: hyper}, step=step, sr_seed=self._sr_seed, track_update_quality=self.track_update_quality,
+                hyper, step=step, sr_seed=self._sr_seed, track_update_quality=self.track_update_quality,
                 background_compile=self.background_compile,
             )
+        hyper = hyper[bucket.group_index]
         quality = bucket.params[0].new_zeros(4, dtype=torch.float64) if self.track_update_quality else None
         for index, param in enumerate(bucket.params):
             if param.grad is None:
@@ -463,6 +546,43 @@ class AdamW(PrecisionOptimizer):
             if piece is not None:
                 quality += piece
         return quality
+
+    def _step_entries_eagerly(self, bucket: Bucket, hyper: dict[int, dict[str, float]]) -> torch.Tensor | None:
+        """The eager reference kernel on each entry of a layout's bucket, where it lives, stochastic
+        rounding with each grid of stream rows' words; the update-quality pieces of the entries that
+        count (:attr:`~megatron_lowprec.optim.buckets.Bucket.entry_counted`)."""
+        step = self._advance_steps(bucket)
+        _, entry_grads = self.layout.bucket_grads(bucket)
+        pieces = [torch.zeros(4, dtype=torch.float64, device=bucket.device)]
+        for index, (param, grad) in enumerate(zip(bucket.entry_params(), entry_grads)):
+            values = hyper[bucket.entry_groups[index]]
+            scalars = StepScalars.for_step(step, **values)
+            expansion = beta2_expansion_for(self.strategy, values["beta2"], param.dtype)
+            state = {key: value for key, value in self.state[bucket.params[index]].items() if key != "step"}
+            counted = bucket.entry_counted is None or bucket.entry_counted[index]
+            for param_part, grad_part, state_part, words in self._eager_parts(bucket, index, step, param, grad, state):
+                piece = adamw_kernel_(
+                    param_part, grad_part, state_part, self.strategy, scalars, expansion, words, self.track_update_quality
+                )
+                if counted:
+                    pieces.append(piece)
+        return sum(pieces) if self.track_update_quality else None
+
+    def _eager_parts(self, bucket: Bucket, index: int, step: int, param, grad, state):
+        """(parameter, gradient, state, SR words) of each eager call on entry ``index``: the whole
+        entry, or under stochastic rounding each grid of whole stream rows."""
+        if self.strategy.param_update != "stochastic":
+            yield param, grad, state, None
+            return
+        layout, element_start = bucket.streams[index], bucket.element_starts[index]
+        keys = counter_round_keys(self.seed, step, layout.stream)
+        for first, rows, length, offset in layout.grids(element_start, bucket.numels[index]):
+            local = slice(first - element_start, first - element_start + rows * length)
+            yield (
+                param[local].view(rows, length), grad[local].view(rows, length),
+                {key: value[local].view(rows, length) for key, value in state.items()},
+                grid_random_bits(keys, offset, layout.row_stride, rows, length, param.device),
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

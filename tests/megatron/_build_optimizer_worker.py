@@ -457,10 +457,10 @@ def _state_tensors(optimizer) -> list[torch.Tensor]:
     """Every state tensor of the chain's optimizers, in order (a distributed optimizer's: its shards' buffers)."""
     tensors = []
     for inner in optimizer.chained_optimizers:
-        if not hasattr(inner.optimizer, "shards"):
+        if not hasattr(inner, "shards"):
             tensors += [value for state in inner.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
         else:
-            tensors += [buffer for bucket in inner.optimizer.state_buckets() for buffer in bucket.state.values()]
+            tensors += [buffer for bucket in inner.state_buckets() for buffer in bucket.state.values()]
     return tensors
 
 
@@ -482,13 +482,15 @@ def _named_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     tensors = {f"param {name}": param.detach().reshape(-1).clone() for name, param in model.named_parameters()}
     names = {param: name for name, param in model.named_parameters()}
     for inner in optimizer.chained_optimizers:
-        for param, state in inner.optimizer.state.items():
-            tensors.update({f"{key} {names[param]}": value.reshape(-1).clone() for key, value in state.items() if torch.is_tensor(value)})
-        for shard in getattr(inner.optimizer, "shards", ()):
+        shards = getattr(inner, "shards", None)
+        if shards is None:
+            for param, state in inner.optimizer.state.items():
+                tensors.update({f"{key} {names[param]}": value.reshape(-1).clone() for key, value in state.items() if torch.is_tensor(value)})
+        for shard in shards or ():
             for piece in shard.pieces:
                 run = "" if piece.numel == piece.param.numel() else f" {piece.param_start}:{piece.param_start + piece.numel}"
                 tensors.update({
-                    f"{key} {names[piece.param]}{run}": value.clone() for key, value in inner.optimizer.piece_state(shard, piece).items()
+                    f"{key} {names[piece.param]}{run}": value.clone() for key, value in inner.piece_state(piece).items()
                 })
     return tensors
 

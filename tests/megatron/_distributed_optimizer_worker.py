@@ -92,9 +92,9 @@ def sharded_equals_unsharded(
             optimizer = _optimizer(option, model, distributed, fused and distributed, track_update_quality=True)
             losses = _train_with_finalize(model, optimizer, steps)
             quality = optimizer.update_quality()
-            state_bytes = optimizer.optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)
+            state_bytes = optimizer.state_bytes() if distributed else _unsharded_state_bytes(optimizer)
             runs[distributed] = (losses, _flat(model.parameters()), state_bytes, quality, optimizer)
-        sharded = runs[True][4].optimizer
+        sharded = runs[True][4]
         result[option] = {
             "successes": all(runs[True][0]["successes"]) and all(runs[False][0]["successes"]),
             "losses_identical": runs[True][0]["losses"] == runs[False][0]["losses"],
@@ -185,10 +185,10 @@ def _same_state(sharded, sharded_model, unsharded, unsharded_model) -> bool:
     pairs = dict(zip(sharded_model.parameters(), unsharded_model.parameters()))
     strategy = sharded.optimizer.strategy
     group = strategy.fp8_group_size if strategy.moments == "fp8" else 1
-    for shard in sharded.optimizer.shards:
+    for shard in sharded.shards:
         for piece in shard.pieces:
             whole = unsharded.optimizer.state[pairs[piece.param]]
-            for key, value in sharded.optimizer.piece_state(shard, piece).items():
+            for key, value in sharded.piece_state(piece).items():
                 if key.endswith(PER_GROUP_PARTS):
                     expected = whole[key][piece.param_start // group : piece.param_start // group + value.numel()]
                 else:
@@ -202,12 +202,12 @@ def _sharded_masters(optimizer) -> torch.Tensor | None:
     """The FP32 masters the distributed optimizer holds (remainders joined with their parameters), flat."""
     from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 
-    sharded = optimizer.optimizer
-    if not sharded.strategy.master_weights:
+    strategy = optimizer.optimizer.strategy
+    if not strategy.master_weights:
         return None
     return torch.cat([
-        checkpoint_state(sharded.piece_state(shard, piece), piece.numel, sharded.strategy, param=param)["master"]
-        for shard in sharded.shards for piece, param in zip(shard.pieces, shard.params())
+        checkpoint_state(optimizer.piece_state(piece), piece.numel, strategy, param=param)["master"]
+        for shard in optimizer.shards for piece, param in zip(shard.pieces, shard.params())
     ])
 
 
@@ -330,11 +330,11 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
             built = kept_allocations(lambda: _optimizer(option, model, distributed, fused=True))
             optimizer = built.result
             if distributed:
-                reported = optimizer.optimizer.state_bytes()
-                entries = sum(len(b.numels) for b in optimizer.optimizer.state_buckets())
-                state_buckets = len(optimizer.optimizer.state_buckets())
-                owned = sum(sum(b.numels) for b in optimizer.optimizer.state_buckets())
-                padding = sum(b.numel - sum(b.numels) for b in optimizer.optimizer.state_buckets())
+                reported = optimizer.state_bytes()
+                entries = sum(len(b.numels) for b in optimizer.state_buckets())
+                state_buckets = len(optimizer.state_buckets())
+                owned = sum(sum(b.numels) for b in optimizer.state_buckets())
+                padding = sum(b.numel - sum(b.numels) for b in optimizer.state_buckets())
                 moved_params = 0
             else:
                 reported = _unsharded_state_bytes(optimizer)

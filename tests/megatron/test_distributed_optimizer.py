@@ -22,9 +22,9 @@ pytestmark = [
 ]
 
 
-def _run(result_dir: Path, world_size: int, scenario: str, **arguments) -> list[dict]:
+def _run(result_dir: Path, world_size: int, scenario: str, worker: Path = WORKER, **arguments) -> list[dict]:
     result_dir.mkdir(parents=True, exist_ok=True)
-    return run_ranks(WORKER, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600, on_cpu=True)
+    return run_ranks(worker, result_dir, world_size, scenario, json.dumps(arguments), timeout_seconds=600, on_cpu=True)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +105,40 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
                     assert result["sharded"] == result["unsharded"], option
                 else:
                     assert result["sharded"] == pytest.approx(result["unsharded"], rel=1e-4), option
+
+
+COMPAT_WORKER = Path(__file__).with_name("_checkpoint_compat_worker.py")
+CHECKPOINTS_967A844 = Path(__file__).parent / "fixtures" / "checkpoints_967a844.tar.xz"
+"""Checkpoints written by the package at commit 967a844 (options coat and D-BF16, the plain and the
+distributed optimizer, DP=2): ``_checkpoint_compat_worker.py``'s ``write`` scenario, run with that
+version first on ``PYTHONPATH``; per rank its ``state_dict()`` (the distributed optimizer's in its
+per-shard format) and model parameters, and torch_dist saves of ``sharded_state_dict``."""
+
+
+def test_checkpoints_of_the_earlier_version_load_bit_for_bit(tmp_path):
+    """The plain and the distributed optimizer load every checkpoint that 967a844 wrote
+    (:data:`CHECKPOINTS_967A844`) with every state as saved, bit for bit: per-rank state dicts of
+    both (the distributed one's per-shard buffers, padding included), torch_dist saves of both into
+    the optimizer that wrote them, and the plain one's into the distributed optimizer; the
+    distributed optimizer's state dict now has the plain one's format. The ranks run this checkout's
+    package."""
+    import tarfile
+
+    directory = tmp_path / "checkpoints"
+    with tarfile.open(CHECKPOINTS_967A844) as archive:
+        archive.extractall(directory, filter="data")
+    ranks = _run(tmp_path / "load", 2, "load", options=["coat", "D-BF16"], directory=str(directory), worker=COMPAT_WORKER)
+    for rank in ranks:
+        assert Path(rank["package"]).resolve().is_relative_to(Path(__file__).resolve().parents[2])
+        for option in ("coat", "D-BF16"):
+            assert rank[option] == {
+                "plain per-rank": True,
+                "plain torch_dist of plain": True,
+                "distributed per-rank": True,
+                "distributed torch_dist of plain": True,
+                "distributed torch_dist of distributed": True,
+                "distributed format is plain's": True,
+            }, option
 
 
 @pytest.fixture(scope="module")
