@@ -336,7 +336,7 @@ def megatron_lm_flags_page() -> str:
         "# Megatron-LM flags",
         "",
         "The `--lowprec-*` flags that the Megatron-LM entry adds to Megatron-LM's own arguments",
-        "(`torchrun ... $(which lowprec-megatron-lm) pretrain_gpt.py ... --lowprec-option C`, or",
+        "(`torchrun --no-python ... lowprec-megatron-lm pretrain_gpt.py ... --lowprec-option C`, or",
         "`torchrun ... -m megatron_lowprec.megatron.megatron_lm pretrain_gpt.py ...`). Without",
         "`--lowprec-option` the optimizer is megatron's own. Megatron-LM's `--bf16` reduces gradients",
         "in FP32, a 4-byte gradient buffer, for every option unless `--grad-reduce-in-bf16` (bytes per",
