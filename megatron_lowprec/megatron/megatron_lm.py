@@ -184,7 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
                        help="emulate the linear layers' matmuls in this format, e.g. E8M5")
-    group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest")
+    group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest",
+                       help="how the emulation drops mantissa bits: round to nearest even, or stochastically")
     group.add_argument("--lowprec-emulate-clamp-outer-range", action=argparse.BooleanOptionalAction, default=True,
                        help="the emulation saturates magnitudes above the format's largest value")
     group.add_argument("--lowprec-emulate-clamp-inner-range", action=argparse.BooleanOptionalAction, default=True,
