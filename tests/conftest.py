@@ -19,6 +19,7 @@ the CPU (fp64, numpy, ml_dtypes) after ``.cpu()``.
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -71,3 +72,26 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def device(request) -> torch.device:
     """The device under test: ``torch.device("cpu")``, then ``torch.device("cuda")`` where there is one."""
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def megatron_rank(tmp_path_factory):
+    """One gloo rank with megatron's parallel state, inside the CPU bridge (a no-op with CUDA), for the
+    tests of a module that build megatron models in-process; skipped without megatron-core."""
+    if importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed")
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_lowprec.megatron.cpu import cpu_bridge
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("megatron_rank") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with cpu_bridge():
+            parallel_state.initialize_model_parallel()
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            yield
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()

@@ -41,26 +41,6 @@ def _cases() -> list[tuple[str, str, str | None, bool]]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def megatron_rank(tmp_path_factory):
-    """One gloo rank with megatron's parallel state, inside the CPU bridge (a no-op with CUDA)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_lowprec.megatron.cpu import cpu_bridge
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("megatron_rank") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        with cpu_bridge():
-            parallel_state.initialize_model_parallel()
-            tensor_parallel.model_parallel_cuda_manual_seed(1234)
-            yield
-            parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-
-
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}

@@ -66,28 +66,6 @@ def model_vocab_size(model) -> int:
     return padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
 
 
-@pytest.fixture(scope="module")
-def megatron_rank(tmp_path_factory):
-    """One gloo rank with megatron's parallel state, inside the CPU bridge (a no-op with CUDA)."""
-    if importlib.util.find_spec("megatron.core") is None:
-        pytest.skip("megatron-core is not installed")
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_lowprec.megatron.cpu import cpu_bridge
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("megatron_rank") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        with cpu_bridge():
-            parallel_state.initialize_model_parallel()
-            tensor_parallel.model_parallel_cuda_manual_seed(1234)
-            yield
-            parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture
 def build_on_meta(megatron_rank, monkeypatch):
     """Count the parameters of ``gpt_model(config, vocab_size)`` built on the meta device."""
