@@ -52,7 +52,7 @@ layer-wise layout (0.19's) that a sharded Muon needs, and Megatron-LM's checkpoi
 optimizer for its ``DistributedOptimizer`` (``save_parameter_state``). The alternative is ``--optimizer
 dist_muon``, which these versions pass to ``get_megatron_muon_optimizer`` as
 ``layer_wise_distributed_optimizer``: the project's layer-wise distributed Muon (each matrix and its
-state on one data-parallel rank, DDP all-reducing), as ``lowprec-train`` (``optimizer.distributed``)
+state on one data-parallel rank, DDP all-reducing), as ``lowprec-train`` (``optimizer.use_distributed_optimizer``)
 and ``build_optimizer`` (``use_layer_wise_distributed_optimizer``) offer it.
 
 How each version is checked: at 0.19 (the newest job, ``.ci/megatron_newest.sh``), Megatron-LM's own
@@ -169,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="seed of stochastic rounding's random stream (default: --seed)")
     group.add_argument("--lowprec-shared-randomness", action=argparse.BooleanOptionalAction, default=True,
                        help="every replica of a parameter draws the same stochastic-rounding bits (SR paper Alg. 1; default: on); "
-                            "--no-lowprec-shared-randomness: each rank its own (the SR paper's ablation)"),
+                            "--no-lowprec-shared-randomness: each rank its own (the SR paper's ablation)")
     group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled optimizer step (default: where it is available)")
     group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
