@@ -42,7 +42,9 @@ def quantize_along_last_dim(x: torch.Tensor, group_size: int = GROUP_SIZE) -> Qu
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     rows = x.detach().reshape(-1, x.shape[-1])
-    rows = F.pad(rows, (0, -rows.shape[-1] % group_size))
+    padding = -rows.shape[-1] % group_size
+    if padding:
+        rows = F.pad(rows, (0, padding))
     payload, scale = quantize_rows(rows.reshape(-1, group_size), torch.float8_e4m3fn)
     return QuantizedTensor(
         payload=payload.view(rows.shape),
