@@ -212,8 +212,11 @@ class Census(TorchDispatchMode):
         self.region_calls = 0
         self.regions: dict[int, RegionCall] = {}
         """Each compiled call by its number: what it compiles and its arguments."""
+        self.compiled_graphs = 0
+        """Graphs Inductor compiled for the compiled calls (set by :func:`compiled_kernels`)."""
         self.saved: dict[StorageWeakRef, int] = {}
-        """Bytes of each storage autograd saved for backward (:meth:`save`), weights excluded."""
+        """Bytes of each storage autograd saved for backward (:meth:`save`), weights and their FP8
+        copies of :func:`~megatron_lowprec.layers.fp8_weight_cache` excluded."""
         self.weights: set[StorageWeakRef] = set()
         self._producers: dict[StorageWeakRef, int] = {}
         """The last kernel that wrote each storage (a weak reference keeps a freed storage's address from reuse)."""
@@ -390,6 +393,9 @@ def run_census(shape: LayerShape, flavour: str) -> Census:
             output = layer(x, cos, sin)
             census.phase = "backward"
             output.backward(grad)
+            for cached in (sys.modules["megatron_lowprec.layers.fp8_linear"]._weight_cache or {}).values():
+                for tensor in cached:
+                    census.saved.pop(StorageWeakRef(tensor.untyped_storage()), None)
     return census
 
 
@@ -460,10 +466,11 @@ class GeneratedCall:
     extern_launches: int
 
 
-def generate_calls(regions: dict[int, RegionCall], arch: int = 90) -> dict[int, GeneratedCall]:
+def generate_calls(regions: dict[int, RegionCall], arch: int = 90) -> tuple[dict[int, GeneratedCall], int]:
     """Each compiled call of ``regions`` as Inductor generates it for ``arch`` on fake CUDA tensors,
     through the package's own compile (``numerics/compiled.py: compile_exact``, dynamic shapes: one
-    graph per function and argument kinds, reused by calls of other sizes, as on a GPU)."""
+    graph per function and argument kinds, reused by calls of other sizes, as on a GPU), and the
+    number of graphs compiled (what a first step compiles for these calls)."""
     import json
     import tempfile
 
@@ -512,7 +519,8 @@ def generate_calls(regions: dict[int, RegionCall], arch: int = 90) -> dict[int, 
                         entry[2] = int(elements.subs({symbol: values[symbol.name] for symbol in elements.free_symbols}))
                     launches.append((name, traffic))
                 generated[call] = GeneratedCall(launches, capture.graph_launches(graph)["extern"])
-    return generated
+        graphs = len(capture.wrappers)
+    return generated, graphs
 
 
 LARGE_INTERMEDIATE = 16
@@ -524,7 +532,7 @@ smaller ones (a tensor's amax, a split reduction's partial results) are not."""
 def compiled_kernels(census: Census, arch: int = 90) -> list[Kernel]:
     """The census's kernels with each compiled call replaced by the Triton kernels Inductor generates
     for it on ``arch``, each at the bytes it reads and writes (see the module docstring)."""
-    generated = generate_calls(census.regions, arch)
+    generated, census.compiled_graphs = generate_calls(census.regions, arch)
     kernels, seen = [], set()
     for kernel in census.kernels:
         if kernel.region is None:
@@ -580,15 +588,17 @@ class Summary:
     non_minimal: list[Kernel]
     saved: int = 0
     """Bytes autograd keeps for backward (:meth:`Census.save`)."""
+    compiled_graphs: int = 0
+    """Graphs Inductor compiles for the compiled calls (``Census.compiled_graphs``)."""
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
 
 
-def summarize(kernels: list[Kernel], saved: int = 0) -> Summary:
+def summarize(kernels: list[Kernel], saved: int = 0, compiled_graphs: int = 0) -> Summary:
     return Summary(
-        saved=saved,
+        saved=saved, compiled_graphs=compiled_graphs,
         launches=len(kernels),
         read=sum(kernel.read for kernel in kernels),
         written=sum(kernel.written for kernel in kernels),
@@ -610,7 +620,8 @@ def censuses(shape: LayerShape) -> dict[tuple[str, str], tuple[list[Kernel], Sum
     stock, coat = run_census(shape, "stock"), run_census(shape, "coat")
     kernels = {COUNTS[0]: stock.kernels, COUNTS[1]: coat.kernels, COUNTS[2]: compiled_kernels(coat)}
     saved = {"stock": sum(stock.saved.values()), "coat": sum(coat.saved.values())}
-    return {key: (value, summarize(value, saved[key[0]])) for key, value in kernels.items()}
+    graphs = {COUNTS[2]: coat.compiled_graphs}
+    return {key: (value, summarize(value, saved[key[0]], graphs.get(key, 0))) for key, value in kernels.items()}
 
 
 @dataclasses.dataclass
@@ -640,7 +651,7 @@ def estimate(summaries: dict[tuple[str, str], Summary]) -> Estimate:
 
 SUMMARY_HEADER = [
     "shape", "layer flavour", "count", "launches", "read MB", "written MB", "FP8 GEMM GFLOP", "BF16 GEMM GFLOP",
-    "attention GFLOP", "saved MB", "non-minimal kernels", "their MB", "layer roofline ms", "step roofline ms",
+    "attention GFLOP", "saved MB", "compiled graphs", "non-minimal kernels", "their MB", "layer roofline ms", "step roofline ms",
     "calibrated step ms", "measured step ms",
 ]
 
@@ -655,7 +666,7 @@ def summary_row(shape_name: str, key: tuple[str, str], summary: Summary, rooflin
     return [
         shape_name, flavour, count, summary.launches, f"{summary.read / 1e6:.2f}", f"{summary.written / 1e6:.2f}",
         f"{summary.gemm_flops['fp8'] / 1e9:.4g}", f"{summary.gemm_flops['bf16'] / 1e9:.4g}",
-        f"{summary.attention_flops / 1e9:.4g}", f"{summary.saved / 1e6:.2f}", len(summary.non_minimal),
+        f"{summary.attention_flops / 1e9:.4g}", f"{summary.saved / 1e6:.2f}", summary.compiled_graphs, len(summary.non_minimal),
         f"{sum(k.bytes for k in summary.non_minimal) / 1e6:.2f}", f"{1e3 * summary.seconds:.4g}", *step,
     ]
 
@@ -683,7 +694,8 @@ LEGEND = (
     "operand copy, norm and GELU backward, compiled on GPUs that convert FP8 in Triton) replaced by the "
     "Triton kernels Inductor generates for it for sm_90, each at the bytes of its buffer arguments "
     "(Inductor's own estimate, at the call's sizes). `saved MB`: the activations autograd keeps for "
-    "backward (weights excluded). GEMM FLOPs are 2·M·N·K by input dtype; attention is one flash-attention kernel each way "
+    "backward (weights and the step's FP8 weight copies excluded). `compiled graphs`: the graphs Inductor compiles for those calls, what "
+    "a first step from an empty cache compiles for the layers. GEMM FLOPs are 2·M·N·K by input dtype; attention is one flash-attention kernel each way "
     "(causal). The roofline prices each kernel at max(bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s for FP8 or "
     "989 TFLOP/s for BF16) on an H200; a GPT-1.3B step is 24 times the layer, without the embedding, the "
     "LM head and the optimizer. `calibrated` scales every estimate by the measured stock step (175 ms "
@@ -725,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         f"GPT-1.3B: coat's calibrated eager estimate is {roofline.calibrated_ms(COUNTS[1]):.0f} ms against "
         f"{MEASURED_STEP_MS['coat']:g} ms measured; the {MEASURED_STEP_MS['coat'] - roofline.calibrated_ms(COUNTS[1]):.0f} ms "
         f"left are {1e6 * roofline.unexplained_ms_per_launch(gpt_summaries) / 1e3:.0f} µs per launch coat adds over stock. "
-        f"With its compiled calls as Inductor generates them for sm_90 (compiled), coat's roofline is {speedup:.2f}x "
+        f"With its compiled calls as Inductor generates them for sm_90 (compiled), coat's roofline is {speedup:.3f}x "
         f"stock's tokens/s; coat keeps {gpt_summaries[COUNTS[1]].saved / gpt_summaries[COUNTS[0]].saved:.2f}x "
         "stock's activation bytes for backward."
     )
