@@ -21,7 +21,7 @@ from megatron_lowprec.optim.muon import (
     update_scale,
 )
 
-from .conftest import OPTIONS
+from ..options import OPTIONS, layout_kind, one_per_kind
 
 TORCH_NS = ((3.4445, -4.775, 2.0315), 5, 1e-7)
 
@@ -364,7 +364,7 @@ def test_option_d_with_its_master_as_a_remainder_steps_fused_with_the_eager_bits
 @pytest.mark.parametrize(
     "option,layout",
     [(option, "own") for option in OPTIONS]
-    + [(option, layout) for option in ("sr", "coat", "D-BF16") for layout in ("megatron", "foreign gaps")],
+    + [(option, layout) for option in one_per_kind(OPTIONS, layout_kind) for layout in ("megatron", "foreign gaps")],
 )
 def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, layout, monkeypatch):
     """While their compile is pending (background compilation) the fused step's momentum and update
