@@ -191,9 +191,10 @@ def _train(model, optimizer, inputs, targets, steps):
 
 
 def test_every_option_trains_a_small_model(option, device):
+    """60 steps of a small regression bring the mean of the last ten losses below a quarter of the first."""
     model, inputs, targets = _regression_problem(device=device)
     optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option)
-    losses = _train(model, optimizer, inputs, targets, steps=150)
+    losses = _train(model, optimizer, inputs, targets, steps=60)
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-10:]) / 10 < 0.25 * losses[0]
 
