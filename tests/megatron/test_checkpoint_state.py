@@ -11,6 +11,8 @@ from megatron_lowprec.numerics.quant import dequantize_fp8, quantize_fp8
 from megatron_lowprec.optim import get_strategy
 from megatron_lowprec.optim.kernel import init_state
 
+from ..options import MASTER_OPTIONS
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed")
 
 COAT = get_strategy("coat")
@@ -79,7 +81,7 @@ def _remainder_state(option: str, numel: int, seed: int) -> tuple[torch.Tensor, 
     return param, {key: value for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
 
 
-@pytest.mark.parametrize("option", ["D", "coat", "D-BF16"])
+@pytest.mark.parametrize("option", MASTER_OPTIONS)
 def test_a_remainder_master_is_saved_as_the_fp32_master_and_loads_into_either_storage(option):
     """The checkpoint form of a remainder master is the FP32 master under ``master`` (the same tensor a
     whole master saves), and it loads back exactly into the remainder and its parameter, or into a

@@ -10,12 +10,17 @@ import pytest
 
 from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
 
+from ..options import OPTIONS, OTHER_MASTER_STORAGES, layout_kind, one_per_kind, strategy_of
 from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
-OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
-REMAINDER_OPTIONS = ["D:remainder", "coat:remainder", "D-BF16"]
-"""The options whose FP32 master is stored as a remainder below the BF16 parameter (NAME:MASTER_STORAGE)."""
+
+PIPELINE_OPTIONS = one_per_kind(OPTIONS, lambda strategy: (strategy.param_update, strategy.moments == "fp8"))
+"""One option of each way to update the parameter, and FP8 moments."""
+FUSED_SHARD_OPTIONS = one_per_kind(OPTIONS, layout_kind)
+"""One option of each shard layout the compiled kernel steps apart from the flat one: stochastic
+rounding's row grids, FP8 groups' group-aligned chunks, a remainder master read below megatron's
+parameter buffer."""
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
@@ -30,11 +35,11 @@ def _run(result_dir: Path, world_size: int, scenario: str, worker: Path = WORKER
 @pytest.mark.parametrize(
     "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused, grad_reduce_in_fp32",
     [
-        (OPTIONS + REMAINDER_OPTIONS, 2, 1, 1, 3000, 10, False, False),
+        (OPTIONS + OTHER_MASTER_STORAGES, 2, 1, 1, 3000, 10, False, False),
         (OPTIONS, 2, 1, 1, 3000, 6, False, True),
-        (OPTIONS + ["D-BF16"], 4, 2, 1, None, 6, False, False),
-        (["A", "C", "sr", "coat"], 4, 1, 2, None, 4, False, False),
-        (["sr", "coat", "D-BF16"], 2, 1, 1, 3000, 3, True, False),
+        (OPTIONS, 4, 2, 1, None, 6, False, False),
+        (PIPELINE_OPTIONS, 4, 1, 2, None, 4, False, False),
+        (FUSED_SHARD_OPTIONS, 2, 1, 1, 3000, 3, True, False),
     ],
     ids=["dp2-small-buckets", "dp2-fp32-reduction", "tp2xdp2", "pp2xdp2", "dp2-fused"],
 )
@@ -86,12 +91,12 @@ def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
     DP=4 they agree to 1e-4 (gloo's reduce-scatter and all-reduce add four ranks' BF16 gradients in
     different orders, which the unsharded run at DP=4 also shows without any checkpoint)."""
     checkpoint = tmp_path / "checkpoint"
-    saved_options = OPTIONS + ["coat:remainder", "D-BF16"]
+    saved_options = OPTIONS + OTHER_MASTER_STORAGES
     saved = _run(tmp_path / "save", 2, "save_and_resume", options=saved_options, checkpoint_dir=str(checkpoint), steps=6)
     for rank in saved:
         for option in saved_options:
             assert rank[option] == {"losses_identical": True, "params_identical": True}, option
-    across_storages = ["D:remainder<-D", "coat<-coat:remainder"]
+    across_storages = [f"{other}<-{other.partition(':')[0]}" for other in OTHER_MASTER_STORAGES]
     ranks = _run(tmp_path / "load", 4, "load_elsewhere", options=saved_options + across_storages,
                  checkpoint_dir=str(checkpoint), tensor_parallel_sizes=[1, 2], steps=2)
     for tensor_parallel in (1, 2):
@@ -144,27 +149,22 @@ def test_checkpoints_of_the_earlier_version_load_bit_for_bit(tmp_path):
 @pytest.fixture(scope="module")
 def costs(tmp_path_factory) -> list[dict]:
     return _run(
-        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS + REMAINDER_OPTIONS, stepped_options=STEPPED_OPTIONS,
+        tmp_path_factory.mktemp("costs"), 2, "optimizer_costs", options=OPTIONS + OTHER_MASTER_STORAGES, stepped_options=STEPPED_OPTIONS,
         bucket_size=None, hidden_size=128,
     )
 
 
-STEPPED_OPTIONS = ["A", "D", "sr", "coat", "D:remainder", "D-BF16"]
+STEPPED_OPTIONS = one_per_kind(
+    OPTIONS + OTHER_MASTER_STORAGES,
+    lambda strategy: (strategy.adam_kernel, strategy.param_update == "stochastic", strategy.moments == "fp8",
+                      strategy.master_weights and strategy.master_storage == "remainder"),
+)
 """Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
 AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either)."""
 
 
-def _strategy(option: str):
-    """The strategy of ``option``: a name, or NAME:MASTER_STORAGE."""
-    from megatron_lowprec.optim import get_strategy
-
-    name, _, master_storage = option.partition(":")
-    strategy = get_strategy(name)
-    return strategy.with_master_storage(master_storage) if master_storage else strategy
-
-
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
-@pytest.mark.parametrize("option", OPTIONS + REMAINDER_OPTIONS)
+@pytest.mark.parametrize("option", OPTIONS + OTHER_MASTER_STORAGES)
 def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, layout):
     """Measured with the CPU allocator on each rank of a DP=2 megatron GPT whose tensors are whole
     multiples of the alignment: building the optimizer leaves exactly the state it reports
@@ -174,7 +174,7 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
     the elements the rank updates, plus, in a shard laid out in place in megatron's buffers, the
     padding megatron leaves before each parameter (under 64 elements each); a step keeps nothing
     allocated."""
-    per_element = _strategy(option).bytes_per_param(grad_reduce_in_fp32=False) - 4
+    per_element = strategy_of(option).bytes_per_param(grad_reduce_in_fp32=False) - 4
     for rank in costs:
         result = rank[f"{option}-{layout}"]
         rows = (result["owned"] + result["padding"]) // ROW + 2 * result["state_buckets"]
@@ -194,7 +194,7 @@ def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_
     the device from host data (a copy that waits for the device)."""
     for rank in costs:
         result = rank[f"{option}-{layout}"]
-        expected = 0 if _strategy(option).adam_kernel == "torch_fused" else result["state_buckets"]
+        expected = 0 if strategy_of(option).adam_kernel == "torch_fused" else result["state_buckets"]
         assert result["compiled_calls"] == expected
         assert result["entries"] > result["state_buckets"]
         assert result["copies"] == []

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ..options import MASTER_OPTIONS, OPTIONS
 from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_optimizer_hook_worker.py")
@@ -97,10 +98,9 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(tmp_path):
 def test_resume_from_state_dicts_continues_bit_identically(tmp_path):
     """Every option at DP=2 (dropout on): 6 steps straight = 3 steps, state dicts, 3 steps in a fresh
     model and optimizer (which first took a step of its own, so that loading must overwrite it)."""
-    options = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
-    ranks = _run(tmp_path, 2, "resume", options=options, steps=6)
+    ranks = _run(tmp_path, 2, "resume", options=OPTIONS, steps=6)
     for rank in ranks:
-        for option in options:
+        for option in OPTIONS:
             assert rank[option] == {"finite": True, "losses_identical": True, "params_identical": True}, option
 
 
@@ -134,12 +134,11 @@ def test_dist_checkpoint_saved_at_tp2_loads_at_tp1(tmp_path, option):
 
 
 def test_remainder_masters_resume_from_state_dicts_bit_identically(tmp_path):
-    """D, coat and D-BF16 with their masters as remainders below the BF16 parameters, at DP=2: resuming
-    from the model's and the optimizer's state dicts continues bit-identically."""
-    options = ["D", "coat", "D-BF16"]
-    ranks = _run(tmp_path, 2, "resume", options=options, steps=6, master_storage="remainder")
+    """Every option with an FP32 master, the master as a remainder below the BF16 parameters, at DP=2:
+    resuming from the model's and the optimizer's state dicts continues bit-identically."""
+    ranks = _run(tmp_path, 2, "resume", options=MASTER_OPTIONS, steps=6, master_storage="remainder")
     for rank in ranks:
-        for option in options:
+        for option in MASTER_OPTIONS:
             assert rank[option] == {"finite": True, "losses_identical": True, "params_identical": True}, option
 
 

@@ -2,9 +2,7 @@
 
 import pytest
 
-from megatron_lowprec.optim import available_strategies
-
-OPTIONS = [strategy.name for strategy in available_strategies()]
+from ..options import OPTIONS
 
 
 @pytest.fixture(params=OPTIONS)

@@ -9,8 +9,6 @@ import torch
 
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_random_bits
 from megatron_lowprec.optim import AdamW, get_strategy, state_keys, strategy_names
-from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, build_shard_bucket, elements_per_value
-from megatron_lowprec.optim.layouts import Layout
 
 from ..allocations import measure_allocations
 from .conftest import OPTIONS
@@ -193,9 +191,10 @@ def _train(model, optimizer, inputs, targets, steps):
 
 
 def test_every_option_trains_a_small_model(option, device):
+    """60 steps of a small regression bring the mean of the last ten losses below a quarter of the first."""
     model, inputs, targets = _regression_problem(device=device)
     optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option)
-    losses = _train(model, optimizer, inputs, targets, steps=150)
+    losses = _train(model, optimizer, inputs, targets, steps=60)
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-10:]) / 10 < 0.25 * losses[0]
 
@@ -597,91 +596,3 @@ def test_the_finiteness_check_reads_a_bucket_s_own_gradient_buffer_in_one_pass()
     params[1].grad[-1] = math.nan
     assert not optimizer._grads_ready() and optimizer.skipped_steps == 1
 
-
-LAYOUT_SIZES = (256, 128, 100, 64)
-LAYOUT_STARTS = (0, 256, 384, 512)
-"""Four parameters laid out as megatron's DDP buffer lays them out (each start padded to 64
-elements, the buffer to 640), in two alternating parameter groups."""
-
-
-class _BufferShard(Layout):
-    """A layout source over the range [start, 640) of a flat parameter and gradient buffer holding
-    :data:`LAYOUT_SIZES` at :data:`LAYOUT_STARTS`: the shard a distributed optimizer steps."""
-
-    def __init__(self, param_data: torch.Tensor, grad_data: torch.Tensor, start: int) -> None:
-        self.param_data, self.grad_data, self.start = param_data, grad_data, start
-
-    def build(self, strategy, param_groups, streams):
-        group_of = {param: index for index, group in enumerate(param_groups) for param in group["params"]}
-        by_start = sorted(group_of, key=lambda param: param.storage_offset())
-        self.runs = [
-            (param, max(self.start - param.storage_offset(), 0)) for param in by_start
-            if param.storage_offset() + param.numel() > self.start
-        ]
-        self.sources = [param.storage_offset() + first for param, first in self.runs]
-        params = [param for param, _ in self.runs]
-        bucket, self.grad = build_shard_bucket(
-            strategy, params, [(first, param.numel() - first) for param, first in self.runs], self.sources,
-            [group_of[param] for param in params], [streams[param] for param in params], self.param_data, self.grad_data,
-            self.start, self.param_data.numel(),
-        )
-        states = [
-            {"step": 0, **{key: bucket.view(value, index, elements_per_value(key, strategy)) for key, value in bucket.state.items()}}
-            for index in range(len(params))
-        ]
-        return [(bucket, states)]
-
-    def bucket_grads(self, bucket):
-        return self.grad, [self.grad_data[source : source + numel] for source, numel in zip(self.sources, bucket.numels)]
-
-
-@pytest.mark.parametrize("start", [0, 128])
-@pytest.mark.parametrize("option", OPTIONS)
-def test_a_layout_s_runs_step_as_the_plain_optimizer_steps_its_parameters(option, start):
-    """AdamW over a layout source (a shard of a flat buffer, two parameter groups with their own
-    hyperparameters, from the buffer's start or cutting the first parameter at element 128), eager:
-    three steps give each run's parameters and states the bits of the plain AdamW's eager step on
-    the whole parameters, and its state dict holds each run's state, flat, under its parameter's
-    index, as the plain one's."""
-    strategy = get_strategy(option)
-    generator = torch.Generator().manual_seed(3)
-    initial = [torch.randn(size, generator=generator).bfloat16() for size in LAYOUT_SIZES]
-    param_data, grad_data = torch.zeros(640, dtype=torch.bfloat16), torch.zeros(640, dtype=torch.bfloat16)
-    laid_out = []
-    for first, values in zip(LAYOUT_STARTS, initial):
-        param_data[first : first + values.numel()] = values
-        laid_out.append(torch.nn.Parameter(param_data[first : first + values.numel()]))
-    plain = [torch.nn.Parameter(values.clone()) for values in initial]
-    hyper = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0)]
-
-    def groups(params):
-        return [{"params": [params[0], params[2]], **hyper[0]}, {"params": [params[1], params[3]], **hyper[1]}]
-
-    reference = AdamW(groups(plain), option=option, fused=False, seed=5)
-    optimizer = AdamW(groups(laid_out), option=option, fused=False, seed=5, layout=_BufferShard(param_data, grad_data, start))
-    for _ in range(3):
-        for first, param in zip(LAYOUT_STARTS, plain):
-            param.grad = torch.randn(param.numel(), generator=generator).bfloat16()
-            grad_data[first : first + param.numel()] = param.grad
-        reference.step()
-        optimizer.step()
-    layout = optimizer.layout
-    group = strategy.fp8_group_size if strategy.moments == "fp8" else 1
-    index_of = {param: index for index, param in enumerate(laid_out)}
-    assert [index_of[param] for param, _ in layout.runs] == [0, 1, 2, 3]
-    state_dict, reference_dict = optimizer.state_dict(), reference.state_dict()
-    position = {param: index for index, param in enumerate([laid_out[0], laid_out[2], laid_out[1], laid_out[3]])}
-    for param, first in layout.runs:
-        whole = plain[index_of[param]]
-        assert torch.equal(param.detach()[first:].view(torch.int16), whole.detach()[first:].view(torch.int16))
-        saved, expected = state_dict["state"][position[param]], reference_dict["state"][position[param]]
-        assert sorted(saved) == sorted(expected) and saved["step"] == expected["step"] == 3
-        for key, value in saved.items():
-            if key == "step":
-                continue
-            if key.endswith(PER_GROUP_PARTS):
-                part = expected[key][first // group :]
-            else:
-                part = expected[key].reshape(-1)[first:]
-            assert torch.equal(value.view(torch.uint8), part.contiguous().view(torch.uint8)), key
-    assert sorted(state_dict["lowprec"]) == sorted(reference_dict["lowprec"])

@@ -12,7 +12,8 @@ from megatron_lowprec.optim import master as master_module
 from megatron_lowprec.optim.fused import fused_available
 from megatron_lowprec.optim.master import master_value, stored_master
 
-MASTER_OPTIONS = ["D", "coat", "D-BF16"]
+from ..options import MASTER_OPTIONS
+
 SHAPES = [(1000,), (3,), (129,), (4097,), (7, 13), (300,)]
 """Mixed sizes, most of them not multiples of the bucket alignment or of COAT's group of 128."""
 

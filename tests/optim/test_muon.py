@@ -1,6 +1,6 @@
 """The precision-aware Muon, tested against torch.optim.Muon and fp64 references, option by option.
 Every test but the fused ones runs the eager step (``fused=False``), whose bits the fused step has
-(``test_fused_step_is_the_eager_step_bit_for_bit_for_every_option``), without compiling each option."""
+(the contract matrix, ``tests/optim/test_contract.py``), without compiling each option."""
 
 import copy
 import math
@@ -10,7 +10,8 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from megatron_lowprec.numerics.rounding import counter_random_bits
-from megatron_lowprec.optim.fused import BUCKET_STREAM_DEVICES, fused_available
+from megatron_lowprec.optim import get_strategy
+from megatron_lowprec.optim.fused import fused_available
 from megatron_lowprec.optim.muon import (
     NS_COEFFICIENTS,
     QUINTIC_COEFFICIENT_SETS,
@@ -20,7 +21,7 @@ from megatron_lowprec.optim.muon import (
     update_scale,
 )
 
-from .conftest import OPTIONS
+from ..options import OPTIONS, layout_kind, one_per_kind
 
 TORCH_NS = ((3.4445, -4.775, 2.0315), 5, 1e-7)
 
@@ -349,64 +350,21 @@ FUSED_SHAPES = [(16, 24), (40, 8), (3, 5), (32, 8)]
 the last a fused QKV weight of two query groups split (8, 4, 4)."""
 
 
-def _compiled_regions(optimizer) -> int:
-    """The compiled regions one ``optimizer.step()`` enters (profiler events Dynamo records)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        optimizer.step()
-    return sum(event.name.startswith("Torch-Compiled Region") for event in profile.events())
+@pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
+def test_option_d_with_its_master_as_a_remainder_steps_fused_with_the_eager_bits():
+    """The contract matrix (``tests/optim/test_contract.py``) steps every registered option fused and
+    eager; D with its FP32 master stored as a remainder below the parameter too: its owned fused
+    cell, the eager step's bits in every parameter and state tensor, two compiled regions per step and
+    no recompilation."""
+    from .test_contract import _check_muon_cell
 
-
-def test_fused_step_is_the_eager_step_bit_for_bit_for_every_option(device):
-    """For every option (and D with its master as a remainder): 3 steps with a new lr each, fused and
-    eager from the same weights and gradients, end with the same bits in every parameter and state
-    tensor. The fused step enters two compiled regions per bucket (momentum, update), or one per
-    weight for the update under stochastic rounding outside ``BUCKET_STREAM_DEVICES`` (a CPU); the
-    steps after the first compile nothing more (lr and step are kernel inputs, not constants). On
-    CUDA too, where there is a GPU."""
-    from torch._dynamo.utils import counters
-
-    if not fused_available(device):
-        pytest.skip(f"torch.compile cannot build the fused step on {device}")
-    split = {len(FUSED_SHAPES) - 1: (8, 4, 4)}
-    for option, master_storage in [(option, None) for option in OPTIONS] + [("D", "remainder")]:
-        start = [_random(shape, index).bfloat16().to(device) for index, shape in enumerate(FUSED_SHAPES)]
-        twins = []
-        for fused in (False, True):
-            params = [torch.nn.Parameter(values.clone()) for values in start]
-            rows = {param: split.get(index) for index, param in enumerate(params)}
-            optimizer = Muon(params, lr=0.02, option=option, master_storage=master_storage, fused=fused, seed=3,
-                             split_rows=rows.get)
-            twins.append((params, optimizer))
-        (eager_params, eager), (fused_params, fused) = twins
-        assert fused.buckets[0].param_buffer is not None and eager.buckets[0].param_buffer is None
-        for step in range(3):
-            for index, (p, q) in enumerate(zip(eager_params, fused_params)):
-                p.grad = (_random(p.shape, 100 * step + index) * 10.0 ** (step - 1)).bfloat16().to(device)
-                q.grad = p.grad.clone()
-            for optimizer in (eager, fused):
-                optimizer.param_groups[0]["lr"] = 0.02 / (step + 1)
-            eager.step()
-            if step == 0:
-                fused.step()
-                graphs = counters["stats"]["unique_graphs"]
-            elif step == 1:
-                fused.step()
-            else:
-                calls = 1 + (len(fused_params) if option == "sr" and device.type not in BUCKET_STREAM_DEVICES else 1)
-                assert _compiled_regions(fused) == calls, option
-        assert counters["stats"]["unique_graphs"] == graphs, option
-        for index, (p, q) in enumerate(zip(eager_params, fused_params)):
-            assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), (option, index)
-            for key, value in eager.state[p].items():
-                other = fused.state[q][key]
-                same = torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other
-                assert same, (option, index, key)
+    _check_muon_cell("owned", get_strategy("D").with_master_storage("remainder"), "fused")
 
 
 @pytest.mark.parametrize(
     "option,layout",
     [(option, "own") for option in OPTIONS]
-    + [(option, layout) for option in ("sr", "coat", "D-BF16") for layout in ("megatron", "foreign gaps")],
+    + [(option, layout) for option in one_per_kind(OPTIONS, layout_kind) for layout in ("megatron", "foreign gaps")],
 )
 def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, layout, monkeypatch):
     """While their compile is pending (background compilation) the fused step's momentum and update
