@@ -268,6 +268,29 @@ class KindReport:
         return f"{self.kind}: {self.source_format} -> {self.target_format}, {self.elements} elements, {error}"
 
 
+class ConversionReport:
+    """Per state kind, over every converted parameter, the formats and the largest error."""
+
+    def __init__(self, source: PrecisionStrategy, target: PrecisionStrategy) -> None:
+        self.source = source
+        self.target = target
+        self.kinds: dict[str, KindReport] = {}
+
+    def add(self, param: torch.Tensor, errors: dict[str, float]) -> None:
+        for kind, error in errors.items():
+            formats = [
+                value_format(strategy, param.dtype) if kind == VALUE else moment_format(strategy, kind, param.dtype)
+                for strategy in (self.source, self.target)
+            ]
+            report = self.kinds.setdefault(kind, KindReport(kind, *formats))
+            report.elements += param.numel()
+            report.largest_error = max(report.largest_error, error)
+
+    def lines(self) -> list[str]:
+        """One line per state kind: what was converted and its largest error against the source."""
+        return [f"converted {self.source.name} -> {self.target.name}: {kind.line()}" for kind in self.kinds.values()]
+
+
 def convert_entry(
     source: PrecisionStrategy, target: PrecisionStrategy, param: torch.Tensor, state: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
@@ -319,7 +342,7 @@ def convert_state_dict(
     indices = [index for group in state_dict["param_groups"] for index in group["params"]]
     if len(indices) != len(params):
         raise ValueError(f"the state dict indexes {len(indices)} parameters, {len(params)} were given")
-    reports: dict[str, KindReport] = {}
+    report = ConversionReport(source, target)
     new_states: dict[Any, Any] = {}
     new_params = []
     for index, param in zip(indices, params):
@@ -332,21 +355,10 @@ def convert_state_dict(
         new_param, new_state, errors = convert_entry(source, target, param, saved)
         new_params.append(new_param)
         new_states[index] = new_state
-        for kind, error in errors.items():
-            report = reports.setdefault(
-                kind,
-                KindReport(
-                    kind,
-                    value_format(source, param.dtype) if kind == VALUE else moment_format(source, kind, param.dtype),
-                    value_format(target, param.dtype) if kind == VALUE else moment_format(target, kind, param.dtype),
-                ),
-            )
-            report.elements += param.numel()
-            report.largest_error = max(report.largest_error, error)
+        report.add(param, errors)
     converted = {**state_dict, "state": new_states}
     extra = dict(state_dict.get("lowprec") or {"skipped_steps": 0, "seed": 0, "generator_state": None})
     extra.update(option=target.name, master_storage=target.master_storage)
     converted["lowprec"] = extra
-    lines = [f"converted {source.name} -> {target.name}: {report.line()}" for report in reports.values()]
-    return converted, new_params, lines
+    return converted, new_params, report.lines()
 

@@ -476,20 +476,127 @@ def load(run, path: Path) -> None:
 
     common = _read_on_every_rank(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     option = option_label(run.config.precision)
+    source = None
     if common["option"] != option:
-        raise ResumeError(f"{path} was trained with option {common['option']!r}, not {option!r}")
+        if not run.config.precision.convert_checkpoint:
+            raise ResumeError(
+                f"{path} was trained with option {common['option']!r}, not {option!r}; "
+                "precision.convert_checkpoint=true converts its optimizer state to this option"
+            )
+        source = _conversion_source(run, path, common["option"])
     _check_shape(run, path, common.get("shape"))
     _check_schedule(run, path, common["scheduler"])
-    loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(_sharded_state(run, is_loading=True), str(path)))
+    template = _sharded_state(run, is_loading=True)
+    if source is not None:
+        template["optimizer"] = _saved_option_template(run, template["optimizer"], source)
+    loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
     same_layout = loaded["layout"] == _layout()
     rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
     per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
+    if source is not None:
+        _convert_loaded_(run, loaded["optimizer"], source)
     run.optimizer.load_state_dict(loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:
         _set_rng_states(per_rank["rng"])
+
+
+def _converted_strategy(run):
+    """The strategy of the project's one (unchained) optimizer of ``run``, or ``None``."""
+    inner = getattr(run.optimizer, "optimizer", None)
+    return getattr(inner, "strategy", None)
+
+
+def _conversion_source(run, path: Path, saved_option: str):
+    """The strategy that wrote ``path`` (``saved_option``) as the run's optimizer keeps it; a
+    :class:`ResumeError` where the conversion cannot be made (a checkpoint of megatron-core's own
+    optimizer, or a run of another optimizer than the project's AdamW)."""
+    from megatron_lowprec.optim.convert import as_shaped_like
+    from megatron_lowprec.optim.strategies import get_strategy
+
+    target = _converted_strategy(run)
+    try:
+        saved = get_strategy(saved_option)
+    except ValueError:
+        saved = None
+    if target is None or saved is None or run.config.optimizer.name != "adamw":
+        raise ResumeError(
+            f"{path} was trained with option {saved_option!r}; precision.convert_checkpoint converts the state of "
+            f"this package's AdamW between its options, and this run (optimizer {run.config.optimizer.name}, option "
+            f"{option_label(run.config.precision)}) or that checkpoint is not one: convert it offline with "
+            "lowprec-convert, or resume with the option it was trained with"
+        )
+    return as_shaped_like(saved, target)
+
+
+def _saved_option_template(run, sharded: dict, source) -> dict:
+    """The run's sharded optimizer state with each parameter's states replaced by ``source``'s, in
+    their checkpoint form (same keys as ``source``'s runs save, each of its parameter's shape)."""
+    import dataclasses
+
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes
+
+    states = {}
+    for index, entry in sharded["state"].items():
+        tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
+        if not tensors:
+            states[index] = entry
+            continue
+        model_key = tensors[0].key.split(".", 3)[3]
+        others = {key: value for key, value in entry.items() if not hasattr(value, "key")}
+        dtypes = checkpoint_dtypes(source, tensors[0].data.dtype if tensors[0].data.dtype.itemsize == 2 else torch.bfloat16)
+        states[index] = {
+            **others,
+            **{
+                key: dataclasses.replace(
+                    tensors[0], key=f"optimizer.state.{key}.{model_key}",
+                    data=torch.empty(tensors[0].data.shape, dtype=dtype, device=tensors[0].data.device), dtype=dtype,
+                )
+                for key, dtype in dtypes.items()
+            },
+        }
+    return {**sharded, "state": states}
+
+
+@torch.no_grad()
+def _convert_loaded_(run, optimizer_state: dict, source) -> None:
+    """Carry the loaded ``source`` states (checkpoint form) into the run's option in place, and the
+    model's parameters with them (:func:`~megatron_lowprec.optim.convert.convert_entry`); one line
+    per state kind with its largest error."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
+    from megatron_lowprec.optim.convert import ConversionReport, convert_entry
+
+    target = _converted_strategy(run)
+    params = run.optimizer.get_parameters()
+    report = ConversionReport(source, target)
+    for index, entry in optimizer_state["state"].items():
+        if index == "common_step":
+            continue
+        param = params[index]
+        new_param, new_state, errors = convert_entry(source, target, param.detach(), entry)
+        report.add(param, errors)
+        tensors = {key: value.reshape(-1) for key, value in new_state.items() if torch.is_tensor(value)}
+        form = checkpoint_state(tensors, param.numel(), target, param=new_param.reshape(-1))
+        optimizer_state["state"][index] = {
+            **{key: value for key, value in entry.items() if not torch.is_tensor(value)},
+            **{key: value.view(param.shape) for key, value in form.items()},
+        }
+        param.copy_(new_param)
+    optimizer_state["lowprec"]["option"] = target.name
+    for line in _agreed_lines(report):
+        _say(line)
+
+
+def _agreed_lines(report) -> list[str]:
+    """The report's lines (rank 0's elements) with each kind's largest error over every rank (collective)."""
+    errors = {kind: report.largest_error for kind, report in report.kinds.items()}
+    gathered: list[dict | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, errors)
+    for kind, kind_report in report.kinds.items():
+        kind_report.largest_error = max(found.get(kind, 0.0) for found in gathered)
+    return report.lines()
 
 
 def _problem_on_any_rank(path: Path) -> str | None:

@@ -1,0 +1,51 @@
+"""``lowprec-train`` resumes a checkpoint of another option with ``precision.convert_checkpoint=true``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.megatron.launch import run_ranks
+from tests.train.test_fault_handling import WORKER, _tiny
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("hydra") is None, reason="hydra-core is not installed"),
+]
+
+
+def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_path, cache_dir):
+    """D for 2 steps (saved), then: D straight on to step 4; coat without the setting (one line, the
+    checkpoint untouched); coat with it, whose FP32 masters carry over exactly (the conversion says
+    so per state kind) and whose losses stay within 1% of D's continuation."""
+    straight, refused, converted = tmp_path / "straight", tmp_path / "refused", tmp_path / "converted"
+    steps = [
+        {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=2", "trainer.save=true")},
+        {"copy": [str(straight), str(refused)]},
+        {"copy": [str(straight), str(converted)]},
+        {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=4", "resume=true")},
+        {"overrides": _tiny(cache_dir, refused, "precision=coat", "trainer.max_steps=4", "resume=true")},
+        {"overrides": _tiny(cache_dir, converted, "precision=coat", "trainer.max_steps=4", "resume=true",
+                            "precision.convert_checkpoint=true")},
+    ]
+    result_dir = tmp_path / "results"
+    result_dir.mkdir()
+    _, continued, refusal, conversion = run_ranks(WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=400)[0]
+    assert refusal["error"].endswith(
+        "was trained with option 'D', not 'coat'; precision.convert_checkpoint=true converts its optimizer state to this option")
+    assert refusal["latest"] == "iter_0000002"
+    log = (result_dir / "rank0.log").read_text()
+    lines = [line for line in log.splitlines() if "converted D -> coat:" in line]
+    assert len(lines) == 3, log[-3000:]
+    assert "value: FP32 master (fp32) -> FP32 master (fp32)" in lines[0] and lines[0].endswith("exact")
+    assert "exp_avg: FP32 -> FP8 e4m3 1x128 groups with range expansion" in lines[1]
+    assert "largest error" in lines[1]
+    losses = [row["loss"] for row in conversion["train_rows"]][-2:]
+    expected = [row["loss"] for row in continued["train_rows"]][-2:]
+    assert [row["step"] for row in conversion["train_rows"]][-2:] == [3, 4]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses == pytest.approx(expected, rel=1e-2)
