@@ -46,6 +46,8 @@ from pathlib import Path
 import numpy
 import torch
 
+from megatron_lowprec.optim.convert import as_shaped_like
+from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train.config import RESUME_CHANGEABLE, ConfigError, option_label, run_shape
 
 LATEST_FILE = "latest"
@@ -488,15 +490,23 @@ def load(run, path: Path) -> None:
     _check_schedule(run, path, common["scheduler"])
     template = _sharded_state(run, is_loading=True)
     if source is not None:
-        template["optimizer"] = _saved_option_template(run, template["optimizer"], source)
+        from megatron_lowprec.megatron.optimizer import saved_option_template
+
+        template["optimizer"] = saved_option_template(template["optimizer"], source)
     loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
     same_layout = loaded["layout"] == _layout()
     rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
     per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
     if source is not None:
-        _convert_loaded_(run, loaded["optimizer"], source)
+        from megatron_lowprec.megatron.optimizer import convert_loaded_state_
+
+        report = convert_loaded_state_(loaded["optimizer"], run.optimizer.get_parameters(), source, _converted_strategy(run))
+        for line in _agreed_lines(report):
+            _say(line)
     run.optimizer.load_state_dict(loaded["optimizer"])
+    if source is not None and hasattr(run.optimizer, "_sync_params"):
+        run.optimizer._sync_params()  # the converted parameters of the shards' owners reach every replica
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:
@@ -513,9 +523,6 @@ def _conversion_source(run, path: Path, saved_option: str):
     """The strategy that wrote ``path`` (``saved_option``) as the run's optimizer keeps it; a
     :class:`ResumeError` where the conversion cannot be made (a checkpoint of megatron-core's own
     optimizer, or a run of another optimizer than the project's AdamW)."""
-    from megatron_lowprec.optim.convert import as_shaped_like
-    from megatron_lowprec.optim.strategies import get_strategy
-
     target = _converted_strategy(run)
     try:
         saved = get_strategy(saved_option)
@@ -525,68 +532,9 @@ def _conversion_source(run, path: Path, saved_option: str):
         raise ResumeError(
             f"{path} was trained with option {saved_option!r}; precision.convert_checkpoint converts the state of "
             f"this package's AdamW between its options, and this run (optimizer {run.config.optimizer.name}, option "
-            f"{option_label(run.config.precision)}) or that checkpoint is not one: convert it offline with "
-            "lowprec-convert, or resume with the option it was trained with"
+            f"{option_label(run.config.precision)}) or that checkpoint is not one: resume with the option it was trained with"
         )
     return as_shaped_like(saved, target)
-
-
-def _saved_option_template(run, sharded: dict, source) -> dict:
-    """The run's sharded optimizer state with each parameter's states replaced by ``source``'s, in
-    their checkpoint form (same keys as ``source``'s runs save, each of its parameter's shape)."""
-    import dataclasses
-
-    from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes
-
-    states = {}
-    for index, entry in sharded["state"].items():
-        tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
-        if not tensors:
-            states[index] = entry
-            continue
-        model_key = tensors[0].key.split(".", 3)[3]
-        others = {key: value for key, value in entry.items() if not hasattr(value, "key")}
-        dtypes = checkpoint_dtypes(source, tensors[0].data.dtype if tensors[0].data.dtype.itemsize == 2 else torch.bfloat16)
-        states[index] = {
-            **others,
-            **{
-                key: dataclasses.replace(
-                    tensors[0], key=f"optimizer.state.{key}.{model_key}",
-                    data=torch.empty(tensors[0].data.shape, dtype=dtype, device=tensors[0].data.device), dtype=dtype,
-                )
-                for key, dtype in dtypes.items()
-            },
-        }
-    return {**sharded, "state": states}
-
-
-@torch.no_grad()
-def _convert_loaded_(run, optimizer_state: dict, source) -> None:
-    """Carry the loaded ``source`` states (checkpoint form) into the run's option in place, and the
-    model's parameters with them (:func:`~megatron_lowprec.optim.convert.convert_entry`); one line
-    per state kind with its largest error."""
-    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
-    from megatron_lowprec.optim.convert import ConversionReport, convert_entry
-
-    target = _converted_strategy(run)
-    params = run.optimizer.get_parameters()
-    report = ConversionReport(source, target)
-    for index, entry in optimizer_state["state"].items():
-        if index == "common_step":
-            continue
-        param = params[index]
-        new_param, new_state, errors = convert_entry(source, target, param.detach(), entry)
-        report.add(param, errors)
-        tensors = {key: value.reshape(-1) for key, value in new_state.items() if torch.is_tensor(value)}
-        form = checkpoint_state(tensors, param.numel(), target, param=new_param.reshape(-1))
-        optimizer_state["state"][index] = {
-            **{key: value for key, value in entry.items() if not torch.is_tensor(value)},
-            **{key: value.view(param.shape) for key, value in form.items()},
-        }
-        param.copy_(new_param)
-    optimizer_state["lowprec"]["option"] = target.name
-    for line in _agreed_lines(report):
-        _say(line)
 
 
 def _agreed_lines(report) -> list[str]:
