@@ -18,23 +18,41 @@ pytestmark = [
 ]
 
 
+def _saved_dtypes(checkpoint: Path) -> dict[str, str]:
+    """Each optimizer state's stored dtype in a ``torch_dist`` checkpoint, by state key (read from
+    torch.distributed.checkpoint's metadata, as the bytes were written)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found: dict[str, set[str]] = {}
+    for key, item in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+        if key.startswith("optimizer.state.") and hasattr(item, "properties"):
+            found.setdefault(key.split(".")[2], set()).add(str(item.properties.dtype))
+    assert all(len(dtypes) == 1 for dtypes in found.values()), found
+    return {key: dtypes.pop() for key, dtypes in found.items()}
+
+
 def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_path, cache_dir):
     """D for 2 steps (saved), then: D straight on to step 4; coat without the setting (one line, the
     checkpoint untouched); coat with it, whose FP32 masters carry over exactly (the conversion says
-    so per state kind) and whose losses stay within 1% of D's continuation."""
-    straight, refused, converted = tmp_path / "straight", tmp_path / "refused", tmp_path / "converted"
+    so per state kind) and whose losses stay within 1% of D's continuation; D-BF16 with it, whose
+    masters carry over exactly too. The converted runs save each state at its own precision: FP8
+    codes (as uint8) beside FP32 scales and exponents, BF16 moments as BF16."""
+    straight, refused, converted, bf16 = (tmp_path / name for name in ("straight", "refused", "converted", "bf16"))
     steps = [
         {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=2", "trainer.save=true")},
         {"copy": [str(straight), str(refused)]},
         {"copy": [str(straight), str(converted)]},
+        {"copy": [str(straight), str(bf16)]},
         {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=4", "resume=true")},
         {"overrides": _tiny(cache_dir, refused, "precision=coat", "trainer.max_steps=4", "resume=true")},
         {"overrides": _tiny(cache_dir, converted, "precision=coat", "trainer.max_steps=4", "resume=true",
-                            "precision.convert_checkpoint=true")},
+                            "precision.convert_checkpoint=true", "trainer.save=true")},
+        {"overrides": _tiny(cache_dir, bf16, "precision=D-BF16", "trainer.max_steps=3", "resume=true",
+                            "precision.convert_checkpoint=true", "trainer.save=true")},
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    _, continued, refusal, conversion = run_ranks(WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=400)[0]
+    _, continued, refusal, conversion, _ = run_ranks(WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=400)[0]
     assert refusal["error"].endswith(
         "was trained with option 'D', not 'coat'; precision.convert_checkpoint=true converts its optimizer state to this option")
     assert refusal["latest"] == "iter_0000002"
@@ -49,3 +67,12 @@ def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_
     assert [row["step"] for row in conversion["train_rows"]][-2:] == [3, 4]
     assert all(math.isfinite(loss) for loss in losses)
     assert losses == pytest.approx(expected, rel=1e-2)
+    bf16_lines = [line for line in log.splitlines() if "converted D -> D-BF16:" in line]
+    assert "value: FP32 master (fp32) -> FP32 master (remainder)" in bf16_lines[0] and bf16_lines[0].endswith("exact")
+
+    assert _saved_dtypes(converted / "checkpoints" / "iter_0000004") == {
+        "master": "torch.float32", **{f"{moment}_{part}": dtype for moment in ("exp_avg", "exp_avg_sq") for part, dtype in
+                                     (("payload", "torch.uint8"), ("scale", "torch.float32"),
+                                      ("expansion_exponent", "torch.float32"))}}
+    assert _saved_dtypes(bf16 / "checkpoints" / "iter_0000003") == {
+        "master": "torch.float32", "exp_avg": "torch.bfloat16", "exp_avg_sq": "torch.bfloat16"}
