@@ -57,7 +57,7 @@ from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SET
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
-from megatron_lowprec.optim.convert import ConversionReport, as_shaped_like, convert_entry
+from megatron_lowprec.optim.convert import STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
@@ -355,12 +355,15 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         self.load_state_dict(load_tensors_only(filename))
 
 
-def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrategy) -> dict:
+def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrategy, stock: bool = False) -> dict:
     """An optimizer's sharded state dict for loading (``sharded_state_dict(..., is_loading=True)``)
     with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
     (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
     shape, under ``optimizer.state.<key>.<parameter key>``): what ``dist_checkpointing.load`` reads
-    a checkpoint of another option with, before :func:`convert_loaded_state_`."""
+    a checkpoint of another option with, before :func:`convert_loaded_state_`. ``stock``: megatron-core's
+    own optimizer wrote it, its FP32 master under
+    :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats)."""
+    renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if stock else {}
     states = {}
     for index, entry in sharded_optimizer_state["state"].items():
         tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
@@ -373,8 +376,8 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
         states[index] = {
             **{key: value for key, value in entry.items() if not hasattr(value, "key")},
             **{
-                key: dataclasses.replace(
-                    like, key=f"optimizer.state.{key}.{model_key}", dtype=dtype,
+                renamed.get(key, key): dataclasses.replace(
+                    like, key=f"optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
                     data=torch.empty(like.data.shape, dtype=dtype, device=like.data.device),
                 )
                 for key, dtype in checkpoint_dtypes(source, param_dtype).items()
@@ -385,14 +388,16 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
 
 @torch.no_grad()
 def convert_loaded_state_(
-    state_dict: dict, params: list[torch.nn.Parameter], source: PrecisionStrategy, target: PrecisionStrategy
+    state_dict: dict, params: list[torch.nn.Parameter], source: PrecisionStrategy, target: PrecisionStrategy,
+    source_label: str | None = None,
 ) -> ConversionReport:
     """Carry an optimizer state dict of ``source`` (either form: a :meth:`LowPrecisionOptimizer.state_dict`
     or what ``dist_checkpointing`` loaded) into ``target``'s checkpoint form in place, and ``params``
     (indexed as the state dict's entries, holding the saved model's values) with it
     (:func:`~megatron_lowprec.optim.convert.convert_entry`); the ``lowprec`` section then names
-    ``target``. The report says per state kind what was converted and its largest error."""
-    report = ConversionReport(source, target)
+    ``target``. The report says per state kind what was converted and its largest error, naming the
+    source ``source_label`` (default: its option)."""
+    report = ConversionReport(source, target, source_label)
     for index, entry in state_dict["state"].items():
         if index == "common_step" or not any(torch.is_tensor(value) for value in entry.values()):
             continue
@@ -406,8 +411,7 @@ def convert_loaded_state_(
             **{key: value.view(param.shape) for key, value in form.items()},
         }
         param.copy_(new_param)
-    state_dict["lowprec"]["option"] = target.name
-    state_dict["lowprec"]["master_storage"] = target.master_storage
+    state_dict.setdefault("lowprec", {}).update(option=target.name, master_storage=target.master_storage)
     return report
 
 

@@ -271,9 +271,10 @@ class KindReport:
 class ConversionReport:
     """Per state kind, over every converted parameter, the formats and the largest error."""
 
-    def __init__(self, source: PrecisionStrategy, target: PrecisionStrategy) -> None:
+    def __init__(self, source: PrecisionStrategy, target: PrecisionStrategy, source_label: str | None = None) -> None:
         self.source = source
         self.target = target
+        self.source_label = source.name if source_label is None else source_label
         self.kinds: dict[str, KindReport] = {}
 
     def add(self, param: torch.Tensor, errors: dict[str, float]) -> None:
@@ -288,7 +289,7 @@ class ConversionReport:
 
     def lines(self) -> list[str]:
         """One line per state kind: what was converted and its largest error against the source."""
-        return [f"converted {self.source.name} -> {self.target.name}: {kind.line()}" for kind in self.kinds.values()]
+        return [f"converted {self.source_label} -> {self.target.name}: {kind.line()}" for kind in self.kinds.values()]
 
 
 def convert_entry(
@@ -342,7 +343,7 @@ def convert_state_dict(
     indices = [index for group in state_dict["param_groups"] for index in group["params"]]
     if len(indices) != len(params):
         raise ValueError(f"the state dict indexes {len(indices)} parameters, {len(params)} were given")
-    report = ConversionReport(source, target)
+    report = ConversionReport(source, target, STOCK if state_dict.get("lowprec") is None else None)
     new_states: dict[Any, Any] = {}
     new_params = []
     for index, param in zip(indices, params):

@@ -46,9 +46,11 @@ from pathlib import Path
 import numpy
 import torch
 
-from megatron_lowprec.optim.convert import as_shaped_like
+from megatron_lowprec.optim.convert import STOCK, as_shaped_like
 from megatron_lowprec.optim.strategies import get_strategy
-from megatron_lowprec.train.config import RESUME_CHANGEABLE, ConfigError, option_label, run_shape
+from megatron_lowprec.train.config import (
+    RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
+)
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete.json"
@@ -489,10 +491,11 @@ def load(run, path: Path) -> None:
     _check_shape(run, path, common.get("shape"))
     _check_schedule(run, path, common["scheduler"])
     template = _sharded_state(run, is_loading=True)
+    from_stock = common["option"] == STOCK_OPTIMIZER_LABEL
     if source is not None:
         from megatron_lowprec.megatron.optimizer import saved_option_template
 
-        template["optimizer"] = saved_option_template(template["optimizer"], source)
+        template["optimizer"] = saved_option_template(template["optimizer"], source, stock=from_stock)
     loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
     same_layout = loaded["layout"] == _layout()
     rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
@@ -501,7 +504,12 @@ def load(run, path: Path) -> None:
     if source is not None:
         from megatron_lowprec.megatron.optimizer import convert_loaded_state_
 
-        report = convert_loaded_state_(loaded["optimizer"], run.optimizer.get_parameters(), source, _converted_strategy(run))
+        if from_stock:
+            _as_project_state_(run, loaded["optimizer"])
+        report = convert_loaded_state_(
+            loaded["optimizer"], run.optimizer.get_parameters(), source, _converted_strategy(run),
+            source_label=STOCK if from_stock else None,
+        )
         for line in _agreed_lines(report):
             _say(line)
     run.optimizer.load_state_dict(loaded["optimizer"])
@@ -519,13 +527,30 @@ def _converted_strategy(run):
     return getattr(inner, "strategy", None)
 
 
+def _as_project_state_(run, optimizer_state: dict) -> None:
+    """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
+    common part under ``optimizer``: the shared step, its parameter groups) in the form of the run's
+    optimizer: the step as an int under ``common_step``, the run's own parameter groups (their
+    learning rates are the scheduler's) and ``lowprec`` section."""
+    stock = optimizer_state.pop("optimizer")
+    optimizer_state["state"]["common_step"] = int(stock["state"]["common_step"])
+    optimizer_state["param_groups"] = [
+        {**{key: value for key, value in group.items() if key != "params"}, "params": loaded["params"]}
+        for group, loaded in zip(run.optimizer.param_groups, optimizer_state["param_groups"])
+    ]
+    optimizer_state["lowprec"] = {
+        "skipped_steps": 0, "seed": run.optimizer.optimizer.seed - getattr(run.optimizer, "seed_offset", 0),
+        "generator_state": None,
+    }
+
+
 def _conversion_source(run, path: Path, saved_option: str):
-    """The strategy that wrote ``path`` (``saved_option``) as the run's optimizer keeps it; a
-    :class:`ResumeError` where the conversion cannot be made (a checkpoint of megatron-core's own
-    optimizer, or a run of another optimizer than the project's AdamW)."""
+    """The strategy that wrote ``path`` (``saved_option``; megatron-core's own optimizer: option D's
+    formats) as the run's optimizer keeps it; a :class:`ResumeError` where the conversion cannot be
+    made (a run of another optimizer than the project's AdamW)."""
     target = _converted_strategy(run)
     try:
-        saved = get_strategy(saved_option)
+        saved = get_strategy("D" if saved_option == STOCK_OPTIMIZER_LABEL else saved_option)
     except ValueError:
         saved = None
     if target is None or saved is None or run.config.optimizer.name != "adamw":

@@ -31,13 +31,16 @@ def _saved_dtypes(checkpoint: Path) -> dict[str, str]:
     return {key: dtypes.pop() for key, dtypes in found.items()}
 
 
-def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_path, cache_dir):
+def test_checkpoints_of_option_d_and_of_megatron_core_resume_converted_and_train_on(tmp_path, cache_dir):
     """D for 2 steps (saved), then: D straight on to step 4; coat without the setting (one line, the
     checkpoint untouched); coat with it, whose FP32 masters carry over exactly (the conversion says
     so per state kind) and whose losses stay within 1% of D's continuation; D-BF16 with it, whose
     masters carry over exactly too. The converted runs save each state at its own precision: FP8
-    codes (as uint8) beside FP32 scales and exponents, BF16 moments as BF16."""
-    straight, refused, converted, bf16 = (tmp_path / name for name in ("straight", "refused", "converted", "bf16"))
+    codes (as uint8) beside FP32 scales and exponents, BF16 moments as BF16. A checkpoint of
+    megatron-core's own optimizer (``baseline=megatron``) resumes converted into B, within 1% of its
+    own continuation."""
+    straight, refused, converted, bf16, stock, from_stock = (
+        tmp_path / name for name in ("straight", "refused", "converted", "bf16", "stock", "from_stock"))
     steps = [
         {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=2", "trainer.save=true")},
         {"copy": [str(straight), str(refused)]},
@@ -49,10 +52,16 @@ def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_
                             "precision.convert_checkpoint=true", "trainer.save=true")},
         {"overrides": _tiny(cache_dir, bf16, "precision=D-BF16", "trainer.max_steps=3", "resume=true",
                             "precision.convert_checkpoint=true", "trainer.save=true")},
+        {"overrides": _tiny(cache_dir, stock, "baseline=megatron", "trainer.max_steps=1", "trainer.save=true")},
+        {"copy": [str(stock), str(from_stock)]},
+        {"overrides": _tiny(cache_dir, stock, "baseline=megatron", "trainer.max_steps=3", "resume=true")},
+        {"overrides": _tiny(cache_dir, from_stock, "precision=B", "trainer.max_steps=3", "resume=true",
+                            "precision.convert_checkpoint=true")},
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    _, continued, refusal, conversion, _ = run_ranks(WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=400)[0]
+    _, continued, refusal, conversion, _, _, stock_continued, stock_converted = run_ranks(
+        WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=600)[0]
     assert refusal["error"].endswith(
         "was trained with option 'D', not 'coat'; precision.convert_checkpoint=true converts its optimizer state to this option")
     assert refusal["latest"] == "iter_0000002"
@@ -76,3 +85,10 @@ def test_a_checkpoint_of_option_d_resumes_converted_into_coat_and_trains_on(tmp_
                                       ("expansion_exponent", "torch.float32"))}}
     assert _saved_dtypes(bf16 / "checkpoints" / "iter_0000003") == {
         "master": "torch.float32", "exp_avg": "torch.bfloat16", "exp_avg_sq": "torch.bfloat16"}
+
+    stock_lines = [line for line in log.splitlines() if "converted stock -> B:" in line]
+    assert [line.split(": ")[2] for line in stock_lines] == ["value", "exp_avg", "exp_avg_sq"], log[-3000:]
+    assert "FP32 master (fp32) -> BF16 pair (θ, δθ)" in stock_lines[0]
+    assert [row["step"] for row in stock_converted["train_rows"]][-2:] == [2, 3]
+    assert [row["loss"] for row in stock_converted["train_rows"]][-2:] == pytest.approx(
+        [row["loss"] for row in stock_continued["train_rows"]][-2:], rel=1e-2)
