@@ -22,8 +22,11 @@ checkpoint in charge. On resume every rank checksums its share of the files agai
 without the marker, with a file missing, of another size or another checksum than the marker says,
 or one that fails to load (any exception of the checkpoint library, ``BaseException`` subclasses
 included) is named in one line with the file and the previous one is tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
-pointed back at the first intact one before it is loaded. A checkpoint written with another option, or with
-another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
+pointed back at the first intact one before it is loaded. A checkpoint written with another option
+(or megatron-core's own optimizer) is read with that option's state keys and converted by meaning
+into this run's where ``precision.convert_checkpoint`` asks for it
+(:func:`~megatron_lowprec.megatron.optimizer.convert_loaded_state_`). A checkpoint written with
+another option without that setting, or with another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
 ``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
 run with :class:`ResumeError`.
 """
