@@ -43,7 +43,7 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron import compat
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
@@ -57,14 +57,19 @@ from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SET
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
+from megatron_lowprec.optim.convert import STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
 
-    def __init__(self, optimizer: AdamW | Muon, config: OptimizerConfig, seed_offset: int = 0) -> None:
+    def __init__(
+        self, optimizer: AdamW | Muon, config: OptimizerConfig, seed_offset: int = 0, convert_checkpoint: bool = False
+    ) -> None:
         super().__init__(optimizer, config, init_state_fn=lambda optimizer, config: None)
         self._grad_dtypes: dict[torch.nn.Parameter, torch.dtype | None] = {}
         self.seed_offset = seed_offset
+        self.convert_checkpoint = convert_checkpoint
+        """:meth:`load_state_dict` converts the state of another option (:func:`convert_loaded_state_`)."""
 
     def state_dict(self):
         """The AdamW state dict with the run's SR seed, without this rank's offset
@@ -173,8 +178,20 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """A :meth:`state_dict`, or what ``dist_checkpointing.load`` returned for
         :meth:`sharded_state_dict` (FP8 states per element, restored into the groups; the FP32
-        master into its storage by :meth:`AdamW.load_state_dict`)."""
+        master into its storage by :meth:`AdamW.load_state_dict`). A state dict of another option is
+        converted into this one where :attr:`convert_checkpoint` is set (the parameters with it: load
+        the model first), else refused with ``ValueError`` in one line."""
         params = self.get_parameters()
+        saved_option = (state_dict.get("lowprec") or {}).get("option")
+        if saved_option is not None and saved_option != self.optimizer.strategy.name:
+            if not self.convert_checkpoint:
+                raise ValueError(
+                    f"the optimizer state was saved with option {saved_option!r}, this optimizer runs "
+                    f"{self.optimizer.strategy.name!r}; build_optimizer(..., convert_checkpoint=True) converts it"
+                )
+            source = as_shaped_like(get_strategy(saved_option), self.optimizer.strategy)
+            for line in convert_loaded_state_(state_dict, params, source, self.optimizer.strategy).lines():
+                print(f"megatron-lowprec: {line}", flush=True)
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
@@ -336,6 +353,66 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         """The state dict that :meth:`save_state_dict_to_file` wrote on this rank, unpickled with
         ``weights_only=True``: a checkpoint holds tensors and plain containers, never code to run."""
         self.load_state_dict(load_tensors_only(filename))
+
+
+def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrategy, stock: bool = False) -> dict:
+    """An optimizer's sharded state dict for loading (``sharded_state_dict(..., is_loading=True)``)
+    with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
+    (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
+    shape, under ``optimizer.state.<key>.<parameter key>``): what ``dist_checkpointing.load`` reads
+    a checkpoint of another option with, before :func:`convert_loaded_state_`. ``stock``: megatron-core's
+    own optimizer wrote it, its FP32 master under
+    :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats)."""
+    renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if stock else {}
+    states = {}
+    for index, entry in sharded_optimizer_state["state"].items():
+        tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
+        if not tensors:
+            states[index] = entry
+            continue
+        like = tensors[0]
+        model_key = like.key.split(".", 3)[3]
+        param_dtype = like.data.dtype if like.data.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        states[index] = {
+            **{key: value for key, value in entry.items() if not hasattr(value, "key")},
+            **{
+                renamed.get(key, key): dataclasses.replace(
+                    like, key=f"optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
+                    data=torch.empty(like.data.shape, dtype=dtype, device=like.data.device),
+                )
+                for key, dtype in checkpoint_dtypes(source, param_dtype).items()
+            },
+        }
+    return {**sharded_optimizer_state, "state": states}
+
+
+@torch.no_grad()
+def convert_loaded_state_(
+    state_dict: dict, params: list[torch.nn.Parameter], source: PrecisionStrategy, target: PrecisionStrategy,
+    source_label: str | None = None,
+) -> ConversionReport:
+    """Carry an optimizer state dict of ``source`` (either form: a :meth:`LowPrecisionOptimizer.state_dict`
+    or what ``dist_checkpointing`` loaded) into ``target``'s checkpoint form in place, and ``params``
+    (indexed as the state dict's entries, holding the saved model's values) with it
+    (:func:`~megatron_lowprec.optim.convert.convert_entry`); the ``lowprec`` section then names
+    ``target``. The report says per state kind what was converted and its largest error, naming the
+    source ``source_label`` (default: its option)."""
+    report = ConversionReport(source, target, source_label)
+    for index, entry in state_dict["state"].items():
+        if index == "common_step" or not any(torch.is_tensor(value) for value in entry.values()):
+            continue
+        param = params[index]
+        new_param, new_state, errors = convert_entry(source, target, param.detach(), entry)
+        report.add(param, errors)
+        tensors = {key: value.reshape(-1) for key, value in new_state.items() if torch.is_tensor(value)}
+        form = checkpoint_state(tensors, param.numel(), target, param=new_param.reshape(-1))
+        state_dict["state"][index] = {
+            **{key: value for key, value in entry.items() if not torch.is_tensor(value)},
+            **{key: value.view(param.shape) for key, value in form.items()},
+        }
+        param.copy_(new_param)
+    state_dict.setdefault("lowprec", {}).update(option=target.name, master_storage=target.master_storage)
+    return report
 
 
 def load_tensors_only(filename: str) -> Any:
@@ -631,6 +708,7 @@ def build_optimizer(
     background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
+    convert_checkpoint: bool = False,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
 
@@ -643,6 +721,11 @@ def build_optimizer(
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
     The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality`` and
     ``master_storage`` override the config's ``lowprec_*`` settings in either form.
+    ``convert_checkpoint=True`` lets the optimizer's ``load_state_dict`` take the state of another
+    option, converted into this one by its meaning (:mod:`megatron_lowprec.optim.convert`; load the
+    model's state first); for ``dist_checkpointing``, read such a checkpoint with
+    :func:`saved_option_template`. It applies to the AdamW optimizer (not Muon, not megatron's
+    distributed optimizer: ``ValueError``).
 
     Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
     installed megatron-core (:func:`~megatron_lowprec.megatron.compat.param_groups`): with
@@ -713,6 +796,11 @@ def build_optimizer(
         for group in megatron_groups
         if group["params"]
     ]
+    if convert_checkpoint and (config.use_distributed_optimizer or config.optimizer == "muon"):
+        raise ValueError(
+            "convert_checkpoint=True converts into the AdamW optimizer (use_distributed_optimizer=False, optimizer='adam'); "
+            "lowprec-train's precision.convert_checkpoint converts into the others"
+        )
     if config.use_distributed_optimizer:
         return build_distributed_optimizer(
             strategy, model_chunks, config, groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
@@ -722,7 +810,9 @@ def build_optimizer(
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
         return _build_muon(config, strategy, model_chunks, groups, seed_offset, layer_wise)
-    return LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset)
+    return LowPrecisionOptimizer(
+        _adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset, convert_checkpoint
+    )
 
 
 def _adamw(

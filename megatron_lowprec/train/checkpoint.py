@@ -22,8 +22,11 @@ checkpoint in charge. On resume every rank checksums its share of the files agai
 without the marker, with a file missing, of another size or another checksum than the marker says,
 or one that fails to load (any exception of the checkpoint library, ``BaseException`` subclasses
 included) is named in one line with the file and the previous one is tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
-pointed back at the first intact one before it is loaded. A checkpoint written with another option, or with
-another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
+pointed back at the first intact one before it is loaded. A checkpoint written with another option
+(or megatron-core's own optimizer) is read with that option's state keys and converted by meaning
+into this run's where ``precision.convert_checkpoint`` asks for it
+(:func:`~megatron_lowprec.megatron.optimizer.convert_loaded_state_`). A checkpoint written with
+another option without that setting, or with another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
 ``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
 run with :class:`ResumeError`.
 """
@@ -46,7 +49,11 @@ from pathlib import Path
 import numpy
 import torch
 
-from megatron_lowprec.train.config import RESUME_CHANGEABLE, ConfigError, option_label, run_shape
+from megatron_lowprec.optim.convert import STOCK, as_shaped_like
+from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.train.config import (
+    RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
+)
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete.json"
@@ -476,20 +483,96 @@ def load(run, path: Path) -> None:
 
     common = _read_on_every_rank(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     option = option_label(run.config.precision)
+    source = None
     if common["option"] != option:
-        raise ResumeError(f"{path} was trained with option {common['option']!r}, not {option!r}")
+        if not run.config.precision.convert_checkpoint:
+            raise ResumeError(
+                f"{path} was trained with option {common['option']!r}, not {option!r}; "
+                "precision.convert_checkpoint=true converts its optimizer state to this option"
+            )
+        source = _conversion_source(run, path, common["option"])
     _check_shape(run, path, common.get("shape"))
     _check_schedule(run, path, common["scheduler"])
-    loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(_sharded_state(run, is_loading=True), str(path)))
+    template = _sharded_state(run, is_loading=True)
+    from_stock = common["option"] == STOCK_OPTIMIZER_LABEL
+    if source is not None:
+        from megatron_lowprec.megatron.optimizer import saved_option_template
+
+        template["optimizer"] = saved_option_template(template["optimizer"], source, stock=from_stock)
+    loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
     same_layout = loaded["layout"] == _layout()
     rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
     per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
+    if source is not None:
+        from megatron_lowprec.megatron.optimizer import convert_loaded_state_
+
+        if from_stock:
+            _as_project_state_(run, loaded["optimizer"])
+        report = convert_loaded_state_(
+            loaded["optimizer"], run.optimizer.get_parameters(), source, _converted_strategy(run),
+            source_label=STOCK if from_stock else None,
+        )
+        for line in _agreed_lines(report):
+            _say(line)
     run.optimizer.load_state_dict(loaded["optimizer"])
+    if source is not None and hasattr(run.optimizer, "_sync_params"):
+        run.optimizer._sync_params()  # the converted parameters of the shards' owners reach every replica
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:
         _set_rng_states(per_rank["rng"])
+
+
+def _converted_strategy(run):
+    """The strategy of the project's one (unchained) optimizer of ``run``, or ``None``."""
+    inner = getattr(run.optimizer, "optimizer", None)
+    return getattr(inner, "strategy", None)
+
+
+def _as_project_state_(run, optimizer_state: dict) -> None:
+    """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
+    common part under ``optimizer``: the shared step, its parameter groups) in the form of the run's
+    optimizer: the step as an int under ``common_step``, the run's own parameter groups (their
+    learning rates are the scheduler's) and ``lowprec`` section."""
+    stock = optimizer_state.pop("optimizer")
+    optimizer_state["state"]["common_step"] = int(stock["state"]["common_step"])
+    optimizer_state["param_groups"] = [
+        {**{key: value for key, value in group.items() if key != "params"}, "params": loaded["params"]}
+        for group, loaded in zip(run.optimizer.param_groups, optimizer_state["param_groups"])
+    ]
+    optimizer_state["lowprec"] = {
+        "skipped_steps": 0, "seed": run.optimizer.optimizer.seed - getattr(run.optimizer, "seed_offset", 0),
+        "generator_state": None,
+    }
+
+
+def _conversion_source(run, path: Path, saved_option: str):
+    """The strategy that wrote ``path`` (``saved_option``; megatron-core's own optimizer: option D's
+    formats) as the run's optimizer keeps it; a :class:`ResumeError` where the conversion cannot be
+    made (a run of another optimizer than the project's AdamW)."""
+    target = _converted_strategy(run)
+    try:
+        saved = get_strategy("D" if saved_option == STOCK_OPTIMIZER_LABEL else saved_option)
+    except ValueError:
+        saved = None
+    if target is None or saved is None or run.config.optimizer.name != "adamw":
+        raise ResumeError(
+            f"{path} was trained with option {saved_option!r}; precision.convert_checkpoint converts the state of "
+            f"this package's AdamW between its options, and this run (optimizer {run.config.optimizer.name}, option "
+            f"{option_label(run.config.precision)}) or that checkpoint is not one: resume with the option it was trained with"
+        )
+    return as_shaped_like(saved, target)
+
+
+def _agreed_lines(report) -> list[str]:
+    """The report's lines (rank 0's elements) with each kind's largest error over every rank (collective)."""
+    errors = {kind: report.largest_error for kind, report in report.kinds.items()}
+    gathered: list[dict | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, errors)
+    for kind, kind_report in report.kinds.items():
+        kind_report.largest_error = max(found.get(kind, 0.0) for found in gathered)
+    return report.lines()
 
 
 def _problem_on_any_rank(path: Path) -> str | None:

@@ -106,6 +106,11 @@ class PrecisionConfig:
     """How an option with an FP32 master (D, coat, D-BF16) stores it: ``fp32`` (whole, 4 bytes) or
     ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,
     the same masters bit for bit); ``None``: the option's own (``D-BF16``: remainder)."""
+    convert_checkpoint: bool = False
+    """Resume from a checkpoint written with another option, or with megatron-core's own optimizer
+    (``baseline=megatron``): its optimizer state is carried by its meaning into this option's formats (exactly where they represent it, else correctly rounded;
+    :mod:`megatron_lowprec.optim.convert`), one line per state kind saying its largest error.
+    ``false``: such a checkpoint stops the run with one line."""
     fused: Optional[bool] = None
     """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
     background_compile: bool = True
