@@ -15,10 +15,24 @@
  * the rest, in [-1/2, 1/2] with G fractional bits (the bits of the rest + 1.5 * 2^12). Wider blocks
  * take floor(t / 2^G) digit by digit. Every per-value quantity is summed as the integer its bits
  * hold, so the sums are exact in any order (and vectorize); each block's local digit sums, below
- * 2^(G + 10), are then shifted to their place among the global digits in integers. */
+ * 2^(G + 10), are then shifted to their place among the global digits in integers.
+ *
+ * Where the CPU multiplies 52-bit integers (AVX-512 IFMA), a block whose exponents span at most
+ * 52 - W binades (W the significand's bits: 24 for float32, 8 for bfloat16) takes a shorter path:
+ * a = |x| * 2^(150 - lowest - (24 - W)) is an integer below 2^52, written into the low 52 bits of
+ * a + 2^52 by one fused multiply-add, and u = a^2 * 2^(2 lowest - 2 + 2 (24 - W)) whose 104-bit
+ * product's low and high 52 bits the IFMA instructions add into two integer sums (below 2^62 per
+ * block). Integer sums again: the same digits as the other paths, in any order. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512IFMA__)
+#include <immintrin.h>
+#define PRODUCT_PATH 1
+#define PRODUCT_LANES 4 /* accumulators of each half of the product: IFMA's latency hidden */
+#else
+#define PRODUCT_PATH 0
+#endif
 
 #define DIGITS 15
 #define DIGIT_BITS 40
@@ -46,6 +60,22 @@ static void add_at(int64_t total, int position, int64_t *sums) {
     int64_t parts[3] = {(total & (DIGIT_MASK >> shift)) << shift, rest & DIGIT_MASK, rest >> DIGIT_BITS};
     for (int part = 0; part < 3; part++)
         if (parts[part]) sums[digit + part] += parts[part];
+}
+
+/* Adds total * 2^position (0 <= total < 2^63) to the global digit sums. */
+static void add_wide_at(uint64_t total, int position, int64_t *sums) {
+    int digit = position / DIGIT_BITS;
+    unsigned __int128 shifted = (unsigned __int128)total << (position % DIGIT_BITS);
+    for (int part = 0; part < 3 && shifted; part++, shifted >>= DIGIT_BITS)
+        sums[digit + part] += (int64_t)(shifted & DIGIT_MASK);
+}
+
+/* 2^exponent for -1022 <= exponent <= 1023, without a call into the math library. */
+static inline double power_of_two(int exponent) {
+    uint64_t bits = (uint64_t)(exponent + 1023) << 52;
+    double value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 static inline uint64_t bits_of(double value) {
@@ -84,9 +114,41 @@ static inline void add_two_digits(const uint32_t *bits, double scale, int checke
     add_at(high + borrow, base + DIGIT_BITS, sums);
 }
 
+#if PRODUCT_PATH
+/* The IFMA path (see the top of this file) for a block of finite values whose exponents lie in
+ * [lowest, lowest + 52 - significand_bits]. */
+static void add_products(const uint32_t *bits, int lowest, int significand_bits, int64_t *sums) {
+    const __m512i magnitude_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512d scale = _mm512_set1_pd(power_of_two(150 - lowest - (24 - significand_bits)));
+    const __m512d offset = _mm512_set1_pd(INTEGER_OFFSET);
+    __m512i low[PRODUCT_LANES], high[PRODUCT_LANES];
+    for (int lane = 0; lane < PRODUCT_LANES; lane++) low[lane] = high[lane] = _mm512_setzero_si512();
+    for (int i = 0; i < BLOCK; i += 8 * PRODUCT_LANES) {
+        for (int pair = 0; pair < PRODUCT_LANES; pair += 2) {
+            __m512i magnitudes = _mm512_and_si512(_mm512_loadu_si512(bits + i + 8 * pair), magnitude_mask);
+            __m512 values = _mm512_castsi512_ps(magnitudes);
+            __m512d halves[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(values)),
+                                 _mm512_cvtps_pd(_mm512_extractf32x8_ps(values, 1))};
+            for (int half = 0; half < 2; half++) {
+                __m512i integer = _mm512_castpd_si512(_mm512_fmadd_pd(halves[half], scale, offset));
+                low[pair + half] = _mm512_madd52lo_epu64(low[pair + half], integer, integer);
+                high[pair + half] = _mm512_madd52hi_epu64(high[pair + half], integer, integer);
+            }
+        }
+    }
+    for (int lane = 1; lane < PRODUCT_LANES; lane++) {
+        low[0] = _mm512_add_epi64(low[0], low[lane]);
+        high[0] = _mm512_add_epi64(high[0], high[lane]);
+    }
+    int base = 2 * lowest - 2 + 2 * (24 - significand_bits);
+    add_wide_at((uint64_t)_mm512_reduce_add_epi64(low[0]), base, sums);
+    add_wide_at((uint64_t)_mm512_reduce_add_epi64(high[0]), base + 52, sums);
+}
+#endif
+
 /* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
  * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
-static void add_block(const uint32_t *bits, int64_t *sums) {
+static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums) {
     /* The largest magnitude, and the smallest nonzero one less 1 (zeros wrap above every other). */
     uint32_t top = 0, bottom = 0xffffffffu;
     for (int i = 0; i < BLOCK; i++) {
@@ -110,9 +172,15 @@ static void add_block(const uint32_t *bits, int64_t *sums) {
     if (top == 0) return;
     int highest = top >> 23 > 1 ? (int)(top >> 23) : 1;
     int lowest = (bottom + 1) >> 23 > 1 ? (int)((bottom + 1) >> 23) : 1;
+#if PRODUCT_PATH
+    if (!non_finite && highest - lowest <= 52 - significand_bits) {
+        add_products(bits, lowest, significand_bits, sums);
+        return;
+    }
+#endif
     int base = 2 * lowest - 2;
     int local_digits = (2 * (highest - lowest) + 48 + DIGIT_BITS - 1) / DIGIT_BITS;
-    double scale = ldexp(1.0, SCALE_EXPONENT - base);
+    double scale = power_of_two(SCALE_EXPONENT - base);
     if (local_digits <= 2) {
         if (non_finite)
             add_two_digits(bits, scale / DIGIT_SCALE, 1, base, sums);
@@ -153,7 +221,7 @@ static void add_values(const void *values, int width, int64_t count, int64_t *su
         if (start + (PREFETCH_BLOCKS + 1) * BLOCK <= count)
             for (int byte = 0; byte < BLOCK * width; byte += 64)
                 __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + byte);
-        add_block(bits, sums);
+        add_block(bits, width == 2 ? 8 : 24, sums);
         if (++blocks % CARRY_BLOCKS == 0) carry(sums);
     }
     carry(sums);

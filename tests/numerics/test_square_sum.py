@@ -176,6 +176,38 @@ def test_many_partial_sums_are_carried_before_they_could_overflow(monkeypatch):
     assert torch.equal(square_sum_bins([values[:1000], values[1000:]], torch.device("cpu")), kernel)
 
 
+
+def blocks_of_binades(lowest: int, span: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Two 1024-value blocks of ``dtype`` (signed; zeros among them) whose biased exponents fill
+    [lowest, lowest + span], each block holding both ends with an all-ones significand (0 is subnormal;
+    bfloat16's values truncated from float32's)."""
+    exponents = torch.randint(lowest, lowest + span + 1, (2048,), generator=generator)
+    significands = torch.randint(0, 1 << 23, (2048,), generator=generator)
+    for end in (0, 1024):
+        exponents[end : end + 2] = torch.tensor([lowest, lowest + span])
+        significands[end : end + 2] = (1 << 23) - 1
+    signs = torch.randint(0, 2, (2048,), generator=generator) << 31
+    bits = (signs | (exponents << 23) | significands) & (-1 << (16 if dtype == torch.bfloat16 else 0))
+    values = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    values[100:110] = 0.0
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("place", ["subnormal", "normal", "middle", "top"])
+@pytest.mark.parametrize("span", [0, 16, 17, 28, 29, 44, 45])
+def test_blocks_at_the_edges_of_the_kernels_paths_are_exact(dtype, place, span):
+    """Blocks whose exponents span exactly the C kernel's path bounds (16 binades for two 40-bit
+    digits; 28 for float32 and 44 for bfloat16 in the 52-bit products), or one more, at the
+    subnormals, the middle and the top of the range: Python's integer sums, in any split or order."""
+    lowest = {"subnormal": 0, "normal": 1, "middle": 120, "top": 254 - span}[place]
+    values = blocks_of_binades(lowest, span, dtype, torch.Generator().manual_seed(lowest * 100 + span))
+    exact = sum(int(Fraction(x) ** 2 * 2**square_sum.SCALE_EXPONENT) for x in values.double().tolist())
+    for split in ([values], [values[:1111], values[1111:]], [values.flip(0)]):
+        sums = square_sum_bins(split, torch.device("cpu")).tolist()
+        assert sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS])) == exact
+
+
 EAGER_CUDA_DIGIT_SUMS = (square_sum._windowed_digit_sums, square_sum._torch_digit_sums)
 
 
