@@ -62,14 +62,6 @@ static void add_at(int64_t total, int position, int64_t *sums) {
         if (parts[part]) sums[digit + part] += parts[part];
 }
 
-/* Adds total * 2^position (0 <= total < 2^63) to the global digit sums. */
-static void add_wide_at(uint64_t total, int position, int64_t *sums) {
-    int digit = position / DIGIT_BITS;
-    unsigned __int128 shifted = (unsigned __int128)total << (position % DIGIT_BITS);
-    for (int part = 0; part < 3 && shifted; part++, shifted >>= DIGIT_BITS)
-        sums[digit + part] += (int64_t)(shifted & DIGIT_MASK);
-}
-
 /* 2^exponent for -1022 <= exponent <= 1023, without a call into the math library. */
 static inline double power_of_two(int exponent) {
     uint64_t bits = (uint64_t)(exponent + 1023) << 52;
@@ -115,17 +107,30 @@ static inline void add_two_digits(const uint32_t *bits, double scale, int checke
 }
 
 #if PRODUCT_PATH
-/* The IFMA path (see the top of this file) for a block of finite values whose exponents lie in
- * [lowest, lowest + 52 - significand_bits]. */
-static void add_products(const uint32_t *bits, int lowest, int significand_bits, int64_t *sums) {
-    const __m512i magnitude_mask = _mm512_set1_epi32(0x7fffffff);
+/* Adds total * 2^position (0 <= total < 2^63) to the global digit sums. */
+static void add_wide_at(uint64_t total, int position, int64_t *sums) {
+    int digit = position / DIGIT_BITS;
+    unsigned __int128 shifted = (unsigned __int128)total << (position % DIGIT_BITS);
+    for (int part = 0; part < 3 && shifted; part++, shifted >>= DIGIT_BITS)
+        sums[digit + part] += (int64_t)(shifted & DIGIT_MASK);
+}
+
+/* The IFMA path (see the top of this file) for a block whose values' exponents lie in [lowest,
+ * lowest + 52 - significand_bits], which the same pass checks (their largest and smallest nonzero
+ * magnitudes): returns 1 where they do, with the block's sums added, and 0, adding nothing, where a
+ * value lies outside or is not finite. */
+static int add_products(const uint32_t *bits, int lowest, int significand_bits, int64_t *sums) {
+    const __m512i magnitude_mask = _mm512_set1_epi32(0x7fffffff), ones = _mm512_set1_epi32(1);
     const __m512d scale = _mm512_set1_pd(power_of_two(150 - lowest - (24 - significand_bits)));
     const __m512d offset = _mm512_set1_pd(INTEGER_OFFSET);
+    __m512i top = _mm512_setzero_si512(), bottom = _mm512_set1_epi32(-1);
     __m512i low[PRODUCT_LANES], high[PRODUCT_LANES];
     for (int lane = 0; lane < PRODUCT_LANES; lane++) low[lane] = high[lane] = _mm512_setzero_si512();
     for (int i = 0; i < BLOCK; i += 8 * PRODUCT_LANES) {
         for (int pair = 0; pair < PRODUCT_LANES; pair += 2) {
             __m512i magnitudes = _mm512_and_si512(_mm512_loadu_si512(bits + i + 8 * pair), magnitude_mask);
+            top = _mm512_max_epu32(top, magnitudes);
+            bottom = _mm512_min_epu32(bottom, _mm512_sub_epi32(magnitudes, ones));
             __m512 values = _mm512_castsi512_ps(magnitudes);
             __m512d halves[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(values)),
                                  _mm512_cvtps_pd(_mm512_extractf32x8_ps(values, 1))};
@@ -136,6 +141,10 @@ static void add_products(const uint32_t *bits, int lowest, int significand_bits,
             }
         }
     }
+    uint32_t largest = _mm512_reduce_max_epu32(top), smallest = _mm512_reduce_min_epu32(bottom) + 1;
+    int highest = largest >> 23 > 1 ? (int)(largest >> 23) : 1;
+    int below = smallest != 0 && (smallest >> 23 > 1 ? (int)(smallest >> 23) : 1) < lowest;
+    if (largest >= EXPONENT_BITS || highest > lowest + 52 - significand_bits || below) return 0;
     for (int lane = 1; lane < PRODUCT_LANES; lane++) {
         low[0] = _mm512_add_epi64(low[0], low[lane]);
         high[0] = _mm512_add_epi64(high[0], high[lane]);
@@ -143,12 +152,14 @@ static void add_products(const uint32_t *bits, int lowest, int significand_bits,
     int base = 2 * lowest - 2 + 2 * (24 - significand_bits);
     add_wide_at((uint64_t)_mm512_reduce_add_epi64(low[0]), base, sums);
     add_wide_at((uint64_t)_mm512_reduce_add_epi64(high[0]), base + 52, sums);
+    return 1;
 }
 #endif
 
 /* Adds the digit sums of BLOCK float32 bit patterns to sums[0..DIGITS-1], their count of non-finite
- * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. */
-static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums) {
+ * values to sums[DIGITS] and of NaNs to sums[DIGITS + 1]. Returns the exponent of the largest value
+ * where the IFMA path summed the block, else 0. */
+static int add_block(const uint32_t *bits, int significand_bits, int64_t *sums) {
     /* The largest magnitude, and the smallest nonzero one less 1 (zeros wrap above every other). */
     uint32_t top = 0, bottom = 0xffffffffu;
     for (int i = 0; i < BLOCK; i++) {
@@ -169,14 +180,14 @@ static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums)
             bottom = magnitude - 1 < bottom ? magnitude - 1 : bottom;
         }
     }
-    if (top == 0) return;
+    if (top == 0) return 0;
     int highest = top >> 23 > 1 ? (int)(top >> 23) : 1;
     int lowest = (bottom + 1) >> 23 > 1 ? (int)((bottom + 1) >> 23) : 1;
 #if PRODUCT_PATH
-    if (!non_finite && highest - lowest <= 52 - significand_bits) {
-        add_products(bits, lowest, significand_bits, sums);
-        return;
-    }
+    if (!non_finite && highest - lowest <= 52 - significand_bits && add_products(bits, lowest, significand_bits, sums))
+        return highest;
+#else
+    (void)significand_bits;
 #endif
     int base = 2 * lowest - 2;
     int local_digits = (2 * (highest - lowest) + 48 + DIGIT_BITS - 1) / DIGIT_BITS;
@@ -186,7 +197,7 @@ static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums)
             add_two_digits(bits, scale / DIGIT_SCALE, 1, base, sums);
         else
             add_two_digits(bits, scale / DIGIT_SCALE, 0, base, sums);
-        return;
+        return 0;
     }
     double rests[BLOCK];
     for (int i = 0; i < BLOCK; i++) rests[i] = scaled_square(bits[i], scale, 1);
@@ -199,6 +210,7 @@ static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums)
         }
         add_at(block_total(digits, INTEGER_OFFSET), base + DIGIT_BITS * local, sums);
     }
+    return 0;
 }
 
 /* Adds the digit sums and counts of count values to sums: float32 bit patterns (width 4) or
@@ -206,6 +218,12 @@ static void add_block(const uint32_t *bits, int significand_bits, int64_t *sums)
 static void add_values(const void *values, int width, int64_t count, int64_t *sums) {
     uint32_t block[BLOCK];
     int64_t blocks = 0;
+    /* The IFMA path's lowest exponent for the next block, from the last block that took it (its
+     * largest exponent one binade below the top of the window), or 0: gradients' blocks mostly
+     * share their range, and the pass checks it (add_products). */
+#if PRODUCT_PATH
+    int lowest_guess = 0;
+#endif
     for (int64_t start = 0; start < count; start += BLOCK) {
         int64_t length = count - start < BLOCK ? count - start : BLOCK;
         const uint32_t *bits = block;
@@ -221,7 +239,18 @@ static void add_values(const void *values, int width, int64_t count, int64_t *su
         if (start + (PREFETCH_BLOCKS + 1) * BLOCK <= count)
             for (int byte = 0; byte < BLOCK * width; byte += 64)
                 __builtin_prefetch((const char *)values + (start + PREFETCH_BLOCKS * BLOCK) * width + byte);
-        add_block(bits, width == 2 ? 8 : 24, sums);
+        int significand_bits = width == 2 ? 8 : 24;
+#if PRODUCT_PATH
+        if (lowest_guess && add_products(bits, lowest_guess, significand_bits, sums)) {
+            if (++blocks % CARRY_BLOCKS == 0) carry(sums);
+            continue;
+        }
+        int highest = add_block(bits, significand_bits, sums);
+        int window_bottom = highest + 1 - (52 - significand_bits);
+        lowest_guess = highest == 0 ? 0 : window_bottom > 1 ? window_bottom : 1;
+#else
+        add_block(bits, significand_bits, sums);
+#endif
         if (++blocks % CARRY_BLOCKS == 0) carry(sums);
     }
     carry(sums);

@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import platform
 from fractions import Fraction
 
 import pytest
@@ -193,18 +194,35 @@ def blocks_of_binades(lowest: int, span: int, dtype: torch.dtype, generator: tor
     return values.to(dtype)
 
 
+@pytest.fixture(scope="module")
+def kernels_without_ifma():
+    """The C kernel built without AVX-512 IFMA on x86 (its two-digit and digit-by-digit paths only)."""
+    default = square_sum.COMPILER_FLAGS
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    square_sum.COMPILER_FLAGS = (*default, "-mno-avx512ifma") if x86 else default
+    square_sum._cpu_kernel.cache_clear()
+    try:
+        yield square_sum._cpu_kernel()
+    finally:
+        square_sum.COMPILER_FLAGS = default
+        square_sum._cpu_kernel.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("place", ["subnormal", "normal", "middle", "top"])
 @pytest.mark.parametrize("span", [0, 16, 17, 28, 29, 44, 45])
-def test_blocks_at_the_edges_of_the_kernels_paths_are_exact(dtype, place, span):
+def test_blocks_at_the_edges_of_the_kernels_paths_are_exact(dtype, place, span, kernels_without_ifma):
     """Blocks whose exponents span exactly the C kernel's path bounds (16 binades for two 40-bit
     digits; 28 for float32 and 44 for bfloat16 in the 52-bit products), or one more, at the
-    subnormals, the middle and the top of the range: Python's integer sums, in any split or order."""
+    subnormals, the middle and the top of the range: Python's integer sums, in any split or order,
+    and from the kernel built without the 52-bit products."""
     lowest = {"subnormal": 0, "normal": 1, "middle": 120, "top": 254 - span}[place]
     values = blocks_of_binades(lowest, span, dtype, torch.Generator().manual_seed(lowest * 100 + span))
     exact = sum(int(Fraction(x) ** 2 * 2**square_sum.SCALE_EXPONENT) for x in values.double().tolist())
-    for split in ([values], [values[:1111], values[1111:]], [values.flip(0)]):
-        sums = square_sum_bins(split, torch.device("cpu")).tolist()
+    portable = torch.zeros(square_sum.DIGITS + 2, dtype=torch.int64)
+    kernels_without_ifma[dtype](values.data_ptr(), values.numel(), portable.data_ptr())
+    splits = ([values], [values[:1111], values[1111:]], [values.flip(0)])
+    for sums in [portable.tolist()] + [square_sum_bins(split, torch.device("cpu")).tolist() for split in splits]:
         assert sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS])) == exact
 
 
