@@ -46,11 +46,12 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
+from megatron_lowprec.megatron.layout import build_shard_bucket
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
 from megatron_lowprec.optim.adamw import AdamW, non_finite_flag
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_shard_bucket, elements_per_value
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.layouts import BucketGrads, Layout
 from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
@@ -173,7 +174,7 @@ class ShardPiece:
 @dataclass
 class Shard:
     """This rank's part of one megatron bucket: the owned range, its pieces, and their state in one
-    optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out in place in
+    optim bucket (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`: laid out in place in
     megatron's buffers, or packed)."""
 
     bucket: Any
@@ -243,7 +244,7 @@ def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: to
 class DistributedShards(Layout):
     """This rank's shards of megatron's DDP buffers as the layout an :class:`~megatron_lowprec.optim.AdamW`
     steps: per megatron bucket, the pieces of this rank's owned range (:func:`owned_bounds`) as the
-    entries of one optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out
+    entries of one optim bucket (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`: laid out
     in place in megatron's buffers where its layout allows, else packed rows), each entry's state
     flat, with the entries of every parameter group, each taking its group's scalars; a
     tensor-parallel replica's update counts in the update quality on tensor-parallel rank 0 only.

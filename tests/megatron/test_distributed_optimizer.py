@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
+from megatron_lowprec.megatron.layout import ROW
+from megatron_lowprec.optim.buckets import ALIGNMENT
 
 from .launch import run_ranks
 

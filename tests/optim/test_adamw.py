@@ -9,7 +9,8 @@ import torch
 
 from megatron_lowprec.numerics.rounding import StreamLayout, counter_random_bits
 from megatron_lowprec.optim import AdamW, get_strategy, state_keys, strategy_names
-from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, build_shard_bucket, elements_per_value
+from megatron_lowprec.megatron.layout import build_shard_bucket
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, elements_per_value
 from megatron_lowprec.optim.layouts import Layout
 
 from ..allocations import measure_allocations
