@@ -457,7 +457,7 @@ def _layout_bucket(
     strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int,
     device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
-    """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True)``):
+    """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True, buffer_row=ROW)``):
     whole parameters of ``shapes`` of parameter group ``group`` that stay in a DDP buffer as megatron
     lays out one rank's shard of it (each start padded to :data:`MEGATRON_PARAM_ALIGNMENT` elements,
     the padding zero), between :data:`LAYOUT_GAP` elements of other ranks' shards, laid out in place
