@@ -623,3 +623,8 @@ def test_option_d_steps_as_megatron_cores_muon(coefficient_type, scale_mode, nes
             assert momentum_difference <= (step + 1) * 2**-22 * largest_gradient, (step, momentum_difference)
             update, expected = state["master"] - master, reference.detach() - master
             assert (update - expected).norm() <= NEWTON_SCHULZ_INPUT_TOLERANCE * expected.norm(), step
+
+
+def test_a_buffer_row_that_is_not_a_power_of_two_dividing_the_alignment_is_refused():
+    with pytest.raises(ValueError, match=r"buffer_row=48: must be a power of two dividing 128, or None"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))], option="A", params_in_buffer=True, buffer_row=48)
