@@ -2,7 +2,7 @@
 
 For each option, the second half of a megatron-like DDP bucket (rank 1 of DP=2: parameters of two
 alternating parameter groups, each start padded to 64 elements as megatron pads them) is stepped as
-the distributed optimizer steps it (``optim/buckets.py: build_shard_bucket``, one compiled call over
+the distributed optimizer steps it (``megatron/layout.py: build_shard_bucket``, one compiled call over
 megatron's buffers in place), and the same elements as the plain optimizer steps them (a bucket per
 parameter group that owns its parameters and gradients). Their steps alternate, each time is the
 median of ``--repeats`` steps after ``--warmup``, and the ratio compares the two medians (lower is
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from megatron_lowprec.optim import available_strategies, get_strategy
-from megatron_lowprec.optim.buckets import build_bucket, build_shard_bucket
+from megatron_lowprec.megatron.layout import build_shard_bucket
+from megatron_lowprec.optim.buckets import build_bucket
 from megatron_lowprec.optim.fused import fused_bucket_step_
 
 HYPER = {

@@ -46,13 +46,15 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
+from megatron_lowprec.megatron.layout import build_shard_bucket
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout
-from megatron_lowprec.numerics.square_sum import norm_from_bins, square_sum_bins
+from megatron_lowprec.optim import statistics
 from megatron_lowprec.optim.adamw import AdamW, non_finite_flag
-from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_shard_bucket, elements_per_value
+from megatron_lowprec.optim.buckets import Bucket, BufferRows, elements_per_value
 from megatron_lowprec.optim.layouts import BucketGrads, Layout
 from megatron_lowprec.optim.master import reset_master_, stored_master
+from megatron_lowprec.optim.statistics import Reduce
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 
@@ -89,22 +91,22 @@ def megatron_sharding_api() -> tuple[type, type]:
     return Range, DistributedOptimizer
 
 
+def all_reduce_over(group: torch.distributed.ProcessGroup) -> Reduce:
+    """The :data:`~megatron_lowprec.optim.statistics.Reduce` of a megatron process group: an all-reduce."""
+    return lambda tensor: torch.distributed.all_reduce(tensor, group=group)
+
+
 def global_grad_norm(grads: list[torch.Tensor], group: torch.distributed.ProcessGroup, device: torch.device) -> float:
-    """L2 norm of ``grads`` over the ranks of ``group``: the exact Σ x² (integer bins, one all-reduce;
-    :mod:`megatron_lowprec.numerics.square_sum`), so that the sharded and the unsharded optimizer,
-    which hold the same gradients split differently, find the same bits for FP32 and 16-bit gradients."""
-    bins = square_sum_bins(grads, device)
-    torch.distributed.all_reduce(bins, group=group)
-    return norm_from_bins(bins)
-
-
-GRAD_NORM_LABEL = "lowprec.grad_norm"
-"""The ``torch.profiler.record_function`` label of the exact gradient norm's computation."""
+    """L2 norm of ``grads`` over the ranks of ``group`` (:func:`~megatron_lowprec.optim.statistics.grad_norm`:
+    the exact Σ x², one all-reduce of its integer bins), so that the sharded and the unsharded
+    optimizer, which hold the same gradients split differently, find the same bits for FP32 and
+    16-bit gradients."""
+    return statistics.grad_norm(grads, device, all_reduce_over(group))
 
 
 class ExactGradientStatistics(GradNormInterface):
     """Gradient norm, clipping and update quality of both megatron optimizers (unsharded and
-    distributed), one implementation. A subclass says which gradients and pieces are its own:
+    distributed): :mod:`megatron_lowprec.optim.statistics` over megatron's process groups. A subclass says which gradients and pieces are its own:
     :meth:`grads_for_norm` (counted once over the model), :meth:`grads_to_clip` (every gradient it
     updates), :meth:`update_pieces` (the pieces of the last step that count on this rank),
     :meth:`update_quality_groups` (the process groups whose pieces add up) and :attr:`statistics_device`."""
@@ -124,35 +126,33 @@ class ExactGradientStatistics(GradNormInterface):
     def update_quality_groups(self) -> list[torch.distributed.ProcessGroup]:
         """The process groups over which the update-quality pieces add up."""
 
-    @torch.no_grad()
     def get_grad_norm(self) -> float:
         """The global L2 norm of :meth:`grads_for_norm` (:func:`global_grad_norm`): the same bits for
         the unsharded and the distributed optimizer, for FP32 and 16-bit gradients alike. Labelled
-        :data:`GRAD_NORM_LABEL` for torch.profiler (``lowprec-train trainer.profile``, Megatron-LM's
-        ``--use-pytorch-profiler``)."""
-        with torch.profiler.record_function(GRAD_NORM_LABEL):
-            return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.statistics_device)
+        :data:`~megatron_lowprec.optim.statistics.GRAD_NORM_LABEL` for torch.profiler (``lowprec-train
+        trainer.profile``, Megatron-LM's ``--use-pytorch-profiler``)."""
+        return global_grad_norm(self.grads_for_norm(), self.get_grad_stats_parallel_group(), self.statistics_device)
 
-    @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clipping by the global L2 norm (:meth:`get_grad_norm`), as megatron clips: every gradient
-        times ``clip_grad / (norm + 1e-6)`` when that is below 1."""
+        times ``clip_grad / (norm + 1e-6)`` when that is below 1
+        (:func:`~megatron_lowprec.optim.statistics.clip_grads_`)."""
         grad_norm = self.get_grad_norm()
-        coefficient = clip_grad / (grad_norm + 1.0e-6)
-        if coefficient < 1.0:
-            torch._foreach_mul_(self.grads_to_clip(), coefficient)
+        statistics.clip_grads_(self.grads_to_clip(), clip_grad, grad_norm)
         return grad_norm
 
     def update_quality(self) -> UpdateQuality:
         """EDQ and imprecision pieces of the last step for the whole model (``track_update_quality``):
-        summed over the buckets and :meth:`update_quality_groups`, a tensor-parallel-replicated
-        parameter counted once."""
-        pieces = torch.zeros(4, dtype=torch.float64, device=self.statistics_device)
-        for bucket_pieces in self.update_pieces():
-            pieces += bucket_pieces
-        for group in self.update_quality_groups():
-            torch.distributed.all_reduce(pieces, group=group)
-        return UpdateQuality.from_tensor(pieces)
+        summed over the buckets and :meth:`update_quality_groups`
+        (:func:`~megatron_lowprec.optim.statistics.summed_update_quality`), a
+        tensor-parallel-replicated parameter counted once."""
+        groups = self.update_quality_groups()
+
+        def reduce(pieces: torch.Tensor) -> None:
+            for group in groups:
+                torch.distributed.all_reduce(pieces, group=group)
+
+        return statistics.summed_update_quality(self.update_pieces(), self.statistics_device, reduce)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class ShardPiece:
 @dataclass
 class Shard:
     """This rank's part of one megatron bucket: the owned range, its pieces, and their state in one
-    optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out in place in
+    optim bucket (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`: laid out in place in
     megatron's buffers, or packed)."""
 
     bucket: Any
@@ -243,7 +243,7 @@ def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: to
 class DistributedShards(Layout):
     """This rank's shards of megatron's DDP buffers as the layout an :class:`~megatron_lowprec.optim.AdamW`
     steps: per megatron bucket, the pieces of this rank's owned range (:func:`owned_bounds`) as the
-    entries of one optim bucket (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`: laid out
+    entries of one optim bucket (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`: laid out
     in place in megatron's buffers where its layout allows, else packed rows), each entry's state
     flat, with the entries of every parameter group, each taking its group's scalars; a
     tensor-parallel replica's update counts in the update quality on tensor-parallel rank 0 only.

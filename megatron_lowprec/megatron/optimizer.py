@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron import compat
+from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
     ExactGradientStatistics,
@@ -882,6 +883,7 @@ def _build_muon(
         option=strategy,
         fused=config.lowprec_fused,
         params_in_buffer=layout_owners is not None,
+        buffer_row=ROW,
         background_compile=config.lowprec_background_compile,
         seed=config.lowprec_seed + seed_offset,
         check_grads_finite=False,

@@ -33,6 +33,7 @@ from megatron_lowprec.optim.kernel import (
 )
 from megatron_lowprec.optim.layouts import Layout
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
+from megatron_lowprec.optim.statistics import update_quality_by_group
 from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
@@ -490,13 +491,12 @@ class AdamW(PrecisionOptimizer):
 
     @property
     def update_quality(self) -> list[UpdateQuality]:
-        """The last step's update-quality pieces of each parameter group (``track_update_quality``)."""
+        """The last step's update-quality pieces of each parameter group (``track_update_quality``;
+        :func:`~megatron_lowprec.optim.statistics.update_quality_by_group`)."""
         if not self.bucket_update_pieces:
             return []
-        totals: dict[int, torch.Tensor] = {}
-        for bucket, pieces in zip(self.buckets, self.bucket_update_pieces):
-            totals[bucket.group_index] = totals.get(bucket.group_index, 0) + pieces
-        return [UpdateQuality.from_tensor(totals[index]) if index in totals else UpdateQuality() for index in range(len(self.param_groups))]
+        groups = [bucket.group_index for bucket in self.buckets]
+        return update_quality_by_group(groups, self.bucket_update_pieces, len(self.param_groups))
 
     def _group_hyper(self, index: int) -> dict[str, float]:
         group = self.param_groups[index]

@@ -10,12 +10,14 @@ elements (the distributed optimizer's shard of it). Offsets are aligned to :data
 elements (and to the FP8 group size), so FP8 groups never straddle two entries and the zero padding
 between entries stays zero under every strategy (zero gradient, zero moments, zero parameter).
 
-A distributed optimizer's shard, whose parameters and gradients live in megatron's DDP buffers,
-takes one of two layouts. **In place** (:func:`in_place_offsets`), the usual one: the state mirrors
-the shard's range of those buffers element for element (megatron's own padding between parameters
-is the bucket's padding, zero in all three), so the bucket's parameters and gradients are plain
-slices of megatron's buffers and the step reads and writes them as a plain bucket's. **Packed**,
-where megatron's layout does not fit the strategy's (an FP8 group would straddle two parameters):
+A bucket whose parameters and gradients live in another owner's flat buffers (a distributed
+optimizer's shard of megatron's DDP buffers, whose layout rules live in
+:mod:`megatron_lowprec.megatron.layout`) takes one of two layouts. **In place**
+(:func:`in_place_offsets`), the usual one: the state mirrors the range of those buffers element for
+element (the owner's padding between parameters is the bucket's padding, zero in all three), so the
+bucket's parameters and gradients are plain slices of those buffers and the step reads and writes
+them as a plain bucket's. **Packed**, where the owner's layout does not fit the strategy's (an FP8
+group would straddle two parameters):
 the aligned layout above, the parameters and gradients rows of megatron's buffers
 (:class:`BufferRows`), and the padding repeating its entry's last elements
 (:meth:`Bucket.repeat_into_padding_`).
@@ -78,13 +80,6 @@ def bucket_alignment(strategy: PrecisionStrategy) -> int:
         return math.lcm(ALIGNMENT, strategy.fp8_group_size)
     return ALIGNMENT
 
-
-ROW = 64
-"""Elements of a row of the per-row tables (:meth:`Bucket.row_table`: each row's parameter group, its
-stochastic-rounding entry) of a shard laid out in place: megatron-core starts every parameter of its
-DDP buffers at a multiple of 64 elements under the distributed optimizer (``pad_param_start``), so
-that no such row holds two parameters. A divisor of :data:`ALIGNMENT`, the rows of a bucket in the
-aligned layout."""
 
 ROW_TABLE_BYTES = 4 + 8 + 8
 """Bytes a call over :class:`BufferRows` reads per row to place its elements in the other buffer:
@@ -248,7 +243,7 @@ class Bucket:
     (:class:`InPlace`; :attr:`param_buffer` is that range)."""
     row_width: int = ALIGNMENT
     """Elements of a row of its per-row tables (a power of two): :data:`ALIGNMENT` in the aligned
-    layout, :data:`ROW` in place."""
+    layout, :attr:`InPlace.row_width` in place."""
     row_phase: int = 0
     """Elements of the bucket's first row before its first element: a shard laid out in place begins
     where megatron's shard begins, anywhere in a row of megatron's buffer."""
@@ -401,23 +396,30 @@ class Bucket:
 
 
 class InPlace(NamedTuple):
-    """A shard's state laid out in place: as the range of megatron's DDP buffers it updates."""
+    """A bucket's state laid out in place: as the range of another owner's flat buffers it updates
+    (megatron's DDP buffers: :mod:`megatron_lowprec.megatron.layout`)."""
 
     param_range: torch.Tensor
-    """The range of megatron's parameter buffer (a flat view): the bucket's parameters."""
+    """The range of the owner's parameter buffer (a flat view): the bucket's parameters."""
     offsets: list[int]
     """Each entry's first element in the range."""
     row_phase: int
-    """The range's first element's place in its row of :data:`ROW` elements of megatron's buffer."""
+    """The range's first element's place in its row of ``row_width`` elements of the owner's buffer."""
+    row_width: int
+    """Elements of a row of the bucket's per-row tables (:meth:`Bucket.row_table`: each row's parameter
+    group, its stochastic-rounding entry): the owner starts every parameter at a multiple of it, so
+    that no row holds two parameters. A power of two dividing :data:`ALIGNMENT`."""
 
 
-def in_place_offsets(strategy: PrecisionStrategy, starts: list[int], start: int, end: int) -> list[int] | None:
-    """The offsets of entries at ``starts`` (ascending) of megatron's buffer in a bucket whose state
-    mirrors the buffer's range [start, end) in place; ``None`` where that layout cannot hold them:
-    an entry after the first that starts inside a row of :data:`ROW` elements of the buffer (each row's
-    tables name one entry), or, with FP8 moments, an entry or the range's end off the FP8 groups of
-    the range (groups would straddle two parameters)."""
-    if any(first % ROW for first in starts[1:]):
+def in_place_offsets(
+    strategy: PrecisionStrategy, starts: list[int], start: int, end: int, row: int
+) -> list[int] | None:
+    """The offsets of entries at ``starts`` (ascending) of an owner's buffer in a bucket whose state
+    mirrors the buffer's range [start, end) in place, in rows of ``row`` elements; ``None`` where that
+    layout cannot hold them: an entry after the first that starts inside a row of the buffer (each
+    row's tables name one entry), or, with FP8 moments, an entry or the range's end off the FP8
+    groups of the range (groups would straddle two parameters)."""
+    if any(first % row for first in starts[1:]):
         return None
     offsets = [first - start for first in starts]
     if strategy.moments == "fp8":
@@ -427,12 +429,12 @@ def in_place_offsets(strategy: PrecisionStrategy, starts: list[int], start: int,
     return offsets
 
 
-def in_place_runs(params: list[torch.Tensor]) -> list[list[int]]:
+def in_place_runs(params: list[torch.Tensor], row: int) -> list[list[int]]:
     """Whole parameters that are contiguous views of one flat buffer (megatron DDP's parameter
     buffer), in runs that a bucket may hold in place (indices into ``params``, each run in the
-    buffer's order): within a run, each parameter after the first starts on a row of :data:`ROW`
-    elements of the buffer after fewer than :data:`ROW` elements of zeros (megatron's padding), so
-    no other tensor lies between them. ``ValueError`` where two parameters overlap."""
+    buffer's order): within a run, each parameter after the first starts on a row of ``row``
+    elements of the buffer after fewer than ``row`` elements of zeros (the owner's padding), so no
+    other tensor lies between them. ``ValueError`` where two parameters overlap."""
     order = sorted(range(len(params)), key=lambda index: params[index].storage_offset())
     runs: list[list[int]] = []
     end = None
@@ -442,7 +444,7 @@ def in_place_runs(params: list[torch.Tensor]) -> list[list[int]]:
         if end is not None and start < end:
             raise ValueError(f"parameters of shapes {tuple(params[runs[-1][-1]].shape)} and {tuple(param.shape)} overlap in their buffer")
         padding = None if end is None else param.new_empty(0).set_(param.untyped_storage(), end, (start - end,))
-        joins = padding is not None and start % ROW == 0 and start - end < ROW and not padding.any()
+        joins = padding is not None and start % row == 0 and start - end < row and not padding.any()
         if joins:
             runs[-1].append(index)
         else:
@@ -451,16 +453,17 @@ def in_place_runs(params: list[torch.Tensor]) -> list[list[int]]:
     return runs
 
 
-def params_in_place(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> InPlace | None:
-    """The :class:`InPlace` layout of a run of :func:`in_place_runs` (whole parameters, in the
-    buffer's order): the buffer's range from the first parameter's start to the last one's end;
-    ``None`` where :func:`in_place_offsets` refuses it (FP8 groups that would straddle two parameters)."""
+def params_in_place(strategy: PrecisionStrategy, params: list[torch.Tensor], row: int) -> InPlace | None:
+    """The :class:`InPlace` layout, in rows of ``row`` elements, of a run of :func:`in_place_runs`
+    (whole parameters, in the buffer's order): the buffer's range from the first parameter's start to
+    the last one's end; ``None`` where :func:`in_place_offsets` refuses it (FP8 groups that would
+    straddle two parameters)."""
     first, last = params[0], params[-1]
     start, end = first.storage_offset(), last.storage_offset() + last.numel()
-    offsets = in_place_offsets(strategy, [param.storage_offset() for param in params], start, end)
+    offsets = in_place_offsets(strategy, [param.storage_offset() for param in params], start, end, row)
     if offsets is None:
         return None
-    return InPlace(first.new_empty(0).set_(first.untyped_storage(), start, (end - start,)), offsets, start % ROW)
+    return InPlace(first.new_empty(0).set_(first.untyped_storage(), start, (end - start,)), offsets, start % row, row)
 
 
 def at_least_two(values: list) -> list:
@@ -519,7 +522,7 @@ def build_bucket(
     whole parameters; their masters start from ``master_source`` (the runs' 16-bit values).
     ``entry_groups``: each entry's parameter group (default: ``group_index``); given, the bucket's
     calls take per-group scalars (:attr:`Bucket.per_group_scalars`). ``in_place``: the state mirrors
-    a range of megatron's buffers, which hold the parameters (:class:`InPlace`), instead of the
+    a range of another owner's buffers, which hold the parameters (:class:`InPlace`), instead of the
     aligned layout."""
     if streams is None:
         streams = [StreamLayout.whole(index, param.numel()) for index, param in enumerate(params)]
@@ -538,7 +541,7 @@ def build_bucket(
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
         per_group_scalars=entry_groups is not None,
         state_group_size=strategy.fp8_group_size if strategy.moments == "fp8" else 1,
-        row_width=ROW if in_place is not None else ALIGNMENT,
+        row_width=in_place.row_width if in_place is not None else ALIGNMENT,
         row_phase=in_place.row_phase if in_place is not None else 0,
     )
     if in_place is not None:
@@ -553,7 +556,7 @@ def build_bucket(
     bucket.state = {key: bucket.state[key] for key in state_keys(strategy)}
     if own_params:
         if in_place is not None:
-            raise ValueError("a bucket laid out in place in megatron's buffers does not own its parameters")
+            raise ValueError("a bucket laid out in place in another owner's buffers does not own its parameters")
         bucket.param_buffer = params[0].new_zeros(numel)
         for index, param in enumerate(params):
             view = bucket.view(bucket.param_buffer, index).view(param.shape)
@@ -568,37 +571,6 @@ def build_bucket(
             entry[key] = flat if key.endswith(FP8_PARTS) or not whole else flat.view(params[index].shape)
         states.append(entry)
     return bucket, states
-
-
-def build_shard_bucket(
-    strategy: PrecisionStrategy,
-    params: list[torch.nn.Parameter],
-    runs: list[tuple[int, int]],
-    starts: list[int],
-    entry_groups: list[int],
-    streams: list[StreamLayout] | None,
-    param_data: torch.Tensor,
-    grad_data: torch.Tensor,
-    start: int,
-    end: int,
-) -> tuple[Bucket, torch.Tensor | BufferRows]:
-    """The state bucket of a distributed optimizer's shard, elements [start, end) of megatron's flat
-    parameter and gradient buffers ``param_data`` and ``grad_data`` (one DDP bucket's, whose element
-    0 starts a row of :data:`ROW`): its entries are the runs ``runs`` (first element, elements) of
-    ``params``, at ``starts`` of the buffers (ascending), in the parameter groups ``entry_groups``,
-    with ``streams`` (:func:`build_bucket`'s default where ``None``). Laid out in place where :func:`in_place_offsets` holds them, else packed (see the module
-    docstring); the bucket and its gradients: the range of ``grad_data``, or its :class:`BufferRows`."""
-    offsets = in_place_offsets(strategy, starts, start, end)
-    in_place = None if offsets is None else InPlace(param_data[start:end], offsets, start % ROW)
-    bucket, _ = build_bucket(
-        strategy, entry_groups[0], params, own_params=False, streams=streams, runs=runs,
-        master_source=[param_data[first : first + numel] for first, (_, numel) in zip(starts, runs)],
-        entry_groups=entry_groups, in_place=in_place,
-    )
-    if in_place is not None:
-        return bucket, grad_data[start:end]
-    bucket.place_params_in(param_data, starts)
-    return bucket, bucket.rows_in(grad_data, starts)
 
 
 def own_grad_buffer(bucket: Bucket) -> torch.Tensor | None:

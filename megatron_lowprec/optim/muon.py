@@ -67,7 +67,7 @@ from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.adamw import PrecisionOptimizer
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, CompileRecipe
 from megatron_lowprec.optim.buckets import (
-    Bucket, BufferRows, build_bucket, in_place_runs, param_rows_in_place, params_in_place,
+    ALIGNMENT, Bucket, BufferRows, build_bucket, in_place_runs, param_rows_in_place, params_in_place,
 )
 from megatron_lowprec.optim.fused import (
     bucket_entries,
@@ -427,11 +427,13 @@ class Muon(PrecisionOptimizer):
     per parameter; ``fused=False`` runs :func:`muon_step_` per parameter. Both give the same bits.
     ``params_in_buffer``: the parameters are contiguous views of flat buffers that another owner
     needs them in (megatron DDP's parameter buffer, whose all-gather carries them to the other
-    ranks): the fused step leaves them there and reads and writes them in place, a bucket per run of
-    weights that follow one another in the buffer separated by megatron's zero padding alone
+    ranks): the fused step leaves them there and reads and writes them there. With ``buffer_row``,
+    the owner's row (it starts every parameter at a multiple of that many elements; megatron's:
+    :data:`megatron_lowprec.megatron.layout.ROW`), a bucket per run of weights that follow one
+    another in the buffer separated by the owner's zero padding alone
     (:func:`~megatron_lowprec.optim.buckets.in_place_runs`), laid out in place as the distributed
-    optimizer's shards are, or, where its layout does not fit, reading them as rows
-    (:class:`~megatron_lowprec.optim.buckets.BufferRows`); their gradients, where they lie in
+    optimizer's shards are; without it, or where that layout does not fit, the bucket reads them as
+    rows (:class:`~megatron_lowprec.optim.buckets.BufferRows`). Their gradients, where they lie in
     another buffer as the weights lie in theirs (megatron's ``main_grad``), are read there as a
     slice. Should a parameter later leave its buffer, its bucket steps eagerly (a warning says so).
     ``background_compile`` is AdamW's: the fused calls run uncompiled until a child process has
@@ -456,6 +458,7 @@ class Muon(PrecisionOptimizer):
         master_storage: str | None = None,
         fused: bool | None = None,
         params_in_buffer: bool = False,
+        buffer_row: int | None = None,
         background_compile: bool = False,
         seed: int = 0,
         check_grads_finite: bool = True,
@@ -468,6 +471,9 @@ class Muon(PrecisionOptimizer):
         self.split_rows = split_rows or (lambda param: None)
         self._fused_request = fused
         self.params_in_buffer = params_in_buffer
+        if buffer_row is not None and (buffer_row < 1 or buffer_row & (buffer_row - 1) or ALIGNMENT % buffer_row):
+            raise ValueError(f"buffer_row={buffer_row}: must be a power of two dividing {ALIGNMENT}, or None")
+        self.buffer_row = buffer_row
         self.background_compile = background_compile
         self.seed = seed
         self.check_grads_finite = check_grads_finite
@@ -505,7 +511,8 @@ class Muon(PrecisionOptimizer):
             fused = resolve_fused(device, self._fused_request)
             if fused and self.params_in_buffer:
                 self._check_in_buffer(params, group_index)
-                for run in in_place_runs(params):
+                runs = in_place_runs(params, self.buffer_row) if self.buffer_row else [list(range(len(params)))]
+                for run in runs:
                     self._add_bucket(group_index, [params[index] for index in run], fused, in_buffer=True)
             else:
                 self._add_bucket(group_index, params, fused, in_buffer=False)
@@ -524,7 +531,7 @@ class Muon(PrecisionOptimizer):
         the buffer they live in (:func:`~megatron_lowprec.optim.buckets.params_in_place`) or, where
         its layout does not fit, reading and writing them there as rows."""
         streams = [self._stream_layouts[param] for param in params]
-        in_place = params_in_place(self.strategy, params) if in_buffer else None
+        in_place = params_in_place(self.strategy, params, self.buffer_row) if in_buffer and self.buffer_row else None
         bucket, states = build_bucket(
             self.strategy, group_index, params, fused and not in_buffer, streams, in_place=in_place,
         )

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
+from megatron_lowprec.megatron.layout import ROW
+from megatron_lowprec.optim.buckets import ALIGNMENT
 
 from ..options import OPTIONS, OTHER_MASTER_STORAGES, layout_kind, one_per_kind, strategy_of
 from .launch import run_ranks

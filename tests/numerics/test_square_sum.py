@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import platform
 from fractions import Fraction
 
 import pytest
@@ -174,6 +175,55 @@ def test_many_partial_sums_are_carried_before_they_could_overflow(monkeypatch):
     monkeypatch.setattr(square_sum, "TORCH_CHUNK_ELEMENTS", 100)
     monkeypatch.setattr(square_sum, "PARTIALS_PER_CARRY", 3)
     assert torch.equal(square_sum_bins([values[:1000], values[1000:]], torch.device("cpu")), kernel)
+
+
+
+def blocks_of_binades(lowest: int, span: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Two 1024-value blocks of ``dtype`` (signed; zeros among them) whose biased exponents fill
+    [lowest, lowest + span], each block holding both ends with an all-ones significand (0 is subnormal;
+    bfloat16's values truncated from float32's)."""
+    exponents = torch.randint(lowest, lowest + span + 1, (2048,), generator=generator)
+    significands = torch.randint(0, 1 << 23, (2048,), generator=generator)
+    for end in (0, 1024):
+        exponents[end : end + 2] = torch.tensor([lowest, lowest + span])
+        significands[end : end + 2] = (1 << 23) - 1
+    signs = torch.randint(0, 2, (2048,), generator=generator) << 31
+    bits = (signs | (exponents << 23) | significands) & (-1 << (16 if dtype == torch.bfloat16 else 0))
+    values = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    values[100:110] = 0.0
+    return values.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def kernels_without_ifma():
+    """The C kernel built without AVX-512 IFMA on x86 (its two-digit and digit-by-digit paths only)."""
+    default = square_sum.COMPILER_FLAGS
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    square_sum.COMPILER_FLAGS = (*default, "-mno-avx512ifma") if x86 else default
+    square_sum._cpu_kernel.cache_clear()
+    try:
+        yield square_sum._cpu_kernel()
+    finally:
+        square_sum.COMPILER_FLAGS = default
+        square_sum._cpu_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("place", ["subnormal", "normal", "middle", "top"])
+@pytest.mark.parametrize("span", [0, 16, 17, 28, 29, 44, 45])
+def test_blocks_at_the_edges_of_the_kernels_paths_are_exact(dtype, place, span, kernels_without_ifma):
+    """Blocks whose exponents span exactly the C kernel's path bounds (16 binades for two 40-bit
+    digits; 28 for float32 and 44 for bfloat16 in the 52-bit products), or one more, at the
+    subnormals, the middle and the top of the range: Python's integer sums, in any split or order,
+    and from the kernel built without the 52-bit products."""
+    lowest = {"subnormal": 0, "normal": 1, "middle": 120, "top": 254 - span}[place]
+    values = blocks_of_binades(lowest, span, dtype, torch.Generator().manual_seed(lowest * 100 + span))
+    exact = sum(int(Fraction(x) ** 2 * 2**square_sum.SCALE_EXPONENT) for x in values.double().tolist())
+    portable = torch.zeros(square_sum.DIGITS + 2, dtype=torch.int64)
+    kernels_without_ifma[dtype](values.data_ptr(), values.numel(), portable.data_ptr())
+    splits = ([values], [values[:1111], values[1111:]], [values.flip(0)])
+    for sums in [portable.tolist()] + [square_sum_bins(split, torch.device("cpu")).tolist() for split in splits]:
+        assert sum(digit << (square_sum.DIGIT_BITS * index) for index, digit in enumerate(sums[: square_sum.DIGITS])) == exact
 
 
 EAGER_CUDA_DIGIT_SUMS = (square_sum._windowed_digit_sums, square_sum._torch_digit_sums)

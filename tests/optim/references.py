@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, build_shard_bucket, elements_per_value
+from megatron_lowprec.megatron.layout import build_shard_bucket
+from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, elements_per_value
 from megatron_lowprec.optim.layouts import Layout
 
 
@@ -121,7 +122,7 @@ class BufferShard(Layout):
     """The layout source of a distributed optimizer's shard: the range [start, end) of flat parameter
     and gradient buffers that hold the parameters at their storage offsets, built as
     ``megatron/distributed.py`` builds a rank's shard
-    (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`), in place where the starts allow,
+    (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`), in place where the starts allow,
     else packed rows."""
 
     def __init__(self, param_data: torch.Tensor, grad_data: torch.Tensor, start: int) -> None:

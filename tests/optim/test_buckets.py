@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import megatron_lowprec.optim.fused as fused_module
-from megatron_lowprec.optim.buckets import ROW, BufferRows, InPlace, build_bucket, build_shard_bucket, in_place_offsets
+from megatron_lowprec.megatron.layout import ROW, build_shard_bucket
+from megatron_lowprec.optim.buckets import BufferRows, InPlace, build_bucket, in_place_offsets
 from megatron_lowprec.optim.kernel import adamw_step_, bucket_kernel_, init_state
 from megatron_lowprec.optim.strategies import get_strategy
 
@@ -56,11 +57,11 @@ def test_in_place_offsets_mirror_megatron_s_range_or_refuse_a_layout_that_does_n
     of a parameter cut by the shard's start), a later one only on a row of 64 elements of the
     buffer; with FP8 moments every entry and the range's end on an FP8 group of the range."""
     adam, coat = get_strategy("A"), get_strategy("coat")
-    assert in_place_offsets(adam, [40, 128, 448], 40, 600) == [0, 88, 408]
-    assert in_place_offsets(adam, [40, 160], 40, 600) is None
-    assert in_place_offsets(coat, [128, 256, 512], 128, 640) == [0, 128, 384]
-    assert in_place_offsets(coat, [128, 256, 448], 128, 640) is None
-    assert in_place_offsets(coat, [128, 256], 128, 600) is None
+    assert in_place_offsets(adam, [40, 128, 448], 40, 600, ROW) == [0, 88, 408]
+    assert in_place_offsets(adam, [40, 160], 40, 600, ROW) is None
+    assert in_place_offsets(coat, [128, 256, 512], 128, 640, ROW) == [0, 128, 384]
+    assert in_place_offsets(coat, [128, 256, 448], 128, 640, ROW) is None
+    assert in_place_offsets(coat, [128, 256], 128, 600, ROW) is None
 
 
 def test_an_in_place_shard_is_megatron_s_range_with_one_entry_per_row():
@@ -93,7 +94,7 @@ def test_a_shard_whose_fp8_groups_would_straddle_two_parameters_is_packed():
 def test_a_row_of_two_entries_is_refused():
     params = [torch.nn.Parameter(torch.zeros(40, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(40, dtype=torch.bfloat16))]
     source = torch.zeros(128, dtype=torch.bfloat16)
-    bucket, _ = build_bucket(get_strategy("A"), 0, params, own_params=False, in_place=InPlace(source, [0, 48], 0))
+    bucket, _ = build_bucket(get_strategy("A"), 0, params, own_params=False, in_place=InPlace(source, [0, 48], 0, ROW))
     with pytest.raises(ValueError, match="entry 1 of the bucket starts at element 48, inside a row of 64 elements"):
         bucket.entry_rows()
 

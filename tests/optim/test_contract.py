@@ -26,6 +26,7 @@ import functools
 import pytest
 import torch
 
+from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
 from megatron_lowprec.optim.fused import BUCKET_STREAM_DEVICES, fused_available
 from megatron_lowprec.optim.muon import Muon, muon_strategy, update_scale
@@ -182,7 +183,7 @@ def _muon_run(option, layout, path):
         kept = buffer[outside].clone()
     split = {param: MUON_SPLIT.get(index) for index, param in enumerate(params)}
     optimizer = Muon(params, lr=MUON_LR, option=option, fused=path == "fused", seed=3, split_rows=split.get,
-                     params_in_buffer=layout != "owned")
+                     params_in_buffer=layout != "owned", buffer_row=None if layout == "owned" else ROW)
     if layout == "in_place":
         assert [bucket.in_place for bucket in optimizer.buckets] == [True]
     elif layout == "packed":
@@ -195,7 +196,7 @@ def _muon_run(option, layout, path):
             optimizer.step()
         else:
             graphs = counters["stats"]["unique_graphs"]
-            per_weight = option == "sr" and "cpu" not in BUCKET_STREAM_DEVICES
+            per_weight = get_strategy(option).param_update == "stochastic" and "cpu" not in BUCKET_STREAM_DEVICES
             assert _compiled_regions(optimizer) == 1 + (len(params) if per_weight else 1)
             assert counters["stats"]["unique_graphs"] == graphs
     if layout != "owned":

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.numerics.rounding import counter_random_bits
 from megatron_lowprec.optim import get_strategy
 from megatron_lowprec.optim.fused import fused_available
@@ -394,7 +395,9 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
         kept = buffer[outside].clone()
     else:
         fused_params = [torch.nn.Parameter(values.clone()) for values in start]
-    fused = Muon(fused_params, lr=0.02, option=option, fused=True, seed=3, background_compile=True, params_in_buffer=in_buffer)
+    fused = Muon(
+        fused_params, lr=0.02, option=option, fused=True, seed=3, background_compile=True, params_in_buffer=in_buffer, buffer_row=ROW,
+    )
     in_place = [bucket.in_place for bucket in fused.buckets]
     if layout == "megatron":
         assert in_place == [option != "coat"]
@@ -447,7 +450,8 @@ def _in_one_buffer(
 
 @pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
 def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
-    """``params_in_buffer=True``, option D-BF16, with another owner's elements between the weights:
+    """``params_in_buffer=True``, option D-BF16, with another owner's elements between the weights
+    (without the owner's ``buffer_row``, its buckets read them as rows):
     the parameters stay views of the buffer they live in (those elements untouched), each weight a
     bucket laid out in place there (the remainder master joined and split there), with the eager
     step's bits in every parameter and state tensor over 3 steps, compiled. A parameter moved out of
@@ -461,7 +465,9 @@ def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
     eager_params = [torch.nn.Parameter(value.clone()) for value in start]
     params, buffer, gaps = _in_one_buffer(start)
     eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
-    fused = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, seed=3)
+    unknown_row = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, seed=3)
+    assert all(not bucket.in_place and bucket.param_rows is not None for bucket in unknown_row.buckets)
+    fused = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, buffer_row=ROW, seed=3)
     assert all(bucket.in_place and bucket.param_buffer.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                for bucket in fused.buckets)
     for step in range(4):
@@ -575,3 +581,8 @@ def test_option_d_steps_as_megatron_cores_muon(coefficient_type, scale_mode, nes
             assert momentum_difference <= (step + 1) * 2**-22 * largest_gradient, (step, momentum_difference)
             update, expected = state["master"] - master, reference.detach() - master
             assert (update - expected).norm() <= NEWTON_SCHULZ_INPUT_TOLERANCE * expected.norm(), step
+
+
+def test_a_buffer_row_that_is_not_a_power_of_two_dividing_the_alignment_is_refused():
+    with pytest.raises(ValueError, match=r"buffer_row=48: must be a power of two dividing 128, or None"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))], option="A", params_in_buffer=True, buffer_row=48)

@@ -71,7 +71,8 @@ from tools.kernel_audit.codegen import (
 from megatron_lowprec.numerics import quant, square_sum
 from megatron_lowprec.numerics.compiled import inductor_options
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
-from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
+from megatron_lowprec.megatron.layout import ROW
+from megatron_lowprec.optim.buckets import ALIGNMENT
 from megatron_lowprec.optim.kernel import GROUP_SLOT_TABLE_BYTES, SR_ROW_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
@@ -111,7 +112,7 @@ GROUP = ALIGNMENT
 
 GRANULARITIES = ("scalar", "group", "row", "element")
 """What a value of a kernel's source varies with, coarsest first: a ``group`` of :data:`GROUP`
-elements, a ``row`` of :data:`~megatron_lowprec.optim.buckets.ROW` (a per-row table's lookups)."""
+elements, a ``row`` of :data:`~megatron_lowprec.megatron.layout.ROW` (a per-row table's lookups)."""
 
 
 def configurations() -> list[tuple[str, str]]:

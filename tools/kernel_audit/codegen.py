@@ -30,7 +30,8 @@ from unittest import mock
 
 import torch
 
-from megatron_lowprec.optim.buckets import ALIGNMENT, ROW, Bucket, build_bucket, build_shard_bucket, params_in_place
+from megatron_lowprec.megatron.layout import ROW, build_shard_bucket
+from megatron_lowprec.optim.buckets import ALIGNMENT, Bucket, build_bucket, params_in_place
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 
 ARCHES = (90, 80)
@@ -411,7 +412,7 @@ def _shard_bucket(
     """A distributed optimizer's state bucket for the second half of a DDP bucket that holds
     parameters of ``shapes`` as megatron lays them out (each start padded to
     :data:`MEGATRON_PARAM_ALIGNMENT` elements, the end to 128), built as ``megatron/distributed.py``
-    builds it (:func:`~megatron_lowprec.optim.buckets.build_shard_bucket`; entry ``i`` in parameter
+    builds it (:func:`~megatron_lowprec.megatron.layout.build_shard_bucket`; entry ``i`` in parameter
     group ``groups[i]``): the shard begins half a row into a row of the buffer (as a shard of DP=4
     may), or, with FP8 moments, at the start of that FP8 group (the rank's range once
     ``owned_bounds`` has moved the boundary off the group). The whole gradient buffer last. ``fill``
@@ -456,7 +457,7 @@ def _layout_bucket(
     strategy: PrecisionStrategy, shapes: tuple[tuple[int, ...], ...], group: int,
     device: str = "cuda", fill: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[Bucket, Any, list[torch.Tensor], torch.Tensor]:
-    """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True)``):
+    """Muon's bucket in megatron's shard-aligned layer-wise layout (``Muon(params_in_buffer=True, buffer_row=ROW)``):
     whole parameters of ``shapes`` of parameter group ``group`` that stay in a DDP buffer as megatron
     lays out one rank's shard of it (each start padded to :data:`MEGATRON_PARAM_ALIGNMENT` elements,
     the padding zero), between :data:`LAYOUT_GAP` elements of other ranks' shards, laid out in place
@@ -482,7 +483,7 @@ def _layout_bucket(
         param = torch.nn.Parameter(torch.zeros(0, dtype=torch.bfloat16, device=device))
         param.data = param_data[start : start + numel].view(shape)
         params.append(param)
-    in_place = params_in_place(strategy, params)
+    in_place = params_in_place(strategy, params, ROW)
     bucket, _ = build_bucket(strategy, group, params, own_params=False, in_place=in_place)
     entry_grads = [grad_data[start : start + numel] for start, numel in zip(starts, numels)]
     if in_place is not None:
