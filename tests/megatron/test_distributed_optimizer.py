@@ -13,7 +13,7 @@ from megatron_lowprec.optim.buckets import ALIGNMENT, ROW
 from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
-OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat"]
+OPTIONS = ["A", "B", "C", "D", "D-MW", "kahan", "sr", "coat", "res8"]
 REMAINDER_OPTIONS = ["D:remainder", "coat:remainder", "D-BF16"]
 """The options whose FP32 master is stored as a remainder below the BF16 parameter (NAME:MASTER_STORAGE)."""
 
@@ -149,9 +149,9 @@ def costs(tmp_path_factory) -> list[dict]:
     )
 
 
-STEPPED_OPTIONS = ["A", "D", "sr", "coat", "D:remainder", "D-BF16"]
+STEPPED_OPTIONS = ["A", "D", "sr", "coat", "D:remainder", "D-BF16", "res8"]
 """Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
-AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either)."""
+AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either, a residual master)."""
 
 
 def _strategy(option: str):
