@@ -45,5 +45,5 @@ def layout_kind(strategy: PrecisionStrategy) -> tuple[bool, bool, bool] | None:
     rounding's row grids, FP8 groups, a remainder master read below the parameter buffer; ``None``
     for a flat one."""
     kind = (strategy.param_update == "stochastic", strategy.moments == "fp8",
-            strategy.master_weights and strategy.master_storage == "remainder")
+            strategy.master_weights and strategy.master_storage != "fp32")
     return kind if any(kind) else None

@@ -134,8 +134,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _number(value: float) -> str:
-    """Up to six decimals, without trailing zeros: 8, 12.125, 6.765625."""
-    return f"{value:.6f}".rstrip("0").rstrip(".")
+    """Up to twelve decimals (every byte count here, a multiple of 2^-12, exactly), without trailing
+    zeros: 8, 12.125, 6.765625, 4.2578125."""
+    return f"{value:.12f}".rstrip("0").rstrip(".")
 
 
 def _aliases(strategy: PrecisionStrategy) -> str:
@@ -156,6 +157,8 @@ def _master(strategy: PrecisionStrategy) -> str:
         return "—"
     if strategy.master_storage == "remainder":
         return "FP32, as the BF16 parameter and an int16 remainder below it"
+    if strategy.master_storage == "residual8":
+        return "16 significant bits, as the BF16 parameter and an int8 residual below it"
     return "FP32"
 
 

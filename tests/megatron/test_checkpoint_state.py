@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_lowprec.numerics.quant import dequantize_fp8, quantize_fp8
-from megatron_lowprec.optim import get_strategy
+from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.kernel import init_state
 
 from ..options import MASTER_OPTIONS
@@ -134,3 +134,31 @@ def test_a_remainder_master_needs_its_parameters():
     form = checkpoint_state(state, 300, strategy, param=param)
     with pytest.raises(ValueError, match=r"pass param= \(300 elements\), got 299"):
         restore_checkpoint_state(state, form, 300, strategy, param=param[:299])
+
+
+def test_a_residual_master_is_saved_as_the_fp32_master_and_restores_exactly():
+    """res8's int8 residual is saved as its FP32 master (the parameter joined with it) and restores
+    into the residual and the parameter bit for bit: a checkpoint resumes it exactly."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
+    from megatron_lowprec.optim.master import master_value
+
+    def trained(seed):
+        generator = torch.Generator().manual_seed(seed)
+        param = torch.nn.Parameter(torch.randn(300, generator=generator).bfloat16())
+        optimizer = AdamW([param], lr=1e-2, option="res8", fused=False)
+        for _ in range(3):
+            param.grad = torch.randn(300, generator=generator).bfloat16()
+            optimizer.step()
+        return param, {key: value for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
+
+    strategy = get_strategy("res8")
+    param, state = trained(2)
+    master = master_value(param.detach(), state["master_residual8"]).clone()
+    form = {key: value.clone() for key, value in checkpoint_state(state, 300, strategy, param=param).items()}
+    assert "master_residual8" not in form and torch.equal(form["master"].view(torch.int32), master.view(torch.int32))
+    assert set(form) == set(checkpoint_state(state, 300, strategy, is_loading=True))
+    other_param, other = trained(5)
+    restore_checkpoint_state(other, form, 300, strategy, param=other_param)
+    for key, value in state.items():
+        assert torch.equal(_bits(other[key]), _bits(value)), key
+    assert torch.equal(other_param.detach(), param.detach())
