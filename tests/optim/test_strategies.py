@@ -49,15 +49,15 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
 
 
 # BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and 8 per 256-group (+ a 1-byte residual).
-LEAN_BYTES_PER_PARAM = {"sr-fp8": 2 + 2 + 2 * (1 + 8 / 256), "res8": 2 + 2 + 2 * (1 + 8 / 256) + 1}
+LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + 8 / 256) + 1}
 
 
 @pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
-def test_the_lean_options_take_under_6_1_and_7_1_bytes_with_their_bf16_gradient(name, expected):
+def test_the_lean_option_takes_under_7_1_bytes_with_its_bf16_gradient(name, expected):
     strategy = get_strategy(name)
     assert strategy.bytes_per_param() == expected
     assert strategy.bytes_per_param(numel=256 * 1000) == expected
-    assert expected <= {"sr-fp8": 6.1, "res8": 7.1}[name]
+    assert expected <= {"res8": 7.1}[name]
     assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 256, True)
 
 
