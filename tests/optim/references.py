@@ -150,3 +150,30 @@ class BufferShard(Layout):
 
     def bucket_grads(self, bucket):
         return self.grad, [self.grad_data[source : source + numel] for source, numel in zip(self.sources, bucket.numels)]
+
+
+def in_one_buffer(
+    values: list[torch.Tensor], gap: int = 64, megatron: bool = False,
+) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
+    """Parameters of ``values`` that are views of one flat BF16 buffer, that buffer, and the mask of
+    its elements outside them. Each parameter after ``gap`` elements of another owner (7.0); with
+    ``megatron``, as megatron lays out one rank's shard of its DDP buffer: ``gap`` elements of other
+    ranks' shards before and after the parameters, each start padded to 64 elements with zeros."""
+    starts, position = [], 0
+    for index, value in enumerate(values):
+        position = -(-position // 64) * 64 if megatron and index else position + gap
+        starts.append(position)
+        position += value.numel()
+    buffer = torch.full((position + gap,), 7.0, dtype=torch.bfloat16)
+    outside = torch.ones(buffer.numel(), dtype=torch.bool)
+    if megatron:
+        buffer[starts[0] : position] = 0
+    params = []
+    for start, value in zip(starts, values):
+        view = buffer[start : start + value.numel()].view(value.shape)
+        view.copy_(value)
+        outside[start : start + value.numel()] = False
+        param = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+        param.data = view
+        params.append(param)
+    return params, buffer, outside

@@ -137,29 +137,6 @@ def _muon_problem():
     return initial, grads
 
 
-def _in_megatron_buffer(values):
-    """Parameters that are views of one flat BF16 buffer as megatron lays out one rank's shard of its
-    DDP buffer (64 elements of other ranks' shards, 7.0, before and after; each start padded to 64
-    elements with zeros), the buffer and the mask of the other ranks' elements."""
-    starts, position = [], 64
-    for index, value in enumerate(values):
-        position = -(-position // 64) * 64
-        starts.append(position)
-        position += value.numel()
-    buffer = torch.full((position + 64,), 7.0, dtype=torch.bfloat16)
-    buffer[64:position] = 0
-    outside = torch.ones(buffer.numel(), dtype=torch.bool)
-    params = []
-    for start, value in zip(starts, values):
-        view = buffer[start : start + value.numel()].view(value.shape)
-        view.copy_(value)
-        outside[start : start + value.numel()] = False
-        param = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
-        param.data = view
-        params.append(param)
-    return params, buffer, outside
-
-
 def _compiled_regions(optimizer) -> int:
     """The compiled regions one ``optimizer.step()`` enters (profiler events Dynamo records)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -179,7 +156,7 @@ def _muon_run(option, layout, path):
     if layout == "owned":
         params = [torch.nn.Parameter(values.clone()) for values in initial]
     else:
-        params, buffer, outside = _in_megatron_buffer(initial)
+        params, buffer, outside = references.in_one_buffer(initial, gap=64, megatron=True)
         kept = buffer[outside].clone()
     split = {param: MUON_SPLIT.get(index) for index, param in enumerate(params)}
     optimizer = Muon(params, lr=MUON_LR, option=option, fused=path == "fused", seed=3, split_rows=split.get,

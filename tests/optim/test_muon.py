@@ -23,6 +23,7 @@ from megatron_lowprec.optim.muon import (
 )
 
 from ..options import OPTIONS, layout_kind, one_per_kind
+from .references import in_one_buffer
 
 TORCH_NS = ((3.4445, -4.775, 2.0315), 5, 1e-7)
 
@@ -396,7 +397,7 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
     in_buffer = layout != "own"
     if in_buffer:
-        fused_params, buffer, outside = _in_one_buffer(start, megatron=layout == "megatron")
+        fused_params, buffer, outside = in_one_buffer(start, megatron=layout == "megatron")
         kept = buffer[outside].clone()
     else:
         fused_params = [torch.nn.Parameter(values.clone()) for values in start]
@@ -426,33 +427,6 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
             assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other, key
 
 
-def _in_one_buffer(
-    values: list[torch.Tensor], gap: int = 64, megatron: bool = False,
-) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
-    """Parameters of ``values`` that are views of one flat BF16 buffer, that buffer, and the mask of
-    its elements outside them. Each parameter after ``gap`` elements of another owner (7.0); with
-    ``megatron``, as megatron lays out one rank's shard of its DDP buffer: ``gap`` elements of other
-    ranks' shards before and after the parameters, each start padded to 64 elements with zeros."""
-    starts, position = [], 0
-    for index, value in enumerate(values):
-        position = -(-position // 64) * 64 if megatron and index else position + gap
-        starts.append(position)
-        position += value.numel()
-    buffer = torch.full((position + gap,), 7.0, dtype=torch.bfloat16)
-    outside = torch.ones(buffer.numel(), dtype=torch.bool)
-    if megatron:
-        buffer[starts[0] : position] = 0
-    params = []
-    for start, value in zip(starts, values):
-        view = buffer[start : start + value.numel()].view(value.shape)
-        view.copy_(value)
-        outside[start : start + value.numel()] = False
-        param = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
-        param.data = view
-        params.append(param)
-    return params, buffer, outside
-
-
 @pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no C++ compiler for Inductor")
 def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
     """``params_in_buffer=True``, option D-BF16, with another owner's elements between the weights
@@ -468,7 +442,7 @@ def test_fused_step_in_a_buffer_it_does_not_own_is_the_eager_step_in_place():
 
     start = [_random(shape, index).bfloat16() for index, shape in enumerate(FUSED_SHAPES)]
     eager_params = [torch.nn.Parameter(value.clone()) for value in start]
-    params, buffer, gaps = _in_one_buffer(start)
+    params, buffer, gaps = in_one_buffer(start)
     eager = Muon(eager_params, lr=0.02, option=option, fused=False, seed=3)
     unknown_row = Muon(params, lr=0.02, option=option, fused=True, params_in_buffer=True, seed=3)
     assert all(not bucket.in_place and bucket.param_rows is not None for bucket in unknown_row.buckets)
