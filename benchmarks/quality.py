@@ -214,7 +214,7 @@ def table(arguments: argparse.Namespace, outcomes: Mapping[Run, Outcome]) -> tup
                 *seed_cells,
                 format_value(statistics.fmean(o.valid_loss for o in finished) if finished else None, 4),
                 NOT_MEASURED if gap is None else f"{gap.mean:+.4f}",
-                NOT_MEASURED if gap is None else "" if gap.spread is None else f"{gap.spread:.4f}",
+                NOT_MEASURED if gap is None else "one seed" if gap.spread is None else f"{gap.spread:.4f}",
                 "0" if gap is None else str(len(gap.seeds)),
                 format_value(statistics.fmean(o.imprecision_percent for o in tracked) if tracked else None, 2),
                 NOT_MEASURED if not tracked else f"{statistics.fmean(o.edq for o in tracked):.3e}",
