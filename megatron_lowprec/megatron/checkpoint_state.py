@@ -10,9 +10,10 @@ values are unchanged; a group that gathers elements of several saved groups (ano
 with rows that are not whole groups) is quantized afresh from the saved values (COAT §3).
 
 An FP32 master is saved as the FP32 master under ``master`` whichever its storage: a master stored
-as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``) is joined with the
-parameter when saving and split back into both when loading. So a checkpoint is the same for either
-storage, loads into the other, and reshards like any per-element state.
+as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``) or an int8 residual
+(``"residual8"``) is joined with the parameter when saving and split back into both when loading.
+So a checkpoint is the same for either storage, loads into another, and reshards like any
+per-element state.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, qua
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, state_dtypes
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
+
+SPLIT_MASTER_KEYS = (MASTER_KEYS["remainder"], MASTER_KEYS["residual8"])
+"""The state keys of masters stored below the BF16 parameter, saved joined as the FP32 master."""
 
 
 def checkpoint_state(
@@ -41,7 +45,7 @@ def checkpoint_state(
     run's 16-bit parameters) into the FP32 master. ``is_loading``: empty tensors to load into."""
     result = {}
     for key, value in state.items():
-        if key == MASTER_KEYS["remainder"]:
+        if key in SPLIT_MASTER_KEYS:
             result[MASTER_KEYS["fp32"]] = (
                 torch.empty(numel, dtype=torch.float32, device=value.device)
                 if is_loading
@@ -65,7 +69,7 @@ def checkpoint_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> 
     parameters of ``param_dtype``: FP8 payloads as uint8, a remainder master as the FP32 master."""
     dtypes = {}
     for key, dtype in state_dtypes(strategy, param_dtype).items():
-        if key == MASTER_KEYS["remainder"]:
+        if key in SPLIT_MASTER_KEYS:
             dtypes[MASTER_KEYS["fp32"]] = torch.float32
         else:
             dtypes[key] = torch.uint8 if dtype.itemsize == 1 else dtype
@@ -102,7 +106,7 @@ def restore_checkpoint_state(
     docstring); a master stored as a remainder is split into it and ``param`` (the run's 16-bit
     parameters, written too)."""
     for key, value in state.items():
-        if key == MASTER_KEYS["remainder"]:
+        if key in SPLIT_MASTER_KEYS:
             store_master_(_flat_param(param, numel), value.view(-1), loaded[MASTER_KEYS["fp32"]].reshape(-1))
         elif not key.endswith(PER_GROUP_PARTS) and not (value.dtype.itemsize == 1 and value.dtype.is_floating_point):
             value.copy_(loaded[key].reshape(value.shape))

@@ -649,7 +649,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         self._set_steps(loaded["state"]["common_step"])
         self.optimizer.skipped_steps = extra["skipped_steps"]
         self.optimizer.seed = extra["seed"]
-        if self.optimizer.strategy.master_storage == "remainder":
+        if self.optimizer.strategy.master_storage != "fp32":
             self._sync_params()
 
     def _sync_params(self) -> None:

@@ -438,6 +438,69 @@ def join_bf16_remainder(upper: torch.Tensor, remainder: torch.Tensor) -> torch.T
     return ((high << 16) | (low & _LOW_HALF)).view(torch.float32)
 
 
+_RESIDUAL_SHIFT = 8
+"""Bits of the FP32 pattern below an 8-bit residual: the residual is bits 8..15, bits 0..7 are rounded away."""
+_RESIDUAL_HALF_STEP = 1 << (_RESIDUAL_SHIFT - 1)
+_RESIDUAL_BYTE = 0xFF
+_RESIDUAL_SIGN = 0x80
+_LARGEST_RESIDUAL_ROUNDED_UP = 0x7F7FFFFF - _RESIDUAL_HALF_STEP
+"""Magnitude patterns above this would round up to infinity's; they round down (saturate) instead."""
+
+
+def round_to_bf16_residual8(x: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x`` rounded to the 16 significant bits that a BF16 value plus an 8-bit residual hold
+    (FP32 with its low 8 mantissa bits zero: 1 sign, 8 exponent and 15 mantissa bits), to nearest with
+    ties away from zero, as int32 bit patterns. Subnormals round on the same grid (2^-141); finite
+    values within half a step of FP32's largest round down to the largest value of the grid rather
+    than to infinity; ±inf stay, NaNs become the quiet NaN. Integer operations on the bit pattern."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_bf16_residual8 takes float32 values, got {x.dtype}")
+    bits = x.view(torch.int32)
+    sign = bits & _FP32_SIGN_BIT
+    magnitude = bits & _FP32_ABS_MASK
+    rounded = ((torch.clamp_max(magnitude, _LARGEST_RESIDUAL_ROUNDED_UP) + _RESIDUAL_HALF_STEP) >> _RESIDUAL_SHIFT) << _RESIDUAL_SHIFT
+    special = torch.where(magnitude > _FP32_INF_BITS, _FP32_QUIET_NAN_BITS, magnitude)
+    return torch.where(magnitude < _FP32_INF_BITS, rounded, special) | sign
+
+
+def split_bf16_residual8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``x`` as a bfloat16 ``upper`` and an int8 ``residual``: FlashOptim's 8-bit master
+    residual (arXiv 2602.23349), the rounding error of the BF16 parameter's magnitude in units of 1/128
+    of half its ULP, a power-of-two unit so that the codec is integer operations on the bit pattern.
+
+    ``x`` is first rounded to 16 significant bits (:func:`round_to_bf16_residual8`: nearest, ties away
+    from zero), which :func:`join_bf16_residual8` gives back exactly; the error of the round trip is
+    at most half the grid's step, 2^-16 of ``x``'s binade (128 FP32 ULPs; under 256 within 128 ULPs of
+    FP32's largest, which saturates). That value is split as :func:`split_bf16_remainder` splits a
+    whole FP32 value, eight bits higher: the residual is bits 8..15 read as a signed byte, ``upper``
+    the high 16 bits plus one when the residual is negative. So ``upper`` is the 16-bit value rounded
+    to bfloat16 to nearest with ties away from zero (torch's cast of ``x`` but at ties of the rounded
+    value and the values rounded up to one), ``|x - upper|`` is at most half a BF16 ULP plus the
+    rounding to the grid, and ``upper`` overflows to infinity exactly where the cast does, for values
+    above BF16's largest finite plus half its ULP (which no master reaches).
+    """
+    bits = round_to_bf16_residual8(x)
+    byte = (bits >> _RESIDUAL_SHIFT) & _RESIDUAL_BYTE
+    carry = byte >> (_RESIDUAL_SHIFT - 1)
+    upper = _signed_low_half((bits >> 16) + carry)
+    residual = byte - ((byte & _RESIDUAL_SIGN) << 1)
+    return upper.to(torch.int16).view(torch.bfloat16), residual.to(torch.int8)
+
+
+def join_bf16_residual8(upper: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The float32 values that :func:`split_bf16_residual8` split into bfloat16 ``upper`` and int8
+    ``residual``: high half ``upper`` minus the carry (one when the residual is negative), bits 8..15
+    the residual's, bits 0..7 zero. Integer operations only."""
+    if upper.dtype != torch.bfloat16 or residual.dtype != torch.int8:
+        raise TypeError(
+            f"join_bf16_residual8 takes a bfloat16 upper half and an int8 residual, got {upper.dtype} and {residual.dtype}"
+        )
+    low = residual.to(torch.int32)
+    carry = (low >> (_RESIDUAL_SHIFT - 1)) & 1
+    high = (upper.view(torch.int16).to(torch.int32) - carry) & _LOW_HALF
+    return ((high << 16) | ((low & _RESIDUAL_BYTE) << _RESIDUAL_SHIFT)).view(torch.float32)
+
+
 def _signed_low_half(bits: torch.Tensor) -> torch.Tensor:
     """The low 16 bits of int32 ``bits`` as a signed value in [-2^15, 2^15), still int32 (so that
     the conversion to int16 is exact: no backend saturates or wraps)."""

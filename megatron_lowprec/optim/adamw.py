@@ -32,7 +32,7 @@ from megatron_lowprec.optim.kernel import (
     check_param_dtype,
 )
 from megatron_lowprec.optim.layouts import Layout
-from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
+from megatron_lowprec.optim.master import MASTER_DTYPES, MASTER_KEYS, master_value, store_master_, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
@@ -268,14 +268,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _check_loaded_master(index: int, param: torch.Tensor, stored: torch.Tensor, saved: dict[str, Any]) -> None:
         """A saved master in either storage fits ``param``'s ``stored`` master (its whole shape, or
-        its run's): FP32 of that shape, or an int16 remainder of it below a BF16 parameter."""
-        key = next(key for key in MASTER_KEYS.values() if key in saved)
-        dtype = torch.float32 if key == MASTER_KEYS["fp32"] else torch.int16
-        if saved[key].shape != stored.shape or saved[key].dtype != dtype or (dtype == torch.int16 and param.dtype != torch.bfloat16):
+        its run's): FP32 of that shape, or an int16 remainder or int8 residual of it below a BF16 parameter."""
+        storage, key = next((storage, key) for storage, key in MASTER_KEYS.items() if key in saved)
+        dtype = MASTER_DTYPES[storage]
+        below = dtype != torch.float32
+        if saved[key].shape != stored.shape or saved[key].dtype != dtype or (below and param.dtype != torch.bfloat16):
             raise ValueError(
                 f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "
                 f"{param.dtype} parameter; expected {dtype}{tuple(stored.shape)}"
-                + (" below a bfloat16 parameter" if dtype == torch.int16 else "")
+                + (" below a bfloat16 parameter" if below else "")
             )
 
     @torch.no_grad()
@@ -333,9 +334,10 @@ class AdamW(PrecisionOptimizer):
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
-    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes) or ``"remainder"`` (the BF16
-    parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only);
-    ``None`` keeps the strategy's own. The masters are the same bits either way (``optim/master.py``).
+    (D, coat, D-BF16, res8) as ``"fp32"`` (a whole FP32 tensor, 4 bytes), ``"remainder"`` (the BF16
+    parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only;
+    the same masters bit for bit) or ``"residual8"`` (the BF16 parameter plus an int8 residual, 1
+    byte: masters of 16 significant bits); ``None`` keeps the strategy's own (``optim/master.py``).
     Stochastic rounding draws its bits from a counter-based stream
     keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
     an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,

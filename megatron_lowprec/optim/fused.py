@@ -71,7 +71,6 @@ import torch
 
 from megatron_lowprec.numerics import inductor
 from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, compile_exact, inductor_options
-from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
 from megatron_lowprec.numerics.inductor import EagerFallbackWarning
 from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
@@ -88,7 +87,7 @@ from megatron_lowprec.optim.kernel import (
     bucket_kernel_,
     kernel_scalar,
 )
-from megatron_lowprec.optim.master import stored_master
+from megatron_lowprec.optim.master import master_value, split_master, stored_master
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -361,15 +360,15 @@ def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:
     """The FP32 masters of a window of a bucket: its 16-bit parameters (a flat window, or rows of
-    another buffer) joined with the remainders ``stored``."""
+    another buffer) joined with the remainders or residuals ``stored``."""
     values = param.read(stored.shape) if isinstance(param, BufferRows) else param
-    return join_bf16_remainder(values, stored)
+    return master_value(values, stored)
 
 
 def _split_master_window_(param: torch.Tensor | BufferRows, stored: torch.Tensor, masters: torch.Tensor) -> None:
-    """Store a window's FP32 ``masters`` as its 16-bit parameters and remainders ``stored``."""
-    upper, remainder = split_bf16_remainder(masters)
-    stored.copy_(remainder)
+    """Store a window's FP32 ``masters`` as its 16-bit parameters and remainders or residuals ``stored``."""
+    upper, low = split_master(masters, stored.dtype)
+    stored.copy_(low)
     if isinstance(param, BufferRows):
         param.write(upper)
     else:

@@ -1,4 +1,5 @@
-"""Where an FP32 master weight lives: a whole FP32 tensor, or the BF16 parameter plus a 16-bit remainder.
+"""Where an FP32 master weight lives: a whole FP32 tensor, or the BF16 parameter plus a 16-bit remainder
+or an 8-bit residual.
 
 A strategy with ``master_weights`` keeps one stored tensor per parameter under :func:`master_key`:
 
@@ -8,6 +9,16 @@ A strategy with ``master_weights`` keeps one stored tensor per parameter under :
   parameter (its upper half) joined with it
   (:func:`~megatron_lowprec.numerics.formats.join_bf16_remainder`), 2 bytes instead of 4. The
   parameter then rounds the master to nearest with ties away from zero.
+* ``master_storage="residual8"``: ``"master_residual8"``, an int8 tensor (FlashOptim's master
+  residual, :func:`~megatron_lowprec.numerics.formats.split_bf16_residual8`): the master is the BF16
+  parameter plus its rounding error in 1/128 units of half a BF16 ULP, 1 byte instead of 4. It holds
+  16 significant bits, not FP32's 24: storing rounds the FP32 value to that grid to nearest (ties
+  away from zero), so an update under half the grid's step (2^-16 of the weight) is lost, as one
+  under 2^-24 is in an FP32 master, and reading gives the stored value back exactly. Nearest rather
+  than stochastic rounding: the codec stays a function of the value alone, so that every reader and
+  writer (checkpoints, torch's fused kernel, a change of storage) agrees without random bits, and an
+  AdamW step (about the learning rate in magnitude) is lost only where it falls under 2^-17 of the
+  weight, a ten-thousandth of a BF16 ULP's share where BF16 alone loses it.
 
 Every reader and writer of a master (the reference kernel, torch's fused kernel for option D, the
 update-quality pieces, state dicts and checkpoints) goes through :func:`master_value` and
@@ -21,13 +32,21 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_lowprec.numerics.formats import join_bf16_remainder, split_bf16_remainder
+from megatron_lowprec.numerics.formats import (
+    join_bf16_remainder,
+    join_bf16_residual8,
+    split_bf16_remainder,
+    split_bf16_residual8,
+)
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
-MASTER_KEYS = {"fp32": "master", "remainder": "master_remainder"}
+MASTER_KEYS = {"fp32": "master", "remainder": "master_remainder", "residual8": "master_residual8"}
 """The state key of the stored master for each ``master_storage``."""
 
 REMAINDER_DTYPE = torch.int16
+RESIDUAL_DTYPE = torch.int8
+MASTER_DTYPES = {"fp32": torch.float32, "remainder": REMAINDER_DTYPE, "residual8": RESIDUAL_DTYPE}
+"""The dtype of the stored master for each ``master_storage``: the forms are told apart by it."""
 
 
 def master_key(strategy: PrecisionStrategy) -> str:
@@ -36,7 +55,7 @@ def master_key(strategy: PrecisionStrategy) -> str:
 
 
 def stored_master(state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """The stored master of a state (FP32 master or int16 remainder), or ``None`` if it keeps none."""
+    """The stored master of a state (FP32 master, int16 remainder or int8 residual), or ``None`` if it keeps none."""
     for key in MASTER_KEYS.values():
         if key in state:
             return state[key]
@@ -45,23 +64,33 @@ def stored_master(state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 
 def master_value(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """The FP32 master of ``param``: ``stored`` itself when it is the FP32 master (updated in place
-    by whoever writes it), else ``param`` joined with the remainder ``stored`` (a new tensor)."""
+    by whoever writes it), else ``param`` joined with the remainder or residual ``stored`` (a new tensor)."""
     if stored.dtype == torch.float32:
         return stored
+    if stored.dtype == RESIDUAL_DTYPE:
+        return join_bf16_residual8(param, stored)
     return join_bf16_remainder(param, stored)
+
+
+def split_master(value: torch.Tensor, stored_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 masters ``value`` as the BF16 parameters and the stored pieces of dtype ``stored_dtype``
+    (int16 remainders or int8 residuals) that :func:`master_value` joins."""
+    if stored_dtype == RESIDUAL_DTYPE:
+        return split_bf16_residual8(value)
+    return split_bf16_remainder(value)
 
 
 def store_master_(param: torch.Tensor, stored: torch.Tensor, value: torch.Tensor) -> None:
     """Make FP32 ``value`` the master of ``param``: the whole form stores it and rounds the parameter
-    to nearest (a cast); the remainder form splits it into the parameter and the remainder."""
+    to nearest (a cast); the remainder and residual forms split it into the parameter and the stored piece."""
     if stored.dtype == torch.float32:
         if value is not stored:
             stored.copy_(value)
         param.copy_(stored)
         return
-    upper, remainder = split_bf16_remainder(value)
+    upper, low = split_master(value, stored.dtype)
     param.copy_(upper)
-    stored.copy_(remainder)
+    stored.copy_(low)
 
 
 def store_masters_(params: list[torch.Tensor], stored: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -90,13 +119,12 @@ def copies_off_nearest_even(param: torch.Tensor, stored: torch.Tensor) -> torch.
 def new_master(strategy: PrecisionStrategy, numel: int, like: torch.Tensor) -> torch.Tensor:
     """A flat, zero stored master of ``strategy`` for ``numel`` elements on ``like``'s device: fill
     it from the parameters with :func:`reset_master_`."""
-    dtype = REMAINDER_DTYPE if strategy.master_storage == "remainder" else torch.float32
-    return like.new_zeros(numel, dtype=dtype)
+    return like.new_zeros(numel, dtype=MASTER_DTYPES[strategy.master_storage])
 
 
 def reset_master_(param: torch.Tensor, stored: torch.Tensor) -> None:
     """Restart the master from the 16-bit ``param`` (same shape as ``stored``): its exact FP32 value,
-    or a zero remainder (a BF16 value is its own upper half)."""
+    or a zero remainder or residual (a BF16 value is its own upper half)."""
     if stored.dtype == torch.float32:
         stored.copy_(param)
     else:
@@ -104,10 +132,10 @@ def reset_master_(param: torch.Tensor, stored: torch.Tensor) -> None:
 
 
 def check_master_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str) -> None:
-    """``ValueError`` if ``strategy`` stores its master as a remainder and ``param`` is not BF16."""
-    if strategy.master_weights and strategy.master_storage == "remainder" and param.dtype != torch.bfloat16:
+    """``ValueError`` if ``strategy`` stores its master below the parameter and ``param`` is not BF16."""
+    if strategy.master_weights and strategy.master_storage != "fp32" and param.dtype != torch.bfloat16:
         raise ValueError(
-            f"option {strategy.name!r} with master_storage='remainder' keeps the FP32 master's upper half in "
+            f"option {strategy.name!r} with master_storage={strategy.master_storage!r} keeps the FP32 master's upper half in "
             f"the BF16 parameter; {where} of shape {tuple(param.shape)} has dtype {param.dtype}: use "
             "bfloat16 parameters or master_storage='fp32'"
         )

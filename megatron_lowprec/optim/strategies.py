@@ -7,6 +7,9 @@ Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Coll
 ``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
 (Collage App. C), stochastic rounding (SR paper, Alg. 1), COAT FP8 optimizer states (COAT §4) and
 ``D-BF16``, an FP32 master with BF16 moments (DeepSeek-V3 report, "Low-Precision Optimizer States").
+The lean options put these together: ``sr-fp8``, stochastically rounded BF16 parameters with COAT's
+FP8 moments, and ``res8``, the same moments with FlashOptim's 8-bit master residual below the BF16
+parameter (arXiv 2602.23349).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ MOMENT_STORAGES = ("low", "fp32", "fp8")
 PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
-MASTER_STORAGES = ("fp32", "remainder")
+MASTER_STORAGES = ("fp32", "remainder", "residual8")
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 LOW_PRECISION_BYTES = 2
@@ -26,6 +29,8 @@ FP32_BYTES = 4
 FP8_BYTES = 1
 REMAINDER_BYTES = 2
 """The int16 remainder that, below the BF16 parameter, stores an FP32 master (``master_storage="remainder"``)."""
+RESIDUAL8_BYTES = 1
+"""The int8 residual that, below the BF16 parameter, stores a master of 16 significant bits (``master_storage="residual8"``)."""
 FP8_GROUP_METADATA_BYTES = 8
 """Per FP8 group: one FP32 scale and one FP32 expansion exponent k (COAT §4.2)."""
 
@@ -62,7 +67,10 @@ class PrecisionStrategy:
     an int16 remainder its lower half (2 bytes; :func:`~megatron_lowprec.numerics.formats.split_bf16_remainder`).
     The masters are the same bits either way; the BF16 parameter then rounds the master to nearest
     with ties away from zero, where the whole form rounds ties to even (one master pattern in
-    131,072 differs). Needs BF16 parameters."""
+    131,072 differs); or ``"residual8"``: the BF16 parameter plus an int8 residual, its rounding error
+    in 1/128 units of half a BF16 ULP (1 byte; FlashOptim, arXiv 2602.23349;
+    :func:`~megatron_lowprec.numerics.formats.split_bf16_residual8`): a master of 16 significant bits,
+    to which every stored value is rounded to nearest. Both need BF16 parameters."""
 
     param_update: str = "nearest"
     """How the FP32 update Δθ reaches the stored parameter: ``"nearest"`` (θ + Δθ rounded to nearest),
@@ -168,10 +176,11 @@ class PrecisionStrategy:
 
     @property
     def master_bytes(self) -> int:
-        """Bytes per element of the stored master: 4 (FP32), 2 (remainder below the BF16 parameter) or 0."""
+        """Bytes per element of the stored master: 4 (FP32), 2 (remainder below the BF16 parameter), 1
+        (residual below the BF16 parameter) or 0."""
         if not self.master_weights:
             return 0
-        return REMAINDER_BYTES if self.master_storage == "remainder" else FP32_BYTES
+        return {"fp32": FP32_BYTES, "remainder": REMAINDER_BYTES, "residual8": RESIDUAL8_BYTES}[self.master_storage]
 
     def moment_bytes(self, numel: int) -> float:
         """Bytes of one moment (e.g. m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
@@ -198,9 +207,11 @@ class PrecisionStrategy:
         one place that decides it for ``lowprec-train``'s ``precision.grad_reduce_in_fp32`` and the
         figures it reports. FP32 for options with an FP32 master, whose update then reads the gradient
         as megatron-core's own mixed-precision optimizer does; the parameter's 16-bit format for the
-        others. (Megatron-LM's ``--bf16`` reduces in FP32 for every option unless
+        others, and for a master stored as an 8-bit residual (16 significant bits, not FP32's),
+        whose 7 bytes per parameter with a BF16 gradient are the point of it.
+        (Megatron-LM's ``--bf16`` reduces in FP32 for every option unless
         ``--grad-reduce-in-bf16``.)"""
-        return self.master_weights
+        return self.master_weights and self.master_storage != "residual8"
 
     def grad_bytes(self, grad_reduce_in_fp32: bool | None = None) -> int:
         """Bytes per element of the gradient buffer: 4 where gradients are reduced in FP32, else 2 (the
@@ -268,7 +279,7 @@ def resolve_option(
     option: str | PrecisionStrategy, master_weights: bool | None = None, master_storage: str | None = None
 ) -> PrecisionStrategy:
     """The strategy an optimizer runs for ``option``: ``master_weights=False`` drops the FP32 master
-    of a strategy that has one, ``master_storage`` stores it as ``"fp32"`` or ``"remainder"``
+    of a strategy that has one, ``master_storage`` stores it as ``"fp32"``, ``"remainder"`` or ``"residual8"``
     (``None`` keeps both as the strategy has them). ``ValueError`` where they cannot apply."""
     strategy = get_strategy(option)
     if master_weights is False:
@@ -331,5 +342,27 @@ register_strategy(
         master_weights=True,
         master_storage="remainder",
         weight_decay="multiplicative",
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "sr-fp8",
+        "BF16 AdamW with stochastically rounded updates + FP8 E4M3 moments, per-group 1x256 with dynamic range expansion",
+        aliases=("bf16_sr_fp8_states",),
+        moments="fp8",
+        param_update="stochastic",
+        fp8_group_size=256,
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "res8",
+        "BF16 model + master as an 8-bit residual below it (FlashOptim) + FP8 E4M3 moments, per-group 1x256",
+        aliases=("bf16_residual8_fp8_states",),
+        moments="fp8",
+        master_weights=True,
+        master_storage="residual8",
+        weight_decay="multiplicative",
+        fp8_group_size=256,
     )
 )

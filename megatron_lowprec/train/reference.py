@@ -156,6 +156,8 @@ def _master(strategy: PrecisionStrategy) -> str:
         return "—"
     if strategy.master_storage == "remainder":
         return "FP32, as the BF16 parameter and an int16 remainder below it"
+    if strategy.master_storage == "residual8":
+        return "16 significant bits, as the BF16 parameter and an int8 residual below it"
     return "FP32"
 
 

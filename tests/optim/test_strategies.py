@@ -18,8 +18,9 @@ def test_bytes_per_param_with_a_16_bit_gradient_matches_the_papers(name, expecte
 @pytest.mark.parametrize("strategy", available_strategies(), ids=lambda strategy: strategy.name)
 def test_bytes_per_param_counts_the_gradient_buffer_megatron_allocates(strategy):
     """By default the gradient is what megatron-core's DDP allocates for the option: 4 bytes where it
-    reduces in FP32 (the options with an FP32 master), else the parameter's 2."""
-    fp32_gradients = strategy.master_weights
+    reduces in FP32 (the options with an FP32 master, whole or as a remainder), else the parameter's
+    2 (a master of 16 significant bits as an 8-bit residual too)."""
+    fp32_gradients = strategy.master_weights and strategy.master_storage in ("fp32", "remainder")
     assert strategy.default_grad_reduce_in_fp32 == fp32_gradients
     sixteen_bit = strategy.bytes_per_param(grad_reduce_in_fp32=False)
     assert strategy.bytes_per_param(grad_reduce_in_fp32=True) == sixteen_bit + 2
@@ -45,6 +46,28 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     assert strategy.with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == expected + 2
     assert strategy.with_master_storage("remainder").bytes_per_param() == expected + 2
     assert strategy.with_master_storage("remainder").name == name
+
+
+# BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and 8 per 256-group (+ a 1-byte residual).
+LEAN_BYTES_PER_PARAM = {"sr-fp8": 2 + 2 + 2 * (1 + 8 / 256), "res8": 2 + 2 + 2 * (1 + 8 / 256) + 1}
+
+
+@pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
+def test_the_lean_options_take_under_6_1_and_7_1_bytes_with_their_bf16_gradient(name, expected):
+    strategy = get_strategy(name)
+    assert strategy.bytes_per_param() == expected
+    assert strategy.bytes_per_param(numel=256 * 1000) == expected
+    assert expected <= {"sr-fp8": 6.1, "res8": 7.1}[name]
+    assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 256, True)
+
+
+def test_a_residual_master_takes_one_byte():
+    for name in ("D", "coat", "D-BF16"):
+        strategy = get_strategy(name)
+        assert strategy.with_master_storage("residual8").bytes_per_param(grad_reduce_in_fp32=False) == (
+            strategy.with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) - 3
+        )
+    assert get_strategy("res8").with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == 10.0625
 
 
 def test_the_fp32_master_with_bf16_moments_is_deepseek_v3_s_recipe_at_10_bytes():
