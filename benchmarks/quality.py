@@ -238,8 +238,9 @@ def description(arguments: argparse.Namespace) -> str:
         f"a tenth of the peak lr), validation on {arguments.eval_iters} batches after the last step. Gap to "
         f"{BASELINE_OPTION}: the option's loss minus {BASELINE_OPTION}'s **on the same seed**, mean and sample standard "
         f"deviation over the paired seeds (negative: below {BASELINE_OPTION}); the seeds move the loss far more than the "
-        f"options do, so unpaired means would hide the differences. bytes/param: as allocated, from the run's summary "
-        f"(parameter, gradient buffer, states and master); {quality}. A cell nobody ran says \"{NOT_MEASURED}\"."
+        f"options do, so unpaired means would hide the differences. Mean loss: over the seeds the option finished. "
+        f"bytes/param: as allocated, from the run's summary (parameter, gradient buffer, states and master); {quality}. "
+        f"A cell nobody ran says \"{NOT_MEASURED}\"."
     )
 
 
