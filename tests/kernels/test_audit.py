@@ -48,25 +48,8 @@ CASES = [
     for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
 ]
 
-def _res8(option, storage, kind, arch):
-    return (option, storage) == ("res8", "residual8")
-
-
-def _res8_shard(option, storage, kind, arch):
-    return _res8(option, storage, kind, arch) and kind == "shard"
-
-
-RES8_DEFECT = (
-    "res8's step over FP8 groups of 256 keeps the new FP32 master in a buffer of its own between the group "
-    "reduction and the residual split (4 bytes more each way per element: 11 + 9 against 7.0625 + 5.0625 in "
-    "a plain bucket); in a packed shard the split and the store into megatron's rows are a second kernel"
-)
-
-KNOWN_DEFECTS: list = [
-    ("one launch", _res8_shard, RES8_DEFECT),
-    ("bytes", _res8, RES8_DEFECT),
-]
-"""(rule, the cases it fails in today, the defect) of AdamW's kernels on main."""
+KNOWN_DEFECTS: list = []
+"""(rule, the cases it fails in today, the defect) of AdamW's kernels on main: none."""
 
 
 def _marks(rule, case, defects):
@@ -404,12 +387,8 @@ def test_the_exact_gradient_norm_reads_each_gradient_element_once(dtype, windowe
     assert audit.gradient_norm_reads(dtype, windowed) == [dtype.itemsize]
 
 
-KNOWN_MUON_DEFECTS: list = [
-    ("bytes", lambda option, storage, kind, arch: (option, storage) == ("res8", "residual8"),
-     "res8's momentum call over FP8 groups of 256 moves 2 bytes more per element each way than its layout's "
-     "minimum (5 + 5 against 3.03 + 3.03)"),
-]
-"""(rule, the cases it fails in today, the defect) of Muon's kernels on main."""
+KNOWN_MUON_DEFECTS: list = []
+"""(rule, the cases it fails in today, the defect) of Muon's kernels on main: none."""
 
 
 @pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_MUON_DEFECTS))

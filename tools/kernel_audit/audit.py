@@ -118,7 +118,7 @@ elements, a ``row`` of :data:`~megatron_lowprec.megatron.layout.ROW` (a per-row 
 def configurations() -> list[tuple[str, str]]:
     """(option, master storage) of every registered option: ``fp32``, and ``remainder`` where the
     option keeps an FP32 master (``PrecisionStrategy.with_master_storage``); an option registered with
-    another storage (res8's ``residual8``) in that one alone, its other forms being another option's
+    another storage (such as ``residual8``) in that one alone, its other forms being another option's
     kernels (coat's)."""
     pairs = []
     for strategy in available_strategies():
