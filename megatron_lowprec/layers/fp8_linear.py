@@ -7,8 +7,10 @@ Forward: the input X and the weight W are quantized to E4M3 per tensor with curr
 with amax = max|x| (COAT's Group Scaling takes it in two stages, per 1 x G group and then over the
 groups, so that a kernel can fuse the first stage into the producer of x; the maximum is exact in any
 order). On GPUs that convert FP8 in Triton the maximum, the division and the cast are one compiled
-call (``numerics/quant.py: quantize_rows``), which reads x twice and writes one byte per element;
-elsewhere they are eager operations, the same bits. The product
+call (``numerics/quant.py: quantize_matrix``), which reads x twice and writes one byte per element,
+and, where the GEMMs run on ``torch._scaled_mm``, also the transposed payload that a backward GEMM
+takes, from the same kernel (Transformer Engine's row- and column-major FP8 copies); elsewhere they
+are eager operations, the same bits. The product
 E4M3(X) E4M3(W)^T is accumulated in FP32 and returned in the input's dtype. Backward: the output
 gradient dY is quantized to E5M2 per tensor; dX = E5M2(dY) E4M3(W) and dW = E5M2(dY)^T E4M3(X).
 Only the FP8 input and its scale are saved for backward: W is a parameter (no activation memory)
@@ -124,10 +126,11 @@ def _copied(payload: torch.Tensor) -> torch.Tensor:
 
 def row_major(payload: torch.Tensor) -> torch.Tensor:
     """``payload`` laid out row-major, as ``torch._scaled_mm`` takes its first operand (and the
-    transpose of its second). The backward pass's operands are transposed views; where Inductor
-    compiles FP8 (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`) they are copied
-    by one compiled kernel that reads and writes tiles (ATen's strided copy of FP8 payloads is slow
-    on GPUs), elsewhere by ``contiguous()``."""
+    transpose of its second). Where :func:`transposes_in_quantization` holds, the quantization wrote
+    the backward pass's operands so and nothing is copied; elsewhere they are transposed views, and
+    where Inductor compiles FP8 (:func:`~megatron_lowprec.numerics.compiled.triton_converts_fp8`)
+    they are copied by one compiled kernel that reads and writes tiles (ATen's strided copy of FP8
+    payloads is slow on GPUs), elsewhere by ``contiguous()``."""
     return payload if payload.is_contiguous() else compiled_where_fp8_converts(_copied, payload.device)(payload)
 
 
