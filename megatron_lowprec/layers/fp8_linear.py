@@ -20,7 +20,9 @@ Inside :func:`fp8_weight_cache` (one optimizer step's forward and backward passe
 micro-batches) each weight is quantized once, on first use, and its E4M3 payload and scale serve
 every forward and backward pass until the block ends, as COAT keeps the FP8 weight of a step. The
 payload is what re-quantizing the unchanged weight would give, so the results are the same bits;
-the cache holds one byte per weight element while the block runs.
+the cache holds one byte per weight element while the block runs, two where the quantization also
+writes the transposed payload for backward (:func:`transposes_in_quantization`; Transformer Engine's
+FP8 weights keep both layouts so too), which then no backward pass copies.
 
 Matmuls run on ``torch._scaled_mm`` on GPUs that have it (compute capability >= 8.9, every
 dimension a multiple of 16, not both operands E5M2), else they are emulated: dequantize to FP32
