@@ -201,8 +201,9 @@ def quantize_matrix(
 ) -> "tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]":
     """A 2-D ``matrix`` [M, K] quantized per tensor (section 3, one group): (payload [M, K] if
     ``row_major``, its transpose [K, M] laid out row-major if ``column_major``, the 0-d FP32 scale);
-    the payload's bits are :func:`quantize_rows`' of the matrix as one row (an empty matrix: scale 1). The transposed copy is what
-    ``torch._scaled_mm`` takes for a transposed operand (COAT's backward GEMMs, section 5.2). Where
+    the payload's bits are :func:`quantize_rows`' of the matrix as one row (an empty matrix: scale
+    1). The transposed copy is what ``torch._scaled_mm`` takes for a transposed operand (COAT's
+    backward GEMMs, section 5.2). Where
     Inductor compiles FP8 casts one compiled call: the maximum's reduction, then one kernel that reads
     each element once and writes both layouts (Transformer Engine's casts emit the row- and
     column-major copies together), so that no kernel copies the FP8 payload to transpose it;
