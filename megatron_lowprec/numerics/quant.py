@@ -208,7 +208,7 @@ def quantize_matrix(
     each element once and writes both layouts (Transformer Engine's casts emit the row- and
     column-major copies together), so that no kernel copies the FP8 payload to transpose it;
     elsewhere eager operations, the same bits. The compiled call keeps the column count a constant
-    of its graph (one graph per column count and format; the row count stays a symbol): Inductor
+    of its graph (one graph per column count, format and layouts; the row count stays a symbol): Inductor
     fuses the two layouts' stores into one tiled kernel only where it knows the row length."""
     fp8_dtype = fp8_dtype_of(fp8_dtype)
     if matrix.dim() != 2:
