@@ -183,6 +183,46 @@ def quantize_rows(rows: torch.Tensor, fp8_dtype: "str | torch.dtype") -> "tuple[
     return compiled_where_fp8_converts(_quantize_rows, rows.device)(rows.detach(), fp8_dtype)
 
 
+def _quantize_matrix(
+    matrix: torch.Tensor, fp8_dtype: torch.dtype, row_major: bool, column_major: bool
+) -> "tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]":
+    format_max = fp8_max(fp8_dtype)
+    values = matrix.float()
+    scale = scale_of(values.abs().amax(), fp8_dtype)
+
+    def cast(layout: torch.Tensor) -> torch.Tensor:
+        return div_rn(layout, scale).clamp(-format_max, format_max).to(fp8_dtype)
+
+    return cast(values) if row_major else None, cast(values.t()).contiguous() if column_major else None, scale
+
+
+def quantize_matrix(
+    matrix: torch.Tensor, fp8_dtype: "str | torch.dtype", row_major: bool = True, column_major: bool = False
+) -> "tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]":
+    """A 2-D ``matrix`` [M, K] quantized per tensor (section 3, one group): (payload [M, K] if
+    ``row_major``, its transpose [K, M] laid out row-major if ``column_major``, the 0-d FP32 scale);
+    the payload's bits are :func:`quantize_rows`' of the matrix as one row (an empty matrix: scale
+    1). The transposed copy is what ``torch._scaled_mm`` takes for a transposed operand (COAT's
+    backward GEMMs, section 5.2). Where
+    Inductor compiles FP8 casts one compiled call: the maximum's reduction, then one kernel that reads
+    each element once and writes both layouts (Transformer Engine's casts emit the row- and
+    column-major copies together), so that no kernel copies the FP8 payload to transpose it;
+    elsewhere eager operations, the same bits. The compiled call keeps the column count a constant
+    of its graph (one graph per column count, format and layouts; the row count stays a symbol): Inductor
+    fuses the two layouts' stores into one tiled kernel only where it knows the row length."""
+    fp8_dtype = fp8_dtype_of(fp8_dtype)
+    if matrix.dim() != 2:
+        raise ValueError(f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+    if not (row_major or column_major):
+        raise ValueError("quantize_matrix needs row_major=True, column_major=True or both")
+    if matrix.numel() == 0:
+        empty = torch.empty(matrix.shape, dtype=fp8_dtype, device=matrix.device)
+        return empty if row_major else None, empty.t().contiguous() if column_major else None, torch.ones((), device=matrix.device)
+    matrix = matrix.detach()
+    torch._dynamo.mark_static(matrix, 1)
+    return compiled_where_fp8_converts(_quantize_matrix, matrix.device)(matrix, fp8_dtype, bool(row_major), bool(column_major))
+
+
 def dequantize_rows(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP32 ``payload * scale`` of :func:`quantize_rows`'s results (eager operations: compiled code
     that reads the values, such as COAT's backward passes, fuses them)."""

@@ -479,6 +479,22 @@ def test_coat_activation_quantization_compiles_to_exact_kernels_that_read_the_ac
     assert (len(kernels), len(reading)) == ((3, 2) if group_size is None else (1, 1))
 
 
+def test_coat_linear_quantization_writes_both_layouts_from_one_read_of_its_input():
+    """COAT's per-tensor quantization of a linear layer's operand in both layouts (``quantize_matrix``;
+    E5M2, an output gradient's) as a GPU compiles it (sm_90): the maximum's two reduction kernels,
+    then one kernel, launched once, that reads each BF16 element once (and the scale) and stores its
+    FP8 byte in each layout, with correctly rounded division (``div.rn.f32``) and no approximate,
+    flushing or contracted instruction."""
+    kernels = audit.fp8_matrix_quantization_kernels(torch.float8_e5m2)
+    assert len(kernels) == 3 and all(kernel.launches == 1 for kernel in kernels)
+    assert all(audit.forbidden_instructions(kernel.ptx) == [] for kernel in kernels)
+    (storing,) = [kernel for kernel in kernels if "*fp8e5" in kernel.source]
+    read, written = audit.access_bytes(storing.ptx)
+    scale_bytes = 4
+    assert "div.rn.f32" in storing.ptx
+    assert (read - scale_bytes, written) == (2 * storing.elements_per_thread, 2 * storing.elements_per_thread)
+
+
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_the_fp8_linear_layers_transposed_operands_are_copied_by_one_kernel_moving_each_byte_once(fp8_dtype):
     """``fp8_linear.row_major`` of a transposed FP8 payload (the backward pass's operands of

@@ -19,7 +19,7 @@ TINY = census.SHAPES["tiny"]
 FENCE = {
     ("stock", "eager"): (49, 3_498_112, 1_973_888, 600_064, 0),
     ("coat", "eager"): (305, 16_400_268, 12_424_652, 442_384, 0),
-    ("coat", "compiled"): (114, 4_986_076, 3_021_584, 442_384, 7),
+    ("coat", "compiled"): (102, 4_674_868, 3_021_672, 442_384, 8),
 }
 """(launches, bytes read, bytes written, bytes saved for backward, graphs compiled) of one tiny layer's
 forward and backward; the graphs are what a first step from an empty cache compiles for the layers."""
@@ -43,14 +43,15 @@ def test_launches_and_bytes_per_layer_stay_at_the_fence(counted, key):
 
 def test_compiled_per_tensor_quantization_moves_the_bytes_of_its_tensors(kernels):
     """The generated quantization of fc2's input (tokens x ffn BF16 elements): an amax reduction and
-    a cast, each reading the input once, the cast writing one byte per element and reading the scale."""
+    a cast, each reading the input once, the cast reading the scale and writing one byte per element
+    in each layout (the row-major payload and the transposed one fc2's weight gradient takes)."""
     elements = TINY.tokens * TINY.ffn
-    quantization = [k for k in kernels["coat", "compiled"] if k.region == "_quantize_rows" and k.phase == "forward"
+    quantization = [k for k in kernels["coat", "compiled"] if k.region == "_quantize_matrix" and k.phase == "forward"
                     and f"in bfloat16[{elements}]" in k.signature]
     amax = [k for k in quantization if "amax" in k.op and k.written < 64]
-    cast = [k for k in quantization if k.written == elements]
+    cast = [k for k in quantization if k.written >= elements]
     assert [k.read for k in amax][:1] == [2 * elements]
-    assert [(k.read, k.written) for k in cast] == [(2 * elements + 4, elements)]
+    assert [(k.read, k.written) for k in cast] == [(2 * elements + 4, 2 * elements)]
 
 
 def test_gemm_flops_are_the_linears_analytic_count(kernels):
@@ -79,8 +80,8 @@ def test_the_census_names_the_non_minimal_kernels(kernels):
     assert ("amax", "FP32 tensor of activation size") in coat
     assert ("amax", "re-reads what abs in _quantize_rows wrote") in coat
     compiled = [(kernel.region, reason) for kernel in kernels["coat", "compiled"] for reason in kernel.reasons]
-    assert compiled.count(("_copied", "standalone copy of an FP8 payload")) == 12
-    assert compiled.count(("_quantize_rows", "re-reads what native_layer_norm wrote")) == 2
+    assert not [reason for region, reason in compiled if region and "standalone" in reason]
+    assert compiled.count(("_quantize_matrix", "re-reads what native_layer_norm wrote")) == 2
     assert not [reason for region, reason in compiled if region and "FP32" in reason]
     stock = reasons(("stock", "eager"))
     assert not [reason for _, reason in stock if "FP32" in reason or "FP8" in reason or "cast" in reason]

@@ -66,11 +66,12 @@ def test_the_exact_gradient_norms_generated_kernels_give_the_exact_sums():
 
 
 def test_coat_layers_generated_kernels_agree_with_their_eager_operations():
-    """COAT's FP8 quantization (per tensor and per 1 x 16 group) and the FP8 linear layer's copies of
-    transposed operands, as a GPU that converts FP8 compiles them, interpreted on CPU tensors: the
-    bits of the eager operations; the FP8 activations' backward passes within FP32 rounding of theirs."""
+    """COAT's FP8 quantization (per tensor and per 1 x 16 group; per tensor in both layouts at once)
+    and the FP8 linear layer's copies of transposed operands, as a GPU that converts FP8 compiles
+    them, interpreted on CPU tensors: the bits of the eager operations; the FP8 activations' backward
+    passes within FP32 rounding of theirs."""
     results = interpret.coat_layer_comparisons()
-    assert len(results) == 8 and all(result is None for result in results.values()), results
+    assert len(results) == 9 and all(result is None for result in results.values()), results
 
 
 @pytest.mark.parametrize("option,storage,kind,arch", [pytest.param(*case, id="-".join(map(str, case))) for case in MUON_CASES])

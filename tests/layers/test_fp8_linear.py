@@ -170,13 +170,13 @@ def test_only_the_fp8_input_and_its_scale_are_saved(device):
     assert scale.dtype == torch.float32 and scale.numel() == 1
 
 
-def _two_micro_batches(linear: FP8Linear, cached: bool) -> list[torch.Tensor]:
+def _two_micro_batches(linear: FP8Linear, cached: bool, batch: int = 3) -> list[torch.Tensor]:
     """Outputs and input gradients of two micro-batches, and the weight and bias gradients they accumulate."""
     linear.zero_grad(set_to_none=True)
     results = []
     with fp8_weight_cache() if cached else contextlib.nullcontext():
         for seed in (20, 21):
-            input = sample(3, 8, 64, seed=seed, scale=2.0).requires_grad_()
+            input = sample(batch, 8, 64, seed=seed, scale=2.0).requires_grad_()
             output = linear(input)
             output.backward(sample(*output.shape, seed=seed + 10))
             results += [output.detach(), input.grad]
@@ -208,6 +208,33 @@ def test_weight_cache_sees_a_weight_changed_between_steps():
         linear.weight.mul_(0.5)
     assert not torch.equal(_two_micro_batches(linear, cached=True)[0], first[0])
     assert torch.equal(_two_micro_batches(linear, cached=True)[0], _two_micro_batches(linear, cached=False)[0])
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+def test_transposes_written_by_the_quantization_give_the_same_bits_and_row_major_operands(cached, monkeypatch):
+    """Where the quantizations write the transposed payloads (``transposes_in_quantization``: a GPU
+    that compiles them, here forced on the CPU), outputs and gradients of two micro-batches are the
+    bits of the path without, every GEMM gets ``torch._scaled_mm``'s layouts (a row-major first
+    operand, a second one whose transpose is row-major: ``row_major`` copies nothing), and backward
+    keeps the input's transposed payload alone."""
+    linear = FP8Linear(64, 48, dtype=torch.bfloat16)
+    reference = _two_micro_batches(linear, cached, batch=2)
+    operands = []
+    matmul = fp8_linear_module.fp8_matmul
+    monkeypatch.setattr(fp8_linear_module, "triton_converts_fp8", lambda device: True)
+    monkeypatch.setattr(fp8_linear_module, "fp8_matmul", lambda a, a_scale, b, *rest: operands.append((a, b)) or matmul(a, a_scale, b, *rest))
+    assert fp8_linear_module.transposes_in_quantization("auto", torch.device("cpu"), (48, 64, 48))
+    assert not fp8_linear_module.transposes_in_quantization("auto", torch.device("cpu"), (24, 64, 40))
+    assert not fp8_linear_module.transposes_in_quantization("emulated", torch.device("cpu"), (48, 64, 48))
+    for fused, expected in zip(_two_micro_batches(linear, cached, batch=2), reference):
+        assert torch.equal(fused, expected)
+    assert len(operands) == 6
+    assert all(a.is_contiguous() and b.t().is_contiguous() for a, b in operands)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear(sample(3, 16, 64, seed=22).requires_grad_())
+    (payload,) = [tensor for tensor in saved if tensor.dtype == torch.float8_e4m3fn]
+    assert payload.shape == (48, 64) and payload.t().is_contiguous()
 
 
 def test_leading_dims_flatten_into_rows(device):

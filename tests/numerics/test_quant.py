@@ -18,6 +18,7 @@ from megatron_lowprec.numerics.quant import (
     fp8_dynamic_range,
     quantize_fp8,
     quantize_fp8_into,
+    quantize_matrix,
     quantize_rows,
     quantized_zeros,
 )
@@ -124,6 +125,40 @@ def test_quantize_rows_is_torchs_cast_at_the_correctly_rounded_scale(fp8_format,
     assert torch.equal(bits(payload), bits(quotient.to(FORMATS[fp8_format])))
     restored = dequantize_rows(payload, scale).cpu()
     assert torch.equal(restored, (payload.cpu().double() * expected_scale.double()).float())
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_quantize_matrix_writes_torchs_cast_in_both_layouts(fp8_format, device):
+    """The per-tensor payload of a [M, K] matrix and its transpose laid out row-major (what
+    torch._scaled_mm takes for COAT's backward GEMMs): torch's own CPU cast of the correctly rounded
+    quotient at the scale max|x| / fp8_max divided in float64, the transpose the same bytes
+    transposed; each layout alone is the same bits. On GPUs that convert FP8 in Triton one compiled
+    call, checked to have run."""
+    matrix = wide_range_sample(48 * 80, seed=11).view(48, 80).bfloat16()
+    matrix[:2, :4] = torch.tensor([[448 * 3.0, -(2.0**-20), 0.0, -0.0], [1e-30, 57344.0, -7.0, 2.0**-126]])
+    with torch.profiler.profile() as profile:
+        payload, transposed, scale = quantize_matrix(matrix.to(device), fp8_format, column_major=True)
+    ran_triton = any(event.name.startswith("triton_") for event in profile.events())
+    assert ran_triton == triton_converts_fp8(torch.device(device))
+    expected_scale = (matrix.double().abs().max() / FORMAT_MAX[fp8_format]).float()
+    quotient = (matrix.double() / expected_scale.double()).float().clamp(-FORMAT_MAX[fp8_format], FORMAT_MAX[fp8_format])
+    expected = quotient.to(FORMATS[fp8_format])
+    assert torch.equal(scale.cpu(), expected_scale) and scale.shape == ()
+    assert payload.shape == (48, 80) and transposed.shape == (80, 48) and transposed.is_contiguous()
+    assert torch.equal(bits(payload), bits(expected)) and torch.equal(bits(transposed), bits(expected.t().contiguous()))
+    row_only, none, _ = quantize_matrix(matrix.to(device), fp8_format)
+    none_again, column_only, _ = quantize_matrix(matrix.to(device), fp8_format, row_major=False, column_major=True)
+    assert none is None and none_again is None
+    assert torch.equal(bits(row_only), bits(expected)) and torch.equal(bits(column_only), bits(expected.t().contiguous()))
+
+
+def test_quantize_matrix_names_a_bad_shape_or_no_layout():
+    with pytest.raises(ValueError, match=re.escape("2-D, got shape (16,)")):
+        quantize_matrix(torch.ones(16), "e4m3")
+    with pytest.raises(ValueError, match="row_major=True, column_major=True or both"):
+        quantize_matrix(torch.ones(4, 4), "e4m3", row_major=False)
+    payload, transposed, scale = quantize_matrix(torch.ones(0, 5), "e5m2", column_major=True)
+    assert payload.shape == (0, 5) and transposed.shape == (5, 0) and float(scale) == 1.0
 
 
 def test_quantize_rows_names_a_shape_that_is_not_rows():

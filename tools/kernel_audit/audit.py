@@ -640,6 +640,19 @@ def fp8_quantization_kernels(fp8_dtype: torch.dtype, group_size: int | None, arc
         return generate_function(functools.partial(quant._quantize_rows, fp8_dtype=fp8_dtype), (shape,), torch.bfloat16, arch)
 
 
+def fp8_matrix_quantization_kernels(fp8_dtype: torch.dtype, arch: int = 90) -> list[Kernel]:
+    """The CUDA kernels of COAT's per-tensor FP8 quantization of a BF16 linear-layer operand in both
+    layouts (``numerics/quant.py: quantize_matrix``, the column count a constant as it marks it),
+    compiled as on a GPU that converts FP8 in Triton."""
+    function = functools.partial(quant._quantize_matrix, fp8_dtype=fp8_dtype, row_major=True, column_major=True)
+    with torch._inductor.config.patch(inductor_options()), ieee_fp32_division():
+        return generate_function(function, (MATRIX_SHAPE,), torch.bfloat16, arch, static_dims=(1,))
+
+
+MATRIX_SHAPE = (4096, 2048)
+"""A linear layer's input at GPT-1.3B's hidden size: tokens x hidden."""
+
+
 MARKDOWN_FILES = {"adamw": "kernel_audit.md", "muon": "kernel_audit_muon.md"}
 """The result file of each optimizer's table under ``--markdown DIR``."""
 

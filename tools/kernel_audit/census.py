@@ -13,14 +13,16 @@ Forward and backward run on fake tensors (``FakeTensorMode``: shapes and dtypes,
 ``TorchDispatchMode`` that records every aten operation with the bytes of its tensor inputs and
 outputs at their storage dtype and, for matmuls, 2·M·N·K FLOPs by input dtype. The FP8 matmuls take
 the path of a GPU that has ``torch._scaled_mm`` (sm_89 and later): ``_scaled_mm`` on FP8 operands,
-and a row-major copy of each transposed FP8 operand (``fp8_linear.row_major``) recorded before it.
+and a row-major copy of each transposed FP8 operand (``fp8_linear.row_major``) recorded before it,
+unless the quantization wrote that operand (where it is compiled: ``fp8_linear.transposes_in_quantization``).
 Attention is counted as one flash-attention kernel each way with its causal matmul FLOPs.
 
 The ``eager`` count takes every operation that is not a view as one kernel at its own traffic: COAT's
 path where nothing is compiled. On GPUs that convert FP8 in Triton, COAT's quantizations, operand
 copies and norm and activation backward passes each run as one compiled call
-(``numerics/compiled.py: compiled_where_fp8_converts``); the ``compiled`` count
-(:func:`compiled_kernels`) replaces each such call by the Triton kernels Inductor generates for it on
+(``numerics/compiled.py: compiled_where_fp8_converts``), the linear layers' quantizations then also
+writing the transposed payloads their backward GEMMs take; the ``compiled`` count, a run of that path
+(:func:`compiled_kernels`), replaces each such call by the Triton kernels Inductor generates for it on
 fake CUDA tensors of an sm_90 GPU (``tools/kernel_audit/codegen.py: cuda_codegen``), through the
 package's own compile, each kernel at the bytes Inductor's own estimate gives its buffer arguments
 (``estimate_kernel_num_bytes``, split into read and written, evaluated at the call's sizes).
@@ -365,23 +367,27 @@ def _scaled_mm_on_sm90(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _as_on_gpu(census: Census) -> Iterator[None]:
+def _as_on_gpu(census: Census, compiled: bool) -> Iterator[None]:
     """COAT's path as an sm_90 GPU takes it: ``_scaled_mm`` where it applies, and each compiled call
-    run eagerly with its operations marked (the modules imported the names they call)."""
+    run eagerly with its operations marked (the modules imported the names they call); ``compiled``:
+    where Inductor compiles the quantization, whose calls then also write the transposed payloads
+    (``fp8_linear.transposes_in_quantization``), else where nothing is compiled."""
     quant, linear, activations = (sys.modules[name] for name in (
         "megatron_lowprec.numerics.quant", "megatron_lowprec.layers.fp8_linear", "megatron_lowprec.layers.fp8_activations"))
     with contextlib.ExitStack() as stack:
         for module in (quant, linear, activations):
             stack.enter_context(mock.patch.object(module, "compiled_where_fp8_converts", census.compiled_where_fp8_converts))
         stack.enter_context(mock.patch.object(linear, "_scaled_mm_chosen", _scaled_mm_on_sm90))
+        stack.enter_context(mock.patch.object(linear, "triton_converts_fp8", lambda device: compiled))
         yield
 
 
-def run_census(shape: LayerShape, flavour: str) -> Census:
-    """The kernels of one layer's forward and backward (see the module docstring)."""
+def run_census(shape: LayerShape, flavour: str, compiled: bool = False) -> Census:
+    """The kernels of one layer's forward and backward (see the module docstring), COAT's on the path
+    of a GPU where its calls are ``compiled`` (:func:`_as_on_gpu`)."""
     census = Census(shape.tokens * shape.hidden)
     head_dim = shape.hidden // shape.heads
-    with FakeTensorMode(), _as_on_gpu(census):
+    with FakeTensorMode(), _as_on_gpu(census, compiled):
         layer = Layer(shape, flavour)
         x = torch.empty(shape.seq, shape.micro_batch, shape.hidden, dtype=torch.bfloat16, requires_grad=True)
         cos = torch.empty(shape.seq, 1, 1, head_dim, dtype=torch.bfloat16)
@@ -394,7 +400,7 @@ def run_census(shape: LayerShape, flavour: str) -> Census:
             census.phase = "backward"
             output.backward(grad)
             for cached in (sys.modules["megatron_lowprec.layers.fp8_linear"]._weight_cache or {}).values():
-                for tensor in cached:
+                for tensor in (tensor for tensor in cached if tensor is not None):
                     census.saved.pop(StorageWeakRef(tensor.untyped_storage()), None)
     return census
 
@@ -457,6 +463,15 @@ def _placeholder_symbols(graph_module: torch.fx.GraphModule, inputs: tuple) -> d
     return bound
 
 
+def _on_cuda(tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CUDA tensor of ``tensor``'s sizes, strides and dtype, with the sizes the caller marked
+    static (``torch._dynamo.mark_static``: constants of the compiled graph) marked so too."""
+    copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cuda")
+    for dim in sorted(getattr(tensor, "_dynamo_static_indices", ())):
+        torch._dynamo.mark_static(copy, dim)
+    return copy
+
+
 @dataclasses.dataclass
 class GeneratedCall:
     """The Triton kernels one compiled call launched: (kernel name, its traffic) per launch, and the
@@ -498,10 +513,7 @@ def generate_calls(regions: dict[int, RegionCall], arch: int = 90) -> tuple[dict
         with _traffic_noted(), mock.patch.object(compile_fx_module, "compile_fx", compile_fx), \
                 FakeTensorMode(allow_non_fake_inputs=True):
             for call, region in regions.items():
-                arguments = [
-                    torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda")
-                    if isinstance(value, torch.Tensor) else value for value in region.args
-                ]
+                arguments = [_on_cuda(value) if isinstance(value, torch.Tensor) else value for value in region.args]
                 calls = len(capture.calls)
                 if region.function not in compiled:
                     compiled[region.function] = compile_exact(region.function)
@@ -611,17 +623,18 @@ def summarize(kernels: list[Kernel], saved: int = 0, compiled_graphs: int = 0) -
 
 
 COUNTS = (("stock", "eager"), ("coat", "eager"), ("coat", "compiled"))
-"""The censuses of a shape: every operation a kernel, and for coat also each compiled call as the
-kernels Inductor generates for it (:func:`compiled_kernels`; stock has no compiled calls)."""
+"""The censuses of a shape: every operation a kernel, and for coat also its path where its calls are
+compiled, each compiled call as the kernels Inductor generates for it (:func:`compiled_kernels`; stock
+has no compiled calls)."""
 
 
 def censuses(shape: LayerShape) -> dict[tuple[str, str], tuple[list[Kernel], Summary]]:
     """(flavour, count) of :data:`COUNTS` -> the layer's kernels and their summary."""
-    stock, coat = run_census(shape, "stock"), run_census(shape, "coat")
-    kernels = {COUNTS[0]: stock.kernels, COUNTS[1]: coat.kernels, COUNTS[2]: compiled_kernels(coat)}
-    saved = {"stock": sum(stock.saved.values()), "coat": sum(coat.saved.values())}
-    graphs = {COUNTS[2]: coat.compiled_graphs}
-    return {key: (value, summarize(value, saved[key[0]], graphs.get(key, 0))) for key, value in kernels.items()}
+    stock, coat, coat_compiled = run_census(shape, "stock"), run_census(shape, "coat"), run_census(shape, "coat", compiled=True)
+    kernels = {COUNTS[0]: stock.kernels, COUNTS[1]: coat.kernels, COUNTS[2]: compiled_kernels(coat_compiled)}
+    saved = {key: sum(census.saved.values()) for key, census in zip(COUNTS, (stock, coat, coat_compiled))}
+    graphs = {COUNTS[2]: coat_compiled.compiled_graphs}
+    return {key: (value, summarize(value, saved[key], graphs.get(key, 0))) for key, value in kernels.items()}
 
 
 @dataclasses.dataclass
@@ -690,8 +703,9 @@ LEGEND = (
     "One GPT decoder layer (pre-LayerNorm, QKV, rotary embedding, causal flash attention, projection, "
     "LayerNorm, GELU MLP; BF16, no dropout), forward and backward, on fake tensors. `eager`: every aten "
     "operation that is not a view is one kernel launch at the bytes of its inputs and outputs, an upper "
-    "COAT's path where nothing is compiled; `compiled`: each of COAT's compiled calls (quantization, FP8 "
-    "operand copy, norm and GELU backward, compiled on GPUs that convert FP8 in Triton) replaced by the "
+    "COAT's path where nothing is compiled; `compiled`: COAT's path on GPUs that convert FP8 in Triton, "
+    "where the linear layers' quantization also writes the transposed payloads their backward GEMMs take, "
+    "each of its compiled calls (quantization, norm and GELU backward) replaced by the "
     "Triton kernels Inductor generates for it for sm_90, each at the bytes of its buffer arguments "
     "(Inductor's own estimate, at the call's sizes). `saved MB`: the activations autograd keeps for "
     "backward (weights and the step's FP8 weight copies excluded). `compiled graphs`: the graphs Inductor compiles for those calls, what "

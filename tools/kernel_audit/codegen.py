@@ -671,15 +671,21 @@ def trace_groups(strategy: PrecisionStrategy, arches: tuple[int, ...]) -> list[t
     return [tuple(group) for group in groups.values()]
 
 
-def generate_function(function: Callable, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, arch: int = 90) -> list[Kernel]:
+def generate_function(
+    function: Callable, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, arch: int = 90, static_dims: tuple[int, ...] = ()
+) -> list[Kernel]:
     """The kernels Inductor generates for ``function`` of fake CUDA tensors of ``shapes`` and ``dtype``
-    (one call), compiled for ``arch``: the audit's rules applied to code other than the step."""
+    (one call; the sizes of ``static_dims`` constants of the graph, ``torch._dynamo.mark_static``, as
+    the caller's code marks them), compiled for ``arch``: the audit's rules applied to code other than the step."""
     _device_properties(arch)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(arch, cache_dir) as capture:
         with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes]
+            for tensor in inputs:
+                for dim in static_dims:
+                    torch._dynamo.mark_static(tensor, dim)
             torch.compile(function, dynamic=True, fullgraph=True)(*inputs)
         kernels = []
         for key, (graph, source) in capture.sources.items():

@@ -597,8 +597,9 @@ FP8 activations: their reductions add in other orders (FP32, rows of 64 values).
 def compare_coat_layers(arch: int = ARCH) -> dict[str, str | None]:
     """COAT's layer kernels as a GPU that converts FP8 compiles them, interpreted on CPU tensors
     against their eager operations: ``numerics/quant.py``'s ``quantize_rows`` (E4M3, BF16 values from
-    many binades with zeros and a zero row, per tensor and per 1 x 16 group) and ``layers/fp8_linear.py``'s
-    ``row_major`` (copies of transposed E4M3 and E5M2 payloads) bit for bit; the backward passes of
+    many binades with zeros and a zero row, per tensor and per 1 x 16 group), its ``quantize_matrix``
+    (E4M3 per tensor, the row-major and the transposed payload written by one kernel) and
+    ``layers/fp8_linear.py``'s ``row_major`` (copies of transposed E4M3 and E5M2 payloads) bit for bit; the backward passes of
     ``layers/fp8_activations.py`` (LayerNorm, RMSNorm, GELU, SwiGLU, from a saved FP8 input) within
     :data:`COAT_BACKWARD_TOLERANCE`. Name -> ``None`` where they agree, else what differs. (The E5M2
     cast has no shim: the interpreter misrounds it, the GPU does not.) This process must have
@@ -638,6 +639,15 @@ def compare_coat_layers(arch: int = ARCH) -> dict[str, str | None]:
                 results[f"quantize {name}"] = _first_mismatch(payload.view(torch.uint8), expected_payload.view(torch.uint8)) or (
                     _first_mismatch(scale, expected_scale)
                 )
+            matrix = values.view(32, 128)
+            torch._dynamo.mark_static(matrix, 1)
+            got = compile_exact(quant._quantize_matrix)(matrix, torch.float8_e4m3fn, True, True)
+            expected = quant._quantize_matrix(matrix, torch.float8_e4m3fn, True, True)
+            results["quantize both layouts"] = next((text for text in (
+                _first_mismatch(got[0].view(torch.uint8), expected[0].view(torch.uint8)),
+                _first_mismatch(got[1].view(torch.uint8), expected[1].view(torch.uint8)),
+                _first_mismatch(got[2], expected[2]),
+            ) if text is not None), None)
             for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 payload = values.float().clamp(-448, 448).to(fp8_dtype).view(64, 64)[:, :48]
                 results[f"row-major copy {fp8_dtype}"] = _first_mismatch(
