@@ -649,13 +649,13 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         self._set_steps(loaded["state"]["common_step"])
         self.optimizer.skipped_steps = extra["skipped_steps"]
         self.optimizer.seed = extra["seed"]
-        if self.optimizer.strategy.master_storage != "fp32":
-            self._sync_params()
+        self._sync_params()
 
     def _sync_params(self) -> None:
-        """All-gather the parameters from their owners now, as after a step: a remainder master
-        loaded from a checkpoint rewrote the owned parameters (its upper halves), which every replica
-        must see before the next forward pass."""
+        """All-gather the parameters from their owners now, as after a step: a loaded state may
+        rewrite the owned parameters (a remainder master's upper halves, the parameter of an MCF
+        pair or a converted checkpoint's masters rounded into this option's parameter), which every
+        replica must see before the next forward pass."""
         self._exchange_group_tails(grads=False)
         for chunk in self.model_chunks:
             chunk.start_param_sync(force_sync=True)

@@ -516,8 +516,6 @@ def load(run, path: Path) -> None:
         for line in _agreed_lines(report):
             _say(line)
     run.optimizer.load_state_dict(loaded["optimizer"])
-    if source is not None and hasattr(run.optimizer, "_sync_params"):
-        run.optimizer._sync_params()  # the converted parameters of the shards' owners reach every replica
     run.scheduler.load_state_dict(loaded["scheduler"])
     run.iteration = loaded["iteration"]
     if per_rank is not None:
