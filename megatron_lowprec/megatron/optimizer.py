@@ -58,7 +58,13 @@ from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SET
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
-from megatron_lowprec.optim.convert import STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry
+from megatron_lowprec.optim.convert import (
+    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
+)
+
+STOCK_FORM_KEY = "optimizer"
+"""Where megatron-core's own ``Float16OptimizerWithFloat16Params`` keeps the torch optimizer's state
+dict (parameter groups and shared step) in its state dict, beside its FP32 masters."""
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
@@ -183,16 +189,21 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         converted into this one where :attr:`convert_checkpoint` is set (the parameters with it: load
         the model first), else refused with ``ValueError`` in one line."""
         params = self.get_parameters()
-        saved_option = (state_dict.get("lowprec") or {}).get("option")
+        from_stock = STOCK_FORM_KEY in state_dict
+        saved_option = STOCK if from_stock else (state_dict.get("lowprec") or {}).get("option")
         if saved_option is not None and saved_option != self.optimizer.strategy.name:
             if not self.convert_checkpoint:
                 raise ValueError(
                     f"the optimizer state was saved with option {saved_option!r}, this optimizer runs "
                     f"{self.optimizer.strategy.name!r}; build_optimizer(..., convert_checkpoint=True) converts it"
                 )
-            source = as_shaped_like(get_strategy(saved_option), self.optimizer.strategy)
-            for line in convert_loaded_state_(state_dict, params, source, self.optimizer.strategy).lines():
-                print(f"megatron-lowprec: {line}", flush=True)
+            if from_stock:
+                self._as_own_form_(state_dict)
+            source = as_shaped_like(resolve_target(saved_option), self.optimizer.strategy)
+            report = convert_loaded_state_(state_dict, params, source, self.optimizer.strategy, saved_option)
+            if torch.distributed.get_rank() == 0:
+                for line in report.lines():
+                    print(f"megatron-lowprec: {line}", flush=True)
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
@@ -208,6 +219,18 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
                 entry.update(restored)
         super().load_state_dict(state_dict)
         self.optimizer.seed += self.seed_offset
+
+
+    def _as_own_form_(self, state_dict: dict) -> None:
+        """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
+        common part under ``optimizer``: the shared step, torch's parameter groups) in this
+        optimizer's form: the step under ``common_step``, this optimizer's parameter groups (their
+        learning rates are the scheduler's) and ``lowprec`` section."""
+        stock = state_dict.pop(STOCK_FORM_KEY)
+        own = self.state_dict()
+        state_dict.setdefault("state", {})["common_step"] = int(stock["state"]["common_step"])
+        state_dict["param_groups"] = own["param_groups"]
+        state_dict["lowprec"] = own["lowprec"]
 
 
 class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):

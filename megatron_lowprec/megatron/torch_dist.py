@@ -25,7 +25,6 @@ import torch
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
-BACKEND_FILE = "metadata.json"
 SHARD_FILE = "__0_0.distcp"
 
 METADATA_GLOBALS = {

@@ -39,7 +39,7 @@ import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import (
-    BACKEND_FILE, COMMON_FILE, METADATA_FILE, ShardWriter, UnsafeCheckpoint, is_tensor_entry, read_chunk, read_common,
+    COMMON_FILE, METADATA_FILE, ShardWriter, UnsafeCheckpoint, is_tensor_entry, read_chunk, read_common,
     read_metadata,
 )
 from megatron_lowprec.optim.convert import (

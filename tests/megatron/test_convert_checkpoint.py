@@ -103,15 +103,24 @@ def test_an_option_b_checkpoint_converted_to_stock_resumes_in_megatron_cores_own
     assert all(master.isfinite().all() for _, master, _ in states)
 
 
-def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_b, tmp_path):
+@pytest.fixture(scope="module")
+def saved_stock(megatron_rank, tmp_path_factory):
+    """A checkpoint of megatron-core's own optimizer after one step, with that model and optimizer."""
+    stock_model, stock_optimizer = _stock_built()
+    _step(stock_model, stock_optimizer, 2)
+    directory = tmp_path_factory.mktemp("convert") / "stock"
+    _save(stock_model, stock_optimizer, directory)
+    return directory, stock_model, stock_optimizer
+
+
+def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_stock, tmp_path):
     """A checkpoint of megatron-core's own optimizer -> D -> stock gives every stored tensor back bit
     for bit; the D checkpoint loads into this package's optimizer with the same FP32 masters."""
     from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
     from megatron_lowprec.train.convert import convert_checkpoint
 
-    stock_model, stock_optimizer = _stock_built()
-    _step(stock_model, stock_optimizer, 2)
-    _save(stock_model, stock_optimizer, tmp_path / "stock")
+    stock, stock_model, stock_optimizer = saved_stock
+    shutil.copytree(stock, tmp_path / "stock")
     lines = convert_checkpoint(tmp_path / "stock", tmp_path / "d", "D")
     assert all(line.startswith("converted stock -> D: ") and line.endswith("exact") for line in lines), lines
     convert_checkpoint(tmp_path / "d", tmp_path / "back", "stock")
@@ -238,3 +247,45 @@ def test_lowprec_convert_stops_in_one_line_with_exit_2_and_leaves_the_source_as_
     assert not marker.exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["crafted", "damaged", "good", "occupied"]
     assert _files(directory) == before
+
+
+def test_the_megatron_lm_load_reads_another_options_checkpoint_on_request_only(saved_stock, saved_b, capsys):
+    """What Megatron-LM's ``load_checkpoint`` reads with the entry installed
+    (:func:`~megatron_lowprec.megatron.megatron_lm.optimizer_template_for`): a checkpoint of
+    megatron-core's own optimizer loads into option B's optimizer built with ``convert_checkpoint``
+    (``--lowprec-convert-checkpoint``), each (θ, δθ) the FP32 master's nearest BF16 and the BF16 rest,
+    each moment the FP32 one rounded to BF16, a line per state kind; without the flag the run stops
+    with one line naming it, and megatron's own optimizer stops on B's checkpoint naming lowprec-convert."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+
+    stock, stock_model, stock_optimizer = saved_stock
+    names = {param: name for name, param in stock_model.module.named_parameters()}
+    masters = {names[param]: master for param, master, _ in _stock_states(stock_optimizer)}
+    moments = {names[param]: state for param, _, state in _stock_states(stock_optimizer)}
+    model, optimizer = _built("B", convert_checkpoint=True)
+    model_state = model.module.sharded_state_dict()
+    template = optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), str(stock))
+    loaded = dist_checkpointing.load({"model": model_state, "optimizer": template}, str(stock))
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    assert [line.split(": ")[2] for line in capsys.readouterr().out.splitlines() if "converted stock -> B" in line] == [
+        "value", "exp_avg", "exp_avg_sq"]
+    for name, param in model.module.named_parameters():
+        state, master = optimizer.optimizer.state[param], masters[name].double()
+        assert torch.equal(param.double(), master.bfloat16().double()), name
+        assert torch.equal(state["param_lo"].double(), (master - param.double()).bfloat16().double()), name
+        assert torch.equal(state["exp_avg"], moments[name]["exp_avg"].bfloat16())
+        assert torch.equal(state["exp_avg_sq"], moments[name]["exp_avg_sq"].bfloat16())
+    assert optimizer.optimizer.state[param]["step"] == 1
+
+    model, refusing = _built("B")
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(refusing, refusing.sharded_state_dict(model.module.sharded_state_dict(), is_loading=True), str(stock))
+    assert str(stopped.value) == (f"{stock} was saved with megatron's own optimizer, this run has --lowprec-option B: "
+                                  "--lowprec-convert-checkpoint converts its optimizer state to B")
+    directory, _ = saved_b
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(stock_optimizer, {}, str(directory))
+    assert str(stopped.value).endswith("resume with --lowprec-option B, or convert it with `lowprec-convert SRC DST --to stock`")
