@@ -476,3 +476,30 @@ def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bi
     assert {key[len(prefix):].split(".")[0] for key in saved if key.startswith(prefix)} == set(states)
     unequal = [key for key in saved if not torch.equal(saved[key], resumed[key])]
     assert unequal == []
+
+
+@requires_megatron_training
+def test_a_checkpoint_of_megatrons_own_optimizer_resumes_into_an_option_with_the_convert_flag(tmp_path, indexed_corpus):
+    """Megatron-LM trains 2 iterations with its own optimizer and saves (``torch_dist``); a run with
+    ``--lowprec-option B --lowprec-convert-checkpoint`` loads it, says per state kind what it
+    converted, and trains iteration 3 (with evaluation, finite losses) (each value checked in
+    ``tests/megatron/test_convert_checkpoint.py``)."""
+    argv = [*TINY_GPT, "--global-batch-size", "2", "--data-path", indexed_corpus, "--split", "90,5,5",
+            "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist", "--log-interval", "1",
+            "--save-interval", "1000"]
+    argv[argv.index("--train-iters") + 1] = "2"
+    (tmp_path / "stock").mkdir()
+    run_ranks(WORKER, tmp_path / "stock", 1, "pretrain_gpt",
+              json.dumps({"argv": [*argv, "--save", str(tmp_path / "ckpt")]}), timeout_seconds=300)
+    argv[argv.index("--train-iters") + 1] = "3"
+    (tmp_path / "converted").mkdir()
+    (rank,) = run_ranks(WORKER, tmp_path / "converted", 1, "pretrain_gpt", json.dumps({"argv": [
+        *argv, "--load", str(tmp_path / "ckpt"), "--no-load-rng", "--override-opt_param-scheduler",
+        "--lowprec-option", "B", "--lowprec-convert-checkpoint",
+        *UNCOMPILED]}), timeout_seconds=300)
+    log = (tmp_path / "converted" / "rank0.log").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("megatron-lowprec: converted stock -> B: ")]
+    assert [line.split(": ")[2] for line in lines] == ["value", "exp_avg", "exp_avg_sq"], log[-3000:]
+    trained = [line.split("/")[0].split()[-1] for line in log.splitlines() if " iteration " in line and "lm loss:" in line]
+    assert trained == ["3"], log[-3000:]
+    assert rank["losses"] and all(math.isfinite(loss) for loss in rank["losses"]), rank
