@@ -65,16 +65,60 @@ def read_metadata(directory: Path):
             ) from None
 
 
-def read_common(directory: Path) -> dict:
-    """``common.pt`` of ``directory``, read with ``weights_only=True``."""
-    path = Path(directory) / COMMON_FILE
+COMMON_OBJECT = "common_state"
+"""The key under which megatron-core from 0.19 keeps ``common.pt``'s content inside the checkpoint."""
+
+
+def common_globals() -> list:
+    """What a checkpoint's common state may hold beside tensors and plain containers: megatron-core's
+    own allowlist (``megatron.core.safe_globals``: Megatron-LM's ``args`` as an ``argparse.Namespace``,
+    paths, numpy arrays...) and the enums of megatron-core's configuration, which ``args`` holds."""
+    import enum
+    import importlib
+
+    allowed = []
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        allowed += importlib.import_module("megatron.core.safe_globals").SAFE_GLOBALS
+    except ImportError:
+        pass
+    for name in ("megatron.core.transformer.enums", "megatron.core.enums", "megatron.core.rerun_state_machine"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        allowed += [value for value in vars(module).values()
+                    if isinstance(value, type) and issubclass(value, enum.Enum) and value.__module__ == name]
+    return allowed
+
+
+def _load_common_bytes(source, name: str) -> Any:
+    try:
+        with torch.serialization.safe_globals(common_globals()):
+            return torch.load(source, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
         refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise UnsafeCheckpoint(
-            f"{path}: refused to unpickle it, it holds objects other than tensors and plain containers ({refused})"
+            f"{name}: refused to unpickle it, it holds objects other than tensors, plain containers and "
+            f"megatron-core's allowlisted types ({refused})"
         ) from None
+
+
+def common_object_index(metadata) -> Any:
+    """The storage index of the common state kept inside the checkpoint, or ``None`` (``common.pt``)."""
+    return next((index for index in metadata.storage_data if index.fqn.split("/")[0] == COMMON_OBJECT), None)
+
+
+def read_common(directory: Path, metadata) -> dict:
+    """The checkpoint's common state: ``common.pt``, or the object megatron-core 0.19 keeps it in;
+    unpickled with ``weights_only=True`` and :func:`common_globals`."""
+    path = Path(directory) / COMMON_FILE
+    if path.is_file():
+        return _load_common_bytes(path, str(path))
+    index = common_object_index(metadata)
+    if index is None:
+        raise ValueError(f"{directory} holds neither {COMMON_FILE} nor a {COMMON_OBJECT} object")
+    loaded = _load_common_bytes(io.BytesIO(read_bytes(directory, metadata.storage_data[index])), f"{directory}: {index.fqn}")
+    return loaded[0] if isinstance(loaded, list) else loaded
 
 
 def is_tensor_entry(entry: Any) -> bool:
@@ -130,6 +174,12 @@ class ShardWriter:
             if index.fqn == key:
                 self._record(key, metadata.state_dict_metadata[key], index, read_bytes(source, info),
                              getattr(info, "transform_descriptors", None))
+
+    def write_object(self, index, entry, value: Any) -> None:
+        """``value`` stored as a ``torch.save`` of ``[value]`` at ``index``, as megatron-core stores an object."""
+        buffer = io.BytesIO()
+        torch.save([value], buffer)
+        self._record(index.fqn, entry, index, buffer.getvalue())
 
     def write_chunk(self, key: str, tensor: torch.Tensor, offsets: torch.Size, global_size: torch.Size) -> None:
         """``tensor``, the shard of ``key`` (global shape ``global_size``) at ``offsets``."""

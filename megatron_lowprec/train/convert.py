@@ -39,8 +39,8 @@ import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import (
-    COMMON_FILE, METADATA_FILE, ShardWriter, UnsafeCheckpoint, is_tensor_entry, read_chunk, read_common,
-    read_metadata,
+    COMMON_FILE, METADATA_FILE, ShardWriter, UnsafeCheckpoint, common_object_index, is_tensor_entry, read_chunk,
+    read_common, read_metadata,
 )
 from megatron_lowprec.optim.convert import (
     STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
@@ -151,9 +151,8 @@ def _check_destination(destination: Path) -> None:
 def _check_source(source: Path) -> None:
     if not source.is_dir():
         raise ConvertError(f"{source} is not a directory")
-    missing = [name for name in (METADATA_FILE, COMMON_FILE) if not (source / name).is_file()]
-    if missing:
-        raise ConvertError(f"{source} is not a torch_dist checkpoint (no {' and no '.join(missing)})")
+    if not (source / METADATA_FILE).is_file():
+        raise ConvertError(f"{source} is not a torch_dist checkpoint (no {METADATA_FILE})")
     if (source / COMPLETE_FILE).is_file():
         problem = checkpoint_problem(source, share=(0, 1))
         if problem is not None:
@@ -177,7 +176,12 @@ def convert_checkpoint(
         raise ConvertError(f"--to: {error}") from None
     to_stock = target_name.lower() == STOCK
     metadata = read_metadata(source)
-    common = read_common(source)
+    try:
+        common = read_common(source, metadata)
+    except (ValueError, OSError) as error:
+        if isinstance(error, UnsafeCheckpoint):
+            raise
+        raise ConvertError(f"{source}: its common state cannot be read ({error})") from None
     keys = list(metadata.state_dict_metadata)
     saved, from_stock = source_of(common, set(keys), source_name)
     states = _state_keys(keys)
@@ -188,8 +192,10 @@ def convert_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        report = _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress)
-        torch.save(converted_common(common, target, to_stock, from_stock), partial / COMMON_FILE)
+        new_common = converted_common(common, target, to_stock, from_stock)
+        report = _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, new_common)
+        if (source / COMMON_FILE).is_file():
+            torch.save(new_common, partial / COMMON_FILE)
         for name in sorted(os.listdir(source)):
             copied = name not in (METADATA_FILE, COMMON_FILE, COMPLETE_FILE) and not name.endswith(".distcp")
             if copied and (source / name).is_file():
@@ -204,14 +210,17 @@ def convert_checkpoint(
     return report.lines()
 
 
-def _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress) -> ConversionReport:
+def _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, common) -> ConversionReport:
     writer = ShardWriter(partial, metadata)
-    report = ConversionReport(saved, target, STOCK if from_stock else None)
+    common_index = None if (source / COMMON_FILE).is_file() else common_object_index(metadata)
+    if common_index is not None:
+        writer.write_object(common_index, metadata.state_dict_metadata[common_index.fqn], common)
+    report = ConversionReport(saved, target, STOCK if from_stock else None, STOCK if to_stock else None)
     renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if to_stock else {}
     state_keys = {key for keys in states.values() for key in keys.values()}
     shown, started = 0.0, time.monotonic()
     for done, key in enumerate(metadata.state_dict_metadata):
-        if key in state_keys:
+        if key in state_keys or (common_index is not None and key == common_index.fqn):
             continue
         entry = metadata.state_dict_metadata[key]
         if key not in states or not is_tensor_entry(entry):

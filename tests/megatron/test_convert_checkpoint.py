@@ -85,7 +85,7 @@ def test_an_option_b_checkpoint_converted_to_stock_resumes_in_megatron_cores_own
 
     directory, reference = saved_b
     lines = convert_checkpoint(directory, tmp_path / "stock", "stock")
-    assert [line.split(": ")[1] for line in lines] == ["value", "exp_avg", "exp_avg_sq"]
+    assert [line.split(": ")[:2] for line in lines] == [["converted B -> stock", kind] for kind in ("value", "exp_avg", "exp_avg_sq")]
     assert all(line.endswith("exact") for line in lines[1:]), lines
     model, optimizer = _stock_built()
     _load(model, optimizer, tmp_path / "stock")
@@ -232,7 +232,7 @@ def test_lowprec_convert_stops_in_one_line_with_exit_2_and_leaves_the_source_as_
     (occupied / "file").write_text("x")
     cases = [
         ([str(tmp_path / "missing"), str(tmp_path / "a"), "--to", "D"], "is not a directory"),
-        ([str(tmp_path), str(tmp_path / "b"), "--to", "D"], "is not a torch_dist checkpoint (no .metadata and no common.pt)"),
+        ([str(tmp_path), str(tmp_path / "b"), "--to", "D"], "is not a torch_dist checkpoint (no .metadata)"),
         ([str(directory), str(occupied), "--to", "D"], "exists and is not an empty directory"),
         ([str(directory), str(tmp_path / "c"), "--to", "E"], "--to: unknown precision option 'E'; valid: A, bf16, B,"),
         ([str(directory), str(tmp_path / "c"), "--to", "E"], ", stock\n"),
