@@ -42,7 +42,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``lowprec-train`` calls too); with ``--exit-signal-handler`` it starts megatron's checkpoint writer
   service, and every process forked later (the data loader's workers), with the exit signal
   blocked, so that the signal sent to every process of the job (SLURM, ``kill -TERM -<group>``) does
-  not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`).
+  not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`);
+- ``load_checkpoint`` reads a ``torch_dist`` checkpoint of another option, or of megatron's own
+  optimizer saved without ``--use-distributed-optimizer``, with that option's state keys and has the
+  optimizer convert it with ``--lowprec-convert-checkpoint`` (:func:`optimizer_template_for`); without
+  the flag it stops with one line naming it (megatron's own optimizer given an option's checkpoint:
+  naming ``lowprec-convert``), where Megatron-LM would stop on a missing key.
 
 Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
 refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
@@ -83,6 +88,7 @@ import os
 import runpy
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
@@ -351,9 +357,9 @@ def _precision_config(config, **changes):
 def saved_optimizer_option(common_state: dict) -> str | None:
     """The option a checkpoint's optimizer state was saved with, from its common state (what
     ``dist_checkpointing.load_common_state_dict`` returns): this package's ``lowprec`` record,
-    :data:`~megatron_lowprec.optim.convert.STOCK` for megatron-core's own optimizer, ``None`` for
+    :data:`~megatron_lowprec.optim.convert.STOCK` for megatron-core's own optimizers, ``None`` for
     anything else (a chained or Muon optimizer, none saved)."""
-    from megatron_lowprec.megatron.optimizer import STOCK_FORM_KEY
+    from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY
     from megatron_lowprec.optim.convert import STOCK
 
     saved = common_state.get("optimizer") if isinstance(common_state, dict) else None
@@ -361,7 +367,7 @@ def saved_optimizer_option(common_state: dict) -> str | None:
         return None
     if isinstance(saved.get("lowprec"), dict):
         return saved["lowprec"].get("option")
-    return STOCK if STOCK_FORM_KEY in saved else None
+    return STOCK if STOCK_FORM_KEY in saved or DISTRIBUTED_FORM_KEY in saved else None
 
 
 def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> dict:
@@ -374,7 +380,8 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron.core import dist_checkpointing
 
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizer, saved_option_template
-    from megatron_lowprec.optim.convert import STOCK, as_shaped_like, resolve_target
+    from megatron_lowprec.megatron.torch_dist import read_metadata
+    from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target
 
     saved = saved_optimizer_option(dist_checkpointing.load_common_state_dict(checkpoint_dir))
     inner = next(iter(getattr(optimizer, "chained_optimizers", [])), optimizer)
@@ -389,6 +396,10 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
         saved_with = "megatron's own optimizer" if saved == STOCK else f"--lowprec-option {saved}"
         _stop(f"{checkpoint_dir} was saved with {saved_with}, this run has --lowprec-option {running}: "
               f"--lowprec-convert-checkpoint converts its optimizer state to {running}")
+    if saved == STOCK and not any(key.startswith(f"optimizer.state.{STOCK_MASTER_KEY}.")
+                                  for key in read_metadata(Path(checkpoint_dir)).state_dict_metadata):
+        _stop(f"{checkpoint_dir} holds megatron's own optimizer state without per-parameter FP32 masters (saved with "
+              "--use-distributed-optimizer): --lowprec-convert-checkpoint converts megatron's own optimizer saved without it")
     source = as_shaped_like(resolve_target(saved), strategy)
     return saved_option_template(template, source, stock=saved == STOCK)
 

@@ -44,6 +44,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.megatron import compat
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
@@ -61,10 +62,6 @@ from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_mas
 from megatron_lowprec.optim.convert import (
     STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
 )
-
-STOCK_FORM_KEY = "optimizer"
-"""Where megatron-core's own ``Float16OptimizerWithFloat16Params`` keeps the torch optimizer's state
-dict (parameter groups and shared step) in its state dict, beside its FP32 masters."""
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""

@@ -3,12 +3,14 @@
 A ``torch_dist`` checkpoint (``dist_checkpointing`` with its default backend) is a directory of
 ``torch.distributed.checkpoint`` files: ``.metadata`` (a pickled ``Metadata``: per key, its dtype,
 global shape and chunks, and where each chunk's bytes lie), ``__<rank>_<n>.distcp`` (each chunk a
-``torch.save`` of the shard at its offset), ``common.pt`` (what is not sharded: the iteration, the
-optimizer's parameter groups and step...) and ``metadata.json`` (the backend's name).
+``torch.save`` of the shard at its offset), the common state (what is not sharded: the iteration,
+the optimizer's parameter groups and step, Megatron-LM's arguments...: ``common.pt``, or from
+megatron-core 0.19 an object ``common_state`` among the shards) and ``metadata.json`` (the backend's name).
 
 ``torch.distributed.checkpoint`` unpickles ``.metadata`` with ``pickle.load``, which runs whatever a
 crafted file asks for. :func:`read_metadata` unpickles it allowing only the classes such a file
-holds (:data:`METADATA_GLOBALS`); each shard and ``common.pt`` are read with ``weights_only=True``.
+holds (:data:`METADATA_GLOBALS`); each shard and the common state are read with ``weights_only=True``
+(the common state with megatron-core's own allowlist, :func:`common_globals`).
 :class:`ShardWriter` writes a checkpoint shard by shard in the same format, so that a conversion
 holds one shard in memory at a time.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,13 @@ import torch
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 SHARD_FILE = "__0_0.distcp"
+
+STOCK_FORM_KEY = "optimizer"
+"""Where megatron-core's own ``Float16OptimizerWithFloat16Params`` keeps the torch optimizer's state
+dict (parameter groups and shared step) in its state dict, beside its FP32 masters."""
+
+DISTRIBUTED_FORM_KEY = "param_state_sharding_type"
+"""A key of megatron-core's own ``DistributedOptimizer`` state dict (its states by bucket, not by parameter)."""
 
 METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
@@ -200,8 +210,6 @@ class ShardWriter:
 
     def close(self) -> None:
         """Flush the data file to disk and write ``.metadata`` (the source's, with these keys)."""
-        import os
-
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()

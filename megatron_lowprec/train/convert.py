@@ -39,7 +39,7 @@ import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import (
-    COMMON_FILE, METADATA_FILE, ShardWriter, UnsafeCheckpoint, common_object_index, is_tensor_entry, read_chunk,
+    COMMON_FILE, DISTRIBUTED_FORM_KEY, METADATA_FILE, STOCK_FORM_KEY, ShardWriter, UnsafeCheckpoint, common_object_index, is_tensor_entry, read_chunk,
     read_common, read_metadata,
 )
 from megatron_lowprec.optim.convert import (
@@ -67,7 +67,12 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
     optimizer saved it): ``given`` (``--from``) if set, else the optimizer's ``lowprec`` record, else
     megatron-core's own where its FP32 masters are there."""
     optimizer = common.get("optimizer")
-    if not isinstance(optimizer, dict) or not ("lowprec" in optimizer or "optimizer" in optimizer):
+    if isinstance(optimizer, dict) and DISTRIBUTED_FORM_KEY in optimizer and "lowprec" not in optimizer:
+        raise ConvertError(
+            "it holds megatron's DistributedOptimizer state (saved with --use-distributed-optimizer), by bucket, not "
+            "by parameter: lowprec-convert converts megatron's own optimizer saved without it"
+        )
+    if not isinstance(optimizer, dict) or not ("lowprec" in optimizer or STOCK_FORM_KEY in optimizer):
         raise ConvertError(
             "its optimizer state is not one AdamW's (none, Muon's or several optimizers chained): lowprec-convert "
             "converts the state of this package's AdamW and of megatron-core's own"

@@ -13,12 +13,13 @@ import torch
 from tests.megatron.test_convert_optimizer import MODEL, _built, _step
 
 
-def _save(model, optimizer, directory) -> None:
+def _save(model, optimizer, directory, **metadata) -> None:
     from megatron.core import dist_checkpointing
 
     directory.mkdir()
     model_state = model.module.sharded_state_dict()
-    dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}, str(directory))
+    optimizer_state = optimizer.sharded_state_dict(model_state, **({"metadata": metadata} if metadata else {}))
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer_state}, str(directory))
 
 
 def _load(model, optimizer, directory) -> None:
@@ -31,9 +32,9 @@ def _load(model, optimizer, directory) -> None:
     optimizer.load_state_dict(loaded["optimizer"])
 
 
-def _stock_built():
+def _stock_built(distributed: bool = False):
     """The tiny GPT with megatron-core's own optimizer, as megatron-core builds it (bf16 parameters:
-    ``Float16OptimizerWithFloat16Params``, chained)."""
+    ``Float16OptimizerWithFloat16Params``, chained; ``distributed``: its ``DistributedOptimizer``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -41,10 +42,11 @@ def _stock_built():
     from megatron_lowprec.train.loop import megatron_optimizer_config
     from megatron_lowprec.train.model import gpt_model
 
-    config = compose(["baseline=megatron", *MODEL])
+    config = compose(["baseline=megatron", *MODEL, f"optimizer.use_distributed_optimizer={str(distributed).lower()}"])
     torch.manual_seed(5)
     module = gpt_model(config, config.model.vocab_size)
-    model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+    model = DistributedDataParallel(config=module.config, module=module,
+                                    ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=distributed))
     return model, get_megatron_optimizer(megatron_optimizer_config(config.optimizer), [model])
 
 
@@ -289,3 +291,23 @@ def test_the_megatron_lm_load_reads_another_options_checkpoint_on_request_only(s
     with pytest.raises(SystemExit) as stopped:
         optimizer_template_for(stock_optimizer, {}, str(directory))
     assert str(stopped.value).endswith("resume with --lowprec-option B, or convert it with `lowprec-convert SRC DST --to stock`")
+
+
+def test_the_megatron_lm_load_refuses_megatrons_distributed_optimizer_state_in_one_line(megatron_rank, tmp_path):
+    """megatron-core's ``DistributedOptimizer`` (in Megatron-LM's default ``dp_reshardable`` form)
+    saves no per-parameter FP32 masters under ``fp32_param``; ``--lowprec-convert-checkpoint`` says so in one line instead of failing on a key."""
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+
+    stock_model, stock_optimizer = _stock_built(distributed=True)
+    _step(stock_model, stock_optimizer, 3)
+    _save(stock_model, stock_optimizer, tmp_path / "distributed", distrib_optim_sharding_type="dp_reshardable")
+    model, optimizer = _built("B", convert_checkpoint=True)
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(optimizer, {}, str(tmp_path / "distributed"))
+    assert str(stopped.value).endswith("(saved with --use-distributed-optimizer): --lowprec-convert-checkpoint converts "
+                                       "megatron's own optimizer saved without it")
+    from megatron_lowprec.train.convert import ConvertError, convert_checkpoint
+
+    with pytest.raises(ConvertError, match=r"megatron's DistributedOptimizer state \(saved with --use-distributed-optimizer\)"):
+        convert_checkpoint(tmp_path / "distributed", tmp_path / "out", "B")
+    assert not (tmp_path / "out").exists()
