@@ -381,10 +381,13 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
     with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
     (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
     shape, under ``optimizer.state.<key>.<parameter key>``): what ``dist_checkpointing.load`` reads
-    a checkpoint of another option with, before :func:`convert_loaded_state_`. ``stock``: megatron-core's
+    a checkpoint of another option with, before :func:`convert_loaded_state_`; a chained optimizer's
+    prefix (``chained_<i>.``) is kept. ``stock``: megatron-core's
     own optimizer wrote it, its FP32 master under
     :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats)."""
     renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if stock else {}
+    if not isinstance(sharded_optimizer_state["state"], dict):
+        return sharded_optimizer_state  # a layer-wise optimizer's rank without states keeps its empty state local
     states = {}
     for index, entry in sharded_optimizer_state["state"].items():
         tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
@@ -392,13 +395,14 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
             states[index] = entry
             continue
         like = tensors[0]
-        model_key = like.key.split(".", 3)[3]
+        prefix, state_and_model_key = like.key.split("optimizer.state.", 1)
+        model_key = state_and_model_key.split(".", 1)[1]
         param_dtype = like.data.dtype if like.data.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         states[index] = {
             **{key: value for key, value in entry.items() if not hasattr(value, "key")},
             **{
                 renamed.get(key, key): dataclasses.replace(
-                    like, key=f"optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
+                    like, key=f"{prefix}optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
                     data=torch.empty(like.data.shape, dtype=dtype, device=like.data.device),
                 )
                 for key, dtype in checkpoint_dtypes(source, param_dtype).items()
