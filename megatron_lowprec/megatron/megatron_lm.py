@@ -537,7 +537,8 @@ def install() -> None:
     _replace(training, "get_megatron_optimizer", get_megatron_optimizer)
     if hasattr(training, "get_megatron_muon_optimizer"):
         _replace(training, "get_megatron_muon_optimizer", get_megatron_muon_optimizer)
-    _replace(training, "load_checkpoint", _converting_load_checkpoint(training.load_checkpoint))
+    if hasattr(training, "load_checkpoint"):  # a training module that loads no checkpoint has nothing to convert
+        _replace(training, "load_checkpoint", _converting_load_checkpoint(training.load_checkpoint))
     _replace(training, "setup_model_and_optimizer",
              _checked_after_building(compat.add_model_hook(training.setup_model_and_optimizer, layer_precision_hook)))
     from megatron.core.datasets import utils as dataset_utils
