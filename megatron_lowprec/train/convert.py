@@ -39,15 +39,15 @@ import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import (
-    COMMON_FILE, DISTRIBUTED_FORM_KEY, METADATA_FILE, STOCK_FORM_KEY, ShardWriter, UnsafeCheckpoint, common_object_index, is_tensor_entry, read_chunk,
-    read_common, read_metadata,
+    COMMON_FILE, DISTRIBUTED_FORM_KEY, METADATA_FILE, STOCK_FORM_KEY, ShardWriter, UnsafeCheckpoint,
+    common_object_index, is_tensor_entry, read_chunk, read_common, read_metadata,
 )
 from megatron_lowprec.optim.convert import (
     STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
 )
 from megatron_lowprec.optim.master import MASTER_KEYS
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
-from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_problem, file_checksum, CHECKSUM_KEY
+from megatron_lowprec.train.checkpoint import CHECKSUM_KEY, COMPLETE_FILE, checkpoint_problem, file_checksum
 from megatron_lowprec.train.config import STOCK_OPTIMIZER_LABEL
 
 STATE_PREFIX = "optimizer.state."
@@ -59,12 +59,13 @@ class ConvertError(ValueError):
 
 
 def _adamw_like() -> PrecisionStrategy:
+    """A strategy with AdamW's moments, which :func:`as_shaped_like` gives the source and target."""
     return get_strategy("D")
 
 
 def source_of(common: dict, keys: set[str], given: str | None) -> tuple[PrecisionStrategy, bool]:
-    """(the strategy the checkpoint's optimizer state was saved with, whether megatron-core's own
-    optimizer saved it): ``given`` (``--from``) if set, else the optimizer's ``lowprec`` record, else
+    """(the strategy the checkpoint's optimizer state was saved with, whether its optimizer state is
+    in megatron-core's own form): the optimizer's ``lowprec`` record, else ``given`` (``--from``), else
     megatron-core's own where its FP32 masters are there."""
     optimizer = common.get("optimizer")
     if isinstance(optimizer, dict) and DISTRIBUTED_FORM_KEY in optimizer and "lowprec" not in optimizer:
@@ -77,13 +78,17 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
             "its optimizer state is not one AdamW's (none, Muon's or several optimizers chained): lowprec-convert "
             "converts the state of this package's AdamW and of megatron-core's own"
         )
+    record = optimizer.get("lowprec")
     if given is not None:
+        if record is not None:
+            raise ConvertError(
+                f"it records its option ({record['option']}): --from names the option of a checkpoint that records none"
+            )
         try:
             strategy = resolve_target(given)
         except ValueError as error:
             raise ConvertError(f"--from: {error}") from None
-        return as_shaped_like(strategy, _adamw_like()), given.lower() == STOCK
-    record = optimizer.get("lowprec")
+        return as_shaped_like(strategy, _adamw_like()), True
     if record is not None:
         strategy = get_strategy(record["option"])
         if strategy.master_weights and record.get("master_storage") is not None:
@@ -237,7 +242,13 @@ def _write(source, partial, metadata, states, saved, target, to_stock, from_stoc
                 name: read_chunk(source, metadata, state_key, _matching_chunk(metadata, state_key, chunk)).reshape(-1)
                 for name, state_key in states[key].items()
             }
-            new_param, new_state, errors = convert_entry(saved, target, param.reshape(-1), saved_state)
+            try:
+                new_param, new_state, errors = convert_entry(saved, target, param.reshape(-1), saved_state)
+            except (KeyError, ValueError) as error:
+                raise ConvertError(
+                    f"{key}: its states ({', '.join(sorted(saved_state))}) are not option {saved.name}'s ({error}); "
+                    "name the option it was saved with by --from"
+                ) from None
             del saved_state
             report.add(param, errors)
             tensors = {name: value.reshape(-1) for name, value in new_state.items() if torch.is_tensor(value)}

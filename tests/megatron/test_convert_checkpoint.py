@@ -121,8 +121,13 @@ def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_stock, tmp_path
     from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
     from megatron_lowprec.train.convert import convert_checkpoint
 
+    from megatron_lowprec.train.convert import ConvertError
+
     stock, stock_model, stock_optimizer = saved_stock
     shutil.copytree(stock, tmp_path / "stock")
+    with pytest.raises(ConvertError, match=r"\(exp_avg, exp_avg_sq, fp32_param\) are not option B's .*by --from$"):
+        convert_checkpoint(tmp_path / "stock", tmp_path / "wrong", "D", source_name="B")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stock"]
     lines = convert_checkpoint(tmp_path / "stock", tmp_path / "d", "D")
     assert all(line.startswith("converted stock -> D: ") and line.endswith("exact") for line in lines), lines
     convert_checkpoint(tmp_path / "d", tmp_path / "back", "stock")
@@ -241,6 +246,8 @@ def test_lowprec_convert_stops_in_one_line_with_exit_2_and_leaves_the_source_as_
         ([str(damaged), str(tmp_path / "d"), "--to", "stock"],
          "is damaged: __0_0.distcp does not match its xxh3_128 checksum"),
         ([str(crafted), str(tmp_path / "e"), "--to", "D"], "refused to unpickle it"),
+        ([str(directory), str(tmp_path / "f"), "--to", "D", "--from", "stock"],
+         "it records its option (B): --from names the option of a checkpoint that records none"),
     ]
     for argv, expected in cases:
         assert main(argv) == 2, argv
