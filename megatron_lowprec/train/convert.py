@@ -228,7 +228,8 @@ def _write(source, partial, metadata, states, saved, target, to_stock, from_stoc
     report = ConversionReport(saved, target, STOCK if from_stock else None, STOCK if to_stock else None)
     renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if to_stock else {}
     state_keys = {key for keys in states.values() for key in keys.values()}
-    shown, started = 0.0, time.monotonic()
+    total = len(metadata.state_dict_metadata)
+    started = shown = time.monotonic()
     for done, key in enumerate(metadata.state_dict_metadata):
         if key in state_keys or (common_index is not None and key == common_index.fqn):
             continue
@@ -257,12 +258,12 @@ def _write(source, partial, metadata, states, saved, target, to_stock, from_stoc
             for name, value in form.items():
                 writer.write_chunk(f"{STATE_PREFIX}{renamed.get(name, name)}.{key}", value.view(param.shape), chunk.offsets, entry.size)
             del param, new_param, new_state, tensors, form
-        if progress is not None and (time.monotonic() - shown > 1.0 or done == len(metadata.state_dict_metadata) - 1):
+        if progress is not None and time.monotonic() - shown > 1.0:
             shown = time.monotonic()
-            progress(f"{done + 1}/{len(metadata.state_dict_metadata)} keys, {shown - started:.0f} s")
+            progress(f"{done + 1}/{total} keys, {shown - started:.0f} s")
     writer.close()
     if progress is not None:
-        progress(f"{len(metadata.state_dict_metadata)}/{len(metadata.state_dict_metadata)} keys, {time.monotonic() - started:.0f} s")
+        progress(f"{total}/{total} keys, {time.monotonic() - started:.0f} s")
     return report
 
 
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         lines = convert_checkpoint(args.source, args.destination, args.target, args.source_option, progress=say)
-    except (ConvertError, UnsafeCheckpoint) as error:
+    except (ConvertError, UnsafeCheckpoint, OSError) as error:
         print(f"lowprec-convert: {error}", file=sys.stderr)
         return EXIT_USAGE
     for line in lines:
