@@ -44,6 +44,7 @@ setup(
             "lowprec-prepare-data=megatron_lowprec.data.prepare:main",
             "lowprec-train=megatron_lowprec.train.app:main",
             "lowprec-megatron-lm=megatron_lowprec.megatron.megatron_lm:main",
+            "lowprec-convert=megatron_lowprec.train.convert:main",
         ]
     },
     install_requires=[

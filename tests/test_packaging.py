@@ -43,3 +43,11 @@ def test_the_megatron_lm_console_script_prints_its_usage():
     result = subprocess.run([str(script)], capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr.startswith("usage: lowprec-megatron-lm PRETRAIN_SCRIPT")
+
+
+def test_setup_declares_lowprec_convert_and_its_entry_point_is_callable():
+    import importlib
+
+    declared = re.search(r'"lowprec-convert=([\w.]+):(\w+)"', (ROOT / "setup.py").read_text(encoding="utf-8"))
+    assert declared is not None
+    assert callable(getattr(importlib.import_module(declared[1]), declared[2]))

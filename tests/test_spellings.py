@@ -20,7 +20,6 @@ PRECISION_KEYS_WITHOUT_A_FLAG = {
     "te_fp8_recipe": "Megatron-LM's own --fp8-format and --fp8-recipe",
     "megatron_optimizer": "Megatron-LM without --lowprec-option",
     "emulate_exclude": "the earlier spelling of layers_exclude",
-    "convert_checkpoint": "none yet: a converted resume is lowprec-train's and build_optimizer's",
 }
 """The ``precision`` keys that the Megatron-LM entry spells with Megatron-LM's own flags."""
 

@@ -42,7 +42,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   ``lowprec-train`` calls too); with ``--exit-signal-handler`` it starts megatron's checkpoint writer
   service, and every process forked later (the data loader's workers), with the exit signal
   blocked, so that the signal sent to every process of the job (SLURM, ``kill -TERM -<group>``) does
-  not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`).
+  not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`);
+- ``load_checkpoint`` reads a ``torch_dist`` checkpoint of another option, or of megatron's own
+  optimizer saved without ``--use-distributed-optimizer``, with that option's state keys and has the
+  optimizer convert it with ``--lowprec-convert-checkpoint`` (:func:`optimizer_template_for`); without
+  the flag it stops with one line naming it (megatron's own optimizer given an option's checkpoint:
+  naming ``lowprec-convert``), where Megatron-LM would stop on a missing key.
 
 Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
 refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
@@ -83,6 +88,7 @@ import os
 import runpy
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
@@ -180,6 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
                        help="master of D, coat or D-BF16 kept whole (FP32), as a 16-bit remainder (FP32) or as "
                             "an 8-bit residual (16 significant bits) below the BF16 parameter (default: the option's own)")
+    group.add_argument("--lowprec-convert-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+                       help="resume (--load) a checkpoint of another option or of megatron's own optimizer, its "
+                            "optimizer state converted by meaning into --lowprec-option's formats")
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
@@ -302,6 +311,10 @@ def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
     precision_config = _precision_config(config)
     if precision_config is None:
         return _original(TRAINING_MODULE, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
+    from megatron.training import get_args
+
+    if getattr(get_args(), "lowprec_convert_checkpoint", False):
+        kwargs["convert_checkpoint"] = True
     return build_optimizer(precision_config, model_chunks, *args, **kwargs)
 
 
@@ -339,6 +352,80 @@ def _precision_config(config, **changes):
     if settings["lowprec_option"] is None:
         return None
     return LowPrecisionOptimizerConfig.from_optimizer_config(config, **settings, **changes)
+
+
+def saved_optimizer_option(common_state: dict) -> str | None:
+    """The option a checkpoint's optimizer state was saved with, from its common state (what
+    ``dist_checkpointing.load_common_state_dict`` returns): this package's ``lowprec`` record,
+    :data:`~megatron_lowprec.optim.convert.STOCK` for megatron-core's own optimizers, ``None`` for
+    anything else (a chained or Muon optimizer, none saved)."""
+    from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY
+    from megatron_lowprec.optim.convert import STOCK
+
+    saved = common_state.get("optimizer") if isinstance(common_state, dict) else None
+    if not isinstance(saved, dict):
+        return None
+    if isinstance(saved.get("lowprec"), dict):
+        return saved["lowprec"].get("option")
+    return STOCK if STOCK_FORM_KEY in saved or DISTRIBUTED_FORM_KEY in saved else None
+
+
+def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> dict:
+    """The optimizer part of the sharded state dict that Megatron-LM loads ``checkpoint_dir`` with:
+    ``template`` where the checkpoint holds the running optimizer's option, else (with
+    ``--lowprec-convert-checkpoint``) the saved option's states
+    (:func:`~megatron_lowprec.megatron.optimizer.saved_option_template`), which the optimizer's
+    ``load_state_dict`` converts; without the flag, or into megatron's own optimizer, one line that
+    says what converts it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizer, saved_option_template
+    from megatron_lowprec.megatron.torch_dist import read_metadata
+    from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target
+
+    saved = saved_optimizer_option(dist_checkpointing.load_common_state_dict(checkpoint_dir))
+    inner = next(iter(getattr(optimizer, "chained_optimizers", [])), optimizer)
+    strategy = getattr(getattr(inner, "optimizer", None), "strategy", None)
+    running = None if strategy is None else strategy.name
+    if saved is None or saved == (running or STOCK):
+        return template
+    if running is None:
+        _stop(f"{checkpoint_dir} was saved with --lowprec-option {saved}; megatron's own optimizer cannot resume it: "
+              f"resume with --lowprec-option {saved}, or convert it with `lowprec-convert SRC DST --to stock`")
+    if not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
+        saved_with = "megatron's own optimizer" if saved == STOCK else f"--lowprec-option {saved}"
+        _stop(f"{checkpoint_dir} was saved with {saved_with}, this run has --lowprec-option {running}: "
+              f"--lowprec-convert-checkpoint converts its optimizer state to {running}")
+    if saved == STOCK and not any(key.startswith(f"optimizer.state.{STOCK_MASTER_KEY}.")
+                                  for key in read_metadata(Path(checkpoint_dir)).state_dict_metadata):
+        _stop(f"{checkpoint_dir} holds megatron's own optimizer state without per-parameter FP32 masters (saved with "
+              "--use-distributed-optimizer): --lowprec-convert-checkpoint converts megatron's own optimizer saved without it")
+    source = as_shaped_like(resolve_target(saved), strategy)
+    return saved_option_template(template, source, stock=saved == STOCK)
+
+
+def _converting_load_checkpoint(load_checkpoint):
+    """Megatron-LM's ``load_checkpoint`` whose ``dist_checkpointing.load`` reads the optimizer state
+    with :func:`optimizer_template_for`."""
+
+    @functools.wraps(load_checkpoint)
+    def load_checkpoint_converting(model, optimizer, *args, **kwargs):
+        from megatron.core import dist_checkpointing
+
+        load = dist_checkpointing.load
+
+        def load_with_the_saved_options_states(sharded_state_dict, checkpoint_dir, *load_args, **load_kwargs):
+            if optimizer is not None and isinstance(sharded_state_dict, dict) and "optimizer" in sharded_state_dict:
+                sharded_state_dict["optimizer"] = optimizer_template_for(optimizer, sharded_state_dict["optimizer"], str(checkpoint_dir))
+            return load(sharded_state_dict, checkpoint_dir, *load_args, **load_kwargs)
+
+        dist_checkpointing.load = load_with_the_saved_options_states
+        try:
+            return load_checkpoint(model, optimizer, *args, **kwargs)
+        finally:
+            dist_checkpointing.load = load
+
+    return load_checkpoint_converting
 
 
 def _checked_after_building(setup_model_and_optimizer):
@@ -450,6 +537,8 @@ def install() -> None:
     _replace(training, "get_megatron_optimizer", get_megatron_optimizer)
     if hasattr(training, "get_megatron_muon_optimizer"):
         _replace(training, "get_megatron_muon_optimizer", get_megatron_muon_optimizer)
+    if hasattr(training, "load_checkpoint"):  # a training module that loads no checkpoint has nothing to convert
+        _replace(training, "load_checkpoint", _converting_load_checkpoint(training.load_checkpoint))
     _replace(training, "setup_model_and_optimizer",
              _checked_after_building(compat.add_model_hook(training.setup_model_and_optimizer, layer_precision_hook)))
     from megatron.core.datasets import utils as dataset_utils

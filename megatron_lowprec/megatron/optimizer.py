@@ -44,6 +44,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
+from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.megatron import compat
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
@@ -58,7 +59,9 @@ from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SET
 from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
-from megatron_lowprec.optim.convert import STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry
+from megatron_lowprec.optim.convert import (
+    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
+)
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
@@ -183,16 +186,21 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         converted into this one where :attr:`convert_checkpoint` is set (the parameters with it: load
         the model first), else refused with ``ValueError`` in one line."""
         params = self.get_parameters()
-        saved_option = (state_dict.get("lowprec") or {}).get("option")
+        from_stock = STOCK_FORM_KEY in state_dict
+        saved_option = STOCK if from_stock else (state_dict.get("lowprec") or {}).get("option")
         if saved_option is not None and saved_option != self.optimizer.strategy.name:
             if not self.convert_checkpoint:
                 raise ValueError(
                     f"the optimizer state was saved with option {saved_option!r}, this optimizer runs "
                     f"{self.optimizer.strategy.name!r}; build_optimizer(..., convert_checkpoint=True) converts it"
                 )
-            source = as_shaped_like(get_strategy(saved_option), self.optimizer.strategy)
-            for line in convert_loaded_state_(state_dict, params, source, self.optimizer.strategy).lines():
-                print(f"megatron-lowprec: {line}", flush=True)
+            if from_stock:
+                self._as_own_form_(state_dict)
+            source = as_shaped_like(resolve_target(saved_option), self.optimizer.strategy)
+            report = convert_loaded_state_(state_dict, params, source, self.optimizer.strategy, saved_option)
+            if torch.distributed.get_rank() == 0:
+                for line in report.lines():
+                    print(f"megatron-lowprec: {line}", flush=True)
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
@@ -208,6 +216,18 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
                 entry.update(restored)
         super().load_state_dict(state_dict)
         self.optimizer.seed += self.seed_offset
+
+
+    def _as_own_form_(self, state_dict: dict) -> None:
+        """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
+        common part under ``optimizer``: the shared step, torch's parameter groups) in this
+        optimizer's form: the step under ``common_step``, this optimizer's parameter groups (their
+        learning rates are the scheduler's) and ``lowprec`` section."""
+        stock = state_dict.pop(STOCK_FORM_KEY)
+        own = self.state_dict()
+        state_dict.setdefault("state", {})["common_step"] = int(stock["state"]["common_step"])
+        state_dict["param_groups"] = own["param_groups"]
+        state_dict["lowprec"] = own["lowprec"]
 
 
 class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
@@ -309,6 +329,13 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         self.gather_params()
         return success
 
+    def load_state_dict(self, state_dict: Any) -> None:
+        """The chained optimizers' states, then :meth:`gather_params`: a loaded state may rewrite
+        the parameters a rank owns (a remainder master's upper halves, a converted checkpoint's
+        rounded masters), which every rank must see before the next forward pass."""
+        super().load_state_dict(state_dict)
+        self.gather_params()
+
     @torch.no_grad()
     def gather_params(self) -> None:
         """Where every chained optimizer is layer-wise (DDP all-reduces), every rank's parameters to
@@ -361,10 +388,13 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
     with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
     (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
     shape, under ``optimizer.state.<key>.<parameter key>``): what ``dist_checkpointing.load`` reads
-    a checkpoint of another option with, before :func:`convert_loaded_state_`. ``stock``: megatron-core's
+    a checkpoint of another option with, before :func:`convert_loaded_state_`; a chained optimizer's
+    prefix (``chained_<i>.``) is kept. ``stock``: megatron-core's
     own optimizer wrote it, its FP32 master under
     :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats)."""
     renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if stock else {}
+    if not isinstance(sharded_optimizer_state["state"], dict):
+        return sharded_optimizer_state  # a layer-wise optimizer's rank without states keeps its empty state local
     states = {}
     for index, entry in sharded_optimizer_state["state"].items():
         tensors = [value for value in entry.values() if hasattr(value, "key")] if isinstance(entry, dict) else []
@@ -372,13 +402,14 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
             states[index] = entry
             continue
         like = tensors[0]
-        model_key = like.key.split(".", 3)[3]
+        prefix, state_and_model_key = like.key.split("optimizer.state.", 1)
+        model_key = state_and_model_key.split(".", 1)[1]
         param_dtype = like.data.dtype if like.data.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         states[index] = {
             **{key: value for key, value in entry.items() if not hasattr(value, "key")},
             **{
                 renamed.get(key, key): dataclasses.replace(
-                    like, key=f"optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
+                    like, key=f"{prefix}optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
                     data=torch.empty(like.data.shape, dtype=dtype, device=like.data.device),
                 )
                 for key, dtype in checkpoint_dtypes(source, param_dtype).items()

@@ -271,10 +271,14 @@ class KindReport:
 class ConversionReport:
     """Per state kind, over every converted parameter, the formats and the largest error."""
 
-    def __init__(self, source: PrecisionStrategy, target: PrecisionStrategy, source_label: str | None = None) -> None:
+    def __init__(
+        self, source: PrecisionStrategy, target: PrecisionStrategy, source_label: str | None = None,
+        target_label: str | None = None,
+    ) -> None:
         self.source = source
         self.target = target
         self.source_label = source.name if source_label is None else source_label
+        self.target_label = target.name if target_label is None else target_label
         self.kinds: dict[str, KindReport] = {}
 
     def add(self, param: torch.Tensor, errors: dict[str, float]) -> None:
@@ -289,7 +293,7 @@ class ConversionReport:
 
     def lines(self) -> list[str]:
         """One line per state kind: what was converted and its largest error against the source."""
-        return [f"converted {self.source_label} -> {self.target.name}: {kind.line()}" for kind in self.kinds.values()]
+        return [f"converted {self.source_label} -> {self.target_label}: {kind.line()}" for kind in self.kinds.values()]
 
 
 def convert_entry(

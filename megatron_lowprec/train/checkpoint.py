@@ -23,8 +23,8 @@ without the marker, with a file missing, of another size or another checksum tha
 or one that fails to load (any exception of the checkpoint library, ``BaseException`` subclasses
 included) is named in one line with the file and the previous one is tried (``resume_from=<checkpoint>`` insists on one checkpoint and stops instead); ``latest`` is
 pointed back at the first intact one before it is loaded. A checkpoint written with another option
-(or megatron-core's own optimizer) is read with that option's state keys and converted by meaning
-into this run's where ``precision.convert_checkpoint`` asks for it
+(or megatron-core's own AdamW) is read with that option's state keys and converted by meaning
+into this run's, AdamW's or Muon's (each optimizer of the chain), where ``precision.convert_checkpoint`` asks for it
 (:func:`~megatron_lowprec.megatron.optimizer.convert_loaded_state_`). A checkpoint written with
 another option without that setting, or with another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
 ``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
@@ -483,37 +483,44 @@ def load(run, path: Path) -> None:
 
     common = _read_on_every_rank(path, lambda: dist_checkpointing.load_common_state_dict(str(path)))
     option = option_label(run.config.precision)
-    source = None
+    sources = None
     if common["option"] != option:
         if not run.config.precision.convert_checkpoint:
             raise ResumeError(
                 f"{path} was trained with option {common['option']!r}, not {option!r}; "
                 "precision.convert_checkpoint=true converts its optimizer state to this option"
             )
-        source = _conversion_source(run, path, common["option"])
+        sources = _conversion_sources(run, path, common["option"])
     _check_shape(run, path, common.get("shape"))
     _check_schedule(run, path, common["scheduler"])
     template = _sharded_state(run, is_loading=True)
     from_stock = common["option"] == STOCK_OPTIMIZER_LABEL
-    if source is not None:
+    if sources is not None:
         from megatron_lowprec.megatron.optimizer import saved_option_template
 
-        template["optimizer"] = saved_option_template(template["optimizer"], source, stock=from_stock)
+        for _, index, source in sources:
+            if index is None:
+                template["optimizer"] = saved_option_template(template["optimizer"], source, stock=from_stock)
+            else:
+                template["optimizer"][index] = saved_option_template(template["optimizer"][index], source)
     loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
     same_layout = loaded["layout"] == _layout()
     rank_file = path / f"rank{torch.distributed.get_rank()}.pt"
     per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
-    if source is not None:
+    if sources is not None:
         from megatron_lowprec.megatron.optimizer import convert_loaded_state_
 
         if from_stock:
             _as_project_state_(run, loaded["optimizer"])
-        report = convert_loaded_state_(
-            loaded["optimizer"], run.optimizer.get_parameters(), source, _converted_strategy(run),
-            source_label=STOCK if from_stock else None,
-        )
-        for line in _agreed_lines(report):
+        reports = [
+            convert_loaded_state_(
+                loaded["optimizer"] if index is None else loaded["optimizer"][index], optimizer.get_parameters(),
+                source, optimizer.optimizer.strategy, source_label=STOCK if from_stock else None,
+            )
+            for optimizer, index, source in sources
+        ]
+        for line in _agreed_lines(_merged(reports)):
             _say(line)
     run.optimizer.load_state_dict(loaded["optimizer"])
     run.scheduler.load_state_dict(loaded["scheduler"])
@@ -522,10 +529,26 @@ def load(run, path: Path) -> None:
         _set_rng_states(per_rank["rng"])
 
 
-def _converted_strategy(run):
-    """The strategy of the project's one (unchained) optimizer of ``run``, or ``None``."""
-    inner = getattr(run.optimizer, "optimizer", None)
-    return getattr(inner, "strategy", None)
+def _converted_optimizers(run) -> list[tuple[object, int | None]]:
+    """The project's optimizers of ``run`` whose state a conversion fills, with their index in a
+    chain (``None``: the run's one optimizer); empty for megatron-core's own."""
+    chained = getattr(run.optimizer, "chained_optimizers", None)
+    found = [(run.optimizer, None)] if chained is None else list(zip(chained, range(len(chained))))
+    return [(optimizer, index) for optimizer, index in found
+            if getattr(getattr(optimizer, "optimizer", None), "strategy", None) is not None]
+
+
+def _merged(reports):
+    """One report of several optimizers' conversions (a chain's): per kind the elements summed, the largest error."""
+    merged = reports[0]
+    for report in reports[1:]:
+        for kind, kind_report in report.kinds.items():
+            if kind in merged.kinds:
+                merged.kinds[kind].elements += kind_report.elements
+                merged.kinds[kind].largest_error = max(merged.kinds[kind].largest_error, kind_report.largest_error)
+            else:
+                merged.kinds[kind] = kind_report
+    return merged
 
 
 def _as_project_state_(run, optimizer_state: dict) -> None:
@@ -545,22 +568,26 @@ def _as_project_state_(run, optimizer_state: dict) -> None:
     }
 
 
-def _conversion_source(run, path: Path, saved_option: str):
-    """The strategy that wrote ``path`` (``saved_option``; megatron-core's own optimizer: option D's
-    formats) as the run's optimizer keeps it; a :class:`ResumeError` where the conversion cannot be
-    made (a run of another optimizer than the project's AdamW)."""
-    target = _converted_strategy(run)
+def _conversion_sources(run, path: Path, saved_option: str) -> list[tuple[object, int | None, object]]:
+    """Per optimizer of the run whose state the conversion fills (:func:`_converted_optimizers`): it,
+    its index in the chain, and the strategy that wrote ``path`` (``saved_option``; megatron-core's
+    own optimizer: option D's formats) as that optimizer keeps it (AdamW's moments, or Muon's); a
+    :class:`ResumeError` where the conversion cannot be made (megatron-core's own optimizer on
+    either side of Muon)."""
+    optimizers = _converted_optimizers(run)
     try:
         saved = get_strategy("D" if saved_option == STOCK_OPTIMIZER_LABEL else saved_option)
     except ValueError:
         saved = None
-    if target is None or saved is None or run.config.optimizer.name != "adamw":
+    muon_from_stock = run.config.optimizer.name == "muon" and saved_option == STOCK_OPTIMIZER_LABEL
+    if not optimizers or saved is None or muon_from_stock:
         raise ResumeError(
             f"{path} was trained with option {saved_option!r}; precision.convert_checkpoint converts the state of "
-            f"this package's AdamW between its options, and this run (optimizer {run.config.optimizer.name}, option "
-            f"{option_label(run.config.precision)}) or that checkpoint is not one: resume with the option it was trained with"
+            f"this package's AdamW and Muon between its options and from megatron-core's own AdamW, and this run "
+            f"(optimizer {run.config.optimizer.name}, option {option_label(run.config.precision)}) or that checkpoint "
+            "is not one: resume with the option it was trained with"
         )
-    return as_shaped_like(saved, target)
+    return [(optimizer, index, as_shaped_like(saved, optimizer.optimizer.strategy)) for optimizer, index in optimizers]
 
 
 def _agreed_lines(report) -> list[str]:

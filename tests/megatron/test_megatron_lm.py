@@ -476,3 +476,40 @@ def test_a_checkpoint_saved_at_one_layout_resumes_at_another_with_every_state_bi
     assert {key[len(prefix):].split(".")[0] for key in saved if key.startswith(prefix)} == set(states)
     unequal = [key for key in saved if not torch.equal(saved[key], resumed[key])]
     assert unequal == []
+
+
+@requires_megatron_training
+def test_megatrons_own_checkpoint_resumes_into_an_option_and_converted_back_into_megatrons_own(tmp_path, indexed_corpus):
+    """Stock -> option -> stock through Megatron-LM's ``pretrain`` (``torch_dist``): 2 iterations with
+    megatron's own optimizer, saved; iteration 3 with ``--lowprec-option B --lowprec-convert-checkpoint``,
+    which says per state kind what it converted, saved; that checkpoint converted by ``lowprec-convert
+    --to stock``; iteration 4 with megatron's own optimizer from it. Every run trains its iteration
+    with finite losses (each converted value is checked in ``tests/megatron/test_convert_checkpoint.py``)."""
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    argv = [*TINY_GPT, "--global-batch-size", "2", "--data-path", indexed_corpus, "--split", "90,5,5",
+            "--eval-iters", "1", "--eval-interval", "1000", "--ckpt-format", "torch_dist", "--log-interval", "1",
+            "--save-interval", "1000", "--no-load-rng", "--override-opt_param-scheduler"]
+
+    def run(name: str, iterations: int, *extra: str) -> str:
+        argv[argv.index("--train-iters") + 1] = str(iterations)
+        (tmp_path / name).mkdir()
+        (rank,) = run_ranks(WORKER, tmp_path / name, 1, "pretrain_gpt", json.dumps({"argv": [*argv, *extra]}),
+                            timeout_seconds=300)
+        log = (tmp_path / name / "rank0.log").read_text()
+        trained = [line.split("/")[0].split()[-1] for line in log.splitlines() if " iteration " in line and "lm loss:" in line]
+        assert trained[-1:] == [str(iterations)], log[-3000:]
+        assert rank["losses"] and all(math.isfinite(loss) for loss in rank["losses"]), rank
+        return log
+
+    run("stock", 2, "--save", str(tmp_path / "stock_ckpt"))
+    log = run("option", 3, "--load", str(tmp_path / "stock_ckpt"), "--save", str(tmp_path / "b_ckpt"),
+              "--lowprec-option", "B", "--lowprec-convert-checkpoint", *UNCOMPILED)
+    lines = [line for line in log.splitlines() if line.startswith("megatron-lowprec: converted stock -> B: ")]
+    assert [line.split(": ")[2] for line in lines] == ["value", "exp_avg", "exp_avg_sq"], log[-3000:]
+
+    (tmp_path / "back_ckpt").mkdir()
+    lines = convert_checkpoint(tmp_path / "b_ckpt" / "iter_0000003", tmp_path / "back_ckpt" / "iter_0000003", "stock")
+    assert [line.split(": ")[:2] for line in lines] == [["converted B -> stock", kind] for kind in ("value", "exp_avg", "exp_avg_sq")]
+    (tmp_path / "back_ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    run("back", 4, "--load", str(tmp_path / "back_ckpt"))

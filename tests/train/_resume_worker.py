@@ -8,6 +8,7 @@ Launched by ``test_fault_handling.py`` through ``tests/megatron/launch.run_ranks
   :class:`~megatron_lowprec.train.config.ConfigError`, the error's message, and
   (rank 0) the run's train metrics rows and what ``checkpoints/latest`` names afterwards;
 - ``{"copy": [FROM, TO]}``: rank 0 copies a run directory;
+- ``{"convert": [CHECKPOINT, TO, OPTION]}``: rank 0 converts a checkpoint (``lowprec-convert``);
 - ``{"truncate": [FILE, BYTES]}``, ``{"remove": FILE}``, ``{"flip": FILE}`` (invert 16 bytes in its
   middle): rank 0 damages a checkpoint file, as a
   full disk, a lost file or a bad block would.
@@ -36,6 +37,12 @@ from tests.megatron.launch import init_process_group
 def _damage(step: dict) -> None:
     if "copy" in step:
         shutil.copytree(*step["copy"])
+    elif "convert" in step:
+        from megatron_lowprec.train.convert import convert_checkpoint
+
+        Path(step["convert"][1]).parent.mkdir(parents=True, exist_ok=True)
+        for line in convert_checkpoint(*step["convert"]):
+            print(f"lowprec-convert: {line}", flush=True)
     elif "truncate" in step:
         os.truncate(*step["truncate"])
     elif "remove" in step:

@@ -31,18 +31,27 @@ def _saved_dtypes(checkpoint: Path) -> dict[str, str]:
     return {key: dtypes.pop() for key, dtypes in found.items()}
 
 
-def test_checkpoints_of_option_d_and_of_megatron_core_resume_converted_and_train_on(tmp_path, cache_dir):
+def test_checkpoints_of_option_d_of_megatron_core_and_of_muon_resume_converted_and_train_on(tmp_path, cache_dir):
     """D for 2 steps (saved), then: D straight on to step 4; coat without the setting (one line, the
     checkpoint untouched); coat with it, whose FP32 masters carry over exactly (the conversion says
     so per state kind) and whose losses stay within 1% of D's continuation; D-BF16 with it, whose
     masters carry over exactly too. The converted runs save each state at its own precision: FP8
     codes (as uint8) beside FP32 scales and exponents, BF16 moments as BF16. A checkpoint of
     megatron-core's own optimizer (``baseline=megatron``) resumes converted into B, within 1% of its
-    own continuation."""
-    straight, refused, converted, bf16, stock, from_stock = (
-        tmp_path / name for name in ("straight", "refused", "converted", "bf16", "stock", "from_stock"))
+    own continuation. D's checkpoint converted offline (``lowprec-convert --to stock``, exactly) resumes
+    in megatron-core's own optimizer (``baseline=megatron``), its step 3 within 1% of D's. Muon
+    (chained with AdamW for the rest) in D resumes converted into B, both optimizers' states each by
+    its own moments (AdamW's m and v, Muon's momentum), one line per kind over both, its step 3
+    within 1% of D's continuation."""
+    straight, refused, converted, bf16, stock, from_stock, to_stock = (
+        tmp_path / name for name in ("straight", "refused", "converted", "bf16", "stock", "from_stock", "to_stock"))
+    offline = tmp_path / "offline" / "iter_0000002"
+    muon_saved, muon_converted = tmp_path / "muon_saved", tmp_path / "muon_converted"
+    muon = ["optimizer=muon"]
     steps = [
         {"overrides": _tiny(cache_dir, straight, "precision=D", "trainer.max_steps=2", "trainer.save=true")},
+        {"convert": [str(straight / "checkpoints" / "iter_0000002"), str(offline), "stock"]},
+        {"overrides": _tiny(cache_dir, to_stock, "baseline=megatron", "trainer.max_steps=3", f"resume_from={offline}")},
         {"copy": [str(straight), str(refused)]},
         {"copy": [str(straight), str(converted)]},
         {"copy": [str(straight), str(bf16)]},
@@ -57,10 +66,16 @@ def test_checkpoints_of_option_d_and_of_megatron_core_resume_converted_and_train
         {"overrides": _tiny(cache_dir, stock, "baseline=megatron", "trainer.max_steps=3", "resume=true")},
         {"overrides": _tiny(cache_dir, from_stock, "precision=B", "trainer.max_steps=3", "resume=true",
                             "precision.convert_checkpoint=true")},
+        {"overrides": _tiny(cache_dir, muon_saved, *muon, "precision=D", "trainer.max_steps=2", "trainer.save=true")},
+        {"copy": [str(muon_saved), str(muon_converted)]},
+        {"overrides": _tiny(cache_dir, muon_saved, *muon, "precision=D", "trainer.max_steps=3", "resume=true")},
+        {"overrides": _tiny(cache_dir, muon_converted, *muon, "precision=B", "trainer.max_steps=3", "resume=true",
+                            "precision.convert_checkpoint=true")},
     ]
     result_dir = tmp_path / "results"
     result_dir.mkdir()
-    _, continued, refusal, conversion, _, _, stock_continued, stock_converted = run_ranks(
+    (_, offline_stock, continued, refusal, conversion, _, _, stock_continued, stock_converted, _, muon_continued,
+     muon_conversion) = run_ranks(
         WORKER, result_dir, 1, json.dumps(steps), timeout_seconds=600)[0]
     assert refusal["error"].endswith(
         "was trained with option 'D', not 'coat'; precision.convert_checkpoint=true converts its optimizer state to this option")
@@ -92,3 +107,16 @@ def test_checkpoints_of_option_d_and_of_megatron_core_resume_converted_and_train
     assert [row["step"] for row in stock_converted["train_rows"]][-2:] == [2, 3]
     assert [row["loss"] for row in stock_converted["train_rows"]][-2:] == pytest.approx(
         [row["loss"] for row in stock_continued["train_rows"]][-2:], rel=1e-2)
+
+    offline_lines = [line for line in log.splitlines() if line.startswith("lowprec-convert: converted D -> stock: ")]
+    assert len(offline_lines) == 3 and all(line.endswith("exact") for line in offline_lines), log[-3000:]
+    assert [row["step"] for row in offline_stock["train_rows"]] == [3]
+    d_losses = {row["step"]: row["loss"] for row in continued["train_rows"]}
+    assert offline_stock["train_rows"][0]["loss"] == pytest.approx(d_losses[3], rel=1e-2)
+
+    muon_lines = [line for line in log.splitlines() if "converted D -> B:" in line]
+    assert [line.split(": ")[2] for line in muon_lines] == ["value", "momentum", "exp_avg", "exp_avg_sq"], log[-3000:]
+    assert "value: FP32 master (fp32) -> BF16 pair (θ, δθ)" in muon_lines[0]
+    assert [row["step"] for row in muon_conversion["train_rows"]][-1] == 3
+    muon_expected = {row["step"]: row["loss"] for row in muon_continued["train_rows"]}[3]
+    assert muon_conversion["train_rows"][-1]["loss"] == pytest.approx(muon_expected, rel=1e-2)

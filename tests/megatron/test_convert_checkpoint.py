@@ -1,0 +1,320 @@
+"""``lowprec-convert``: a torch_dist checkpoint of one option converted into another, or into one that
+megatron-core's own optimizer resumes (``stock``), and back."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import weakref
+
+import pytest
+import torch
+
+from tests.megatron.test_convert_optimizer import MODEL, _built, _step
+
+
+def _save(model, optimizer, directory, **metadata) -> None:
+    from megatron.core import dist_checkpointing
+
+    directory.mkdir()
+    model_state = model.module.sharded_state_dict()
+    optimizer_state = optimizer.sharded_state_dict(model_state, **({"metadata": metadata} if metadata else {}))
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer_state}, str(directory))
+
+
+def _load(model, optimizer, directory) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_state = model.module.sharded_state_dict()
+    template = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+    loaded = dist_checkpointing.load(template, str(directory))
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _stock_built(distributed: bool = False):
+    """The tiny GPT with megatron-core's own optimizer, as megatron-core builds it (bf16 parameters:
+    ``Float16OptimizerWithFloat16Params``, chained; ``distributed``: its ``DistributedOptimizer``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_lowprec.train.app import compose
+    from megatron_lowprec.train.loop import megatron_optimizer_config
+    from megatron_lowprec.train.model import gpt_model
+
+    config = compose(["baseline=megatron", *MODEL, f"optimizer.use_distributed_optimizer={str(distributed).lower()}"])
+    torch.manual_seed(5)
+    module = gpt_model(config, config.model.vocab_size)
+    model = DistributedDataParallel(config=module.config, module=module,
+                                    ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=distributed))
+    return model, get_megatron_optimizer(megatron_optimizer_config(config.optimizer), [model])
+
+
+def _stock_states(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """(the bf16 parameter, its FP32 master, its torch AdamW state) for each parameter of megatron-core's optimizer."""
+    (inner,) = optimizer.chained_optimizers
+    return [
+        (param, master, inner.optimizer.state[master])
+        for params, masters in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+        for param, master in zip(params, masters)
+    ]
+
+
+@pytest.fixture(scope="module")
+def saved_b(megatron_rank, tmp_path_factory):
+    """A checkpoint of option B after one step, and each parameter's FP64 value and moments (θ + δθ,
+    m, v) read from the optimizer that saved it, by parameter name."""
+    model, optimizer = _built("B")
+    _step(model, optimizer, 0)
+    directory = tmp_path_factory.mktemp("convert") / "b"
+    _save(model, optimizer, directory)
+    names = {param: name for name, param in model.module.named_parameters()}
+    reference = {}
+    for param in optimizer.get_parameters():
+        state = optimizer.optimizer.state[param]
+        reference[names[param]] = {
+            "value": param.double() + state["param_lo"].double(),
+            "exp_avg": state["exp_avg"].double(), "exp_avg_sq": state["exp_avg_sq"].double(),
+        }
+    return directory, reference
+
+
+def test_an_option_b_checkpoint_converted_to_stock_resumes_in_megatron_cores_own_optimizer(saved_b, tmp_path):
+    """B -> stock: megatron-core's optimizer loads the converted checkpoint; each FP32 master is the
+    FP64 value θ + δθ correctly rounded to FP32, each bf16 parameter that master rounded to bf16, the
+    moments the BF16 ones exactly, the step carried; it then steps on."""
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    directory, reference = saved_b
+    lines = convert_checkpoint(directory, tmp_path / "stock", "stock")
+    assert [line.split(": ")[:2] for line in lines] == [["converted B -> stock", kind] for kind in ("value", "exp_avg", "exp_avg_sq")]
+    assert all(line.endswith("exact") for line in lines[1:]), lines
+    model, optimizer = _stock_built()
+    _load(model, optimizer, tmp_path / "stock")
+    names = {param: name for name, param in model.module.named_parameters()}
+    states = _stock_states(optimizer)
+    assert len(states) == len(reference)
+    for param, master, state in states:
+        expected = reference[names[param]]
+        assert torch.equal(master.view(-1), expected["value"].view(-1).float()), names[param]
+        assert torch.equal(param.view(-1), master.view(-1).bfloat16()), names[param]
+        assert torch.equal(state["exp_avg"].view(-1), expected["exp_avg"].view(-1).float())
+        assert torch.equal(state["exp_avg_sq"].view(-1), expected["exp_avg_sq"].view(-1).float())
+        assert float(state["step"]) == 1.0
+    _step(model, optimizer, 1)
+    assert all(master.isfinite().all() for _, master, _ in states)
+
+
+@pytest.fixture(scope="module")
+def saved_stock(megatron_rank, tmp_path_factory):
+    """A checkpoint of megatron-core's own optimizer after one step, with that model and optimizer."""
+    stock_model, stock_optimizer = _stock_built()
+    _step(stock_model, stock_optimizer, 2)
+    directory = tmp_path_factory.mktemp("convert") / "stock"
+    _save(stock_model, stock_optimizer, directory)
+    return directory, stock_model, stock_optimizer
+
+
+def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_stock, tmp_path):
+    """A checkpoint of megatron-core's own optimizer -> D -> stock gives every stored tensor back bit
+    for bit; the D checkpoint loads into this package's optimizer with the same FP32 masters."""
+    from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    from megatron_lowprec.train.convert import ConvertError
+
+    stock, stock_model, stock_optimizer = saved_stock
+    shutil.copytree(stock, tmp_path / "stock")
+    with pytest.raises(ConvertError, match=r"\(exp_avg, exp_avg_sq, fp32_param\) are not option B's .*by --from$"):
+        convert_checkpoint(tmp_path / "stock", tmp_path / "wrong", "D", source_name="B")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stock"]
+    lines = convert_checkpoint(tmp_path / "stock", tmp_path / "d", "D")
+    assert all(line.startswith("converted stock -> D: ") and line.endswith("exact") for line in lines), lines
+    convert_checkpoint(tmp_path / "d", tmp_path / "back", "stock")
+
+    def tensors(directory):
+        metadata = read_metadata(directory)
+        return {key: [read_chunk(directory, metadata, key, chunk) for chunk in entry.chunks]
+                for key, entry in metadata.state_dict_metadata.items() if hasattr(entry, "chunks")}
+
+    original, back = tensors(tmp_path / "stock"), tensors(tmp_path / "back")
+    assert sorted(original) == sorted(back)
+    assert any(key.startswith("optimizer.state.fp32_param.") for key in back)
+    for key, chunks in original.items():
+        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(chunks, back[key], strict=True)), key
+
+    model, optimizer = _built("D")
+    _load(model, optimizer, tmp_path / "d")
+    names = {name: param for name, param in stock_model.module.named_parameters()}
+    masters = {param: master for param, master, _ in _stock_states(stock_optimizer)}
+    for name, param in model.module.named_parameters():
+        assert torch.equal(optimizer.optimizer.state[param]["master"].view(-1), masters[names[name]].view(-1)), name
+        assert torch.equal(param, names[name])
+
+
+def test_the_converter_holds_one_shard_of_a_parameter_at_a_time(saved_b, tmp_path, monkeypatch):
+    """Every shard the converter reads is released before it reads the next parameter's: the bytes
+    alive at any read never exceed one parameter's shard with its states."""
+    import megatron_lowprec.train.convert as convert
+    from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
+
+    directory, _ = saved_b
+    alive: list[weakref.ref] = []
+    sizes: dict[int, int] = {}
+    peak = [0]
+
+    def tracked(*args):
+        tensor = read_chunk(*args)
+        live = sum(sizes[id(ref)] for ref in alive if ref() is not None)
+        peak[0] = max(peak[0], live + tensor.nbytes)
+        ref = weakref.ref(tensor)
+        sizes[id(ref)] = tensor.nbytes
+        alive.append(ref)
+        return tensor
+
+    monkeypatch.setattr(convert, "read_chunk", tracked)
+    convert.convert_checkpoint(directory, tmp_path / "out", "D")
+    metadata = read_metadata(directory)
+    entries = metadata.state_dict_metadata
+    states = [key for key in entries if key.startswith("optimizer.state.")]
+    largest = max(
+        sum(math.prod(chunk.sizes) * entries[key].properties.dtype.itemsize
+            for key in [parameter, *[state for state in states if state.endswith(f".{parameter}")]])
+        for parameter in entries if f"optimizer.state.exp_avg.{parameter}" in entries
+        for chunk in entries[parameter].chunks
+    )
+    assert 0 < peak[0] <= largest
+    total = sum(sizes.values())
+    assert total > 3 * largest  # the checkpoint is several times what was alive at once
+
+
+class _RunsACommand:
+    """What a crafted checkpoint holds: an object whose unpickling calls ``os.system``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _files(directory):
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_lowprec_convert_stops_in_one_line_with_exit_2_and_leaves_the_source_as_it_was(saved_b, tmp_path, capsys):
+    """A bad path, a non-empty destination, an unknown option (the valid ones named), a damaged
+    source (a checksum mismatch) and a crafted ``.metadata`` each stop with one line and exit 2,
+    writing nothing; the source's files are unchanged; a good run writes a checkpoint whose checksums
+    verify and says what it converted."""
+    import pickle
+
+    from megatron_lowprec.train.checkpoint import checkpoint_problem
+    from megatron_lowprec.train.convert import main
+
+    directory, _ = saved_b
+    before = _files(directory)
+    good = tmp_path / "good"
+    assert main([str(directory), str(good), "--to", "D"]) == 0
+    out, err = capsys.readouterr()
+    assert "converted B -> D: value: BF16 pair (θ, δθ) -> FP32 master (fp32)" in out
+    assert err.splitlines()[-1].startswith("lowprec-convert: ") and " keys, " in err  # progress, on stderr
+    assert checkpoint_problem(good, share=(0, 1)) is None
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(good, damaged)
+    shard = damaged / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    crafted = tmp_path / "crafted"
+    shutil.copytree(directory, crafted)
+    marker = tmp_path / "ran"
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsACommand(marker)))
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "file").write_text("x")
+    cases = [
+        ([str(tmp_path / "missing"), str(tmp_path / "a"), "--to", "D"], "is not a directory"),
+        ([str(tmp_path), str(tmp_path / "b"), "--to", "D"], "is not a torch_dist checkpoint (no .metadata)"),
+        ([str(directory), str(occupied), "--to", "D"], "exists and is not an empty directory"),
+        ([str(directory), str(tmp_path / "c"), "--to", "E"], "--to: unknown precision option 'E'; valid: A, bf16, B,"),
+        ([str(directory), str(tmp_path / "c"), "--to", "E"], ", stock\n"),
+        ([str(damaged), str(tmp_path / "d"), "--to", "stock"],
+         "is damaged: __0_0.distcp does not match its xxh3_128 checksum"),
+        ([str(crafted), str(tmp_path / "e"), "--to", "D"], "refused to unpickle it"),
+        ([str(directory), str(tmp_path / "f"), "--to", "D", "--from", "stock"],
+         "it records its option (B): --from names the option of a checkpoint that records none"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("lowprec-convert: ") and expected in err + "\n", (argv, err)
+    assert not marker.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["crafted", "damaged", "good", "occupied"]
+    assert _files(directory) == before
+
+
+def test_the_megatron_lm_load_reads_another_options_checkpoint_on_request_only(saved_stock, saved_b, capsys):
+    """What Megatron-LM's ``load_checkpoint`` reads with the entry installed
+    (:func:`~megatron_lowprec.megatron.megatron_lm.optimizer_template_for`): a checkpoint of
+    megatron-core's own optimizer loads into option B's optimizer built with ``convert_checkpoint``
+    (``--lowprec-convert-checkpoint``), each (θ, δθ) the FP32 master's nearest BF16 and the BF16 rest,
+    each moment the FP32 one rounded to BF16, a line per state kind; without the flag the run stops
+    with one line naming it, and megatron's own optimizer stops on B's checkpoint naming lowprec-convert."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+
+    stock, stock_model, stock_optimizer = saved_stock
+    names = {param: name for name, param in stock_model.module.named_parameters()}
+    masters = {names[param]: master for param, master, _ in _stock_states(stock_optimizer)}
+    moments = {names[param]: state for param, _, state in _stock_states(stock_optimizer)}
+    model, optimizer = _built("B", convert_checkpoint=True)
+    model_state = model.module.sharded_state_dict()
+    template = optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), str(stock))
+    loaded = dist_checkpointing.load({"model": model_state, "optimizer": template}, str(stock))
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    assert [line.split(": ")[2] for line in capsys.readouterr().out.splitlines() if "converted stock -> B" in line] == [
+        "value", "exp_avg", "exp_avg_sq"]
+    for name, param in model.module.named_parameters():
+        state, master = optimizer.optimizer.state[param], masters[name].double()
+        assert torch.equal(param.double(), master.bfloat16().double()), name
+        assert torch.equal(state["param_lo"].double(), (master - param.double()).bfloat16().double()), name
+        assert torch.equal(state["exp_avg"], moments[name]["exp_avg"].bfloat16())
+        assert torch.equal(state["exp_avg_sq"], moments[name]["exp_avg_sq"].bfloat16())
+    assert optimizer.optimizer.state[param]["step"] == 1
+
+    model, refusing = _built("B")
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(refusing, refusing.sharded_state_dict(model.module.sharded_state_dict(), is_loading=True), str(stock))
+    assert str(stopped.value) == (f"{stock} was saved with megatron's own optimizer, this run has --lowprec-option B: "
+                                  "--lowprec-convert-checkpoint converts its optimizer state to B")
+    directory, _ = saved_b
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(stock_optimizer, {}, str(directory))
+    assert str(stopped.value).endswith("resume with --lowprec-option B, or convert it with `lowprec-convert SRC DST --to stock`")
+
+
+def test_the_megatron_lm_load_refuses_megatrons_distributed_optimizer_state_in_one_line(megatron_rank, tmp_path):
+    """megatron-core's ``DistributedOptimizer`` (in Megatron-LM's default ``dp_reshardable`` form)
+    saves no per-parameter FP32 masters under ``fp32_param``; ``--lowprec-convert-checkpoint`` says so in one line instead of failing on a key."""
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+
+    stock_model, stock_optimizer = _stock_built(distributed=True)
+    _step(stock_model, stock_optimizer, 3)
+    _save(stock_model, stock_optimizer, tmp_path / "distributed", distrib_optim_sharding_type="dp_reshardable")
+    model, optimizer = _built("B", convert_checkpoint=True)
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(optimizer, {}, str(tmp_path / "distributed"))
+    assert str(stopped.value).endswith("(saved with --use-distributed-optimizer): --lowprec-convert-checkpoint converts "
+                                       "megatron's own optimizer saved without it")
+    from megatron_lowprec.train.convert import ConvertError, convert_checkpoint
+
+    with pytest.raises(ConvertError, match=r"megatron's DistributedOptimizer state \(saved with --use-distributed-optimizer\)"):
+        convert_checkpoint(tmp_path / "distributed", tmp_path / "out", "B")
+    assert not (tmp_path / "out").exists()
