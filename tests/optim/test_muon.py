@@ -380,9 +380,9 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     eager step's bits in every parameter and state tensor over 3 steps, stochastic rounding over the
     whole bucket as on GPUs; also with the weights left in a buffer (``params_in_buffer``), read and
     written there a piece at a time: in megatron's layout (the weights one after the other, each
-    start padded to 64 elements with zeros) one bucket laid out in place (coat's: as rows, its
-    weights off its FP8 groups); with another owner's elements between the weights, a bucket per
-    weight, laid out in place or (coat's weights that are not whole FP8 groups) as rows."""
+    start padded to 64 elements with zeros) one bucket laid out in place (FP8 moments': as rows, the
+    weights off their FP8 groups); with another owner's elements between the weights, a bucket per
+    weight, laid out in place or (FP8 moments' weights that are not whole FP8 groups) as rows."""
     from megatron_lowprec.optim import fused as fused_module
     from megatron_lowprec.optim import muon as muon_module
     from megatron_lowprec.optim.background_compile import BackgroundCompiles
@@ -406,7 +406,7 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     )
     in_place = [bucket.in_place for bucket in fused.buckets]
     if layout == "megatron":
-        assert in_place == [option != "coat"]
+        assert in_place == [get_strategy(option).moments != "fp8"]
     elif layout == "foreign gaps":
         assert len(in_place) == len(FUSED_SHAPES) and any(in_place)
         assert all(bucket.in_place or bucket.param_rows is not None for bucket in fused.buckets)
