@@ -7,8 +7,8 @@ own rule, the option's optimizer from ``build_optimizer``) in one gloo rank on t
 storages its parameters, DDP's gradient buffer and the optimizer's state tensors hold, counted each
 once, must be the summary's bytes/param (and the plan's, and ``bytes_per_param``'s) times the
 parameter count, and building the optimizer must allocate nothing besides its state. Every tensor of
-the model is a multiple of 256 elements (whole FP8 groups of 128 and of 256, no alignment padding),
-so the two are equal exactly.
+the model is a multiple of 128 elements (whole FP8 groups, no alignment padding), so the two are
+equal exactly.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-core and hydra-core are needed",
 )
 
-MODEL = ["model.hidden_size=256", "model.num_layers=1", "model.seq_length=16", "model.vocab_size=128"]
-"""A GPT whose every weight, bias and norm has a multiple of 256 elements."""
+MODEL = ["model.hidden_size=128", "model.num_layers=1", "model.seq_length=16", "model.vocab_size=128"]
+"""A GPT whose every weight, bias and norm has a multiple of 128 elements."""
 
 
 def _cases() -> list[tuple[str, str, str | None, bool]]:

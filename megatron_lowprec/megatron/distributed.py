@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +45,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
-from megatron_lowprec.megatron.layout import build_shard_bucket
+from megatron_lowprec.megatron.layout import build_shard_bucket, owned_bounds
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim import statistics
@@ -206,27 +205,6 @@ class Shard:
 
     def params(self) -> list[torch.Tensor]:
         return [self.bucket.param_data[p.bucket_start : p.bucket_start + p.numel] for p in self.pieces]
-
-
-def owned_bounds(bucket_numel: int, world_size: int, params: list[tuple[int, int]], group_size: int) -> list[int]:
-    """Each rank's owned range of a bucket: megatron's equal shards, each boundary that falls
-    inside a group of ``group_size`` elements of a parameter (``params``: bucket ranges) moved to
-    the group's end. ``ValueError`` if a boundary would move past the next shard."""
-    shard = bucket_numel // world_size
-    bounds = [0]
-    for rank in range(1, world_size):
-        boundary = rank * shard
-        for start, end in params:
-            if start < boundary < end:
-                boundary = min(end, start + math.ceil((boundary - start) / group_size) * group_size)
-        if boundary > (rank + 1) * shard:
-            raise ValueError(
-                f"a bucket of {bucket_numel} elements split {world_size} ways has shards of {shard} elements, "
-                f"fewer than one FP8 group ({group_size}); use fewer data-parallel ranks or larger buckets"
-            )
-        bounds.append(boundary)
-    bounds.append(bucket_numel)
-    return bounds
 
 
 def skip_if_any_rank_non_finite(optimizer, grads: list[torch.Tensor], device: torch.device) -> bool:

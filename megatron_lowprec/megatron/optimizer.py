@@ -585,7 +585,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     ``AdamW``, on in ``lowprec-train`` and the Megatron-LM entry); ``lowprec_track_update_quality``
     measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"``, ``"remainder"`` or
-    ``"residual8"``; None: the option's own) stores the master of ``D``, ``coat`` or ``D-BF16``
+    ``"residual8"``; None: the option's own) stores the master of ``D``, ``coat``, ``D-BF16`` or ``res8``
     whole, as a 16-bit remainder or as an 8-bit residual below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
     ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*`` settings, ``clip_grad``,
     ``use_distributed_optimizer``, ``decoupled_lr``; ``muon_coefficient_type`` on megatron-core 0.16 too.

@@ -335,7 +335,7 @@ class AdamW(PrecisionOptimizer):
 
     ``master_weights=False`` drops the FP32 master of a strategy that has one (e.g. COAT with BF16
     parameters as the only copy). ``master_storage`` stores the master of a strategy that has one
-    (D, coat, D-BF16) as ``"fp32"`` (a whole FP32 tensor, 4 bytes), ``"remainder"`` (the BF16
+    (D, coat, D-BF16, res8) as ``"fp32"`` (a whole FP32 tensor, 4 bytes), ``"remainder"`` (the BF16
     parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only;
     the same masters bit for bit) or ``"residual8"`` (the BF16 parameter plus an int8 residual, 1
     byte: masters of 16 significant bits); ``None`` keeps the strategy's own (``optim/master.py``).

@@ -7,6 +7,8 @@ Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Coll
 ``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
 (Collage App. C), stochastic rounding (SR paper, Alg. 1), COAT FP8 optimizer states (COAT §4) and
 ``D-BF16``, an FP32 master with BF16 moments (DeepSeek-V3 report, "Low-Precision Optimizer States").
+The lean option ``res8`` puts these together: COAT's FP8 moments (in COAT's groups of 128) with
+FlashOptim's 8-bit master residual below the BF16 parameter (arXiv 2602.23349).
 """
 
 from __future__ import annotations
@@ -338,6 +340,17 @@ register_strategy(
         aliases=("fp32_master_bf16_states",),
         master_weights=True,
         master_storage="remainder",
+        weight_decay="multiplicative",
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "res8",
+        "BF16 model + master as an 8-bit residual below it (FlashOptim) + FP8 E4M3 moments, per-group 1x128",
+        aliases=("bf16_residual8_fp8_states",),
+        moments="fp8",
+        master_weights=True,
+        master_storage="residual8",
         weight_decay="multiplicative",
     )
 )

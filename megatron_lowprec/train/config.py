@@ -101,12 +101,13 @@ class PrecisionConfig:
     """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
 
     option: str = "A"
-    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16 (or an alias)."""
+    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16, res8 (or an alias)."""
     master_storage: Optional[str] = None
-    """How an option with a master (D, coat, D-BF16) stores it: ``fp32`` (whole, 4 bytes),
+    """How an option with a master (D, coat, D-BF16, res8) stores it: ``fp32`` (whole, 4 bytes),
     ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,
     the same masters bit for bit) or ``residual8`` (the BF16 parameter plus an int8 residual: 1 byte,
-    masters of 16 significant bits); ``None``: the option's own (``D-BF16``: remainder)."""
+    masters of 16 significant bits); ``None``: the option's own (``D-BF16``: remainder, ``res8``:
+    residual8)."""
     convert_checkpoint: bool = False
     """Resume from a checkpoint written with another option, or with megatron-core's own optimizer
     (``baseline=megatron``): its optimizer state is carried by its meaning into this option's

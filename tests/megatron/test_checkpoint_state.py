@@ -137,7 +137,7 @@ def test_a_remainder_master_needs_its_parameters():
 
 
 def test_a_residual_master_is_saved_as_the_fp32_master_and_restores_exactly():
-    """A residual master's int8 residual is saved as its FP32 master (the parameter joined with it) and restores
+    """res8's int8 residual is saved as its FP32 master (the parameter joined with it) and restores
     into the residual and the parameter bit for bit: a checkpoint resumes it exactly."""
     from megatron_lowprec.megatron.checkpoint_state import checkpoint_state, restore_checkpoint_state
     from megatron_lowprec.optim.master import master_value
@@ -145,13 +145,13 @@ def test_a_residual_master_is_saved_as_the_fp32_master_and_restores_exactly():
     def trained(seed):
         generator = torch.Generator().manual_seed(seed)
         param = torch.nn.Parameter(torch.randn(300, generator=generator).bfloat16())
-        optimizer = AdamW([param], lr=1e-2, option="D-BF16", master_storage="residual8", fused=False)
+        optimizer = AdamW([param], lr=1e-2, option="res8", fused=False)
         for _ in range(3):
             param.grad = torch.randn(300, generator=generator).bfloat16()
             optimizer.step()
         return param, {key: value for key, value in optimizer.state[param].items() if torch.is_tensor(value)}
 
-    strategy = get_strategy("D-BF16").with_master_storage("residual8")
+    strategy = get_strategy("res8")
     param, state = trained(2)
     master = master_value(param.detach(), state["master_residual8"]).clone()
     form = {key: value.clone() for key, value in checkpoint_state(state, 300, strategy, param=param).items()}

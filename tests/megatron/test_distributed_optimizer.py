@@ -202,7 +202,7 @@ def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_
 
 
 def test_shard_boundaries_move_to_the_end_of_a_cut_fp8_group():
-    from megatron_lowprec.megatron.distributed import owned_bounds
+    from megatron_lowprec.megatron.layout import owned_bounds
 
     params = [(0, 300), (320, 1024)]
     assert owned_bounds(1024, 2, params, 1) == [0, 512, 1024]

@@ -47,23 +47,32 @@ def joined_master(param, remainder):
 
 def represented(param, state) -> torch.Tensor:
     """The value an option's stored tensors represent, in FP64: the FP32 master (whole or as a
-    remainder below the parameter), the parameter plus its MCF or Kahan companion, or the parameter."""
+    remainder below the parameter), the master of 16 significant bits (an 8-bit residual below the
+    parameter: the remainder's bits 8..15, its bits 0..7 zero), the parameter plus its MCF or Kahan
+    companion, or the parameter."""
     values = param.detach().reshape(-1)
     if "master" in state:
         return state["master"].reshape(-1).double()
     if "master_remainder" in state:
         return joined_master(values, state["master_remainder"].reshape(-1)).double()
+    if "master_residual8" in state:
+        return joined_master(values, state["master_residual8"].reshape(-1).to(torch.int32) << 8).double()
     for companion in ("param_lo", "kahan_compensation"):
         if companion in state:
             return values.double() + state[companion].reshape(-1).double()
     return values.double()
 
 
-RELATIVE_ERROR_PER_STEP = {"master": 2**-22, "companion": 2**-14, "parameter": 2**-7}
+RELATIVE_ERROR_PER_STEP = {
+    "master": 2**-22, "residual master": 2**-16 + 2**-22, "companion": 2**-14, "parameter": 2**-7,
+}
 """How far, relative to the value, each step may move what the stored tensors represent from the
-exact update: an FP32 master (an FP32 rounding), a 16-bit parameter with its MCF or Kahan companion
-(Collage: about 16 more bits), a bare 16-bit parameter (one BF16 ulp, 2^-7 of the value at most:
-nearest rounds by half of it, stochastic rounding by less than one)."""
+exact update: an FP32 master (an FP32 rounding), a master of 16 significant bits (the BF16 parameter
+and an 8-bit residual: the FP32 master's step, then its rounding to nearest on a grid of 16
+significant bits, half a step of 2^-15 of the binade, so 2^-16 of the value at most), a 16-bit
+parameter with its MCF or Kahan companion (Collage: about 16 more bits), a bare 16-bit parameter (one
+BF16 ulp, 2^-7 of the value at most: nearest rounds by half of it, stochastic rounding by less than
+one)."""
 
 DIRECTION_ERROR_PER_STEP = {"fp32": 2**-18, "low": 2**-8, "fp8": 2**-3}
 """How far, relative to lr (AdamW) or lr times the update's scale (Muon), each step's update may
@@ -75,7 +84,7 @@ second under a square root: 1.5 x 2^-9), FP8 E4M3 (2^-4 per stored moment, scale
 def storage_of(strategy) -> str:
     """Which row of :data:`RELATIVE_ERROR_PER_STEP` bounds ``strategy``'s represented value."""
     if strategy.master_weights:
-        return "master"
+        return "residual master" if strategy.master_storage == "residual8" else "master"
     return "companion" if strategy.param_update in ("mcf", "kahan") else "parameter"
 
 

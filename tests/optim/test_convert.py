@@ -39,8 +39,20 @@ def stored_value(param: torch.Tensor, state: dict) -> torch.Tensor:
     if "master_remainder" in state:
         upper = param.reshape(-1).view(torch.int16).int() << 16
         return (upper + state["master_remainder"].reshape(-1).int()).view(torch.float32).double()
+    if "master_residual8" in state:
+        upper = param.reshape(-1).view(torch.int16).int() << 16
+        return (upper + (state["master_residual8"].reshape(-1).int() << 8)).view(torch.float32).double()
     low = state.get("param_lo", state.get("kahan_compensation"))
     return param.double().reshape(-1) + (0 if low is None else low.double().reshape(-1))
+
+
+def sixteen_significant_bits(values: torch.Tensor) -> torch.Tensor:
+    """FP64 ``values`` rounded to nearest, ties away from zero, on the grid of 16 significant bits
+    that a residual master holds (a step of 2^-15 of each value's binade), in FP64 arithmetic."""
+    magnitude = values.abs()
+    _, exponent = torch.frexp(magnitude)
+    step = torch.ldexp(torch.ones_like(magnitude), exponent - 16)
+    return torch.sign(values) * torch.floor(magnitude / step + 0.5) * step
 
 
 def stored_moment(strategy, moment: str, state: dict) -> torch.Tensor:
@@ -83,7 +95,9 @@ def _check_stored(target, source_values: dict[str, torch.Tensor], param: torch.T
     """Each state of ``target`` holds the reference rounding of the source's FP64 values."""
     value = source_values["value"]
     if target.master_weights:
-        assert torch.equal(stored_value(param, state), value.float().double())
+        master = value.float().double()
+        expected = sixteen_significant_bits(master) if target.master_storage == "residual8" else master
+        assert torch.equal(stored_value(param, state), expected)
     elif "param_lo" in state or "kahan_compensation" in state:
         high = nearest(value, torch.bfloat16)
         low = state.get("param_lo", state.get("kahan_compensation"))

@@ -193,11 +193,11 @@ def test_state_dicts_load_into_either_storage_and_continue_bit_identically(optio
 
 
 def test_a_residual_master_resumes_bit_identically_and_loads_into_a_whole_master(device):
-    """A residual master's state dict (its int8 residuals) resumes bit for bit, and loads into a whole FP32 master
+    """res8's state dict (its int8 residuals) resumes bit for bit, and loads into a whole FP32 master
     as the same masters (its 16-bit-significand values are FP32 values; ``_resume`` checks them)."""
-    straight, resumed = _resume("D-BF16", "residual8", "residual8", device)
+    straight, resumed = _resume("res8", "residual8", "residual8", device)
     _assert_same_masters(straight, resumed)
-    _resume("D-BF16", "residual8", "fp32", device)
+    _resume("res8", "residual8", "fp32", device)
 
 
 def _clear_remainder_bit(state_dict):

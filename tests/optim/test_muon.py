@@ -100,7 +100,7 @@ def test_scale_modes_match_torch_and_megatron_core_formulas():
 CONSTANT_STEPS = 20
 EXPECTED_PATH = {
     "A": "lost", "D-MW": "lost", "B": "mcf", "C": "mcf", "kahan": "kahan", "sr": "stochastic",
-    "D": "master", "coat": "master", "D-BF16": "master",
+    "D": "master", "coat": "master", "D-BF16": "master", "res8": "residual8",
 }
 
 
@@ -124,7 +124,7 @@ def test_each_rounding_path_against_the_fp64_sum_of_the_updates(option, device):
     """20 updates well under half a BF16 ulp: nearest loses them all (A, D-MW); MCF holds θ + δθ at the
     sum of the BF16-rounded updates within 2^-10 per step (Grow rounds δθ < 0.5); Kahan holds θ + c
     within half an ulp of Δ + c (< 1) per step, 2^-9; an FP32 master within 2^-16 per step, a master
-    of 16 significant bits (a residual master) within half its step at 200, 2^-9, per step; SR
+    of 16 significant bits (res8's residual) within half its step at 200, 2^-9, per step; SR
     moves every element in expectation (mean over 2048 elements of the error, signed by the
     update, within 5 standard deviations of 0: variance <= steps x ulp²/4 per element; nearest
     rounding would leave it at -20 x mean|Δ| = -1.7)."""
@@ -179,6 +179,7 @@ def test_stochastic_rounding_bits_are_the_counter_stream_shared_by_replicas(devi
 
 MUON_BYTES_PER_PARAM = {
     "A": 6, "B": 8, "C": 8, "D": 12, "D-MW": 8, "kahan": 8, "sr": 6, "coat": 2 + 2 + 4 + 1 + 8 / 128, "D-BF16": 8,
+    "res8": 2 + 2 + 1 + 8 / 128 + 1,
 }
 """BF16 parameter + BF16 gradient + Muon's state: one momentum (2, 4, or 1 + 8/G bytes for FP8 with
 its per-group scale and exponent), the FP32 master (4), its remainder (2) or its residual (1), and δθ
@@ -379,9 +380,9 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     eager step's bits in every parameter and state tensor over 3 steps, stochastic rounding over the
     whole bucket as on GPUs; also with the weights left in a buffer (``params_in_buffer``), read and
     written there a piece at a time: in megatron's layout (the weights one after the other, each
-    start padded to 64 elements with zeros) one bucket laid out in place (coat's: as rows, its
-    weights off its FP8 groups); with another owner's elements between the weights, a bucket per
-    weight, laid out in place or (coat's weights that are not whole FP8 groups) as rows."""
+    start padded to 64 elements with zeros) one bucket laid out in place (FP8 moments': as rows, the
+    weights off their FP8 groups); with another owner's elements between the weights, a bucket per
+    weight, laid out in place or (FP8 moments' weights that are not whole FP8 groups) as rows."""
     from megatron_lowprec.optim import fused as fused_module
     from megatron_lowprec.optim import muon as muon_module
     from megatron_lowprec.optim.background_compile import BackgroundCompiles
@@ -405,7 +406,7 @@ def test_uncompiled_fused_calls_run_in_pieces_with_the_eager_steps_bits(option, 
     )
     in_place = [bucket.in_place for bucket in fused.buckets]
     if layout == "megatron":
-        assert in_place == [option != "coat"]
+        assert in_place == [get_strategy(option).moments != "fp8"]
     elif layout == "foreign gaps":
         assert len(in_place) == len(FUSED_SHAPES) and any(in_place)
         assert all(bucket.in_place or bucket.param_rows is not None for bucket in fused.buckets)

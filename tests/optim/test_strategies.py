@@ -48,12 +48,25 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     assert strategy.with_master_storage("remainder").name == name
 
 
+# BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and 8 per group of 128 (+ a 1-byte residual).
+LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + 8 / 128) + 1}
+
+
+@pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
+def test_the_lean_option_takes_7_125_bytes_with_its_bf16_gradient(name, expected):
+    strategy = get_strategy(name)
+    assert strategy.bytes_per_param() == expected == 7.125
+    assert strategy.bytes_per_param(numel=128 * 1000) == expected
+    assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 128, True)
+
+
 def test_a_residual_master_takes_one_byte():
     for name in ("D", "coat", "D-BF16"):
         strategy = get_strategy(name)
         assert strategy.with_master_storage("residual8").bytes_per_param(grad_reduce_in_fp32=False) == (
             strategy.with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) - 3
         )
+    assert get_strategy("res8").with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == 10.125
 
 
 def test_the_fp32_master_with_bf16_moments_is_deepseek_v3_s_recipe_at_10_bytes():

@@ -117,10 +117,15 @@ elements, a ``row`` of :data:`~megatron_lowprec.megatron.layout.ROW` (a per-row 
 
 def configurations() -> list[tuple[str, str]]:
     """(option, master storage) of every registered option: ``fp32``, and ``remainder`` where the
-    option keeps an FP32 master (``PrecisionStrategy.with_master_storage``)."""
+    option keeps an FP32 master (``PrecisionStrategy.with_master_storage``); an option registered with
+    another storage (res8's ``residual8``) in that one alone, its other forms being another option's
+    kernels (coat's)."""
     pairs = []
     for strategy in available_strategies():
-        storages = ("fp32", "remainder") if strategy.master_weights else ("fp32",)
+        if strategy.master_storage not in ("fp32", "remainder"):
+            storages = (strategy.master_storage,)
+        else:
+            storages = ("fp32", "remainder") if strategy.master_weights else ("fp32",)
         pairs.extend((strategy.name, storage) for storage in storages)
     return pairs
 
