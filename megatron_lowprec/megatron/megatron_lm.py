@@ -184,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lowprec-track-update-quality", action=argparse.BooleanOptionalAction, default=False,
                        help="measure EDQ and imprecision every step (optimizer.update_quality())")
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
-                       help="master of D, coat or D-BF16 kept whole (FP32), as a 16-bit remainder (FP32) or as "
+                       help="master of D, coat, D-BF16 or res8 kept whole (FP32), as a 16-bit remainder (FP32) or as "
                             "an 8-bit residual (16 significant bits) below the BF16 parameter (default: the option's own)")
     group.add_argument("--lowprec-convert-checkpoint", action=argparse.BooleanOptionalAction, default=False,
                        help="resume (--load) a checkpoint of another option or of megatron's own optimizer, its "
