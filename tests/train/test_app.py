@@ -165,8 +165,8 @@ def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
     """DP=2: 4 steps straight (checkpoints at 2 and 4) against resuming a copy of the step-2
     checkpoint for the last 2 steps: same losses, same parameters bit for bit (megatron-core's
     optimizer too). Uncompiled: what resumes is the checkpoint's state, which both paths keep alike;
-    the compiled step's own resume is tests/optim/test_adamw.py's state dict round trip (every
-    option), and test_every_option_trains_in_one_process runs each option's compiled step in the app."""
+    the compiled step's own resume is tests/optim/test_adamw.py's state dict round trip (each kind of
+    state), and test_every_option_trains_in_one_process runs each option's compiled step in the app."""
     steps = []
     for option in OPTIONS_AND_STOCK:
         straight, resumed = tmp_path / f"{option}-straight", tmp_path / f"{option}-resumed"
