@@ -18,9 +18,17 @@ def _param(values, dtype=torch.bfloat16, device=None):
     return torch.nn.Parameter(torch.as_tensor(values, dtype=torch.float32, device=device).to(dtype))
 
 
+def _compiled_off_the_cpu(device):
+    """``fused`` for the tests of an option's arithmetic or behaviour: eager on the CPU, where the
+    contract matrix (tests/optim/test_contract.py) proves that the compiled step has the eager step's
+    bits; the default (compiled where it can be) on GPUs, which that matrix does not run on."""
+    return None if torch.device(device).type == "cuda" else False
+
+
 def _constant_update_optimizer(param, option, lr):
     """beta1 = beta2 = 0 and gradient -1 make AdamW's update exactly +lr each step (eps below half an FP32 ulp)."""
-    return AdamW([param], lr=lr, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option=option)
+    return AdamW([param], lr=lr, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option=option,
+                 fused=_compiled_off_the_cpu(param.device))
 
 
 def _represented(optimizer, param):
@@ -86,7 +94,8 @@ def test_stochastic_rounding_moves_in_expectation(device):
 
 def _second_moment_after(option, gradients, beta2, device=None):
     param = _param([1.0], device=device)
-    optimizer = AdamW([param], lr=1e-6, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, option=option)
+    optimizer = AdamW([param], lr=1e-6, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, option=option,
+                      fused=_compiled_off_the_cpu(param.device))
     history = []
     for value in gradients:
         param.grad = torch.tensor([value], dtype=torch.bfloat16, device=device)
@@ -191,9 +200,11 @@ def _train(model, optimizer, inputs, targets, steps):
 
 
 def test_every_option_trains_a_small_model(option, device):
-    """60 steps of a small regression bring the mean of the last ten losses below a quarter of the first."""
+    """60 steps of a small regression bring the mean of the last ten losses below a quarter of the first
+    (eager on the CPU: what trains is the option's arithmetic, :func:`_compiled_off_the_cpu`)."""
     model, inputs, targets = _regression_problem(device=device)
-    optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option)
+    optimizer = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option=option,
+                      fused=_compiled_off_the_cpu(device))
     losses = _train(model, optimizer, inputs, targets, steps=60)
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-10:]) / 10 < 0.25 * losses[0]
@@ -233,16 +244,36 @@ def _snapshot(model, optimizer):
     return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
 
 
+def _state_kind(option):
+    strategy = get_strategy(option)
+    return strategy.param_update, frozenset(state_keys(strategy))
+
+
+FUSED_ROUND_TRIPS = [
+    option for option in OPTIONS
+    if not any(_state_kind(option)[0] == update and _state_kind(option)[1] < keys for update, keys in map(_state_kind, OPTIONS))
+]
+"""The options whose state dict round trip runs the compiled step on the CPU: those whose state
+components no other option with the same parameter update holds together with more (A's moments are
+in D's state, B's in C's); the others' compiled resume would load and step the same components."""
+
+
 def test_state_dict_round_trip_continues_bit_identically(option, device):
+    """10 steps, a state dict, 10 more steps against a fresh model and optimizer (another seed) that
+    load both: the same losses, parameters and state bits. Compiled (the default) for
+    :data:`FUSED_ROUND_TRIPS` and on GPUs: the resume of the compiled step over the optimizer's own
+    buffers, which no other test takes; eager for the rest (:func:`_compiled_off_the_cpu`)."""
+    fused = None if option in FUSED_ROUND_TRIPS else _compiled_off_the_cpu(device)
     model, inputs, targets = _regression_problem(seed=3, device=device)
-    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=7)
+    optimizer = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=7, fused=fused)
     _train(model, optimizer, inputs, targets, steps=10)
     model_state, optimizer_state = _snapshot(model, optimizer)
     straight = _train(model, optimizer, inputs, targets, steps=10)
 
     resumed_model, _, _ = _regression_problem(seed=99, device=device)
     resumed_model.load_state_dict(model_state)
-    resumed_optimizer = AdamW(resumed_model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=12345)
+    resumed_optimizer = AdamW(resumed_model.parameters(), lr=1e-2, weight_decay=0.1, option=option, seed=12345,
+                              fused=fused)
     resumed_optimizer.load_state_dict(optimizer_state)
     resumed = _train(resumed_model, resumed_optimizer, inputs, targets, steps=10)
 
@@ -294,8 +325,11 @@ def test_bad_hyperparameters_are_named(hyper, fragment):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_gradient_skips_the_step_and_leaves_state_untouched(option, bad, device):
+    """Eager on the CPU (:func:`_compiled_off_the_cpu`): the skip is decided before either path runs;
+    the check over a fused bucket's own gradient buffer is
+    test_the_finiteness_check_reads_a_bucket_s_own_gradient_buffer_in_one_pass."""
     params = [_param(torch.randn(300), device=device), _param(torch.randn(4, 4), device=device)]
-    optimizer = AdamW(params, lr=1e-2, option=option)
+    optimizer = AdamW(params, lr=1e-2, option=option, fused=_compiled_off_the_cpu(device))
     for p in params:
         p.grad = torch.randn(p.shape).to(device, torch.bfloat16)
     optimizer.step()
@@ -319,8 +353,10 @@ def test_non_finite_gradient_skips_the_step_and_leaves_state_untouched(option, b
 
 
 def test_fp32_gradients_are_accepted(option, device):
+    """Eager on the CPU (:func:`_compiled_off_the_cpu`): the fused step on FP32 gradients is checked
+    against the eager one bit for bit in tests/optim/test_fused.py."""
     param = _param(torch.randn(64), device=device)
-    optimizer = AdamW([param], lr=1e-2, option=option)
+    optimizer = AdamW([param], lr=1e-2, option=option, fused=_compiled_off_the_cpu(device))
     param.grad_dtype = None
     param.grad = torch.randn(64, device=device)
     optimizer.step()
@@ -328,10 +364,12 @@ def test_fp32_gradients_are_accepted(option, device):
 
 
 def test_update_quality_shows_lost_arithmetic_under_a_and_none_under_c(device):
+    """Eager on the CPU (:func:`_compiled_off_the_cpu`): the fused step's update quality is the eager
+    step's (tests/optim/test_fused.py)."""
     def quality(option):
         param = _param([200.0] * 64 + [1.0] * 64, device=device)
         optimizer = AdamW([param], lr=0.1, betas=(0.0, 0.0), eps=1e-9, weight_decay=0.0, option=option,
-                          track_update_quality=True)
+                          track_update_quality=True, fused=_compiled_off_the_cpu(device))
         param.grad = torch.full_like(param, -1.0)
         optimizer.step()
         return optimizer.update_quality[0]
@@ -406,8 +444,10 @@ def test_coat_without_master_keeps_bf16_parameters_only(device):
 
 @pytest.mark.parametrize("option_name", OPTIONS)
 def test_moments_stay_finite_under_large_gradients(option_name, device):
+    """Gradients of 1e-30, 1e15 and 1: every state component stays finite (eager on the CPU: the
+    arithmetic under test is the kernel's, :func:`_compiled_off_the_cpu`)."""
     param = _param(torch.randn(512), device=device)
-    optimizer = AdamW([param], lr=1e-3, option=option_name)
+    optimizer = AdamW([param], lr=1e-3, option=option_name, fused=_compiled_off_the_cpu(device))
     for scale in (1e-30, 1e15, 1.0):
         param.grad = (torch.randn(512) * scale).to(device, torch.bfloat16)
         optimizer.step()

@@ -23,7 +23,7 @@ OPTIONS_AND_STOCK = [*OPTIONS, "megatron"]
 """The precision options and megatron-core's own optimizer (``baseline=megatron``)."""
 LAYOUT_OPTIONS = ("A", "C", "D", "sr")
 UNCOMPILED = "precision.fused=false"
-"""For the tests whose subject is a layout, a layer flow or resharding, not the compiled step: each
+"""For the tests whose subject is a layout, a layer flow, resharding or resume, not the compiled step: each
 rank would compile each option's step (tens of CPU-seconds apiece on CI's 2 cores), and fused and
 uncompiled steps give the same bits (tests/optim/test_fused.py, in one process and at DP=2 in
 tests/megatron/test_distributed_optimizer.py)."""
@@ -164,14 +164,17 @@ def test_tensor_and_data_parallel_together(tmp_path, cache_dir):
 def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
     """DP=2: 4 steps straight (checkpoints at 2 and 4) against resuming a copy of the step-2
     checkpoint for the last 2 steps: same losses, same parameters bit for bit (megatron-core's
-    optimizer too)."""
+    optimizer too). Uncompiled: what resumes is the checkpoint's state, which both paths keep alike;
+    the compiled step's own resume is tests/optim/test_adamw.py's state dict round trip (each kind of
+    state), and test_every_option_trains_in_one_process runs each option's compiled step in the app."""
     steps = []
     for option in OPTIONS_AND_STOCK:
         straight, resumed = tmp_path / f"{option}-straight", tmp_path / f"{option}-resumed"
         steps.append({"overrides": _tiny(cache_dir, straight, f"precision={option}", "trainer.max_steps=4",
-                                         "trainer.save=true", "trainer.save_interval=2")})
+                                         "trainer.save=true", "trainer.save_interval=2", UNCOMPILED)})
         steps.append({"copy_checkpoint": {"run_dir": str(straight), "iteration": 2, "to": str(resumed)}})
-        steps.append({"overrides": _tiny(cache_dir, resumed, f"precision={option}", "trainer.max_steps=4", "resume=true")})
+        steps.append({"overrides": _tiny(cache_dir, resumed, f"precision={option}", "trainer.max_steps=4", "resume=true",
+                                         UNCOMPILED)})
     results = _run(tmp_path, 2, steps)
     for option, straight, resumed in zip(OPTIONS_AND_STOCK, results[0::2], results[1::2]):
         assert _train_losses(resumed) == _train_losses(straight)[2:], option
