@@ -296,14 +296,20 @@ def _sharded_state(run, is_loading: bool) -> dict:
     return state
 
 
+def checkpoint_files(directory: Path) -> list[str]:
+    """Every file under ``directory``, by its path relative to it, sorted."""
+    return sorted(str(file.relative_to(directory)) for file in directory.rglob("*") if file.is_file())
+
+
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict]:
+    """``complete.json``'s entry of each file of ``names`` under ``directory``: its size and checksum."""
+    return {name: {"size": (directory / name).stat().st_size, CHECKSUM_KEY: file_checksum(directory / name)} for name in names}
+
+
 def _checksummed_files(directory: Path, rank: int, world_size: int) -> dict[str, dict]:
     """Every file of the just written checkpoint ``directory`` with its size and checksum (collective):
     each rank checksums its share while the bytes are still in the page cache, rank 0 gathers them."""
-    names = sorted(str(file.relative_to(directory)) for file in directory.rglob("*") if file.is_file())
-    share = {
-        name: {"size": (directory / name).stat().st_size, CHECKSUM_KEY: file_checksum(directory / name)}
-        for name in _share(names, rank, world_size)
-    }
+    share = file_entries(directory, _share(checkpoint_files(directory), rank, world_size))
     gathered: list[dict[str, dict] | None] = [None] * world_size
     torch.distributed.all_gather_object(gathered, share)
     return dict(sorted((name, entry) for part in gathered for name, entry in part.items()))

@@ -47,7 +47,7 @@ from megatron_lowprec.optim.convert import (
 )
 from megatron_lowprec.optim.master import MASTER_KEYS
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
-from megatron_lowprec.train.checkpoint import CHECKSUM_KEY, COMPLETE_FILE, checkpoint_problem, file_checksum
+from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_files, checkpoint_problem, file_entries
 from megatron_lowprec.train.config import STOCK_OPTIMIZER_LABEL
 
 STATE_PREFIX = "optimizer.state."
@@ -273,10 +273,7 @@ def _complete(source: Path, partial: Path) -> None:
     marker = {}
     if (source / COMPLETE_FILE).is_file():
         marker = {key: value for key, value in json.loads((source / COMPLETE_FILE).read_text()).items() if key != "files"}
-    marker["files"] = {
-        name: {"size": (partial / name).stat().st_size, CHECKSUM_KEY: file_checksum(partial / name)}
-        for name in sorted(os.listdir(partial))
-    }
+    marker["files"] = file_entries(partial, checkpoint_files(partial))
     (partial / COMPLETE_FILE).write_text(json.dumps(marker, indent=1))
     problem = checkpoint_problem(partial, share=(0, 1))
     if problem is not None:
