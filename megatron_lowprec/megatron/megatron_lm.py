@@ -380,10 +380,13 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron.core import dist_checkpointing
 
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizer, saved_option_template
-    from megatron_lowprec.megatron.torch_dist import read_metadata
+    from megatron_lowprec.megatron.torch_dist import (
+        DISTRIBUTED_MASTER_KEY, MODEL_SPACE_FORM, distributed_form, read_metadata, unread_distributed_form,
+    )
     from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target
 
-    saved = saved_optimizer_option(dist_checkpointing.load_common_state_dict(checkpoint_dir))
+    common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    saved = saved_optimizer_option(common)
     inner = next(iter(getattr(optimizer, "chained_optimizers", [])), optimizer)
     strategy = getattr(getattr(inner, "optimizer", None), "strategy", None)
     running = None if strategy is None else strategy.name
@@ -396,12 +399,16 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
         saved_with = "megatron's own optimizer" if saved == STOCK else f"--lowprec-option {saved}"
         _stop(f"{checkpoint_dir} was saved with {saved_with}, this run has --lowprec-option {running}: "
               f"--lowprec-convert-checkpoint converts its optimizer state to {running}")
-    if saved == STOCK and not any(key.startswith(f"optimizer.state.{STOCK_MASTER_KEY}.")
+    form = distributed_form(common) if isinstance(common, dict) else None
+    if form is not None and form != MODEL_SPACE_FORM:
+        _stop(f"{checkpoint_dir}: {unread_distributed_form(form)}")
+    master = DISTRIBUTED_MASTER_KEY if form == MODEL_SPACE_FORM else STOCK_MASTER_KEY
+    if saved == STOCK and not any(key.startswith(f"optimizer.state.{master}.")
                                   for key in read_metadata(Path(checkpoint_dir)).state_dict_metadata):
-        _stop(f"{checkpoint_dir} holds megatron's own optimizer state without per-parameter FP32 masters (saved with "
-              "--use-distributed-optimizer): --lowprec-convert-checkpoint converts megatron's own optimizer saved without it")
+        _stop(f"{checkpoint_dir} holds megatron's own optimizer state without per-parameter FP32 masters: "
+              "--lowprec-convert-checkpoint converts megatron's own optimizer state by parameter")
     source = as_shaped_like(resolve_target(saved), strategy)
-    return saved_option_template(template, source, stock=saved == STOCK)
+    return saved_option_template(template, source, stock=saved == STOCK, stock_master_key=master)
 
 
 def _converting_load_checkpoint(load_checkpoint):

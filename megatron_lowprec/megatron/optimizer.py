@@ -44,7 +44,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
-from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
+from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY
 from megatron_lowprec.megatron import compat
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
@@ -220,12 +220,18 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
 
     def _as_own_form_(self, state_dict: dict) -> None:
         """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
-        common part under ``optimizer``: the shared step, torch's parameter groups) in this
-        optimizer's form: the step under ``common_step``, this optimizer's parameter groups (their
-        learning rates are the scheduler's) and ``lowprec`` section."""
+        common part under ``optimizer``: the shared step, torch's parameter groups; the
+        ``DistributedOptimizer``'s step in each group, its form beside them) in this optimizer's
+        form: the step under ``common_step``, this optimizer's parameter groups (their learning
+        rates are the scheduler's) and ``lowprec`` section."""
         stock = state_dict.pop(STOCK_FORM_KEY)
+        state_dict.pop(DISTRIBUTED_FORM_KEY, None)
         own = self.state_dict()
-        state_dict.setdefault("state", {})["common_step"] = int(stock["state"]["common_step"])
+        if "state" in stock:
+            step = stock["state"]["common_step"]
+        else:
+            step = next(group["step"] for group in stock["param_groups"] if "step" in group)
+        state_dict.setdefault("state", {})["common_step"] = int(step)
         state_dict["param_groups"] = own["param_groups"]
         state_dict["lowprec"] = own["lowprec"]
 
@@ -383,7 +389,9 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         self.load_state_dict(load_tensors_only(filename))
 
 
-def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrategy, stock: bool = False) -> dict:
+def saved_option_template(
+    sharded_optimizer_state: dict, source: PrecisionStrategy, stock: bool = False, stock_master_key: str = STOCK_MASTER_KEY,
+) -> dict:
     """An optimizer's sharded state dict for loading (``sharded_state_dict(..., is_loading=True)``)
     with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
     (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
@@ -391,8 +399,11 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
     a checkpoint of another option with, before :func:`convert_loaded_state_`; a chained optimizer's
     prefix (``chained_<i>.``) is kept. ``stock``: megatron-core's
     own optimizer wrote it, its FP32 master under
-    :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats)."""
+    :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats),
+    read from ``optimizer.state.<stock_master_key>.<parameter key>`` (megatron-core's
+    ``DistributedOptimizer`` saves it under :data:`~megatron_lowprec.megatron.torch_dist.DISTRIBUTED_MASTER_KEY`)."""
     renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if stock else {}
+    stored = {MASTER_KEYS["fp32"]: stock_master_key} if stock else {}
     if not isinstance(sharded_optimizer_state["state"], dict):
         return sharded_optimizer_state  # a layer-wise optimizer's rank without states keeps its empty state local
     states = {}
@@ -409,7 +420,7 @@ def saved_option_template(sharded_optimizer_state: dict, source: PrecisionStrate
             **{key: value for key, value in entry.items() if not hasattr(value, "key")},
             **{
                 renamed.get(key, key): dataclasses.replace(
-                    like, key=f"{prefix}optimizer.state.{renamed.get(key, key)}.{model_key}", dtype=dtype,
+                    like, key=f"{prefix}optimizer.state.{stored.get(key, key)}.{model_key}", dtype=dtype,
                     data=torch.empty(like.data.shape, dtype=dtype, device=like.data.device),
                 )
                 for key, dtype in checkpoint_dtypes(source, param_dtype).items()

@@ -35,7 +35,41 @@ STOCK_FORM_KEY = "optimizer"
 dict (parameter groups and shared step) in its state dict, beside its FP32 masters."""
 
 DISTRIBUTED_FORM_KEY = "param_state_sharding_type"
-"""A key of megatron-core's own ``DistributedOptimizer`` state dict (its states by bucket, not by parameter)."""
+"""The key of megatron-core's own ``DistributedOptimizer`` state dict that names the form its states
+are saved in (:data:`MODEL_SPACE_FORM` or, by bucket, ``dp_reshardable`` and older forms)."""
+
+MODEL_SPACE_FORM = "fully_reshardable"
+"""The form of megatron-core's ``DistributedOptimizer`` state that holds, per parameter, its FP32
+master under :data:`DISTRIBUTED_MASTER_KEY`, ``exp_avg`` and ``exp_avg_sq``, each shaped and sharded
+like the parameter (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``); its step is in its
+parameter groups."""
+
+DISTRIBUTED_MASTER_KEY = "param"
+"""The state name of the FP32 master in :data:`MODEL_SPACE_FORM` (``optimizer.state.param.<parameter>``)."""
+
+CONTENT_METADATA_KEY = "content_metadata"
+"""Where ``dist_checkpointing.save(..., content_metadata=...)`` keeps its metadata in the common state:
+Megatron-LM's resume reads the distributed optimizer's form from its ``distrib_optim_sharding_type``."""
+
+
+def distributed_form(common: dict) -> str | None:
+    """The form megatron-core's own ``DistributedOptimizer`` saved its state in, by the checkpoint's
+    common state (:data:`MODEL_SPACE_FORM`, ``dp_reshardable``...); ``None`` for any other optimizer's."""
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and DISTRIBUTED_FORM_KEY in optimizer and "lowprec" not in optimizer:
+        return str(optimizer[DISTRIBUTED_FORM_KEY])
+    return None
+
+
+def unread_distributed_form(form: str) -> str:
+    """Why megatron's ``DistributedOptimizer`` state in ``form`` does not convert (by gradient bucket,
+    its layout is the gradient buffer's, which the checkpoint does not record), and which save does."""
+    return (
+        f"it holds megatron's DistributedOptimizer state in form {form!r}, which holds no per-parameter states "
+        f"(Megatron-LM's default with --use-distributed-optimizer stores them by gradient bucket): it converts "
+        f"once saved with Megatron-LM's --dist-ckpt-optim-fully-reshardable (form {MODEL_SPACE_FORM!r})"
+    )
+
 
 METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {

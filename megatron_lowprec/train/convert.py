@@ -3,7 +3,10 @@
 SRC is a ``torch_dist`` checkpoint of the AdamW optimizer: one of ``lowprec-train``
 (``<run_dir>/checkpoints/iter_<N>``), or one that Megatron-LM or megatron-core saved with this
 package's optimizer or with megatron-core's own (``stock``: an FP32 master under ``fp32_param`` and
-FP32 moments). Each parameter's states are carried by their meaning into the target's formats
+FP32 moments; or its ``DistributedOptimizer``'s per-parameter form, the master under ``param``:
+:data:`~megatron_lowprec.megatron.torch_dist.MODEL_SPACE_FORM`. Its default form, by gradient
+bucket, records no parameter's place in the buckets and is refused in one line naming the save flag
+that gives the per-parameter form). Each parameter's states are carried by their meaning into the target's formats
 (:mod:`megatron_lowprec.optim.convert`: exactly where the target represents them, else correctly
 rounded), and its 16-bit value with them, one stored shard at a time: the conversion holds one
 shard of a parameter with its states in memory, never the checkpoint. Everything else (other model
@@ -11,7 +14,9 @@ tensors, objects, per-rank files) is copied byte for byte. The checkpoint then h
 state as that optimizer saves it: this package's ``optimizer.state.<state>.<parameter>`` keys and
 ``lowprec`` record, or megatron-core's ``Float16OptimizerWithFloat16Params`` (``fp32_param``, its
 parameter groups and step), which megatron-core's optimizer and ``lowprec-train baseline=megatron``
-resume.
+resume, or with ``--use-distributed-optimizer`` its ``DistributedOptimizer``'s per-parameter form
+(``param``, the step in each parameter group, the form named in the content metadata from which
+Megatron-LM's resume takes it).
 
 The source option is the one the checkpoint records (the optimizer's ``lowprec`` section; none:
 megatron-core's own), or ``--from``. Checksums (``complete.json``,
@@ -39,8 +44,9 @@ import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import (
-    COMMON_FILE, DISTRIBUTED_FORM_KEY, METADATA_FILE, STOCK_FORM_KEY, ShardWriter, UnsafeCheckpoint,
-    common_object_index, is_tensor_entry, read_chunk, read_common, read_metadata,
+    COMMON_FILE, CONTENT_METADATA_KEY, DISTRIBUTED_FORM_KEY, DISTRIBUTED_MASTER_KEY, METADATA_FILE, MODEL_SPACE_FORM,
+    STOCK_FORM_KEY, ShardWriter, UnsafeCheckpoint, common_object_index, distributed_form, is_tensor_entry, read_chunk,
+    read_common, read_metadata, unread_distributed_form,
 )
 from megatron_lowprec.optim.convert import (
     STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
@@ -52,6 +58,13 @@ from megatron_lowprec.train.config import STOCK_OPTIMIZER_LABEL
 
 STATE_PREFIX = "optimizer.state."
 EXIT_USAGE = 2
+
+DISTRIBUTED_CONTENT_METADATA = {
+    "distrib_optim_sharding_type": MODEL_SPACE_FORM, "distrib_optim_fully_reshardable_mem_efficient": False,
+}
+"""The content metadata with which Megatron-LM (``--use-distributed-optimizer
+--dist-ckpt-optim-fully-reshardable``) saves, and then resumes, megatron-core's ``DistributedOptimizer``
+in :data:`~megatron_lowprec.megatron.torch_dist.MODEL_SPACE_FORM`."""
 
 
 class ConvertError(ValueError):
@@ -68,11 +81,9 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
     in megatron-core's own form): the optimizer's ``lowprec`` record, else ``given`` (``--from``), else
     megatron-core's own where its FP32 masters are there."""
     optimizer = common.get("optimizer")
-    if isinstance(optimizer, dict) and DISTRIBUTED_FORM_KEY in optimizer and "lowprec" not in optimizer:
-        raise ConvertError(
-            "it holds megatron's DistributedOptimizer state (saved with --use-distributed-optimizer), by bucket, not "
-            "by parameter: lowprec-convert converts megatron's own optimizer saved without it"
-        )
+    form = distributed_form(common)
+    if form is not None and form != MODEL_SPACE_FORM:
+        raise ConvertError(unread_distributed_form(form))
     if not isinstance(optimizer, dict) or not ("lowprec" in optimizer or STOCK_FORM_KEY in optimizer):
         raise ConvertError(
             "its optimizer state is not one AdamW's (none, Muon's or several optimizers chained): lowprec-convert "
@@ -94,18 +105,20 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
         if strategy.master_weights and record.get("master_storage") is not None:
             strategy = strategy.with_master_storage(record["master_storage"])
         return as_shaped_like(strategy, _adamw_like()), False
-    if not any(key.startswith(f"{STATE_PREFIX}{STOCK_MASTER_KEY}.") for key in keys):
+    master = DISTRIBUTED_MASTER_KEY if form == MODEL_SPACE_FORM else STOCK_MASTER_KEY
+    if not any(key.startswith(f"{STATE_PREFIX}{master}.") for key in keys):
         raise ConvertError("it records no option and holds no FP32 masters of megatron-core's own optimizer: name it with --from")
     return as_shaped_like(resolve_target(STOCK), _adamw_like()), True
 
 
-def _state_keys(keys: list[str]) -> dict[str, dict[str, str]]:
-    """Per parameter key, its optimizer states' keys by state name (``optimizer.state.<state>.<parameter>``)."""
+def _state_keys(keys: list[str], names: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Per parameter key, its optimizer states' keys (``optimizer.state.<state>.<parameter>``) by
+    state name, renamed by ``names`` (megatron's distributed optimizer's ``param``: an FP32 master)."""
     found: dict[str, dict[str, str]] = {}
     for key in keys:
         if key.startswith(STATE_PREFIX):
             state, parameter = key[len(STATE_PREFIX):].split(".", 1)
-            found.setdefault(parameter, {})[state] = key
+            found.setdefault(parameter, {})[names.get(state, state)] = key
     return found
 
 
@@ -116,21 +129,34 @@ def _torch_adamw_group_defaults() -> dict[str, Any]:
     return {key: value for key, value in group.items() if key not in ("params", "lr", "betas", "eps", "weight_decay")}
 
 
-def converted_common(common: dict, target: PrecisionStrategy, to_stock: bool, from_stock: bool) -> dict:
+def converted_common(
+    common: dict, target: PrecisionStrategy, to_stock: bool, from_stock: bool, to_distributed: bool = False,
+) -> dict:
     """``common.pt`` with the optimizer's common part as the target's optimizer saves it and the
-    app's option label (where there is one) naming the target."""
+    app's option label (where there is one) naming the target. ``to_distributed`` (with ``to_stock``):
+    megatron-core's ``DistributedOptimizer`` in :data:`MODEL_SPACE_FORM` (the step in each parameter
+    group, the form named in the state and in the content metadata, which Megatron-LM's resume reads);
+    a non-distributed stock target drops the content metadata's distributed-optimizer entries."""
     optimizer = common["optimizer"]
     if from_stock:
         inner = optimizer["optimizer"]
-        step = int(inner["state"].get("common_step", 0))
-        groups = [{key: value for key, value in group.items() if key not in _torch_adamw_group_defaults()}
-                  for group in inner["param_groups"]]
+        if "state" in inner:
+            step = int(inner["state"].get("common_step", 0))
+        else:
+            step = int(next((group["step"] for group in inner["param_groups"] if "step" in group), 0))
+        dropped = {*_torch_adamw_group_defaults(), "step"}
+        groups = [{key: value for key, value in group.items() if key not in dropped} for group in inner["param_groups"]]
         record = {"skipped_steps": 0, "seed": 0, "generator_state": None}
     else:
         step = int(optimizer["state"].get("common_step", 0))
         groups = optimizer["param_groups"]
         record = dict(optimizer["lowprec"])
-    if to_stock:
+    if to_stock and to_distributed:
+        new_optimizer = {
+            "optimizer": {"param_groups": [{**_torch_adamw_group_defaults(), **group, "step": float(step)} for group in groups]},
+            DISTRIBUTED_FORM_KEY: MODEL_SPACE_FORM,
+        }
+    elif to_stock:
         new_optimizer = {"optimizer": {
             "param_groups": [{**_torch_adamw_group_defaults(), **group} for group in groups],
             "state": {"common_step": torch.tensor(float(step))},
@@ -141,6 +167,11 @@ def converted_common(common: dict, target: PrecisionStrategy, to_stock: bool, fr
     new = {**common, "optimizer": new_optimizer}
     if "option" in common:
         new["option"] = STOCK_OPTIMIZER_LABEL if to_stock else target.name
+    content = dict(common.get(CONTENT_METADATA_KEY) or {})
+    if to_stock and to_distributed:
+        new[CONTENT_METADATA_KEY] = {**content, **DISTRIBUTED_CONTENT_METADATA}
+    elif to_stock and CONTENT_METADATA_KEY in common:
+        new[CONTENT_METADATA_KEY] = {key: value for key, value in content.items() if key not in DISTRIBUTED_CONTENT_METADATA}
     return new
 
 
@@ -171,11 +202,13 @@ def _check_source(source: Path) -> None:
 
 def convert_checkpoint(
     source: Path, destination: Path, target_name: str, source_name: str | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, use_distributed_optimizer: bool = False,
 ) -> list[str]:
     """Write ``source`` (a ``torch_dist`` checkpoint) converted to ``target_name`` (an option or
     ``stock``) into ``destination`` (see the module docstring); the conversion's lines, one per
-    state kind. :class:`ConvertError` (or :class:`~megatron_lowprec.megatron.torch_dist.UnsafeCheckpoint`)
+    state kind. ``use_distributed_optimizer`` (with ``stock``): in the form megatron-core's own
+    ``DistributedOptimizer`` resumes (:data:`~megatron_lowprec.megatron.torch_dist.MODEL_SPACE_FORM`).
+    :class:`ConvertError` (or :class:`~megatron_lowprec.megatron.torch_dist.UnsafeCheckpoint`)
     in one line where it cannot, before ``destination`` exists."""
     source, destination = Path(source).absolute(), Path(destination).absolute()
     _check_source(source)
@@ -185,6 +218,11 @@ def convert_checkpoint(
     except ValueError as error:
         raise ConvertError(f"--to: {error}") from None
     to_stock = target_name.lower() == STOCK
+    if use_distributed_optimizer and not to_stock:
+        raise ConvertError(
+            f"--use-distributed-optimizer writes megatron's own DistributedOptimizer state (--to stock); option "
+            f"{target.name}'s state is the same with and without the distributed optimizer: leave it out"
+        )
     metadata = read_metadata(source)
     try:
         common = read_common(source, metadata)
@@ -194,7 +232,8 @@ def convert_checkpoint(
         raise ConvertError(f"{source}: its common state cannot be read ({error})") from None
     keys = list(metadata.state_dict_metadata)
     saved, from_stock = source_of(common, set(keys), source_name)
-    states = _state_keys(keys)
+    names = {DISTRIBUTED_MASTER_KEY: STOCK_MASTER_KEY} if distributed_form(common) == MODEL_SPACE_FORM else {}
+    states = _state_keys(keys, names)
     missing = sorted(parameter for parameter in states if parameter not in metadata.state_dict_metadata)
     if missing:
         raise ConvertError(f"optimizer states without their parameter in the checkpoint: {', '.join(missing[:3])}")
@@ -202,8 +241,9 @@ def convert_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        new_common = converted_common(common, target, to_stock, from_stock)
-        report = _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, new_common)
+        new_common = converted_common(common, target, to_stock, from_stock, use_distributed_optimizer)
+        master_key = DISTRIBUTED_MASTER_KEY if use_distributed_optimizer else STOCK_MASTER_KEY
+        report = _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, new_common, master_key)
         if (source / COMMON_FILE).is_file():
             torch.save(new_common, partial / COMMON_FILE)
         for name in sorted(os.listdir(source)):
@@ -220,13 +260,13 @@ def convert_checkpoint(
     return report.lines()
 
 
-def _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, common) -> ConversionReport:
+def _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, common, master_key) -> ConversionReport:
     writer = ShardWriter(partial, metadata)
     common_index = None if (source / COMMON_FILE).is_file() else common_object_index(metadata)
     if common_index is not None:
         writer.write_object(common_index, metadata.state_dict_metadata[common_index.fqn], common)
     report = ConversionReport(saved, target, STOCK if from_stock else None, STOCK if to_stock else None)
-    renamed = {MASTER_KEYS["fp32"]: STOCK_MASTER_KEY} if to_stock else {}
+    renamed = {MASTER_KEYS["fp32"]: master_key} if to_stock else {}
     state_keys = {key for keys in states.values() for key in keys.values()}
     total = len(metadata.state_dict_metadata)
     started = shown = time.monotonic()
@@ -290,13 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to", required=True, dest="target", help="the target option's name, or 'stock'")
     parser.add_argument("--from", dest="source_option", default=None,
                         help="the source's option where the checkpoint records none ('stock' for megatron-core's own)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="with --to stock: write megatron-core's DistributedOptimizer state (form 'fully_reshardable'), "
+                             "for Megatron-LM runs with --use-distributed-optimizer")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
         print(f"lowprec-convert: {line}", file=sys.stderr, flush=True)
 
     try:
-        lines = convert_checkpoint(args.source, args.destination, args.target, args.source_option, progress=say)
+        lines = convert_checkpoint(args.source, args.destination, args.target, args.source_option, progress=say,
+                                   use_distributed_optimizer=args.use_distributed_optimizer)
     except (ConvertError, UnsafeCheckpoint, OSError) as error:
         print(f"lowprec-convert: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -300,21 +300,159 @@ def test_the_megatron_lm_load_reads_another_options_checkpoint_on_request_only(s
     assert str(stopped.value).endswith("resume with --lowprec-option B, or convert it with `lowprec-convert SRC DST --to stock`")
 
 
-def test_the_megatron_lm_load_refuses_megatrons_distributed_optimizer_state_in_one_line(megatron_rank, tmp_path):
-    """megatron-core's ``DistributedOptimizer`` (in Megatron-LM's default ``dp_reshardable`` form)
-    saves no per-parameter FP32 masters under ``fp32_param``; ``--lowprec-convert-checkpoint`` says so in one line instead of failing on a key."""
-    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+@pytest.fixture(scope="module")
+def saved_distributed(tmp_path_factory):
+    """Checkpoints of megatron-core's own ``DistributedOptimizer`` at DP=2 after two steps, in the
+    ``fully_reshardable`` and the ``dp_reshardable`` form, the first converted to D and back to
+    ``stock`` with the distributed optimizer and resumed by it (:mod:`tests.megatron._stock_distributed_worker`):
+    (the directory, each rank's results, each parameter's FP64 master and moments assembled from the
+    elements each rank's optimizer owned, by checkpoint key)."""
+    import json
+    from pathlib import Path
 
-    stock_model, stock_optimizer = _stock_built(distributed=True)
-    _step(stock_model, stock_optimizer, 3)
-    _save(stock_model, stock_optimizer, tmp_path / "distributed", distrib_optim_sharding_type="dp_reshardable")
-    model, optimizer = _built("B", convert_checkpoint=True)
-    with pytest.raises(SystemExit) as stopped:
-        optimizer_template_for(optimizer, {}, str(tmp_path / "distributed"))
-    assert str(stopped.value).endswith("(saved with --use-distributed-optimizer): --lowprec-convert-checkpoint converts "
-                                       "megatron's own optimizer saved without it")
+    from .launch import run_ranks
+
+    directory = tmp_path_factory.mktemp("distributed")
+    ranks = run_ranks(Path(__file__).with_name("_stock_distributed_worker.py"), directory, 2, "round_trip",
+                      json.dumps({"directory": str(directory)}), timeout_seconds=300, on_cpu=True)
+    owned = [torch.load(directory / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    reference = {}
+    with torch._C.DisableTorchFunction():  # the rank's tensors keep the CPU bridge check's records (see _tensors)
+        for name, param in owned[0]["params"].items():
+            values = {key: torch.full((param.numel(),), math.nan, dtype=torch.float64) for key in ("param", "exp_avg", "exp_avg_sq")}
+            for saved in owned:
+                if name in saved["owned"]:
+                    start, end = saved["owned"][name]["range"]
+                    for key, value in values.items():
+                        value[start:end] = saved["owned"][name][key].double()
+            assert not any(value.isnan().any() for value in values.values()), name  # the two ranks own every element
+            reference[owned[0]["keys"][name]] = values
+    return directory, ranks, reference
+
+
+def _tensors(directory):
+    """Every stored shard of every tensor of the checkpoint ``directory``, by key (copies made outside
+    the CPU bridge's check: a tensor that a rank on the bridge saved keeps the check's record of
+    where it was made)."""
+    from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
+
+    metadata = read_metadata(directory)
+    with torch._C.DisableTorchFunction():
+        return {key: [read_chunk(directory, metadata, key, chunk).clone() for chunk in entry.chunks]
+                for key, entry in metadata.state_dict_metadata.items() if hasattr(entry, "chunks")}
+
+
+def test_megatrons_distributed_optimizer_checkpoint_converts_to_d_and_back_and_resumes_bit_for_bit(saved_distributed):
+    """megatron-core's ``DistributedOptimizer`` at DP=2, saved as Megatron-LM's
+    ``--dist-ckpt-optim-fully-reshardable`` saves it -> D -> ``stock`` with ``use_distributed_optimizer``:
+    exact, every stored tensor and the optimizer's common state as megatron saved them, bit for bit;
+    a new ``DistributedOptimizer`` resumes it on both ranks with each owned master and moment and
+    the step as saved, and steps on as from megatron's own checkpoint."""
+    from megatron_lowprec.megatron.torch_dist import read_common, read_metadata
+
+    directory, ranks, _ = saved_distributed
+    lines = ranks[0]["lines"]
+    assert [line.split(": ")[:2] for line in lines] == [
+        [f"converted {pair}", kind] for pair in ("stock -> D", "D -> stock") for kind in ("value", "exp_avg", "exp_avg_sq")]
+    assert all(line.endswith("exact") for line in lines), lines
+    for rank in ranks:
+        assert rank["states_identical"] and rank["params_identical"] and rank["continued_identical"], rank
+        assert rank["steps"] == rank["loaded_steps"] == [2.0]
+    original, back = _tensors(directory / "fully_reshardable"), _tensors(directory / "back")
+    assert sorted(original) == sorted(back)
+    assert any(key.startswith("optimizer.state.param.") for key in back)
+    for key, chunks in original.items():
+        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(chunks, back[key], strict=True)), key
+    commons = [read_common(path, read_metadata(path)) for path in (directory / "fully_reshardable", directory / "back")]
+    assert commons[0]["optimizer"] == commons[1]["optimizer"]
+    assert commons[0]["content_metadata"] == commons[1]["content_metadata"]
+
+
+def _checkpoint_keys(model_state) -> dict:
+    """Each parameter's key in a model's sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {sharded.data: sharded.key for sharded in nested_values(model_state)
+            if isinstance(getattr(sharded, "data", None), torch.nn.Parameter)}
+
+
+def _check_b(reference, directory_or_states) -> None:
+    """Option B's state of each parameter against megatron's FP32 master and moments: θ the master
+    rounded to nearest BF16, δθ the rest rounded to BF16, m and v rounded to BF16 (each exact from FP64)."""
+    for key, (param, state) in directory_or_states.items():
+        expected = reference[key]
+        master = expected["param"]
+        assert torch.equal(param.double().view(-1), master.float().bfloat16().double()), key
+        assert torch.equal(state["param_lo"].double().view(-1), (master - param.double().view(-1)).float().bfloat16().double()), key
+        assert torch.equal(state["exp_avg"].view(-1), expected["exp_avg"].float().bfloat16()), key
+        assert torch.equal(state["exp_avg_sq"].view(-1), expected["exp_avg_sq"].float().bfloat16()), key
+
+
+def test_a_distributed_optimizer_checkpoint_converts_to_b_offline_each_value_correctly_rounded(saved_distributed, tmp_path):
+    """fully_reshardable -> B: each (θ, δθ) and moment from the masters and moments the two ranks'
+    optimizers held (FP64), the step carried; the bucket form (Megatron-LM's default) and
+    ``--use-distributed-optimizer`` toward an option each stop in one line, writing nothing."""
+    from megatron_lowprec.megatron.torch_dist import read_common, read_metadata
     from megatron_lowprec.train.convert import ConvertError, convert_checkpoint
 
-    with pytest.raises(ConvertError, match=r"megatron's DistributedOptimizer state \(saved with --use-distributed-optimizer\)"):
-        convert_checkpoint(tmp_path / "distributed", tmp_path / "out", "B")
-    assert not (tmp_path / "out").exists()
+    directory, _, reference = saved_distributed
+    with torch._C.DisableTorchFunction():  # lowprec-convert runs outside the CPU bridge (see _tensors)
+        lines = convert_checkpoint(directory / "fully_reshardable", tmp_path / "b", "B")
+    assert [line.split(": ")[:2] for line in lines] == [["converted stock -> B", kind] for kind in ("value", "exp_avg", "exp_avg_sq")]
+    tensors = _tensors(tmp_path / "b")
+    _check_b(reference, {key: (tensors[key][0], {state: tensors[f"optimizer.state.{state}.{key}"][0]
+                                                   for state in ("param_lo", "exp_avg", "exp_avg_sq")})
+                         for key in reference})
+    common = read_common(tmp_path / "b", read_metadata(tmp_path / "b"))
+    assert common["optimizer"]["state"]["common_step"] == 2 and common["optimizer"]["lowprec"]["option"] == "B"
+    assert all("step" not in group for group in common["optimizer"]["param_groups"])
+
+    with pytest.raises(ConvertError, match=r"^it holds megatron's DistributedOptimizer state in form 'dp_reshardable', .*"
+                                           r"once saved with Megatron-LM's --dist-ckpt-optim-fully-reshardable "):
+        convert_checkpoint(directory / "dp_reshardable", tmp_path / "refused", "B")
+    with pytest.raises(ConvertError, match=r"^--use-distributed-optimizer writes megatron's own DistributedOptimizer state \(--to stock\)"):
+        convert_checkpoint(directory / "fully_reshardable", tmp_path / "refused", "B", use_distributed_optimizer=True)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_distributed_optimizer_checkpoint_resumes_into_b_and_into_megatrons_plain_optimizer(
+    saved_distributed, megatron_rank, tmp_path, capsys,
+):
+    """The Megatron-LM load with ``--lowprec-convert-checkpoint`` reads megatron's ``DistributedOptimizer``
+    checkpoint (fully_reshardable) into option B, values as offline, the step carried; its bucket form
+    stops in one line naming the save flag. ``--to stock`` without ``use_distributed_optimizer`` gives
+    megatron's ``Float16OptimizerWithFloat16Params`` the same masters and moments, bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    directory, _, reference = saved_distributed
+    source = str(directory / "fully_reshardable")
+    model, optimizer = _built("B", convert_checkpoint=True)
+    model_state = model.module.sharded_state_dict()
+    template = optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), source)
+    loaded = dist_checkpointing.load({"model": model_state, "optimizer": template}, source)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    assert [line.split(": ")[2] for line in capsys.readouterr().out.splitlines() if "converted stock -> B" in line] == [
+        "value", "exp_avg", "exp_avg_sq"]
+    keys = _checkpoint_keys(model.module.sharded_state_dict())
+    _check_b(reference, {keys[param]: (param, optimizer.optimizer.state[param]) for param in optimizer.get_parameters()})
+    assert all(state["step"] == 2 for state in optimizer.optimizer.state.values())
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(optimizer, {}, str(directory / "dp_reshardable"))
+    assert str(stopped.value).startswith(f"{directory / 'dp_reshardable'}: it holds megatron's DistributedOptimizer state in form 'dp_reshardable'")
+
+    with torch._C.DisableTorchFunction():  # lowprec-convert runs outside the CPU bridge (see _tensors)
+        convert_checkpoint(directory / "fully_reshardable", tmp_path / "stock", "stock")
+    stock_model, stock_optimizer = _stock_built()
+    _load(stock_model, stock_optimizer, tmp_path / "stock")
+    keys = _checkpoint_keys(stock_model.module.sharded_state_dict())
+    for param, master, state in _stock_states(stock_optimizer):
+        expected = reference[keys[param]]
+        assert torch.equal(master.view(-1).double(), expected["param"]), keys[param]
+        assert torch.equal(state["exp_avg"].view(-1).double(), expected["exp_avg"])
+        assert torch.equal(state["exp_avg_sq"].view(-1).double(), expected["exp_avg_sq"])
+        assert float(state["step"]) == 2.0
