@@ -5,9 +5,9 @@ SRC is a ``torch_dist`` checkpoint of the AdamW optimizer: one of ``lowprec-trai
 package's optimizer or with megatron-core's own (``stock``: an FP32 master under ``fp32_param`` and
 FP32 moments; or its ``DistributedOptimizer``'s per-parameter form, the master under ``param``:
 :data:`~megatron_lowprec.megatron.torch_dist.MODEL_SPACE_FORM`. Its default form, by gradient
-bucket, records no parameter's place in the buckets and is refused in one line naming the save flag
-that gives the per-parameter form). Each parameter's states are carried by their meaning into the target's formats
-(:mod:`megatron_lowprec.optim.convert`: exactly where the target represents them, else correctly
+bucket, records no parameter's place in the buckets and is refused in one line naming the save
+flag that gives the per-parameter form). Each parameter's states are carried by their meaning into
+the target's formats (:mod:`megatron_lowprec.optim.convert`: exactly where the target represents them, else correctly
 rounded), and its 16-bit value with them, one stored shard at a time: the conversion holds one
 shard of a parameter with its states in memory, never the checkpoint. Everything else (other model
 tensors, objects, per-rank files) is copied byte for byte. The checkpoint then holds the target's

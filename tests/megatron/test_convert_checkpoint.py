@@ -456,3 +456,28 @@ def test_a_distributed_optimizer_checkpoint_resumes_into_b_and_into_megatrons_pl
         assert torch.equal(state["exp_avg"].view(-1).double(), expected["exp_avg"])
         assert torch.equal(state["exp_avg_sq"].view(-1).double(), expected["exp_avg_sq"])
         assert float(state["step"]) == 2.0
+
+
+def test_an_option_b_checkpoint_converted_for_the_distributed_optimizer_resumes_in_megatrons(saved_b, tmp_path):
+    """B -> ``stock`` with ``use_distributed_optimizer``: megatron-core's ``DistributedOptimizer``
+    (here at DP=1) finds this package's parameter groups and resumes each FP32 master as θ + δθ
+    rounded to FP32 and the moments exactly, the step carried."""
+    from tests.megatron._stock_distributed_worker import _load, _step as step_with
+
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    directory, reference = saved_b
+    lines = convert_checkpoint(directory, tmp_path / "stock", "stock", use_distributed_optimizer=True)
+    assert [line.split(": ")[:2] for line in lines] == [["converted B -> stock", kind] for kind in ("value", "exp_avg", "exp_avg_sq")]
+    model, optimizer = _stock_built(distributed=True)
+    step_with(model, optimizer, 7)  # torch's AdamW has a step to load over only once it stepped
+    _load(model, optimizer, tmp_path / "stock")
+    (inner,) = optimizer.chained_optimizers
+    names = {param: name for name, param in model.module.named_parameters()}
+    for param in model.module.parameters():
+        tensors = inner._get_main_param_and_optimizer_states(param)
+        expected = reference[names[param]]
+        assert torch.equal(tensors["param"].view(-1), expected["value"].view(-1).float()), names[param]
+        assert torch.equal(tensors["exp_avg"].view(-1), expected["exp_avg"].view(-1).float())
+        assert torch.equal(tensors["exp_avg_sq"].view(-1), expected["exp_avg_sq"].view(-1).float())
+        assert float(tensors["step"]) == 1.0
