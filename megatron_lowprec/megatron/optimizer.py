@@ -44,7 +44,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
-from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY
+from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY, stock_step
 from megatron_lowprec.megatron import compat
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
@@ -227,11 +227,7 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         stock = state_dict.pop(STOCK_FORM_KEY)
         state_dict.pop(DISTRIBUTED_FORM_KEY, None)
         own = self.state_dict()
-        if "state" in stock:
-            step = stock["state"]["common_step"]
-        else:
-            step = next(group["step"] for group in stock["param_groups"] if "step" in group)
-        state_dict.setdefault("state", {})["common_step"] = int(step)
+        state_dict.setdefault("state", {})["common_step"] = stock_step(stock)
         state_dict["param_groups"] = own["param_groups"]
         state_dict["lowprec"] = own["lowprec"]
 

@@ -61,6 +61,15 @@ def distributed_form(common: dict) -> str | None:
     return None
 
 
+def stock_step(stock: dict) -> int:
+    """The step of a checkpoint of megatron-core's own optimizer, from the torch optimizer state it
+    saved (:data:`STOCK_FORM_KEY`): its shared step, or, in :data:`MODEL_SPACE_FORM`, the step its
+    ``DistributedOptimizer`` keeps in each parameter group."""
+    if "state" in stock:
+        return int(stock["state"]["common_step"])
+    return int(next(group["step"] for group in stock["param_groups"] if "step" in group))
+
+
 def unread_distributed_form(form: str) -> str:
     """Why megatron's ``DistributedOptimizer`` state in ``form`` does not convert (by gradient bucket,
     its layout is the gradient buffer's, which the checkpoint does not record), and which save does."""

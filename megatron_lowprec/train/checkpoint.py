@@ -49,7 +49,11 @@ from pathlib import Path
 import numpy
 import torch
 
-from megatron_lowprec.optim.convert import STOCK, as_shaped_like
+from megatron_lowprec.megatron.torch_dist import (
+    DISTRIBUTED_FORM_KEY, DISTRIBUTED_MASTER_KEY, MODEL_SPACE_FORM, STOCK_FORM_KEY, distributed_form, stock_step,
+    unread_distributed_form,
+)
+from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like
 from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train.config import (
     RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
@@ -282,6 +286,14 @@ def load_rank_file(path: Path) -> dict:
         ) from None
 
 
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""What the optimizer's ``sharded_state_dict`` is told: megatron-core's own DistributedOptimizer
+(``baseline=megatron`` with ``optimizer.use_distributed_optimizer``) saves its state per parameter,
+as Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` does (its default form elsewhere, by model
+space, cannot be saved by megatron-core; its bucket form reloads only at the same layout and
+``lowprec-convert`` cannot read it). This package's optimizers save per parameter whatever it says."""
+
+
 def _sharded_state(run, is_loading: bool) -> dict:
     model_state = run.model.module.sharded_state_dict()
     state = {
@@ -291,7 +303,7 @@ def _sharded_state(run, is_loading: bool) -> dict:
         "option": option_label(run.config.precision),
         "shape": run_shape(run.config),
         "layout": _layout(),
-        "optimizer": run.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": run.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
     }
     return state
 
@@ -504,9 +516,12 @@ def load(run, path: Path) -> None:
     if sources is not None:
         from megatron_lowprec.megatron.optimizer import saved_option_template
 
+        master = _stock_master_key(path, common) if from_stock else STOCK_MASTER_KEY
         for _, index, source in sources:
             if index is None:
-                template["optimizer"] = saved_option_template(template["optimizer"], source, stock=from_stock)
+                template["optimizer"] = saved_option_template(
+                    template["optimizer"], source, stock=from_stock, stock_master_key=master,
+                )
             else:
                 template["optimizer"][index] = saved_option_template(template["optimizer"][index], source)
     loaded = _read_on_every_rank(path, lambda: dist_checkpointing.load(template, str(path)))
@@ -533,6 +548,19 @@ def load(run, path: Path) -> None:
     run.iteration = loaded["iteration"]
     if per_rank is not None:
         _set_rng_states(per_rank["rng"])
+
+
+def _stock_master_key(path: Path, common: dict) -> str:
+    """Where a checkpoint of megatron-core's own optimizer keeps each FP32 master: under
+    ``fp32_param`` (its optimizer without the distributed one), or, for its ``DistributedOptimizer``,
+    under ``param`` in the per-parameter form this app saves it in; a :class:`ResumeError` for a
+    form without per-parameter states (another trainer's save by gradient bucket)."""
+    form = distributed_form(common)
+    if form is None:
+        return STOCK_MASTER_KEY
+    if form != MODEL_SPACE_FORM:
+        raise ResumeError(f"{path}: {unread_distributed_form(form)}")
+    return DISTRIBUTED_MASTER_KEY
 
 
 def _converted_optimizers(run) -> list[tuple[object, int | None]]:
@@ -562,8 +590,9 @@ def _as_project_state_(run, optimizer_state: dict) -> None:
     common part under ``optimizer``: the shared step, its parameter groups) in the form of the run's
     optimizer: the step as an int under ``common_step``, the run's own parameter groups (their
     learning rates are the scheduler's) and ``lowprec`` section."""
-    stock = optimizer_state.pop("optimizer")
-    optimizer_state["state"]["common_step"] = int(stock["state"]["common_step"])
+    stock = optimizer_state.pop(STOCK_FORM_KEY)
+    optimizer_state.pop(DISTRIBUTED_FORM_KEY, None)
+    optimizer_state["state"]["common_step"] = stock_step(stock)
     optimizer_state["param_groups"] = [
         {**{key: value for key, value in group.items() if key != "params"}, "params": loaded["params"]}
         for group, loaded in zip(run.optimizer.param_groups, optimizer_state["param_groups"])

@@ -120,3 +120,26 @@ def test_checkpoints_of_option_d_of_megatron_core_and_of_muon_resume_converted_a
     assert [row["step"] for row in muon_conversion["train_rows"]][-1] == 3
     muon_expected = {row["step"]: row["loss"] for row in muon_continued["train_rows"]}[3]
     assert muon_conversion["train_rows"][-1]["loss"] == pytest.approx(muon_expected, rel=1e-2)
+
+
+def test_a_checkpoint_of_megatron_cores_distributed_optimizer_resumes_converted(tmp_path, cache_dir):
+    """``baseline=megatron`` with megatron-core's own DistributedOptimizer at DP=2 saves its state per
+    parameter (the FP32 master under ``param``, as Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``;
+    megatron-core's default form cannot be saved), and the checkpoint resumes converted into B: one
+    line per state kind, training on from step 1."""
+    run_dir = tmp_path / "run"
+    steps = [
+        {"overrides": _tiny(cache_dir, run_dir, "baseline=megatron", "optimizer.use_distributed_optimizer=true",
+                            "trainer.max_steps=1", "trainer.save=true")},
+        {"overrides": _tiny(cache_dir, run_dir, "precision=B", "trainer.max_steps=2", "resume=true",
+                            "precision.convert_checkpoint=true")},
+    ]
+    result_dir = tmp_path / "results"
+    result_dir.mkdir()
+    _, converted = run_ranks(WORKER, result_dir, 2, json.dumps(steps), timeout_seconds=600)[0]
+    assert set(_saved_dtypes(run_dir / "checkpoints" / "iter_0000001")) == {"param", "exp_avg", "exp_avg_sq"}
+    log = (result_dir / "rank0.log").read_text()
+    lines = [line for line in log.splitlines() if "converted stock -> B:" in line]
+    assert [line.split(": ")[2] for line in lines] == ["value", "exp_avg", "exp_avg_sq"], log[-3000:]
+    assert converted["train_rows"][-1]["step"] == 2
+    assert math.isfinite(converted["train_rows"][-1]["loss"])
