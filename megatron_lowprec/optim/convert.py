@@ -16,7 +16,7 @@ is the FP64 value rounded to FP32 and stored by :func:`~megatron_lowprec.optim.m
 value rounded to nearest even and the rounded rest; a 16-bit value is rounded to nearest even
 (correctly, from FP64: :func:`round_to`); an FP8 moment is quantized by COAT's own rule
 (:func:`~megatron_lowprec.numerics.quant.quantize_fp8`), or copied code for code when S stores it
-in the same FP8 format. Where T represents S's values the conversion is exact: D, D with a remainder
+in the same FP8 format, groups and exponent storage (coat's FP32 k and res8's BF16 one quantize afresh). Where T represents S's values the conversion is exact: D, D with a remainder
 master and megatron-core's own FP32-master Adam (:data:`STOCK`) convert into each other bit for
 bit, and every option converts exactly into a richer one; into a leaner one each value is
 correctly rounded. :func:`convert_state_dict` does this for an optimizer's whole state dict and says,
@@ -187,7 +187,7 @@ def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, An
 
 
 def _same_fp8(source: PrecisionStrategy, target: PrecisionStrategy) -> bool:
-    fields = ("moments", "fp8_format", "fp8_group_size", "fp8_expand")
+    fields = ("moments", "fp8_format", "fp8_group_size", "fp8_expand", "fp8_exponent_storage")
     return target.moments == "fp8" and all(getattr(source, field) == getattr(target, field) for field in fields)
 
 
@@ -237,7 +237,8 @@ def encode(
             parts = (fp8_parts or {}).get(moment)
             if parts is None:
                 quantized = quantize_fp8(
-                    meaning[moment].float(), strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand
+                    meaning[moment].float(), strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand,
+                    strategy.fp8_exponent_storage,
                 )
                 parts = {"payload": quantized.payload, "scale": quantized.scale}
                 if quantized.expansion_exponent is not None:
