@@ -37,7 +37,15 @@ import torch
 
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, num_groups, quantize_fp8
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, new_master, store_master_, stored_master
-from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy, resolve_option, strategy_names
+from megatron_lowprec.optim.strategies import (
+    EXPONENT_STORAGE_RECORD,
+    PrecisionStrategy,
+    exponent_storage_record,
+    get_strategy,
+    resolve_option,
+    saved_exponent_storage,
+    strategy_names,
+)
 
 STOCK = "stock"
 """The name that stands for megatron-core's own optimizer state: an FP32 master under
@@ -325,14 +333,25 @@ def convert_entry(
 
 def saved_strategy(state_dict: dict[str, Any], like: PrecisionStrategy) -> PrecisionStrategy:
     """The strategy a state dict of an optimizer like ``like`` (AdamW or Muon) was saved with: its
-    ``lowprec`` section's option and master storage, or megatron-core's own (:data:`STOCK`) without one."""
+    ``lowprec`` section's option, master storage and FP8 exponent storage (a res8 state saved with
+    FP32 exponents is res8 with ``fp8_exponent_storage="fp32"``), or megatron-core's own
+    (:data:`STOCK`) without one."""
     extra = state_dict.get("lowprec")
     if extra is None:
         return as_shaped_like(resolve_target(STOCK), like)
     strategy = get_strategy(extra["option"])
     if strategy.master_weights and extra.get("master_storage") is not None:
         strategy = strategy.with_master_storage(extra["master_storage"])
-    return as_shaped_like(strategy, like)
+    return as_shaped_like(with_saved_exponent_storage(strategy, extra), like)
+
+
+def with_saved_exponent_storage(strategy: PrecisionStrategy, extra: dict[str, Any]) -> PrecisionStrategy:
+    """``strategy`` with the FP8 exponent storage that a state dict's ``lowprec`` section ``extra``
+    records (:func:`~megatron_lowprec.optim.strategies.saved_exponent_storage`): the strategy that
+    wrote it, where it has FP8 moments."""
+    if strategy.moments != "fp8":
+        return strategy
+    return replace(strategy, fp8_exponent_storage=saved_exponent_storage(extra))
 
 
 def convert_state_dict(
@@ -364,7 +383,8 @@ def convert_state_dict(
         report.add(param, errors)
     converted = {**state_dict, "state": new_states}
     extra = dict(state_dict.get("lowprec") or {"skipped_steps": 0, "seed": 0, "generator_state": None})
-    extra.update(option=target.name, master_storage=target.master_storage)
+    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     converted["lowprec"] = extra
     return converted, new_params, report.lines()
 

@@ -257,6 +257,37 @@ class PrecisionStrategy:
         return whole + self.state_bytes(count) / count / state_shards
 
 
+EXPONENT_STORAGE_RECORD = "fp8_exponent_storage"
+"""The key under which a state dict's ``lowprec`` section records an ``fp8_exponent_storage`` other
+than ``"fp32"``. Absent, the storage is ``"fp32"``: what every state dict held before exponents
+could take 16 bits, so coat's state dicts stay as they were."""
+
+
+def exponent_storage_record(strategy: PrecisionStrategy) -> dict[str, str]:
+    """What a state dict of ``strategy`` records of its FP8 exponent storage (:data:`EXPONENT_STORAGE_RECORD`)."""
+    if strategy.moments != "fp8" or strategy.fp8_exponent_storage == "fp32":
+        return {}
+    return {EXPONENT_STORAGE_RECORD: strategy.fp8_exponent_storage}
+
+
+def saved_exponent_storage(extra: dict) -> str:
+    """The FP8 exponent storage a state dict's ``lowprec`` section ``extra`` records (``"fp32"`` if none)."""
+    return extra.get(EXPONENT_STORAGE_RECORD, "fp32")
+
+
+def check_exponent_storage(extra: dict, strategy: PrecisionStrategy, remedy: str) -> None:
+    """``ValueError`` in one line, ending with ``remedy``, where a state dict whose ``lowprec`` section
+    is ``extra`` stores FP8 expansion exponents in another format than ``strategy`` does (a res8
+    state saved while its exponents were FP32): loading it as it is would pair each payload with
+    another k than it was quantized with."""
+    saved = saved_exponent_storage(extra)
+    if strategy.moments == "fp8" and saved != strategy.fp8_exponent_storage:
+        raise ValueError(
+            f"the optimizer state of option {strategy.name!r} was saved with its FP8 expansion exponents in {saved}, "
+            f"this optimizer stores them in {strategy.fp8_exponent_storage}; {remedy}"
+        )
+
+
 _REGISTRY: dict[str, PrecisionStrategy] = {}
 _CANONICAL: list[PrecisionStrategy] = []
 
