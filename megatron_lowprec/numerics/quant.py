@@ -118,10 +118,10 @@ def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) ->
 class QuantizedTensor:
     """An FP8 tensor with per-group float32 scales and, under COAT expansion, per-group exponents k.
 
-    ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent`` (float32
-    or bfloat16, :data:`EXPONENT_STORAGES`) is None when expansion is off; ``group_size`` None means one group for the whole tensor. The
-    payload is of ``fp8_dtype``, or a uint8 view of it (the same bits, read and written as integer
-    codes: :func:`payload_format`).
+    ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent``
+    (float32 or bfloat16, :data:`EXPONENT_STORAGES`) is None when expansion is off; ``group_size``
+    None means one group for the whole tensor. The payload is of ``fp8_dtype``, or a uint8 view of
+    it (the same bits, read and written as integer codes: :func:`payload_format`).
     """
 
     payload: torch.Tensor

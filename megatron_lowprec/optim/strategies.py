@@ -259,8 +259,8 @@ class PrecisionStrategy:
 
 EXPONENT_STORAGE_RECORD = "fp8_exponent_storage"
 """The key under which a state dict's ``lowprec`` section records an ``fp8_exponent_storage`` other
-than ``"fp32"``. Absent, the storage is ``"fp32"``: what every state dict held before exponents
-could take 16 bits, so coat's state dicts stay as they were."""
+than ``"fp32"``. Absent, the storage is ``"fp32"``: coat's state dicts hold no such key, and a
+state dict without it holds FP32 exponents."""
 
 
 def exponent_storage_record(strategy: PrecisionStrategy) -> dict[str, str]:
