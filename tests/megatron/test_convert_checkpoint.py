@@ -105,6 +105,26 @@ def test_an_option_b_checkpoint_converted_to_stock_resumes_in_megatron_cores_own
     assert all(master.isfinite().all() for _, master, _ in states)
 
 
+def test_an_option_b_checkpoint_converted_to_res8_records_its_bf16_exponents_and_resumes(saved_b, tmp_path):
+    """B -> res8: the converted checkpoint's optimizer section records res8's BF16 exponent storage,
+    whose tensors it holds, so res8's optimizer loads it as its own (without it, it would take them
+    for the FP32 exponents of an older res8 and refuse it)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.train.convert import convert_checkpoint
+
+    directory, _ = saved_b
+    convert_checkpoint(directory, tmp_path / "res8", "res8")
+    record = dist_checkpointing.load_common_state_dict(str(tmp_path / "res8"))["optimizer"]["lowprec"]
+    assert (record["option"], record["fp8_exponent_storage"]) == ("res8", "bf16")
+    model, optimizer = _built("res8")
+    _load(model, optimizer, tmp_path / "res8")
+    for param in optimizer.get_parameters():
+        assert optimizer.optimizer.state[param]["exp_avg_expansion_exponent"].dtype == torch.bfloat16
+    _step(model, optimizer, 1)
+    assert all(param.isfinite().all() for param in optimizer.get_parameters())
+
+
 @pytest.fixture(scope="module")
 def saved_stock(megatron_rank, tmp_path_factory):
     """A checkpoint of megatron-core's own optimizer after one step, with that model and optimizer."""
