@@ -398,7 +398,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
     if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
-        _stop(f"{checkpoint_dir} stores --lowprec-option {running}'s FP8 expansion exponents in "
+        _stop(f"{checkpoint_dir} stores the FP8 expansion exponents of --lowprec-option {running} in "
               f"{saved_exponent_storage(extra)}, this run in {strategy.fp8_exponent_storage}: "
               "--lowprec-convert-checkpoint converts its optimizer state (its FP8 moments quantized afresh)")
     if running is None:

@@ -117,7 +117,8 @@ def moment_format(strategy: PrecisionStrategy, moment: str, param_dtype: torch.d
     if strategy.moments == "fp32":
         return "FP32"
     if strategy.moments == "fp8":
-        expansion = " with range expansion" if strategy.fp8_expand else ""
+        exponent = strategy.fp8_exponent_storage.upper()
+        expansion = f" with range expansion (k in {exponent})" if strategy.fp8_expand else ""
         return f"FP8 {strategy.fp8_format} 1x{strategy.fp8_group_size} groups{expansion}"
     if moment == "exp_avg_sq" and strategy.second_moment_mcf:
         return f"{_dtype_word(param_dtype)} pair (v, δv)"

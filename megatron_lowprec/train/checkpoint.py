@@ -501,7 +501,7 @@ def load(run, path: Path) -> None:
         if not run.config.precision.convert_checkpoint:
             saved, own = min(_other_exponent_storages(run, common))
             raise ResumeError(
-                f"{path} stores option {option!r}'s FP8 expansion exponents in {saved}, this run in {own}; "
+                f"{path} stores the FP8 expansion exponents of option {option!r} in {saved}, this run in {own}; "
                 "precision.convert_checkpoint=true converts its optimizer state (its FP8 moments quantized afresh)"
             )
         sources = _conversion_sources(run, path, common["option"], common)
