@@ -384,7 +384,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron_lowprec.optim.convert import (
         STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target, with_saved_exponent_storage,
     )
-    from megatron_lowprec.optim.strategies import saved_exponent_storage
+    from megatron_lowprec.optim.strategies import saved_exponent_storage, stores_other_exponents
 
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     saved = saved_optimizer_option(common)
@@ -392,9 +392,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     strategy = getattr(getattr(inner, "optimizer", None), "strategy", None)
     running = None if strategy is None else strategy.name
     extra = (common["optimizer"]["lowprec"] or {}) if saved not in (None, STOCK) else {}
-    other_storage = (
-        saved == running and strategy.moments == "fp8" and saved_exponent_storage(extra) != strategy.fp8_exponent_storage
-    )
+    other_storage = saved is not None and saved == running and stores_other_exponents(extra, strategy)
     if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
     if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):

@@ -61,7 +61,7 @@ from megatron_lowprec.optim.strategies import (
     PrecisionStrategy,
     check_exponent_storage,
     exponent_storage_record,
-    saved_exponent_storage,
+    stores_other_exponents,
     strategy_names,
 )
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
@@ -73,10 +73,6 @@ from megatron_lowprec.optim.convert import (
 CONVERT_REMEDY = "build_optimizer(..., convert_checkpoint=True) converts it"
 """What a state dict of another option, or of another FP8 exponent storage, takes to load."""
 
-
-def _other_exponent_storage(extra: dict, strategy: PrecisionStrategy) -> bool:
-    """Whether a state dict's ``lowprec`` section ``extra`` records FP8 exponents stored otherwise than ``strategy`` stores them."""
-    return strategy.moments == "fp8" and saved_exponent_storage(extra) != strategy.fp8_exponent_storage
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
@@ -206,7 +202,7 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         extra = {} if from_stock else state_dict.get("lowprec") or {}
         saved_option = STOCK if from_stock else extra.get("option")
         strategy = self.optimizer.strategy
-        if saved_option is not None and (saved_option != strategy.name or _other_exponent_storage(extra, strategy)):
+        if saved_option is not None and (saved_option != strategy.name or stores_other_exponents(extra, strategy)):
             if not self.convert_checkpoint:
                 if saved_option == strategy.name:
                     check_exponent_storage(extra, strategy, CONVERT_REMEDY)

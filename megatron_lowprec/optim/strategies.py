@@ -275,15 +275,21 @@ def saved_exponent_storage(extra: dict) -> str:
     return extra.get(EXPONENT_STORAGE_RECORD, "fp32")
 
 
+def stores_other_exponents(extra: dict, strategy: PrecisionStrategy) -> bool:
+    """Whether a state dict whose ``lowprec`` section is ``extra`` holds FP8 expansion exponents in
+    another format than ``strategy`` stores them (a res8 state saved while they were FP32)."""
+    return strategy.moments == "fp8" and saved_exponent_storage(extra) != strategy.fp8_exponent_storage
+
+
 def check_exponent_storage(extra: dict, strategy: PrecisionStrategy, remedy: str) -> None:
     """``ValueError`` in one line, ending with ``remedy``, where a state dict whose ``lowprec`` section
     is ``extra`` stores FP8 expansion exponents in another format than ``strategy`` does (a res8
     state saved while its exponents were FP32): loading it as it is would pair each payload with
     another k than it was quantized with."""
-    saved = saved_exponent_storage(extra)
-    if strategy.moments == "fp8" and saved != strategy.fp8_exponent_storage:
+    if stores_other_exponents(extra, strategy):
         raise ValueError(
-            f"the optimizer state of option {strategy.name!r} was saved with its FP8 expansion exponents in {saved}, "
+            f"the optimizer state of option {strategy.name!r} was saved with its FP8 expansion exponents in "
+            f"{saved_exponent_storage(extra)}, "
             f"this optimizer stores them in {strategy.fp8_exponent_storage}; {remedy}"
         )
 

@@ -50,7 +50,7 @@ import numpy
 import torch
 
 from megatron_lowprec.optim.convert import STOCK, as_shaped_like, with_saved_exponent_storage
-from megatron_lowprec.optim.strategies import get_strategy, saved_exponent_storage
+from megatron_lowprec.optim.strategies import get_strategy, saved_exponent_storage, stores_other_exponents
 from megatron_lowprec.train.config import (
     RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
 )
@@ -599,12 +599,11 @@ def _other_exponent_storages(run, common: dict) -> set[tuple[str, str]]:
     """(saved, the run's) FP8 exponent storage of each optimizer of the run whose section in
     ``common`` records another storage than it keeps (a res8 checkpoint written while its
     exponents were FP32)."""
-    found = set()
-    for optimizer, _, extra in _saved_sections(run, common):
-        strategy = optimizer.optimizer.strategy
-        if strategy.moments == "fp8" and extra and saved_exponent_storage(extra) != strategy.fp8_exponent_storage:
-            found.add((saved_exponent_storage(extra), strategy.fp8_exponent_storage))
-    return found
+    return {
+        (saved_exponent_storage(extra), optimizer.optimizer.strategy.fp8_exponent_storage)
+        for optimizer, _, extra in _saved_sections(run, common)
+        if extra and stores_other_exponents(extra, optimizer.optimizer.strategy)
+    }
 
 
 def _conversion_sources(run, path: Path, saved_option: str, common: dict) -> list[tuple[object, int | None, object]]:
