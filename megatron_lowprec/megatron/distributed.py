@@ -54,7 +54,12 @@ from megatron_lowprec.optim.buckets import Bucket, BufferRows, elements_per_valu
 from megatron_lowprec.optim.layouts import BucketGrads, Layout
 from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.statistics import Reduce
-from megatron_lowprec.optim.strategies import PrecisionStrategy
+from megatron_lowprec.optim.strategies import PrecisionStrategy, check_exponent_storage, exponent_storage_record
+
+
+EXPONENT_STORAGE_REMEDY = "lowprec-train's precision.convert_checkpoint=true converts a checkpoint of it"
+"""What a checkpoint of another FP8 exponent storage than the optimizer's takes to load
+(:func:`~megatron_lowprec.optim.strategies.check_exponent_storage`)."""
 
 
 def megatron_sharding_api() -> tuple[type, type]:
@@ -494,6 +499,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         strategy = self.optimizer.strategy
         if extra.get("option") != strategy.name:
             raise ValueError(f"state dict was saved for option {extra.get('option')!r}, this optimizer runs {strategy.name!r}")
+        check_exponent_storage(extra, strategy, EXPONENT_STORAGE_REMEDY)
         if extra.get("bounds") != [shard.bounds for shard in self.shards]:
             raise ValueError("state dict was saved with another bucket layout or data-parallel size; "
                              "reshard it through sharded_state_dict (dist_checkpointing)")
@@ -563,7 +569,8 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         return {
             "state": state,
             "param_groups": groups,
-            "lowprec": {"option": self.optimizer.strategy.name, "skipped_steps": self.optimizer.skipped_steps,
+            "lowprec": {"option": self.optimizer.strategy.name, **exponent_storage_record(self.optimizer.strategy),
+                        "skipped_steps": self.optimizer.skipped_steps,
                         "seed": self.optimizer.seed, "generator_state": None},
         }
 
@@ -612,6 +619,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         extra = loaded["lowprec"]
         if extra["option"] != self.optimizer.strategy.name:
             raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
+        check_exponent_storage(extra, self.optimizer.strategy, EXPONENT_STORAGE_REMEDY)
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
         for shard in self.shards:
             for piece, param in zip(shard.pieces, shard.params()):

@@ -383,15 +383,24 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron_lowprec.megatron.torch_dist import (
         DISTRIBUTED_MASTER_KEY, MODEL_SPACE_FORM, distributed_form, read_metadata, unread_distributed_form,
     )
-    from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target
+    from megatron_lowprec.optim.convert import (
+        STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target, with_saved_exponent_storage,
+    )
+    from megatron_lowprec.optim.strategies import saved_exponent_storage, stores_other_exponents
 
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     saved = saved_optimizer_option(common)
     inner = next(iter(getattr(optimizer, "chained_optimizers", [])), optimizer)
     strategy = getattr(getattr(inner, "optimizer", None), "strategy", None)
     running = None if strategy is None else strategy.name
-    if saved is None or saved == (running or STOCK):
+    extra = (common["optimizer"]["lowprec"] or {}) if saved not in (None, STOCK) else {}
+    other_storage = saved is not None and saved == running and stores_other_exponents(extra, strategy)
+    if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
+    if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
+        _stop(f"{checkpoint_dir} stores the FP8 expansion exponents of --lowprec-option {running} in "
+              f"{saved_exponent_storage(extra)}, this run in {strategy.fp8_exponent_storage}: "
+              "--lowprec-convert-checkpoint converts its optimizer state (its FP8 moments quantized afresh)")
     if running is None:
         _stop(f"{checkpoint_dir} was saved with --lowprec-option {saved}; megatron's own optimizer cannot resume it: "
               f"resume with --lowprec-option {saved}, or convert it with `lowprec-convert SRC DST --to stock`")
@@ -407,7 +416,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
                                   for key in read_metadata(Path(checkpoint_dir)).state_dict_metadata):
         _stop(f"{checkpoint_dir} holds megatron's own optimizer state without per-parameter FP32 masters: "
               "--lowprec-convert-checkpoint converts megatron's own optimizer state by parameter")
-    source = as_shaped_like(resolve_target(saved), strategy)
+    source = as_shaped_like(with_saved_exponent_storage(resolve_target(saved), extra), strategy)
     return saved_option_template(template, source, stock=saved == STOCK, stock_master_key=master)
 
 

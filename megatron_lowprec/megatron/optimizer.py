@@ -56,12 +56,23 @@ from megatron_lowprec.megatron.distributed import (
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
 from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
-from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
+from megatron_lowprec.optim.strategies import (
+    EXPONENT_STORAGE_RECORD,
+    PrecisionStrategy,
+    check_exponent_storage,
+    exponent_storage_record,
+    stores_other_exponents,
+    strategy_names,
+)
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
 from megatron_lowprec.optim.convert import (
-    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
+    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
 )
+
+CONVERT_REMEDY = "build_optimizer(..., convert_checkpoint=True) converts it"
+"""What a state dict of another option, or of another FP8 exponent storage, takes to load."""
+
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
@@ -184,20 +195,25 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         :meth:`sharded_state_dict` (FP8 states per element, restored into the groups; the FP32
         master into its storage by :meth:`AdamW.load_state_dict`). A state dict of another option is
         converted into this one where :attr:`convert_checkpoint` is set (the parameters with it: load
-        the model first), else refused with ``ValueError`` in one line."""
+        the model first), else refused with ``ValueError`` in one line; so is a state of this option
+        whose FP8 expansion exponents are stored in another format (a res8 state saved while they were FP32)."""
         params = self.get_parameters()
         from_stock = STOCK_FORM_KEY in state_dict
-        saved_option = STOCK if from_stock else (state_dict.get("lowprec") or {}).get("option")
-        if saved_option is not None and saved_option != self.optimizer.strategy.name:
+        extra = {} if from_stock else state_dict.get("lowprec") or {}
+        saved_option = STOCK if from_stock else extra.get("option")
+        strategy = self.optimizer.strategy
+        if saved_option is not None and (saved_option != strategy.name or stores_other_exponents(extra, strategy)):
             if not self.convert_checkpoint:
+                if saved_option == strategy.name:
+                    check_exponent_storage(extra, strategy, CONVERT_REMEDY)
                 raise ValueError(
                     f"the optimizer state was saved with option {saved_option!r}, this optimizer runs "
-                    f"{self.optimizer.strategy.name!r}; build_optimizer(..., convert_checkpoint=True) converts it"
+                    f"{strategy.name!r}; {CONVERT_REMEDY}"
                 )
             if from_stock:
                 self._as_own_form_(state_dict)
-            source = as_shaped_like(resolve_target(saved_option), self.optimizer.strategy)
-            report = convert_loaded_state_(state_dict, params, source, self.optimizer.strategy, saved_option)
+            source = as_shaped_like(with_saved_exponent_storage(resolve_target(saved_option), extra), strategy)
+            report = convert_loaded_state_(state_dict, params, source, strategy, saved_option)
             if torch.distributed.get_rank() == 0:
                 for line in report.lines():
                     print(f"megatron-lowprec: {line}", flush=True)
@@ -450,7 +466,9 @@ def convert_loaded_state_(
             **{key: value.view(param.shape) for key, value in form.items()},
         }
         param.copy_(new_param)
-    state_dict.setdefault("lowprec", {}).update(option=target.name, master_storage=target.master_storage)
+    extra = state_dict.setdefault("lowprec", {})
+    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     return report
 
 

@@ -339,6 +339,16 @@ def round_to_bfloat16_through_bits(x: torch.Tensor) -> torch.Tensor:
     return (bits * _BF16_HIGH_HALF).view(torch.float32)
 
 
+def round_to_bfloat16_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x`` rounded to bfloat16 toward zero (truncated), as float32: its low 16 bits cleared,
+    so the result is exactly a bfloat16 value and casting it to bfloat16 is exact. One integer
+    operation on the bit pattern, which no compiler drops (:func:`round_to_16bit`). Finite values
+    and ±inf only: a NaN whose high half is ±inf's pattern would come out as ±inf."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_bfloat16_toward_zero takes float32 values, got {x.dtype}")
+    return (x.view(torch.int32) & -(1 << _BF16_DROPPED_BITS)).view(torch.float32)
+
+
 def round_to_16bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype).to(torch.float32)`` for a float32 ``x`` and ``dtype`` bfloat16 or float16, done
     with integer operations on the bit pattern: round to nearest, ties to even, gradual underflow,

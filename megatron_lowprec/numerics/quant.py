@@ -19,6 +19,9 @@ spans the whole format. To stay finite the expansion acts on the group normalise
 ``k`` follows the paper's formula without clamping: ``k > 1`` widens a group narrower than the
 format, ``k < 1`` narrows a group wider than the format (its smallest elements then stay non-zero
 instead of underflowing). Groups without two distinct non-zero magnitudes get ``k = 1``.
+``k`` is stored per group in float32, or in bfloat16 (2 bytes instead of 4): then ``k`` is rounded
+toward zero to bfloat16 before the expansion uses it, so that the stored ``k`` inverts it exactly
+and, being at most COAT's, leaves the group's smallest element at or above the smallest subnormal.
 All arithmetic is float32 tensor code, device-agnostic; the caller's device is kept.
 
 Every division is correctly rounded and ``log``/``pow`` are this package's own
@@ -34,9 +37,20 @@ import torch
 
 from megatron_lowprec.numerics.compiled import compiled_where_fp8_converts
 from megatron_lowprec.numerics.elementary import div_rn, log2, power
-from megatron_lowprec.numerics.formats import from_fp8_codes, to_fp8_codes
+from megatron_lowprec.numerics.formats import from_fp8_codes, round_to_bfloat16_toward_zero, to_fp8_codes
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+EXPONENT_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes a group's expansion exponent k is stored in, by name."""
+
+
+def exponent_dtype_of(storage: "str | torch.dtype") -> torch.dtype:
+    """The dtype of expansion exponents stored as ``storage`` ("fp32", "bf16", or the dtype)."""
+    if isinstance(storage, torch.dtype) and storage in EXPONENT_STORAGES.values():
+        return storage
+    if isinstance(storage, str) and storage in EXPONENT_STORAGES:
+        return EXPONENT_STORAGES[storage]
+    raise ValueError(f"expansion exponents cannot be stored as {storage!r}; valid: {', '.join(EXPONENT_STORAGES)}")
 
 
 def fp8_dtype_of(fp8_format: "str | torch.dtype") -> torch.dtype:
@@ -104,10 +118,10 @@ def contract_dynamic_range(y: torch.Tensor, expansion_exponent: torch.Tensor) ->
 class QuantizedTensor:
     """An FP8 tensor with per-group float32 scales and, under COAT expansion, per-group exponents k.
 
-    ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent`` is
-    None when expansion is off; ``group_size`` None means one group for the whole tensor. The
-    payload is of ``fp8_dtype``, or a uint8 view of it (the same bits, read and written as integer
-    codes: :func:`payload_format`).
+    ``scale`` is the group's max|x| / fp8_max (1 for an all-zero group); ``expansion_exponent``
+    (float32 or bfloat16, :data:`EXPONENT_STORAGES`) is None when expansion is off; ``group_size``
+    None means one group for the whole tensor. The payload is of ``fp8_dtype``, or a uint8 view of
+    it (the same bits, read and written as integer codes: :func:`payload_format`).
     """
 
     payload: torch.Tensor
@@ -241,18 +255,26 @@ def quantize_fp8_into(
     """Quantize ``x`` into preallocated buffers (COAT section 3, per-group; section 4.2 expansion).
 
     ``payload`` (``x.numel()`` elements) is float8, or uint8 codes of the format ``fp8_dtype``
-    (:func:`payload_format`; the same bits); ``scale`` and, to enable
-    expansion, ``expansion_exponent`` are float32 with one element per group. Raises ValueError on
-    mismatched buffers, and on non-finite input unless ``check_finite=False`` (a compiled caller
+    (:func:`payload_format`; the same bits); ``scale`` is float32 with one element per group, and so,
+    to enable expansion, is ``expansion_exponent``, float32 or bfloat16. A bfloat16 buffer gets each
+    group's k rounded toward zero to bfloat16 (its low 16 bits cleared: an integer operation that
+    compiled code keeps), and the expansion uses that k, so that dequantizing with the stored k
+    inverts it. Truncation never raises k: since the normalized elements are at most 1, each
+    ``|x / M|^k`` can only grow, and the smallest one, which COAT's k puts on the smallest
+    subnormal, stays at or above it (no element underflows that COAT's k keeps). Raises ValueError
+    on mismatched buffers, and on non-finite input unless ``check_finite=False`` (a compiled caller
     that has already checked its inputs skips the device sync).
     """
     fp8_dtype = payload_format(payload, fp8_dtype)
     groups_count = num_groups(x.numel(), group_size)
     if payload.numel() != x.numel():
         raise ValueError(f"payload has {payload.numel()} elements, x has {x.numel()}")
-    for name, buffer in (("scale", scale), ("expansion_exponent", expansion_exponent)):
-        if buffer is not None and (buffer.dtype != torch.float32 or buffer.numel() != groups_count):
-            raise ValueError(f"{name} must be float32 with {groups_count} elements, got {buffer.dtype} "
+    for name, buffer, dtypes in (
+        ("scale", scale, (torch.float32,)), ("expansion_exponent", expansion_exponent, tuple(EXPONENT_STORAGES.values()))
+    ):
+        if buffer is not None and (buffer.dtype not in dtypes or buffer.numel() != groups_count):
+            valid = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+            raise ValueError(f"{name} must be {valid} with {groups_count} elements, got {buffer.dtype} "
                              f"with {buffer.numel()}")
     format_max = fp8_max(fp8_dtype)
     groups = _grouped(x.detach().float(), _resolved_group_size(x.numel(), group_size))
@@ -276,6 +298,8 @@ def quantize_fp8_into(
         spread = (smallest_nonzero > 0) & (smallest_nonzero < 1)
         log_group_range = -log2(torch.where(spread, smallest_nonzero, 0.5))
         group_exponent = torch.where(spread, div_rn(math.log2(fp8_dynamic_range(fp8_dtype)), log_group_range), 1.0)
+        if expansion_exponent.dtype == torch.bfloat16:
+            group_exponent = round_to_bfloat16_toward_zero(group_exponent)
         scaled = format_max * expand_dynamic_range(normalized, group_exponent)
         expansion_exponent.view(-1).copy_(group_exponent.view(-1))
     if payload.dtype == torch.uint8:
@@ -291,16 +315,18 @@ def quantize_fp8(
     fp8_dtype: "str | torch.dtype" = "e4m3",
     group_size: "int | None" = None,
     expand: bool = False,
+    exponent_storage: "str | torch.dtype" = "fp32",
 ) -> QuantizedTensor:
     """Quantize ``x`` to FP8 per tensor (``group_size=None``) or per 1 x ``group_size`` group,
-    optionally with COAT dynamic range expansion (section 4.2)."""
+    optionally with COAT dynamic range expansion (section 4.2), its exponents k stored as
+    ``exponent_storage`` (:data:`EXPONENT_STORAGES`)."""
     dtype = fp8_dtype_of(fp8_dtype)
     groups_count = num_groups(x.numel(), group_size)
     quantized = QuantizedTensor(
         payload=torch.empty(x.numel(), dtype=dtype, device=x.device),
         scale=torch.empty(groups_count, dtype=torch.float32, device=x.device),
         expansion_exponent=(
-            torch.empty(groups_count, dtype=torch.float32, device=x.device) if expand else None
+            torch.empty(groups_count, dtype=exponent_dtype_of(exponent_storage), device=x.device) if expand else None
         ),
         group_size=group_size,
         shape=x.shape,
@@ -317,17 +343,19 @@ def quantized_zeros(
     expand: bool,
     device: torch.device,
     groups: "int | None" = None,
+    exponent_storage: "str | torch.dtype" = "fp32",
 ) -> QuantizedTensor:
     """What :func:`quantize_fp8` gives ``numel`` zeros, built without quantizing anything: zero
     payloads, and per group the scale 1 and the exponent k = 1 of an all-zero group (so an optimizer
     starting from zero moments allocates its FP8 state alone). ``groups`` defaults to the groups of
-    ``group_size`` consecutive elements (several tensors' elements each in their own groups: more)."""
+    ``group_size`` consecutive elements (several tensors' elements each in their own groups: more);
+    ``exponent_storage``: the exponents' dtype (:data:`EXPONENT_STORAGES`)."""
     dtype = fp8_dtype_of(fp8_dtype)
     groups = num_groups(numel, group_size) if groups is None else groups
     return QuantizedTensor(
         payload=torch.zeros(numel, dtype=dtype, device=device),
         scale=torch.ones(groups, dtype=torch.float32, device=device),
-        expansion_exponent=torch.ones(groups, dtype=torch.float32, device=device) if expand else None,
+        expansion_exponent=torch.ones(groups, dtype=exponent_dtype_of(exponent_storage), device=device) if expand else None,
         group_size=group_size,
         shape=torch.Size([numel]),
         fp8_dtype=dtype,
@@ -345,6 +373,6 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
     else:
         format_max = fp8_max(q.fp8_dtype)
         values = (group_scale * format_max) * contract_dynamic_range(
-            div_rn(groups, _fp8_max_divisor(q.fp8_dtype)), q.expansion_exponent.view(-1, 1)
+            div_rn(groups, _fp8_max_divisor(q.fp8_dtype)), q.expansion_exponent.view(-1, 1).float()
         )
     return _ungrouped(values, q.payload).view(q.shape)

@@ -34,7 +34,12 @@ from megatron_lowprec.optim.kernel import (
 from megatron_lowprec.optim.layouts import Layout
 from megatron_lowprec.optim.master import MASTER_DTYPES, MASTER_KEYS, master_value, store_master_, stored_master
 from megatron_lowprec.optim.statistics import update_quality_by_group
-from megatron_lowprec.optim.strategies import PrecisionStrategy, resolve_option
+from megatron_lowprec.optim.strategies import (
+    PrecisionStrategy,
+    check_exponent_storage,
+    exponent_storage_record,
+    resolve_option,
+)
 from megatron_lowprec.optim.torch_fused import require_torch_fused_adamw
 
 GeneratorSource = torch.Generator | Callable[[], torch.Generator]
@@ -57,6 +62,9 @@ def non_finite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         found = torch.maximum(found, _extremes(same_dtype).isfinite().logical_not().any().float())
     return found
 
+
+CONVERT_REMEDY = "megatron_lowprec.optim.convert.convert_state_dict converts it"
+"""What a state dict of another FP8 exponent storage than the optimizer's takes to load."""
 
 LARGE_GRADIENT_NUMEL = 2**20
 """Gradients of at least this many elements are checked by one reduction each (``aminmax``), smaller
@@ -223,14 +231,16 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         return layout_random_bits(self.seed, step, self._stream_layouts[param], param.shape, param.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus a ``lowprec`` section: option, master storage, skipped steps, SR seed
-        and generator state. A master stored as a remainder is saved as such: the model's state dict
+        """torch's state dict plus a ``lowprec`` section: option, master storage, FP8 exponent storage
+        where not FP32 (:func:`~megatron_lowprec.optim.strategies.exponent_storage_record`), skipped
+        steps, SR seed and generator state. A master stored as a remainder is saved as such: the model's state dict
         holds its upper half (the BF16 parameters)."""
         state_dict = super().state_dict()
         generator = self._saved_generator()
         state_dict["lowprec"] = {
             "option": self.strategy.name,
             "master_storage": self.strategy.master_storage,
+            **exponent_storage_record(self.strategy),
             "skipped_steps": self.skipped_steps,
             "seed": self.seed,
             "generator_state": None if generator is None else generator.get_state(),
@@ -242,6 +252,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if extra is None or extra["option"] != self.strategy.name:
             found = None if extra is None else extra["option"]
             raise ValueError(f"state dict was saved for option {found!r}, this optimizer runs {self.strategy.name!r}")
+        check_exponent_storage(extra, self.strategy, CONVERT_REMEDY)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")

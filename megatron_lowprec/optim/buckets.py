@@ -483,7 +483,8 @@ def zero_state(
     for moment in strategy.moment_names:
         if strategy.moments == "fp8":
             zeros = quantized_zeros(
-                numel, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand, like.device, fp8_groups
+                numel, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand, like.device, fp8_groups,
+                strategy.fp8_exponent_storage,
             )
             for part in FP8_PARTS:
                 if getattr(zeros, part) is not None:

@@ -16,7 +16,7 @@ is the FP64 value rounded to FP32 and stored by :func:`~megatron_lowprec.optim.m
 value rounded to nearest even and the rounded rest; a 16-bit value is rounded to nearest even
 (correctly, from FP64: :func:`round_to`); an FP8 moment is quantized by COAT's own rule
 (:func:`~megatron_lowprec.numerics.quant.quantize_fp8`), or copied code for code when S stores it
-in the same FP8 format. Where T represents S's values the conversion is exact: D, D with a remainder
+in the same FP8 format, groups and exponent storage (coat's FP32 k and res8's BF16 one quantize afresh). Where T represents S's values the conversion is exact: D, D with a remainder
 master and megatron-core's own FP32-master Adam (:data:`STOCK`) convert into each other bit for
 bit, and every option converts exactly into a richer one; into a leaner one each value is
 correctly rounded. :func:`convert_state_dict` does this for an optimizer's whole state dict and says,
@@ -37,7 +37,15 @@ import torch
 
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, num_groups, quantize_fp8
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, new_master, store_master_, stored_master
-from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy, resolve_option, strategy_names
+from megatron_lowprec.optim.strategies import (
+    EXPONENT_STORAGE_RECORD,
+    PrecisionStrategy,
+    exponent_storage_record,
+    get_strategy,
+    resolve_option,
+    saved_exponent_storage,
+    strategy_names,
+)
 
 STOCK = "stock"
 """The name that stands for megatron-core's own optimizer state: an FP32 master under
@@ -109,7 +117,8 @@ def moment_format(strategy: PrecisionStrategy, moment: str, param_dtype: torch.d
     if strategy.moments == "fp32":
         return "FP32"
     if strategy.moments == "fp8":
-        expansion = " with range expansion" if strategy.fp8_expand else ""
+        exponent = strategy.fp8_exponent_storage.upper()
+        expansion = f" with range expansion (k in {exponent})" if strategy.fp8_expand else ""
         return f"FP8 {strategy.fp8_format} 1x{strategy.fp8_group_size} groups{expansion}"
     if moment == "exp_avg_sq" and strategy.second_moment_mcf:
         return f"{_dtype_word(param_dtype)} pair (v, δv)"
@@ -187,7 +196,7 @@ def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, An
 
 
 def _same_fp8(source: PrecisionStrategy, target: PrecisionStrategy) -> bool:
-    fields = ("moments", "fp8_format", "fp8_group_size", "fp8_expand")
+    fields = ("moments", "fp8_format", "fp8_group_size", "fp8_expand", "fp8_exponent_storage")
     return target.moments == "fp8" and all(getattr(source, field) == getattr(target, field) for field in fields)
 
 
@@ -237,7 +246,8 @@ def encode(
             parts = (fp8_parts or {}).get(moment)
             if parts is None:
                 quantized = quantize_fp8(
-                    meaning[moment].float(), strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand
+                    meaning[moment].float(), strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand,
+                    strategy.fp8_exponent_storage,
                 )
                 parts = {"payload": quantized.payload, "scale": quantized.scale}
                 if quantized.expansion_exponent is not None:
@@ -324,14 +334,25 @@ def convert_entry(
 
 def saved_strategy(state_dict: dict[str, Any], like: PrecisionStrategy) -> PrecisionStrategy:
     """The strategy a state dict of an optimizer like ``like`` (AdamW or Muon) was saved with: its
-    ``lowprec`` section's option and master storage, or megatron-core's own (:data:`STOCK`) without one."""
+    ``lowprec`` section's option, master storage and FP8 exponent storage (a res8 state saved with
+    FP32 exponents is res8 with ``fp8_exponent_storage="fp32"``), or megatron-core's own
+    (:data:`STOCK`) without one."""
     extra = state_dict.get("lowprec")
     if extra is None:
         return as_shaped_like(resolve_target(STOCK), like)
     strategy = get_strategy(extra["option"])
     if strategy.master_weights and extra.get("master_storage") is not None:
         strategy = strategy.with_master_storage(extra["master_storage"])
-    return as_shaped_like(strategy, like)
+    return as_shaped_like(with_saved_exponent_storage(strategy, extra), like)
+
+
+def with_saved_exponent_storage(strategy: PrecisionStrategy, extra: dict[str, Any]) -> PrecisionStrategy:
+    """``strategy`` with the FP8 exponent storage that a state dict's ``lowprec`` section ``extra``
+    records (:func:`~megatron_lowprec.optim.strategies.saved_exponent_storage`): the strategy that
+    wrote it, where it has FP8 moments."""
+    if strategy.moments != "fp8":
+        return strategy
+    return replace(strategy, fp8_exponent_storage=saved_exponent_storage(extra))
 
 
 def convert_state_dict(
@@ -363,7 +384,8 @@ def convert_state_dict(
         report.add(param, errors)
     converted = {**state_dict, "state": new_states}
     extra = dict(state_dict.get("lowprec") or {"skipped_steps": 0, "seed": 0, "generator_state": None})
-    extra.update(option=target.name, master_storage=target.master_storage)
+    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     converted["lowprec"] = extra
     return converted, new_params, report.lines()
 

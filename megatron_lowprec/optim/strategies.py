@@ -21,6 +21,7 @@ PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
 MASTER_STORAGES = ("fp32", "remainder", "residual8")
+FP8_EXPONENT_STORAGES = ("fp32", "bf16")
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 LOW_PRECISION_BYTES = 2
@@ -30,8 +31,10 @@ REMAINDER_BYTES = 2
 """The int16 remainder that, below the BF16 parameter, stores an FP32 master (``master_storage="remainder"``)."""
 RESIDUAL8_BYTES = 1
 """The int8 residual that, below the BF16 parameter, stores a master of 16 significant bits (``master_storage="residual8"``)."""
-FP8_GROUP_METADATA_BYTES = 8
-"""Per FP8 group: one FP32 scale and one FP32 expansion exponent k (COAT §4.2)."""
+FP8_SCALE_BYTES = 4
+"""Per FP8 group: its FP32 scale (COAT §3)."""
+EXPANSION_EXPONENT_BYTES = {"fp32": 4, "bf16": 2}
+"""Per FP8 group under range expansion: its exponent k (COAT §4.2), by ``fp8_exponent_storage``."""
 
 
 def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -107,6 +110,14 @@ class PrecisionStrategy:
     fp8_expand: bool = True
     """Apply COAT's dynamic range expansion before FP8 quantization (COAT §4.2)."""
 
+    fp8_exponent_storage: str = "fp32"
+    """How each FP8 group stores its expansion exponent k (COAT §4.2, ``fp8_expand``): ``"fp32"``, or
+    ``"bf16"``, 2 bytes instead of 4 per group. A BF16 k is the FP32 k rounded toward zero (its low 16
+    bits cleared), and the expansion uses that k, so dequantizing with the stored k inverts what was
+    quantized. Rounded toward zero, k stretches the group slightly less than COAT's k would: a
+    group's smallest element lands at or above the format's smallest subnormal and never underflows
+    (:func:`~megatron_lowprec.numerics.quant.quantize_fp8_into`)."""
+
     moment_names: tuple[str, ...] = ADAMW_MOMENTS
     """The optimizer's moments, each stored as ``moments`` says: AdamW's m and v (the registered
     strategies), or Muon's one momentum (:func:`~megatron_lowprec.optim.muon.muon_strategy`)."""
@@ -117,6 +128,7 @@ class PrecisionStrategy:
         _check_choice("weight_decay", self.weight_decay, WEIGHT_DECAY_PLACEMENTS)
         _check_choice("adam_kernel", self.adam_kernel, ADAM_KERNELS)
         _check_choice("master_storage", self.master_storage, MASTER_STORAGES)
+        _check_choice("fp8_exponent_storage", self.fp8_exponent_storage, FP8_EXPONENT_STORAGES)
         if self.master_storage != "fp32" and not self.master_weights:
             raise ValueError(
                 f"strategy {self.name!r}: master_storage={self.master_storage!r} stores an FP32 master, "
@@ -187,7 +199,14 @@ class PrecisionStrategy:
             return LOW_PRECISION_BYTES * numel
         if self.moments == "fp32":
             return FP32_BYTES * numel
-        return FP8_BYTES * numel + FP8_GROUP_METADATA_BYTES * math.ceil(numel / self.fp8_group_size)
+        return FP8_BYTES * numel + self.fp8_group_metadata_bytes * math.ceil(numel / self.fp8_group_size)
+
+    @property
+    def fp8_group_metadata_bytes(self) -> int:
+        """Bytes each FP8 group stores besides its payload: its FP32 scale, and under range expansion
+        its exponent k as ``fp8_exponent_storage`` says (8 with an FP32 k, 6 with a BF16 one)."""
+        exponent = EXPANSION_EXPONENT_BYTES[self.fp8_exponent_storage] if self.fp8_expand else 0
+        return FP8_SCALE_BYTES + exponent
 
     def state_bytes(self, numel: int) -> float:
         """Bytes of optimizer state for a tensor with ``numel`` elements (no parameter, no gradient)."""
@@ -236,6 +255,43 @@ class PrecisionStrategy:
         count = self.fp8_group_size if numel is None else numel
         whole = LOW_PRECISION_BYTES + self.grad_bytes(grad_reduce_in_fp32)
         return whole + self.state_bytes(count) / count / state_shards
+
+
+EXPONENT_STORAGE_RECORD = "fp8_exponent_storage"
+"""The key under which a state dict's ``lowprec`` section records an ``fp8_exponent_storage`` other
+than ``"fp32"``. Absent, the storage is ``"fp32"``: coat's state dicts hold no such key, and a
+state dict without it holds FP32 exponents."""
+
+
+def exponent_storage_record(strategy: PrecisionStrategy) -> dict[str, str]:
+    """What a state dict of ``strategy`` records of its FP8 exponent storage (:data:`EXPONENT_STORAGE_RECORD`)."""
+    if strategy.moments != "fp8" or strategy.fp8_exponent_storage == "fp32":
+        return {}
+    return {EXPONENT_STORAGE_RECORD: strategy.fp8_exponent_storage}
+
+
+def saved_exponent_storage(extra: dict) -> str:
+    """The FP8 exponent storage a state dict's ``lowprec`` section ``extra`` records (``"fp32"`` if none)."""
+    return extra.get(EXPONENT_STORAGE_RECORD, "fp32")
+
+
+def stores_other_exponents(extra: dict, strategy: PrecisionStrategy) -> bool:
+    """Whether a state dict whose ``lowprec`` section is ``extra`` holds FP8 expansion exponents in
+    another format than ``strategy`` stores them (a res8 state saved while they were FP32)."""
+    return strategy.moments == "fp8" and saved_exponent_storage(extra) != strategy.fp8_exponent_storage
+
+
+def check_exponent_storage(extra: dict, strategy: PrecisionStrategy, remedy: str) -> None:
+    """``ValueError`` in one line, ending with ``remedy``, where a state dict whose ``lowprec`` section
+    is ``extra`` stores FP8 expansion exponents in another format than ``strategy`` does (a res8
+    state saved while its exponents were FP32): loading it as it is would pair each payload with
+    another k than it was quantized with."""
+    if stores_other_exponents(extra, strategy):
+        raise ValueError(
+            f"the optimizer state of option {strategy.name!r} was saved with its FP8 expansion exponents in "
+            f"{saved_exponent_storage(extra)}, "
+            f"this optimizer stores them in {strategy.fp8_exponent_storage}; {remedy}"
+        )
 
 
 _REGISTRY: dict[str, PrecisionStrategy] = {}
@@ -346,11 +402,12 @@ register_strategy(
 register_strategy(
     PrecisionStrategy(
         "res8",
-        "BF16 model + master as an 8-bit residual below it (FlashOptim) + FP8 E4M3 moments, per-group 1x128",
+        "BF16 model + master as an 8-bit residual below it (FlashOptim) + FP8 E4M3 moments, per-group 1x128 with a BF16 k",
         aliases=("bf16_residual8_fp8_states",),
         moments="fp8",
         master_weights=True,
         master_storage="residual8",
         weight_decay="multiplicative",
+        fp8_exponent_storage="bf16",
     )
 )

@@ -53,8 +53,8 @@ from megatron_lowprec.megatron.torch_dist import (
     DISTRIBUTED_FORM_KEY, DISTRIBUTED_MASTER_KEY, MODEL_SPACE_FORM, STOCK_FORM_KEY, distributed_form, stock_step,
     unread_distributed_form,
 )
-from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like
-from megatron_lowprec.optim.strategies import get_strategy
+from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, with_saved_exponent_storage
+from megatron_lowprec.optim.strategies import get_strategy, saved_exponent_storage, stores_other_exponents
 from megatron_lowprec.train.config import (
     RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
 )
@@ -508,7 +508,15 @@ def load(run, path: Path) -> None:
                 f"{path} was trained with option {common['option']!r}, not {option!r}; "
                 "precision.convert_checkpoint=true converts its optimizer state to this option"
             )
-        sources = _conversion_sources(run, path, common["option"])
+        sources = _conversion_sources(run, path, common["option"], common)
+    elif _other_exponent_storages(run, common):
+        if not run.config.precision.convert_checkpoint:
+            saved, own = min(_other_exponent_storages(run, common))
+            raise ResumeError(
+                f"{path} stores the FP8 expansion exponents of option {option!r} in {saved}, this run in {own}; "
+                "precision.convert_checkpoint=true converts its optimizer state (its FP8 moments quantized afresh)"
+            )
+        sources = _conversion_sources(run, path, common["option"], common)
     _check_shape(run, path, common.get("shape"))
     _check_schedule(run, path, common["scheduler"])
     template = _sharded_state(run, is_loading=True)
@@ -603,12 +611,36 @@ def _as_project_state_(run, optimizer_state: dict) -> None:
     }
 
 
-def _conversion_sources(run, path: Path, saved_option: str) -> list[tuple[object, int | None, object]]:
+def _saved_sections(run, common: dict) -> list[tuple[object, int | None, dict]]:
+    """Per optimizer of the run whose state a conversion fills: it, its index in the chain, and the
+    ``lowprec`` section its checkpoint's common state holds (empty where it holds none: megatron-core's
+    own optimizer)."""
+    saved = common.get("optimizer")
+    sections = []
+    for optimizer, index in _converted_optimizers(run):
+        own = saved if index is None else (saved or {}).get(index)
+        extra = own.get("lowprec") if isinstance(own, dict) else None
+        sections.append((optimizer, index, extra if isinstance(extra, dict) else {}))
+    return sections
+
+
+def _other_exponent_storages(run, common: dict) -> set[tuple[str, str]]:
+    """(saved, the run's) FP8 exponent storage of each optimizer of the run whose section in
+    ``common`` records another storage than it keeps (a res8 checkpoint written while its
+    exponents were FP32)."""
+    return {
+        (saved_exponent_storage(extra), optimizer.optimizer.strategy.fp8_exponent_storage)
+        for optimizer, _, extra in _saved_sections(run, common)
+        if extra and stores_other_exponents(extra, optimizer.optimizer.strategy)
+    }
+
+
+def _conversion_sources(run, path: Path, saved_option: str, common: dict) -> list[tuple[object, int | None, object]]:
     """Per optimizer of the run whose state the conversion fills (:func:`_converted_optimizers`): it,
-    its index in the chain, and the strategy that wrote ``path`` (``saved_option``; megatron-core's
-    own optimizer: option D's formats) as that optimizer keeps it (AdamW's moments, or Muon's); a
-    :class:`ResumeError` where the conversion cannot be made (megatron-core's own optimizer on
-    either side of Muon)."""
+    its index in the chain, and the strategy that wrote ``path`` (``saved_option``, with the FP8
+    exponent storage its section records; megatron-core's own optimizer: option D's formats) as that
+    optimizer keeps it (AdamW's moments, or Muon's); a :class:`ResumeError` where the conversion
+    cannot be made (megatron-core's own optimizer on either side of Muon)."""
     optimizers = _converted_optimizers(run)
     try:
         saved = get_strategy("D" if saved_option == STOCK_OPTIMIZER_LABEL else saved_option)
@@ -622,7 +654,10 @@ def _conversion_sources(run, path: Path, saved_option: str) -> list[tuple[object
             f"(optimizer {run.config.optimizer.name}, option {option_label(run.config.precision)}) or that checkpoint "
             "is not one: resume with the option it was trained with"
         )
-    return [(optimizer, index, as_shaped_like(saved, optimizer.optimizer.strategy)) for optimizer, index in optimizers]
+    return [
+        (optimizer, index, as_shaped_like(with_saved_exponent_storage(saved, extra), optimizer.optimizer.strategy))
+        for optimizer, index, extra in _saved_sections(run, common)
+    ]
 
 
 def _agreed_lines(report) -> list[str]:

@@ -49,10 +49,12 @@ from megatron_lowprec.megatron.torch_dist import (
     read_common, read_metadata, unread_distributed_form,
 )
 from megatron_lowprec.optim.convert import (
-    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target,
+    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
 )
 from megatron_lowprec.optim.master import MASTER_KEYS
-from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.strategies import (
+    EXPONENT_STORAGE_RECORD, PrecisionStrategy, exponent_storage_record, get_strategy,
+)
 from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_files, checkpoint_problem, file_entries
 from megatron_lowprec.train.config import STOCK_OPTIMIZER_LABEL
 
@@ -104,7 +106,7 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
         strategy = get_strategy(record["option"])
         if strategy.master_weights and record.get("master_storage") is not None:
             strategy = strategy.with_master_storage(record["master_storage"])
-        return as_shaped_like(strategy, _adamw_like()), False
+        return as_shaped_like(with_saved_exponent_storage(strategy, record), _adamw_like()), False
     master = DISTRIBUTED_MASTER_KEY if form == MODEL_SPACE_FORM else STOCK_MASTER_KEY
     if not any(key.startswith(f"{STATE_PREFIX}{master}.") for key in keys):
         raise ConvertError("it records no option and holds no FP32 masters of megatron-core's own optimizer: name it with --from")
@@ -162,7 +164,8 @@ def converted_common(
             "state": {"common_step": torch.tensor(float(step))},
         }}
     else:
-        record.update(option=target.name, master_storage=target.master_storage)
+        record.pop(EXPONENT_STORAGE_RECORD, None)
+        record.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
         new_optimizer = {"param_groups": groups, "state": {"common_step": step}, "lowprec": record}
     new = {**common, "optimizer": new_optimizer}
     if "option" in common:

@@ -148,7 +148,8 @@ def _moments(strategy: PrecisionStrategy) -> str:
         return "BF16"
     if strategy.moments == "fp32":
         return "FP32"
-    expansion = " and its range-expansion exponent" if strategy.fp8_expand else ""
+    exponent = strategy.fp8_exponent_storage.upper()
+    expansion = f" and its range-expansion exponent in {exponent}" if strategy.fp8_expand else ""
     return f"FP8 {strategy.fp8_format.upper()} in 1x{strategy.fp8_group_size} groups, each with an FP32 scale{expansion}"
 
 
@@ -227,8 +228,8 @@ def options_page() -> str:
         "",
         "As megatron-core and the optimizer allocate them on each rank: the 2-byte parameter, the",
         "gradient buffer (4 bytes where gradients are reduced in FP32, 2 in BF16) and the optimizer",
-        "state (moments and corrections, master; COAT's FP8 groups count their scale and exponent, 8",
-        "bytes per 128 elements). `lowprec-train` reduces gradients in FP32 for the options with an FP32",
+        "state (moments and corrections, master; COAT's FP8 groups count their FP32 scale and their",
+        "exponent, 8 bytes per 128 elements with an FP32 exponent, 6 with `res8`'s BF16 one). `lowprec-train` reduces gradients in FP32 for the options with an FP32",
         "master and in BF16 for the others (`precision.grad_reduce_in_fp32` changes it); Megatron-LM's",
         "`--bf16` reduces them in FP32 for every option unless `--grad-reduce-in-bf16`. Megatron's",
         "distributed optimizer (`optimizer.use_distributed_optimizer`, `--use-distributed-optimizer`)",

@@ -105,6 +105,59 @@ def test_an_option_b_checkpoint_converted_to_stock_resumes_in_megatron_cores_own
     assert all(master.isfinite().all() for _, master, _ in states)
 
 
+def test_res8_checkpoints_record_their_exponent_storage_and_megatron_lm_converts_fp32_ones_on_request(
+    saved_b, tmp_path, monkeypatch, capsys
+):
+    """B -> res8: the converted checkpoint's optimizer section records res8's BF16 exponent storage,
+    whose tensors it holds, and res8's optimizer loads it as its own. B -> res8 as it was while its
+    FP8 exponents were FP32 (no record, FP32 tensors): Megatron-LM's load stops in one line naming
+    ``--lowprec-convert-checkpoint``, and with it reads the FP32 exponents and loads the moments
+    quantized afresh with BF16 ones, a line per state kind."""
+    from dataclasses import replace
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+    from megatron_lowprec.optim import get_strategy
+    from megatron_lowprec.train import convert
+
+    directory, _ = saved_b
+    convert.convert_checkpoint(directory, tmp_path / "res8", "res8")
+    record = dist_checkpointing.load_common_state_dict(str(tmp_path / "res8"))["optimizer"]["lowprec"]
+    assert (record["option"], record["fp8_exponent_storage"]) == ("res8", "bf16")
+    model, optimizer = _built("res8")
+    _load(model, optimizer, tmp_path / "res8")
+    assert all(optimizer.optimizer.state[param]["exp_avg_expansion_exponent"].dtype == torch.bfloat16
+               for param in optimizer.get_parameters())
+
+    old = replace(get_strategy("res8"), fp8_exponent_storage="fp32")
+    resolve = convert.resolve_target
+    monkeypatch.setattr(convert, "resolve_target", lambda name, *args: old if name == "res8" else resolve(name, *args))
+    convert.convert_checkpoint(directory, tmp_path / "old", "res8")
+    monkeypatch.undo()
+    assert "fp8_exponent_storage" not in dist_checkpointing.load_common_state_dict(str(tmp_path / "old"))["optimizer"]["lowprec"]
+    model_state = model.module.sharded_state_dict()
+    with pytest.raises(SystemExit) as stopped:
+        optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), str(tmp_path / "old"))
+    assert str(stopped.value) == (f"{tmp_path / 'old'} stores the FP8 expansion exponents of --lowprec-option res8 in fp32, "
+                                  "this run in bf16: --lowprec-convert-checkpoint converts its optimizer state "
+                                  "(its FP8 moments quantized afresh)")
+    optimizer.convert_checkpoint = True
+    template = optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), str(tmp_path / "old"))
+    loaded = dist_checkpointing.load({"model": model_state, "optimizer": template}, str(tmp_path / "old"))
+    assert loaded["optimizer"]["state"][0]["exp_avg_expansion_exponent"].dtype == torch.float32
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "converted res8 -> res8" in line]
+    assert "exp_avg: FP8 e4m3 1x128 groups with range expansion (k in FP32) -> FP8 e4m3 1x128 groups with range " \
+           "expansion (k in BF16)" in lines[1]
+    assert lines[0].endswith("exact")
+    assert all(optimizer.optimizer.state[param]["exp_avg_expansion_exponent"].dtype == torch.bfloat16
+               for param in optimizer.get_parameters())
+    _step(model, optimizer, 1)
+    assert all(param.isfinite().all() for param in optimizer.get_parameters())
+
+
 @pytest.fixture(scope="module")
 def saved_stock(megatron_rank, tmp_path_factory):
     """A checkpoint of megatron-core's own optimizer after one step, with that model and optimizer."""

@@ -57,3 +57,36 @@ def test_build_optimizer_converts_a_state_dict_of_another_option_on_request(mega
         assert torch.equal(state["exp_avg"], source["exp_avg"].bfloat16())
     _step(model, optimizer, 1)
     assert all(param.isfinite().all() for param in params)
+
+
+def test_a_res8_state_saved_with_fp32_exponents_is_converted_on_request(megatron_rank):
+    """res8's state as saved while its FP8 exponents were FP32 (no exponent storage recorded): the
+    optimizer refuses it in one line, and with ``convert_checkpoint=True`` loads it with its moments
+    quantized afresh with BF16 exponents, its masters exactly."""
+    from dataclasses import replace
+
+    from megatron_lowprec.optim import get_strategy
+    from megatron_lowprec.optim.convert import convert_state_dict
+
+    saved_model, saved_optimizer = _built("res8")
+    _step(saved_model, saved_optimizer, 0)
+    current = saved_optimizer.state_dict()
+    old, _, _ = convert_state_dict(
+        current, saved_optimizer.get_parameters(), replace(get_strategy("res8"), fp8_exponent_storage="fp32")
+    )
+    assert "fp8_exponent_storage" not in old["lowprec"] and old["state"][0]["exp_avg_expansion_exponent"].dtype == torch.float32
+    model, optimizer = _built("res8")
+    with pytest.raises(ValueError, match=r"^the optimizer state of option 'res8' was saved with its FP8 expansion exponents in "
+                                         r"fp32, this optimizer stores them in bf16; build_optimizer\(\.\.\., "
+                                         r"convert_checkpoint=True\) converts it$"):
+        optimizer.load_state_dict(copy.deepcopy(old))
+
+    optimizer.convert_checkpoint = True
+    model.load_state_dict(saved_model.state_dict())
+    optimizer.load_state_dict(copy.deepcopy(old))
+    for index, param in enumerate(optimizer.get_parameters()):
+        state, source = optimizer.optimizer.state[param], current["state"][index]
+        assert state["exp_avg_expansion_exponent"].dtype == torch.bfloat16
+        assert torch.equal(state["master_residual8"], source["master_residual8"])
+    _step(model, optimizer, 1)
+    assert all(param.isfinite().all() for param in optimizer.get_parameters())

@@ -4,6 +4,8 @@ float64 arithmetic; the COAT Table 1 experiment on AdamW states of a small train
 import math
 import re
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
@@ -232,6 +234,10 @@ def test_invalid_group_size_and_buffers_raise():
         quantize_fp8_into(torch.ones(1000), payload, torch.empty(7), group_size=128)
     with pytest.raises(ValueError, match="payload"):
         quantize_fp8_into(torch.ones(999), payload, torch.empty(8), group_size=128)
+    with pytest.raises(ValueError, match="expansion_exponent must be float32 or bfloat16 with 8 elements, got torch.float16"):
+        quantize_fp8_into(torch.ones(1000), payload, torch.empty(8), torch.empty(8, dtype=torch.float16), group_size=128)
+    with pytest.raises(ValueError, match="cannot be stored as 'fp16'; valid: fp32, bf16"):
+        quantize_fp8(torch.ones(8), "e4m3", group_size=4, expand=True, exponent_storage="fp16")
 
 
 def test_shape_dtype_and_nbytes(device):
@@ -346,6 +352,48 @@ def test_expansion_round_trip_error_and_signs(fp8_format, device):
     plain_restored = dequantize_fp8(quantize_fp8(groups.to(device), fp8_format, 128)).cpu().double()
     plain_error = (plain_restored - original).abs() / original.abs()
     assert relative_error[nonzero].median() < plain_error[nonzero].median()
+
+
+ML_DTYPES_FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+@pytest.mark.parametrize("fp8_format", FORMATS)
+def test_a_bfloat16_exponent_is_coats_rounded_toward_zero_and_quantizes_with_it(fp8_format, device):
+    """k stored in 2 bytes (COAT §4.2): each group's k is the FP32 k with its low 16 bits cleared
+    (a numpy bit mask), so at most the fp64 formula's and within 2^-7 below it; the payload is the
+    ml_dtypes cast of fp8_max · sign(x) |x / M|^k in fp64 with that k (one of the two casts of that
+    value moved by the package's FP32 error bound, and that cast where both agree); no non-zero
+    element underflows and the smallest stays at or above the smallest subnormal; dequantized with
+    the stored k, the fp64 inverse M · sign(p) (|p| / fp8_max)^(1/k)."""
+    groups = groups_with_known_ranges(fp8_format)
+    groups[:, 5:9] = 0
+    q = quantize_fp8(groups.to(device), fp8_format, group_size=128, expand=True, exponent_storage="bf16")
+    fp32_k = quantize_fp8(groups.to(device), fp8_format, group_size=128, expand=True).expansion_exponent.cpu().numpy()
+    assert q.expansion_exponent.dtype == torch.bfloat16 and q.nbytes == groups.numel() + 7 * (4 + 2)
+    k = q.expansion_exponent.cpu().float().numpy().astype(np.float64)
+    assert np.array_equal(k, (fp32_k.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32))
+    formula = np.array([reference_expansion_exponent(group, fp8_format) for group in groups])
+    assert (k <= formula * (1 + 1e-5)).all() and (k > formula * (1 - 2.0**-7) * (1 - 1e-5)).all()
+    assert (k != fp32_k).any(), "some k lose bits in 16"
+
+    x = groups.double().numpy()
+    group_max = np.abs(x).max(axis=1, keepdims=True)
+    expanded = FORMAT_MAX[fp8_format] * np.sign(x) * (np.abs(x) / group_max) ** k[:, None]
+    tolerance = POWER_MAX_REL_ERROR + (k[:, None] + 3) * 2.0**-24
+    fp8 = ML_DTYPES_FORMATS[fp8_format]
+    low, high = ((expanded * (1 + sign * tolerance)).astype(fp8).astype(np.float64) for sign in (-1, 1))
+    payload = q.payload.cpu().float().double().numpy().reshape(x.shape)
+    assert ((payload == low) | (payload == high)).all()
+    agree = low == high
+    assert agree.mean() > 0.95
+    assert np.array_equal(payload[agree], expanded.astype(fp8).astype(np.float64)[agree])
+    nonzero = x != 0
+    assert (np.abs(payload)[nonzero] >= SMALLEST_SUBNORMAL[fp8_format]).all()
+
+    restored = dequantize_fp8(q).cpu().double().numpy().reshape(x.shape)
+    inverse = group_max * np.sign(payload) * (np.abs(payload) / FORMAT_MAX[fp8_format]) ** (1 / k[:, None])
+    bound = (1 + 1 / k[:, None]) * POWER_MAX_REL_ERROR + 2.0**-22
+    assert (np.abs(restored - inverse) <= bound * np.abs(inverse)).all()
 
 
 @pytest.mark.parametrize("fp8_format", FORMATS)
@@ -466,15 +514,18 @@ def test_coat_table1_on_trained_adamw_states():
         assert table[other, "E4M3+Expand"] == pytest.approx(table[other, "E5M2+Expand"], rel=0.1)
 
 
-@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("expand, exponent_storage", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
 @pytest.mark.parametrize(("numel", "group_size"), [(1000, 128), (256, 128), (5, None), (100, 16)])
-def test_quantized_zeros_are_the_quantization_of_zeros(numel, group_size, expand, device):
-    built = quantized_zeros(numel, "e4m3", group_size, expand, device)
-    quantized = quantize_fp8(torch.zeros(numel, device=device), "e4m3", group_size=group_size, expand=expand)
+def test_quantized_zeros_are_the_quantization_of_zeros(numel, group_size, expand, exponent_storage, device):
+    built = quantized_zeros(numel, "e4m3", group_size, expand, device, exponent_storage=exponent_storage)
+    quantized = quantize_fp8(
+        torch.zeros(numel, device=device), "e4m3", group_size=group_size, expand=expand, exponent_storage=exponent_storage
+    )
     assert torch.equal(bits(built.payload), bits(quantized.payload))
     for part in ("scale", "expansion_exponent"):
         built_part, quantized_part = getattr(built, part), getattr(quantized, part)
         assert (built_part is None) == (quantized_part is None)
         if built_part is not None:
             assert torch.equal(built_part, quantized_part) and built_part.device == quantized_part.device
+            assert built_part.dtype == quantized_part.dtype
 

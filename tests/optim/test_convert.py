@@ -110,15 +110,18 @@ def _check_stored(target, source_values: dict[str, torch.Tensor], param: torch.T
         if target.moments == "fp32":
             assert torch.equal(state[moment].double().reshape(-1), values.float().double())
         elif target.moments == "fp8":
-            if source.moments == "fp8":
+            if source.moments == "fp8" and source.fp8_exponent_storage == target.fp8_exponent_storage:
                 for part in ("payload", "scale", "expansion_exponent"):
                     key = f"{moment}_{part}"
                     assert torch.equal(state[key].view(torch.uint8) if part == "payload" else state[key],
                                        source_state[key].view(torch.uint8) if part == "payload" else source_state[key])
             else:
-                expected = quantize_fp8(values.float(), target.fp8_format, target.fp8_group_size, target.fp8_expand)
+                expected = quantize_fp8(
+                    values.float(), target.fp8_format, target.fp8_group_size, target.fp8_expand, target.fp8_exponent_storage
+                )
                 assert torch.equal(state[f"{moment}_payload"].view(torch.uint8), expected.payload.view(torch.uint8))
                 assert torch.equal(state[f"{moment}_scale"], expected.scale)
+                assert torch.equal(state[f"{moment}_expansion_exponent"], expected.expansion_exponent)
         elif moment == "exp_avg_sq" and target.second_moment_mcf:
             high = nearest(values, torch.bfloat16)
             assert torch.equal(state[moment].double().reshape(-1), high)
@@ -189,6 +192,32 @@ def test_checkpoint_form_converts_as_the_optimizer_form(saved):
             if torch.is_tensor(value):
                 assert torch.equal(found["state"][0][key].reshape(-1).view(torch.uint8),
                                    value.reshape(-1).view(torch.uint8)), (target, key)
+
+
+def test_a_res8_state_saved_with_fp32_exponents_is_refused_as_it_is_and_converts(saved):
+    """A res8 state dict written while its FP8 exponents were FP32 (its section records no exponent
+    storage) is refused in one line by res8's optimizer (its payloads were quantized with another k
+    than BF16 stores), and converts: the master carries over exactly, each moment is quantized afresh
+    from the saved one's values with BF16 exponents, and the section then records them."""
+    from dataclasses import replace
+
+    res8 = resolve_target("res8")
+    old = replace(res8, fp8_exponent_storage="fp32")
+    state_dict, param = _trained(old)
+    assert state_dict["lowprec"]["option"] == "res8" and "fp8_exponent_storage" not in state_dict["lowprec"]
+    assert state_dict["state"][0]["exp_avg_expansion_exponent"].dtype == torch.float32
+    loading = AdamW([torch.nn.Parameter(param.clone())], lr=0.01, option="res8", fused=False)
+    with pytest.raises(ValueError, match=r"^the optimizer state of option 'res8' was saved with its FP8 expansion exponents "
+                                         r"in fp32, this optimizer stores them in bf16; .*convert_state_dict converts it$"):
+        loading.load_state_dict(state_dict)
+    converted, params, lines = convert_state_dict(state_dict, [param], res8)
+    source_state = state_dict["state"][0]
+    values = {"value": stored_value(param, source_state)}
+    values.update({moment: stored_moment(old, moment, source_state) for moment in old.moment_names})
+    _check_stored(res8, values, params[0], converted["state"][0], old, source_state)
+    assert converted["state"][0]["exp_avg_expansion_exponent"].dtype == torch.bfloat16
+    assert lines[0].endswith("exact") and converted["lowprec"]["fp8_exponent_storage"] == "bf16"
+    loading.load_state_dict(converted)
 
 
 def test_muon_momentum_converts():

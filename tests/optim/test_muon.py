@@ -179,11 +179,11 @@ def test_stochastic_rounding_bits_are_the_counter_stream_shared_by_replicas(devi
 
 MUON_BYTES_PER_PARAM = {
     "A": 6, "B": 8, "C": 8, "D": 12, "D-MW": 8, "kahan": 8, "sr": 6, "coat": 2 + 2 + 4 + 1 + 8 / 128, "D-BF16": 8,
-    "res8": 2 + 2 + 1 + 8 / 128 + 1,
+    "res8": 2 + 2 + 1 + (4 + 2) / 128 + 1,
 }
 """BF16 parameter + BF16 gradient + Muon's state: one momentum (2, 4, or 1 + 8/G bytes for FP8 with
-its per-group scale and exponent), the FP32 master (4), its remainder (2) or its residual (1), and δθ
-or the Kahan compensation (2)."""
+its per-group FP32 scale and FP32 exponent; 1 + 6/G with res8's BF16 exponent), the FP32 master
+(4), its remainder (2) or its residual (1), and δθ or the Kahan compensation (2)."""
 
 
 @pytest.mark.parametrize("option", OPTIONS)

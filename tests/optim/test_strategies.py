@@ -1,6 +1,9 @@
+from dataclasses import replace
+
 import pytest
 
 from megatron_lowprec.optim import PrecisionStrategy, available_strategies, get_strategy, strategy_names
+from megatron_lowprec.optim.muon import muon_strategy
 
 # Collage Table 2 (A-D) with a 16-bit gradient; D-MW, Kahan and SR from their components: 2 (BF16
 # parameter) + 2 (BF16 gradient) + moments (2 + 2 in BF16, 4 + 4 in FP32) + master (4) + δθ, δv or
@@ -48,16 +51,31 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     assert strategy.with_master_storage("remainder").name == name
 
 
-# BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and 8 per group of 128 (+ a 1-byte residual).
-LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + 8 / 128) + 1}
+# BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and, per group of 128, an FP32 scale and
+# a BF16 k (+ a 1-byte residual).
+LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + (4 + 2) / 128) + 1}
 
 
 @pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
-def test_the_lean_option_takes_7_125_bytes_with_its_bf16_gradient(name, expected):
+def test_the_lean_option_takes_at_most_7_1_bytes_with_its_bf16_gradient(name, expected):
     strategy = get_strategy(name)
-    assert strategy.bytes_per_param() == expected == 7.125
+    assert strategy.bytes_per_param() == expected == 7.09375 <= 7.1
     assert strategy.bytes_per_param(numel=128 * 1000) == expected
     assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 128, True)
+    assert strategy.fp8_exponent_storage == "bf16"
+    assert muon_strategy(name).bytes_per_param() == 2 + 2 + 1 + 6 / 128 + 1 == 6.046875 <= 6.1
+
+
+def test_fp8_group_metadata_follows_the_exponent_storage():
+    """Per group an FP32 scale, and under range expansion k in 4 bytes (coat, whose checkpoints keep
+    their FP32 k) or 2 (res8)."""
+    coat = get_strategy("coat")
+    assert coat.fp8_exponent_storage == "fp32" and coat.fp8_group_metadata_bytes == 8
+    assert replace(coat, fp8_exponent_storage="bf16").fp8_group_metadata_bytes == 6
+    assert replace(coat, fp8_expand=False).fp8_group_metadata_bytes == 4
+    assert replace(coat, fp8_exponent_storage="bf16").moment_bytes(300) == 300 + 6 * 3
+    with pytest.raises(ValueError, match="fp8_exponent_storage='fp16' is not valid; choose one of fp32, bf16"):
+        replace(coat, fp8_exponent_storage="fp16")
 
 
 def test_a_residual_master_takes_one_byte():
@@ -66,7 +84,7 @@ def test_a_residual_master_takes_one_byte():
         assert strategy.with_master_storage("residual8").bytes_per_param(grad_reduce_in_fp32=False) == (
             strategy.with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) - 3
         )
-    assert get_strategy("res8").with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == 10.125
+    assert get_strategy("res8").with_master_storage("fp32").bytes_per_param(grad_reduce_in_fp32=False) == 10.09375
 
 
 def test_the_fp32_master_with_bf16_moments_is_deepseek_v3_s_recipe_at_10_bytes():

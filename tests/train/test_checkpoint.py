@@ -145,3 +145,29 @@ def test_resume_tries_latest_then_older_checkpoints_newest_first(tmp_path):
     latest.unlink()
     assert [path.name for path in checkpoint.resume_candidates(tmp_path)] == [
         "iter_0000040", "iter_0000030", "iter_0000020", "iter_0000010"]
+
+
+def test_a_res8_checkpoint_with_fp32_exponents_is_told_apart_and_read_with_them():
+    """The app tells a res8 checkpoint written while its FP8 exponents were FP32 (its optimizer's
+    ``lowprec`` section records no exponent storage) from one of today's, and converts it as res8 with
+    FP32 exponents (what its tensors hold); a checkpoint of coat, which keeps FP32 exponents, is
+    told apart from neither."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from megatron_lowprec.optim import get_strategy
+
+    def run(option):
+        return SimpleNamespace(optimizer=SimpleNamespace(optimizer=SimpleNamespace(strategy=get_strategy(option))),
+                               config=SimpleNamespace(optimizer=SimpleNamespace(name="adam")))
+
+    old = {"optimizer": {"lowprec": {"option": "res8", "master_storage": "residual8"}}}
+    new = {"optimizer": {"lowprec": {"option": "res8", "master_storage": "residual8", "fp8_exponent_storage": "bf16"}}}
+    coat = {"optimizer": {"lowprec": {"option": "coat", "master_storage": "fp32"}}}
+    assert checkpoint._other_exponent_storages(run("res8"), old) == {("fp32", "bf16")}
+    assert checkpoint._other_exponent_storages(run("res8"), new) == set()
+    assert checkpoint._other_exponent_storages(run("coat"), coat) == set()
+    [(_, index, source)] = checkpoint._conversion_sources(run("res8"), Path("iter_0000002"), "res8", old)
+    assert (index, source.name, source.fp8_exponent_storage) == (None, "res8", "fp32")
+    [(_, _, source)] = checkpoint._conversion_sources(run("D"), Path("iter_0000002"), "res8", new)
+    assert source.fp8_exponent_storage == "bf16"
