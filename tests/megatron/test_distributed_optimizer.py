@@ -160,8 +160,10 @@ STEPPED_OPTIONS = one_per_kind(
     lambda strategy: (strategy.adam_kernel, strategy.param_update == "stochastic", strategy.moments == "fp8",
                       strategy.master_weights and strategy.master_storage),
 )
-"""Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
-AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either, a residual master)."""
+"""Options whose fused steps are measured too: one of each kind of call (flat, torch's fused AdamW,
+stochastic rounding per bucket, FP8 group grids, a remainder master in either, a residual master).
+Their kernel runs uncompiled there (``_distributed_optimizer_worker.optimizer_costs``): the calls, what
+a step keeps and its copies are the fused path's, the compiled kernel's bits the contract matrix's."""
 
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
@@ -189,10 +191,10 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
 @pytest.mark.parametrize("option", STEPPED_OPTIONS)
-def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
-    """A fused step (stochastic rounding as on GPUs, whole buckets) launches one compiled call per
-    state bucket, not per parameter (D runs torch's fused kernel: none), and creates no tensor on
-    the device from host data (a copy that waits for the device)."""
+def test_a_fused_step_calls_its_kernel_once_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
+    """A fused step (stochastic rounding as on GPUs, whole buckets) calls its kernel, which a GPU runs
+    compiled, once per state bucket, not per parameter (D runs torch's fused kernel: none), and
+    creates no tensor on the device from host data (a copy that waits for the device)."""
     for rank in costs:
         result = rank[f"{option}-{layout}"]
         expected = 0 if strategy_of(option).adam_kernel == "torch_fused" else result["state_buckets"]
