@@ -309,7 +309,7 @@ def test_gradients_in_one_shared_buffer_are_read_in_place(option):
     are: the fused step allocates no gradient buffer of its own and stays bit-identical to the eager
     step. FP32 gradients, as megatron reduces them for the options with FP32 masters
     (``grad_reduce_in_fp32``, as ``lowprec-train`` configures DDP): coat's step is then the one the
-    distributed-optimizer tests and the app compile, and CI compiles it once."""
+    app compiles, and CI compiles it once."""
     eager, fused = _twin_optimizers(option, grad_dtype=torch.float32)
     shared = torch.zeros(sum(p.numel() for p in fused[0]) + 37, dtype=torch.float32)
     generator = torch.Generator().manual_seed(4)
