@@ -181,6 +181,16 @@ def test_group_statistics_compile_without_the_scheduler_pass_class(monkeypatch):
         inductor.fusion_after_reordering.cache_clear()
 
 
+def test_the_group_statistics_pass_pickles_so_that_inductor_caches_the_fp8_step():
+    """Inductor pickles its FX graph cache key, the post-fusion pass included (keyed by its ``uuid``):
+    a pass that did not pickle made every FP8-moment step compiled for a GPU bypass the cache (a
+    background compile then filled nothing, and each rank compiled again). It pickles as itself."""
+    import pickle
+
+    fusion = inductor.fusion_after_reordering()
+    assert pickle.loads(pickle.dumps(fusion)) is fusion
+
+
 def test_without_background_compile_the_first_step_compiles_in_the_training_process(monkeypatch):
     from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 
