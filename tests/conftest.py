@@ -69,7 +69,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """pytest-xdist (``--dist loadfile``) hands whole files to its workers in collection order: the
+    """pytest-xdist (``--dist loadfile``, with ``--no-loadscope-reorder``: otherwise it orders the
+    files by their number of tests) hands whole files to its workers in collection order: the
     longest files go first, so that no worker is left running one of them alone at the end."""
     rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(REPOSITORY_ROOT).as_posix(), len(rank)))
