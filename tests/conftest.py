@@ -8,7 +8,8 @@ fails here as it would on a GPU.
 Those processes also load ``tests/subprocess_site/sitecustomize.py``: ranks that compile the same graph
 take turns, so that all but the first find it in Inductor's cache. One lock folder per pytest run: the
 pytest-xdist workers, started with this process's environment, keep it, so that two files' tests
-compiling the same graph at the same time take turns too.
+compiling the same graph at the same time take turns too. The GPU code that ``tests/kernels``
+generates has one Inductor FX graph cache per run the same way (:data:`KERNEL_FX_CACHE_VARIABLE`).
 
 ``device``: the devices a device-agnostic test runs on, one test per device. The CPU always, CUDA
 where ``torch.cuda.is_available()``: on a GPU machine ``python3 -m pytest`` runs such a test on both
@@ -33,24 +34,33 @@ from megatron_lowprec.megatron.cpu import CHECK_ENV_VARIABLE
 from .strict_bridge import CHECK_SPEC
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FX_CACHE_VARIABLE = "MEGATRON_LOWPREC_TEST_KERNEL_FX_CACHE"
+"""The folder of Inductor's FX graph cache for the GPU code that ``tests/kernels`` generates on the
+CPU, one per pytest run (its xdist workers keep it): the interpreter's comparisons
+(``test_interpret.py``) load the steps the audit (``test_audit.py``) generated, not compile them again."""
 os.environ.setdefault(CHECK_ENV_VARIABLE, CHECK_SPEC)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, (str(REPOSITORY_ROOT), str(REPOSITORY_ROOT / "tests" / "subprocess_site"), os.environ.get("PYTHONPATH")))
 )
-if not os.path.isdir(os.environ.get("MEGATRON_LOWPREC_TEST_COMPILE_LOCKS", "")):
-    os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"] = tempfile.mkdtemp(prefix="megatron-lowprec-compile-locks-")
-    atexit.register(shutil.rmtree, os.environ["MEGATRON_LOWPREC_TEST_COMPILE_LOCKS"], True)
+for variable, prefix in (
+    ("MEGATRON_LOWPREC_TEST_COMPILE_LOCKS", "megatron-lowprec-compile-locks-"),
+    (KERNEL_FX_CACHE_VARIABLE, "megatron-lowprec-kernel-fx-cache-"),
+):
+    if not os.path.isdir(os.environ.get(variable, "")):
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, os.environ[variable], True)
 
 SLOW_FILES_FIRST = (
+    "tests/kernels/test_audit.py",
     "tests/megatron/test_distributed_optimizer.py",
     "tests/train/test_app.py",
     "tests/optim/test_fused.py",
     "tests/benchmarks/test_gpu_check.py",
     "tests/test_docker_image.py",
     "tests/optim/test_master.py",
-    "tests/kernels/test_audit.py",
 )
-"""The suite's longest files (pytest's durations on 2 cores), started first."""
+"""The suite's longest files (pytest's durations on 2 cores), started first; the kernel audit before
+all, so that the interpreter's comparisons, later, find its steps (:data:`KERNEL_FX_CACHE_VARIABLE`)."""
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -59,7 +69,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """pytest-xdist (``--dist loadfile``) hands whole files to its workers in collection order: the
+    """pytest-xdist (``--dist loadfile``, with ``--no-loadscope-reorder``: otherwise it orders the
+    files by their number of tests) hands whole files to its workers in collection order: the
     longest files go first, so that no worker is left running one of them alone at the end."""
     rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(REPOSITORY_ROOT).as_posix(), len(rank)))

@@ -47,3 +47,19 @@ def layout_kind(strategy: PrecisionStrategy) -> tuple[bool, bool, bool] | None:
     kind = (strategy.param_update == "stochastic", strategy.moments == "fp8",
             strategy.master_weights and strategy.master_storage != "fp32")
     return kind if any(kind) else None
+
+
+def one_per_feature(options: list[str], features: Callable[[PrecisionStrategy], set[Hashable]]) -> list[str]:
+    """Few of ``options`` that together hold every feature that any of them holds (``features(strategy)``),
+    chosen greedily: the first option that holds the most features not yet held, until none is left
+    (in ``options``' order). For a costly test that needs each code path once but not each
+    combination of them: an option that combines two features counts for both."""
+    held = {option: set(features(strategy_of(option))) for option in options}
+    chosen: list[str] = []
+    missing = set().union(*held.values())
+    while missing:
+        best = max(options, key=lambda option: len(held[option] & missing))
+        chosen.append(best)
+        missing -= held[best]
+    return [option for option in options if option in chosen]
+

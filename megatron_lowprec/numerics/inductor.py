@@ -217,8 +217,10 @@ def fusion_after_reordering() -> Any:
     more rounds each moment's new-scale store ([groups] pointwise, after every read of the old
     scales) stays a kernel of its own: with them the plain step is one kernel, which stores each new
     scale once per group. A ``CustomSchedulerPass`` with a ``uuid``, so that Inductor's FX graph
-    cache keys on it; None where this torch has the option but not that class (torch 2.11): the
-    step then stores each new scale in a kernel of its own."""
+    cache keys on it, pickled as a call of this function (Inductor pickles its cache key, and a
+    class local to a function does not pickle: the step would bypass the cache); None where this
+    torch has the option but not that class (torch 2.11): the step then stores each new scale in a
+    kernel of its own."""
     try:
         from torch._inductor.custom_graph_pass import CustomSchedulerPass
     except ImportError:
@@ -238,6 +240,9 @@ def fusion_after_reordering() -> Any:
 
         def uuid(self) -> str:
             return "megatron_lowprec.fusion_after_reordering.v1"
+
+        def __reduce__(self) -> tuple[Callable[[], Any], tuple[()]]:
+            return fusion_after_reordering, ()
 
     return FusionAfterReordering()
 

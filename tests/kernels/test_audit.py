@@ -21,6 +21,7 @@ import torch
 
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
+from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tests.numerics.test_mcf import BF16, round_nearest_even
 from tools.kernel_audit import audit, codegen
 
@@ -64,12 +65,13 @@ WORKERS = 2
 @pytest.fixture(scope="module")
 def audits():
     """Every AdamW and Muon step, generated and audited once, in one pool: (optimizer, option,
-    storage, kind, arch) -> StepAudit."""
+    storage, kind, arch) -> StepAudit. Inductor's FX graph cache of this run keeps the code
+    (``tests/conftest.py``), which the interpreter's comparisons (``test_interpret.py``) load."""
     return {
         (a.code.optimizer, a.code.option, a.code.master_storage, a.code.kind, a.code.arch): a
         for a in audit.run_audit(
             audit.configurations(), codegen.KINDS, codegen.ARCHES, workers=WORKERS,
-            muon_pairs=audit.configurations(), muon_kinds=codegen.KINDS,
+            muon_pairs=audit.configurations(), muon_kinds=codegen.KINDS, fx_cache=os.environ[KERNEL_FX_CACHE_VARIABLE],
         )
     }
 

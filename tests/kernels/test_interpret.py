@@ -6,6 +6,7 @@ megatron's distributed layout (AdamW's shard, Muon's layer-wise layout), once
 Triton is untouched) and each test reads one (optimizer, option, master storage, kind, arch). Every generated kernel agrees today, so none is marked xfail.
 """
 
+import os
 import re
 
 import ml_dtypes
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tools.kernel_audit import audit, codegen, interpret
 
 CASES = [
@@ -34,11 +36,17 @@ MUON_CASES = [
 @pytest.fixture(scope="module")
 def comparisons():
     """Every interpreted AdamW and Muon step against its eager step, once, in one pool: (optimizer,
-    option, storage, kind, arch) -> Comparison."""
+    option, storage, kind, arch) -> Comparison. The steps compile through Inductor's FX graph cache
+    of this run (``tests/conftest.py``): a step that the audit (``test_audit.py``, started earlier)
+    has generated is loaded, the very code it audited, not compiled again; the rest compile here.
+    The configurations go in the audit's reverse order, so that where both run at once each finds
+    the other's half."""
+    configurations = audit.configurations()[::-1]
     return {
         (result.optimizer, result.option, result.master_storage, result.kind, result.arch): result
         for result in interpret.run_comparisons(
-            audit.configurations(), codegen.KINDS, workers=WORKERS, muon_pairs=audit.configurations(), muon_kinds=codegen.KINDS
+            configurations, codegen.KINDS, workers=WORKERS, muon_pairs=configurations, muon_kinds=codegen.KINDS,
+            fx_cache=os.environ[KERNEL_FX_CACHE_VARIABLE],
         )
     }
 
@@ -134,8 +142,11 @@ def test_the_interpreter_without_shims_truncates_bf16():
 
 
 def _without_size_hints(source):
-    """A kernel's source without what the traced sizes set: its size hints and tiling scores."""
-    return re.sub(r"(size_hints=|'tiling_scores': )\{[^}]*\}", r"\1...", source)
+    """A kernel's source without what the traced sizes set (its size hints and tiling scores) and
+    whether Inductor's caches were off (the interpreter's comparisons compile through the run's FX
+    graph cache, :func:`codegen.generate` without)."""
+    source = re.sub(r"(size_hints=|'tiling_scores': )\{[^}]*\}", r"\1...", source)
+    return re.sub(r"'force_disable_caches': (True|False)", "'force_disable_caches': ...", source)
 
 
 def test_the_interpreted_kernels_are_those_the_audit_compiles(comparisons):

@@ -250,22 +250,24 @@ def _load_at(options: list[str], checkpoint_dir: str, tensor_parallel: int, step
     return result
 
 
-def _counting_compiled_calls(calls: list[int]):
-    """Wrap the fused step's compiled kernel so that every call is counted in ``calls``."""
+def _counting_uncompiled_calls(calls: list[int]):
+    """The fused step calls its kernel uncompiled, every call counted in ``calls``, and joins and
+    splits remainder masters with the uncompiled codec: what is measured (the calls per step, what a
+    step keeps allocated, host-to-device copies) is the fused path's, which compiling its kernel does
+    not change, and the compiled kernel's bits are the contract matrix's (tests/optim/test_contract.py).
+    Compiled, each stepped option would cost a cold compile on CI's two cores."""
     from megatron_lowprec.optim import fused
-
-    compiled_kernel = fused.compiled_kernel
+    from megatron_lowprec.optim.kernel import bucket_kernel_
 
     def counting(*flags):
-        kernel = compiled_kernel(*flags)
-
         def call(*args):
             calls.append(1)
-            return kernel(*args)
+            return bucket_kernel_(*args)
 
         return call
 
     fused.compiled_kernel = counting
+    fused.compiled_master_codec = lambda: (fused._join_master_window, fused._split_master_window_)
 
 
 @contextlib.contextmanager
@@ -302,14 +304,14 @@ def _backward(model, optimizer, data_seed: int) -> None:
 
 
 def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size: int, hidden_size: int) -> dict:
-    """DP=2, per option and with and without the distributed optimizer (fused; stochastic rounding
-    one call per bucket, as on GPUs; gradients reduced in FP32 for the options with FP32 masters, as
-    ``lowprec-train`` configures DDP, whose runs in tests/train/test_app.py then compile the same
-    steps): the bytes the optimizer's construction leaves allocated
-    (:func:`tests.allocations.kept_allocations`, less the flat buffer that the unsharded optimizer
-    moves the parameters into, their old storage freed), against the state it reports; and for ``stepped_options``, what a step keeps allocated,
-    the compiled calls of one step against the number of its state buckets and of its parameters,
-    and host-to-device copies during a step."""
+    """DP=2, per option and with and without the distributed optimizer (fused, its kernel uncompiled:
+    :func:`_counting_uncompiled_calls`; stochastic rounding one call per bucket, as on GPUs; gradients
+    reduced in FP32 for the options with FP32 masters, as ``lowprec-train`` configures DDP): the bytes
+    the optimizer's construction leaves allocated (:func:`tests.allocations.kept_allocations`, less
+    the flat buffer that the unsharded optimizer moves the parameters into, their old storage freed),
+    against the state it reports; and for ``stepped_options``, what a step keeps allocated, the
+    kernel calls of one step against the number of its state buckets and of its parameters, and
+    host-to-device copies during a step."""
     from megatron.core import parallel_state
 
     from megatron_lowprec.optim import fused, get_strategy
@@ -319,7 +321,7 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
     fused.BUCKET_STREAM_DEVICES = ("cuda", "cpu")
     calls: list[int] = []
     copies: list[str] = []
-    _counting_compiled_calls(calls)
+    _counting_uncompiled_calls(calls)
     config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0, hidden_size=hidden_size, num_layers=1)
     result = {}
     for option in options:

@@ -11,17 +11,22 @@ import pytest
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.optim.buckets import ALIGNMENT
 
-from ..options import OPTIONS, OTHER_MASTER_STORAGES, layout_kind, one_per_kind, strategy_of
+from ..options import OPTIONS, OTHER_MASTER_STORAGES, layout_kind, one_per_feature, one_per_kind, strategy_of
 from .launch import run_ranks
 
 WORKER = Path(__file__).with_name("_distributed_optimizer_worker.py")
 
 PIPELINE_OPTIONS = one_per_kind(OPTIONS, lambda strategy: (strategy.param_update, strategy.moments == "fp8"))
 """One option of each way to update the parameter, and FP8 moments."""
-FUSED_SHARD_OPTIONS = one_per_kind(OPTIONS, layout_kind)
-"""One option of each shard layout the compiled kernel steps apart from the flat one: stochastic
-rounding's row grids, FP8 groups' group-aligned chunks, a remainder master read below megatron's
-parameter buffer."""
+LAYOUT_FEATURES = ("row grids", "FP8 groups", "master below the parameters")
+"""The entries of :func:`~tests.options.layout_kind`, by name."""
+FUSED_SHARD_OPTIONS = one_per_feature(
+    OPTIONS, lambda strategy: {name for name, held in zip(LAYOUT_FEATURES, layout_kind(strategy) or ()) if held}
+)
+"""Options that together step, compiled, each way a shard's layout differs from a flat one:
+stochastic rounding's row grids, FP8 groups' group-aligned chunks, a master stored below megatron's
+parameter buffer (an option that combines two counts for both; the contract matrix,
+``tests/optim/test_contract.py``, steps every option's shard layouts fused and eager, bit for bit)."""
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"),
@@ -51,8 +56,8 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
     data: the same losses and parameters bit for bit (DP=2 with small buckets, so that shard
     boundaries cut coat's FP8 groups and their tails travel; TP=2 x DP=2 with one bucket; PP=2 x
     DP=2 with the embedding tied across stages; the distributed optimizer's compiled kernel on
-    stochastic rounding's row grids, coat's group-aligned chunks and remainder masters read below
-    megatron's parameter buffer, against the unsharded optimizer's eager step; masters stored as remainders, D's through torch's fused kernel; DP=2 with Megatron-LM's defaults, FP32 gradient
+    stochastic rounding's row grids, FP8 groups' group-aligned chunks and a master stored below
+    megatron's parameter buffer (:data:`FUSED_SHARD_OPTIONS`), against the unsharded optimizer's eager step; masters stored as remainders, D's through torch's fused kernel; DP=2 with Megatron-LM's defaults, FP32 gradient
     reduction and clipping at 1.0, where both find the same gradient norms, which clip). Without
     the zero padding of its state buckets' layout, each rank holds at most its share of the
     unsharded state plus one alignment unit per bucket (the share is smaller by the unsharded
@@ -64,8 +69,9 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
                  bucket_size=bucket_size, fused=fused, grad_reduce_in_fp32=grad_reduce_in_fp32)
     data_parallel = ranks[0]["data_parallel_size"]
     assert data_parallel == 2
+    fp8_option = next(option for option in options if strategy_of(option).moments == "fp8")
     if bucket_size is not None:
-        assert ranks[0]["coat"]["buckets"] > 1 and ranks[0]["coat"]["halo"] > 0
+        assert ranks[0][fp8_option]["buckets"] > 1 and ranks[0][fp8_option]["halo"] > 0
     for option in options:
         results = [rank[option] for rank in ranks]
         for result in results:
@@ -160,8 +166,10 @@ STEPPED_OPTIONS = one_per_kind(
     lambda strategy: (strategy.adam_kernel, strategy.param_update == "stochastic", strategy.moments == "fp8",
                       strategy.master_weights and strategy.master_storage),
 )
-"""Options whose fused steps are measured too: one of each kind of compiled call (flat, torch's fused
-AdamW, stochastic rounding per bucket, FP8 group grids, a remainder master in either, a residual master)."""
+"""Options whose fused steps are measured too: one of each kind of call (flat, torch's fused AdamW,
+stochastic rounding per bucket, FP8 group grids, a remainder master in either, a residual master).
+Their kernel runs uncompiled there (``_distributed_optimizer_worker.optimizer_costs``): the calls, what
+a step keeps and its copies are the fused path's, the compiled kernel's bits the contract matrix's."""
 
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
@@ -189,10 +197,10 @@ def test_the_optimizer_allocates_its_state_and_no_gradient_copy(costs, option, l
 
 @pytest.mark.parametrize("layout", ["unsharded", "sharded"])
 @pytest.mark.parametrize("option", STEPPED_OPTIONS)
-def test_a_step_is_one_compiled_call_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
-    """A fused step (stochastic rounding as on GPUs, whole buckets) launches one compiled call per
-    state bucket, not per parameter (D runs torch's fused kernel: none), and creates no tensor on
-    the device from host data (a copy that waits for the device)."""
+def test_a_fused_step_calls_its_kernel_once_per_state_bucket_and_copies_nothing_to_the_device(costs, option, layout):
+    """A fused step (stochastic rounding as on GPUs, whole buckets) calls its kernel, which a GPU runs
+    compiled, once per state bucket, not per parameter (D runs torch's fused kernel: none), and
+    creates no tensor on the device from host data (a copy that waits for the device)."""
     for rank in costs:
         result = rank[f"{option}-{layout}"]
         expected = 0 if strategy_of(option).adam_kernel == "torch_fused" else result["state_buckets"]

@@ -181,6 +181,16 @@ def test_group_statistics_compile_without_the_scheduler_pass_class(monkeypatch):
         inductor.fusion_after_reordering.cache_clear()
 
 
+def test_the_group_statistics_pass_pickles_so_that_inductor_caches_the_fp8_step():
+    """Inductor pickles its FX graph cache key, the post-fusion pass included (keyed by its ``uuid``):
+    a pass that did not pickle made every FP8-moment step compiled for a GPU bypass the cache (a
+    background compile then filled nothing, and each rank compiled again). It pickles as itself."""
+    import pickle
+
+    fusion = inductor.fusion_after_reordering()
+    assert pickle.loads(pickle.dumps(fusion)) is fusion
+
+
 def test_without_background_compile_the_first_step_compiles_in_the_training_process(monkeypatch):
     from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 
@@ -309,7 +319,7 @@ def test_gradients_in_one_shared_buffer_are_read_in_place(option):
     are: the fused step allocates no gradient buffer of its own and stays bit-identical to the eager
     step. FP32 gradients, as megatron reduces them for the options with FP32 masters
     (``grad_reduce_in_fp32``, as ``lowprec-train`` configures DDP): coat's step is then the one the
-    distributed-optimizer tests and the app compile, and CI compiles it once."""
+    app compiles, and CI compiles it once."""
     eager, fused = _twin_optimizers(option, grad_dtype=torch.float32)
     shared = torch.zeros(sum(p.numel() for p in fused[0]) + 37, dtype=torch.float32)
     generator = torch.Generator().manual_seed(4)

@@ -257,7 +257,8 @@ def test_distributed_optimizer_trains_resumes_and_reshards_coat(tmp_path, cache_
     the same checkpoint resumes at TP=2 (DP=1, unsharded), which coat could not before. Gradients
     are reduced in BF16: with FP32 gradients the unsharded optimizer clips by megatron's FP32 norm,
     which depends on how the elements are split into tensors, and the two runs drift by rounding.
-    Uncompiled: coat's compiled shard step at DP=2 is tested in tests/megatron/test_distributed_optimizer.py."""
+    Uncompiled: the compiled shard step of FP8 groups at DP=2 is tested in
+    tests/megatron/test_distributed_optimizer.py, coat's fused shard layouts in tests/optim/test_contract.py."""
     straight, resumed, unsharded, resharded = (tmp_path / name for name in ("straight", "resumed", "unsharded", "tp2"))
     common = ("precision=coat", "trainer.max_steps=4", "precision.grad_reduce_in_fp32=false", UNCOMPILED)
     steps = [

@@ -492,12 +492,13 @@ def _muon_bytes(code: StepCode, strategy: PrecisionStrategy, checks: list[Check]
 
 
 def audit_configuration(
-    option: str, storage: str, kind: str, arches: tuple[int, ...], optimizer: str = "adamw"
+    option: str, storage: str, kind: str, arches: tuple[int, ...], optimizer: str = "adamw", fx_cache: str | None = None
 ) -> list[StepAudit]:
     """Generate one (option, master storage, kind) of ``optimizer``'s fused step for ``arches`` and
-    audit it (compiled binaries dropped, so that the result pickles across processes)."""
+    audit it (compiled binaries dropped, so that the result pickles across processes); ``fx_cache``:
+    :func:`~tools.kernel_audit.codegen.cuda_codegen`'s."""
     audits = []
-    for code in generate_for(option, storage, kind, arches, optimizer=optimizer).values():
+    for code in generate_for(option, storage, kind, arches, optimizer=optimizer, fx_cache=fx_cache).values():
         for kernel in code.kernels:
             kernel.asm = None
         audits.append(audit_step(code))
@@ -519,15 +520,16 @@ def run_audit(
     workers: int = 1,
     muon_pairs: Iterable[tuple[str, str]] = (),
     muon_kinds: Iterable[str] = ("plain",),
+    fx_cache: str | None = None,
 ) -> list[StepAudit]:
     """Generate and audit every (option, master storage) of ``pairs`` (default :func:`configurations`)
     for each kind and arch, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``, in
     ``workers`` processes (each generates whole configurations; results in the order of
     ``muon_pairs`` and ``muon_kinds``, then ``pairs`` and ``kinds``: Muon's first, so that the pool
-    starts its longest tasks early)."""
-    tasks = [(option, storage, kind, tuple(arches), "muon") for option, storage in muon_pairs for kind in muon_kinds]
+    starts its longest tasks early); ``fx_cache``: :func:`~tools.kernel_audit.codegen.cuda_codegen`'s."""
+    tasks = [(option, storage, kind, tuple(arches), "muon", fx_cache) for option, storage in muon_pairs for kind in muon_kinds]
     tasks += [
-        (option, storage, kind, tuple(arches), "adamw")
+        (option, storage, kind, tuple(arches), "adamw", fx_cache)
         for option, storage in (configurations() if pairs is None else pairs) for kind in kinds
     ]
     if workers <= 1:

@@ -58,7 +58,7 @@ DEVICE_PROPERTIES = {
 
 COMMON_PROPERTIES = dict(
     max_threads_per_multi_processor=2048, regs_per_multiprocessor=65536, max_threads_per_block=1024, warp_size=32,
-    L2_cache_size=40 << 20, is_integrated=False, is_multi_gpu_board=False,
+    L2_cache_size=40 << 20, is_integrated=False, is_multi_gpu_board=False, gcnArchName="",
 )
 
 CUDA_DEVICE_TYPE = 1
@@ -292,14 +292,18 @@ class _CudaToCpu(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
+def cuda_codegen(arch: int, cache_dir: str, fx_cache: str | None = None) -> Iterator[_Capture]:
     """Inductor generates (and does not run) CUDA Triton code for ``arch`` on this machine; the
-    kernels' sources and wrappers are recorded in the yielded capture. Every patch is undone on exit;
-    a private internal that is missing or moved raises :class:`CodegenSetupError`."""
+    kernels' sources and wrappers are recorded in the yielded capture. Inductor's caches are off,
+    but with ``fx_cache``: then its FX graph cache lies in that folder, so that a process that
+    compiles a graph compiled there before (for the same arch, with the same Inductor settings) loads
+    the code written then (:mod:`~tools.kernel_audit.interpret` compiles the audit's steps again).
+    Every patch is undone on exit; a private internal that is missing or moved raises
+    :class:`CodegenSetupError`."""
     capture = _Capture()
     with contextlib.ExitStack() as stack:
         try:
-            _enter_cuda_setup(stack, arch, cache_dir, capture)
+            _enter_cuda_setup(stack, arch, cache_dir, capture, fx_cache)
         except (AttributeError, ImportError, TypeError) as error:
             raise CodegenSetupError(
                 f"CUDA code generation with torch {torch.__version__} (pinned: constraints.txt): {error}"
@@ -307,7 +311,9 @@ def cuda_codegen(arch: int, cache_dir: str) -> Iterator[_Capture]:
         yield capture
 
 
-def _enter_cuda_setup(stack: contextlib.ExitStack, arch: int, cache_dir: str, capture: _Capture) -> None:
+def _enter_cuda_setup(
+    stack: contextlib.ExitStack, arch: int, cache_dir: str, capture: _Capture, fx_cache: str | None = None
+) -> None:
     """The patches of :func:`cuda_codegen`, each undone by ``stack``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -322,7 +328,7 @@ def _enter_cuda_setup(stack: contextlib.ExitStack, arch: int, cache_dir: str, ca
     cuda_interface = _private(device_interface, "CudaInterface", "Dynamo's device interface")
     stack.enter_context(_cuda_device_guard())
     stack.enter_context(mock.patch.dict(os.environ, {
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+        "TORCHINDUCTOR_CACHE_DIR": fx_cache or os.path.join(cache_dir, "inductor"),
         "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
     }))
     for owner in (torch.cuda, cuda_interface):
@@ -348,9 +354,14 @@ def _enter_cuda_setup(stack: contextlib.ExitStack, arch: int, cache_dir: str, ca
 
     stack.enter_context(mock.patch.object(folder, "run", fold_on_cpu))
     stack.enter_context(inductor_config.patch(
-        {"compile_threads": 1, "force_disable_caches": True, "use_static_triton_launcher": False,
-         "triton.autotune_pointwise": False},
+        {"compile_threads": 1, "force_disable_caches": fx_cache is None, "use_static_triton_launcher": False,
+         "triton.autotune_pointwise": False, **({"fx_graph_cache": True} if fx_cache else {})},
     ))
+    if fx_cache:
+        from torch._functorch import config as functorch_config
+
+        # AOTAutograd's own cache would skip compile_fx_inner, where the capture records each wrapper.
+        stack.enter_context(functorch_config.patch({"enable_autograd_cache": False}))
     target = GPUTarget("cuda", arch, 32)
     driver = triton.runtime.driver
     previous_driver = _private(driver, "_active", "Triton's driver config")
@@ -609,7 +620,8 @@ SR_SEED = 1234
 
 
 def generate_for(
-    option: str, master_storage: str = "fp32", kind: str = "plain", arches: tuple[int, ...] = ARCHES, optimizer: str = "adamw"
+    option: str, master_storage: str = "fp32", kind: str = "plain", arches: tuple[int, ...] = ARCHES, optimizer: str = "adamw",
+    fx_cache: str | None = None,
 ) -> dict[int, StepCode]:
     """The kernels of one fused step of ``option`` (its FP32 master stored as ``master_storage``) for
     a ``kind`` bucket, compiled for each compute capability of ``arches``, with the launches and
@@ -617,7 +629,8 @@ def generate_for(
     (Inductor writes the same Triton code for every arch of a group), with its first arch's device
     properties; a graph compiled again after the first step is counted but not generated.
     ``optimizer="muon"``: Muon's fused step (:func:`muon_step_cases`; ``kind="shard"``: its bucket in
-    megatron's shard-aligned layer-wise layout, :func:`_layout_bucket`)."""
+    megatron's shard-aligned layer-wise layout, :func:`_layout_bucket`). ``fx_cache``: Inductor's FX
+    graph cache folder (:func:`cuda_codegen`)."""
     strategy = get_strategy(option)
     if master_storage != strategy.master_storage:
         strategy = strategy.with_master_storage(master_storage)
@@ -635,7 +648,7 @@ def generate_for(
 
     codes = {}
     for traced in trace_groups(strategy, arches):
-        with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(traced[0], cache_dir) as capture:
+        with tempfile.TemporaryDirectory(prefix="lowprec-codegen-") as cache_dir, cuda_codegen(traced[0], cache_dir, fx_cache) as capture:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 records, first_step = _run_cases(strategy, kind, capture, optimizer)
             for arch in traced:

@@ -58,6 +58,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import multiprocessing
 import os
@@ -281,12 +282,14 @@ class _NoDeviceGuard:
 
 
 @contextlib.contextmanager
-def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Launches]:
+def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH, fx_cache: str | None = None) -> Iterator[_Launches]:
     """Compiled steps on CPU tensors run the CUDA kernels generated for ``arch``, interpreted
     with :func:`gpu_conversions`, on that GPU's path through the fused step (one call per bucket,
     FP8 payloads as codes below sm_89, FP8 group statistics recomputed in the kernel). Inside
     :func:`~tools.kernel_audit.codegen.cuda_codegen` (the device's properties, Triton's target),
-    with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing)."""
+    with Inductor's own kernel loading and ``compile_fx`` back (the audit's capture runs nothing);
+    ``fx_cache``: its Inductor FX graph cache folder, where a step the audit generated with the same
+    folder is found, not compiled again."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the interpreted kernels need TRITON_INTERPRET=1 set before triton is imported")
     import torch._inductor.compile_fx as compile_fx_module
@@ -298,7 +301,7 @@ def interpreted_cuda_kernels(cache_dir: str, arch: int = ARCH) -> Iterator[_Laun
     launches = _Launches()
     load, compile_fx = AsyncCompile.triton, compile_fx_module.compile_fx
     payloads_as_codes = fused.fp8_payloads_as_codes
-    with codegen.cuda_codegen(arch, cache_dir), contextlib.ExitStack() as stack:
+    with codegen.cuda_codegen(arch, cache_dir, fx_cache), contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(AsyncCompile, "triton", launches.load(load)))
         stack.enter_context(mock.patch.object(compile_fx_module, "compile_fx", compile_fx))
         stack.enter_context(mock.patch.object(torch._C._dynamo.guards, "_empty_strided_cuda", _host_allocation))
@@ -453,13 +456,14 @@ def _stepping(step_bucket: Callable, grads: list[torch.Tensor], sizes: list[int]
 
 def compare(
     option: str, master_storage: str = "fp32", kind: str = "plain", steps: int = STEPS, arch: int = ARCH,
-    optimizer: str = "adamw",
+    optimizer: str = "adamw", fx_cache: str | None = None,
 ) -> Comparison:
     """Step twin buckets of ``option`` ``steps`` times, through the interpreted CUDA kernels of ``arch`` and the
     eager step (this process must have ``TRITON_INTERPRET=1`` from its start), and compare every bit
     (an AdamW shard laid out in place: megatron's buffers whole, its padding included, which stays
     zero). ``optimizer="muon"``: Muon's fused step over a bucket of :data:`MUON_SHAPES` (``kind="shard"``:
-    in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer)."""
+    in megatron's layer-wise layout, where the parameters compared are DDP's whole buffer).
+    ``fx_cache``: :func:`interpreted_cuda_kernels`'s."""
     from tools.kernel_audit.audit import strategy_for
 
     started = time.perf_counter()
@@ -475,7 +479,7 @@ def compare(
     grads = [torch.randn(sum(sizes), generator=generator) * 10.0 ** (step - steps) for step in range(steps)]
     run = stepper(strategy, grads, sizes)
     with tempfile.TemporaryDirectory(prefix="lowprec-interpret-") as cache_dir:
-        with interpreted_cuda_kernels(cache_dir, arch) as launches:
+        with interpreted_cuda_kernels(cache_dir, arch, fx_cache) as launches:
             run(twins["interpreted"])
     with eager_steps():
         run(twins["eager"])
@@ -489,11 +493,13 @@ def compare(
     )
 
 
-def _compare_in_worker(option: str, master_storage: str, kind: str, arch: int, optimizer: str = "adamw") -> Comparison:
+def _compare_in_worker(
+    option: str, master_storage: str, kind: str, arch: int, optimizer: str = "adamw", fx_cache: str | None = None
+) -> Comparison:
     """:func:`compare`, or a comparison that names the error that stopped it."""
     started = time.perf_counter()
     try:
-        return compare(option, master_storage, kind, arch=arch, optimizer=optimizer)
+        return compare(option, master_storage, kind, arch=arch, optimizer=optimizer, fx_cache=fx_cache)
     except Exception as error:
         frames = traceback.extract_tb(error.__traceback__)
         where = next((f"{frame.line} ({os.path.basename(frame.filename)})" for frame in reversed(frames)), "")
@@ -508,11 +514,13 @@ def run_comparisons(
     pairs: Iterable[tuple[str, str]] | None = None, kinds: Iterable[str] = codegen.KINDS, workers: int = 1,
     muon_pairs: Iterable[tuple[str, str]] = (),
     muon_kinds: Iterable[str] = ("plain",),
+    fx_cache: str | None = None,
 ) -> list[Comparison]:
     """:func:`compare` every (option, master storage) of ``pairs`` (default: the audit's
     configurations) for each kind, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``,
     each on its :func:`compared_arches`, in ``workers`` processes started with ``TRITON_INTERPRET=1``
-    (results in the order of ``muon_pairs``, ``muon_kinds``, then ``pairs``, ``kinds`` and arches)."""
+    (results in the order of ``muon_pairs``, ``muon_kinds``, then ``pairs``, ``kinds`` and arches);
+    ``fx_cache``: :func:`interpreted_cuda_kernels`'s."""
     from tools.kernel_audit.audit import configurations
 
     tasks = [
@@ -528,7 +536,7 @@ def run_comparisons(
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), concurrent.futures.ProcessPoolExecutor(
         max_workers=max(workers, 1), mp_context=context
     ) as pool:
-        return list(pool.map(_compare_in_worker, *zip(*tasks)))
+        return list(pool.map(functools.partial(_compare_in_worker, fx_cache=fx_cache), *zip(*tasks)))
 
 
 NORM_VALUES = 4400
