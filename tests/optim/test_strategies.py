@@ -1,6 +1,7 @@
 import pytest
 
 from megatron_lowprec.optim import PrecisionStrategy, available_strategies, get_strategy, strategy_names
+from megatron_lowprec.optim.strategies import FP8_BYTES, FP8_GROUP_METADATA_BYTES
 
 # Collage Table 2 (A-D) with a 16-bit gradient; D-MW, Kahan and SR from their components: 2 (BF16
 # parameter) + 2 (BF16 gradient) + moments (2 + 2 in BF16, 4 + 4 in FP32) + master (4) + δθ, δv or
@@ -48,15 +49,18 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
     assert strategy.with_master_storage("remainder").name == name
 
 
-# BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and 8 per group of 128 (+ a 1-byte residual).
-LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + 8 / 128) + 1}
+FP8_MOMENT_BYTES = FP8_BYTES + FP8_GROUP_METADATA_BYTES / 128
+"""One FP8 E4M3 moment per element: its byte and its group of 128's metadata (scale and exponent k)."""
+# BF16 parameter + BF16 gradient + two FP8 moments (+ a 1-byte residual for res8).
+LEAN_BYTES_PER_PARAM = {"sr8": (2 + 2 + 2 * FP8_MOMENT_BYTES, 6.125), "res8": (2 + 2 + 2 * FP8_MOMENT_BYTES + 1, 7.125)}
 
 
-@pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
-def test_the_lean_option_takes_7_125_bytes_with_its_bf16_gradient(name, expected):
+@pytest.mark.parametrize("name, expected, bound", [(name, *values) for name, values in sorted(LEAN_BYTES_PER_PARAM.items())])
+def test_the_lean_options_take_their_bytes_with_their_bf16_gradient(name, expected, bound):
     strategy = get_strategy(name)
-    assert strategy.bytes_per_param() == expected == 7.125
+    assert strategy.bytes_per_param() == expected <= bound
     assert strategy.bytes_per_param(numel=128 * 1000) == expected
+    assert not strategy.default_grad_reduce_in_fp32
     assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 128, True)
 
 
@@ -87,6 +91,7 @@ def test_coat_bytes_per_param_is_master_plus_fp8_moments_plus_group_metadata():
     "alias, name",
     [("bf16", "A"), ("COLLAGE_LIGHT", "B"), ("collage_plus", "C"), ("c", "C"), ("fp32_master", "D"),
      ("fp32_states", "D-MW"), ("d-mw", "D-MW"), ("KAHAN", "kahan"), ("bf16_sr", "sr"), ("fp8_states", "coat"),
+     ("bf16_sr_fp8_states", "sr8"),
      ("fp32_master_bf16_states", "D-BF16"), ("d-bf16", "D-BF16")],
 )
 def test_names_and_aliases_are_case_insensitive(alias, name):
