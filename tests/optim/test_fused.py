@@ -497,6 +497,55 @@ def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_d
     assert len(calls) == 10 * -(-fused[1].buckets[0].numel // max_call_elements)
 
 
+def test_sr8_steps_each_bucket_in_one_call_with_the_words_of_split_streams(monkeypatch):
+    """sr8's compiled step on a CPU: one call per bucket over its FP8 groups, bit for bit the eager
+    step, with a tensor split into rows of its stream (a tensor-parallel shard: rows of 256 elements
+    of a [6, 768] tensor) beside whole ones, across blocks of round keys (here 3 steps each)."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    monkeypatch.setattr(fused_module, "KEY_BLOCK_STEPS", 3)
+    calls, call_arguments = [], fused_module.fused_call_arguments
+
+    def counted(*args, **kwargs):
+        made = list(call_arguments(*args, **kwargs))
+        calls.append(len(made))
+        return iter(made)
+
+    monkeypatch.setattr(fused_module, "fused_call_arguments", counted)
+    shapes = [(6, 256), (300,), (7, 13)]
+
+    def layout(param):
+        if param.dim() == 2 and param.shape[1] == 256:
+            return StreamLayout.shard(77, tuple(param.shape), 1, 1, 3)
+        return StreamLayout.whole(param.numel(), param.numel())
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    twins = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(values.clone()) for values in start]
+        optimizer = AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option="sr8", seed=3, fused=fused, stream_layout=layout)
+        twins.append((params, optimizer))
+    _step_twins(*twins, steps=4, seed=9)
+    _assert_bit_identical(*twins)
+    assert calls == [1] * 4
+
+
+def test_sr8_fused_refuses_fp8_groups_that_straddle_stream_rows():
+    """A tensor-parallel shard whose stream rows (96 elements) the FP8 group of 128 does not divide:
+    the fused step is refused when the optimizer is built, in one line naming the option and the
+    parameter; the eager step takes it."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    param = torch.nn.Parameter(torch.randn(4, 96).bfloat16())
+    layout = StreamLayout.shard(5, (4, 96), 1, 0, 2)
+    with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) has stream rows of 96 elements.*use fused=False"):
+        AdamW([param], option="sr8", fused=True, stream_layout=lambda p: layout)
+    optimizer = AdamW([param], option="sr8", fused=False, stream_layout=lambda p: layout)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+
+
 def test_stochastic_rounding_in_one_call_refuses_columns_beyond_int32(monkeypatch):
     """The per-bucket stream counts an element's column in its stream row in int32: a parameter whose
     columns would pass the limit (here lowered to 299) is refused with the column and the way out."""
