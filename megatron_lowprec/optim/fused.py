@@ -70,6 +70,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy
 import torch
 
 from megatron_lowprec.numerics import inductor
@@ -657,6 +658,39 @@ def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[to
     (``fused=False``) draws every element's word from its own row."""
     if bucket.group_stream_tables is not None:
         return bucket.group_stream_tables
+    group_size = strategy.fp8_group_size
+    entries = numpy.repeat(numpy.arange(len(bucket.offsets)), bucket.entry_rows(group_size, 0))
+
+    def per_group(values: list[int], dtype: type = numpy.int64) -> numpy.ndarray:
+        return numpy.array(values, dtype=dtype)[entries]
+
+    element = per_group(bucket.element_starts) + numpy.arange(entries.size, dtype=numpy.int64) * group_size - per_group(bucket.offsets)
+    ends = per_group([start + numel for start, numel in zip(bucket.element_starts, bucket.numels)])
+    row_lengths = per_group([layout.row_length for layout in bucket.streams])
+    row = element // row_lengths
+    straddles = (element < ends) & ((numpy.minimum(element + group_size, ends) - 1) // row_lengths != row)
+    if straddles.any():
+        index = int(entries[straddles.argmax()])
+        layout = bucket.streams[index]
+        raise ValueError(
+            f"option {strategy.name!r} steps FP8 groups of {group_size} elements with stochastic rounding in one "
+            f"compiled call, each group inside one row of its parameter's SR stream; the parameter of shape "
+            f"{tuple(bucket.params[index].shape)} has stream rows of {layout.row_length} elements (its elements from "
+            f"{bucket.element_starts[index]}), which its groups straddle: use fused=False (the eager step, the same bits)"
+        )
+    with numpy.errstate(over="ignore"):
+        index = (
+            per_group([layout.offset % 2**64 for layout in bucket.streams], numpy.uint64)
+            + row.astype(numpy.uint64) * per_group([layout.row_stride % 2**64 for layout in bucket.streams], numpy.uint64)
+            + (element - row * row_lengths).astype(numpy.uint64)
+        )
+    words = [(index >> numpy.uint64(32)).astype(numpy.uint32), (index & numpy.uint64(0xFFFFFFFF)).astype(numpy.uint32)]
+    device = bucket.device
+    bucket.group_stream_tables = (
+        torch.tensor(entries.tolist(), dtype=torch.int32, device=device),
+        *(torch.tensor(word.view(numpy.int32).tolist(), dtype=torch.int32, device=device) for word in words),
+    )
+    return bucket.group_stream_tables
     group_size = strategy.fp8_group_size
     entries = bucket.group_table(tuple(range(len(bucket.offsets))), torch.int64).cpu()
     first = torch.arange(entries.numel(), dtype=torch.int64) * group_size
