@@ -552,7 +552,7 @@ def fused_call_arguments(
                 for key, value in buffers.items()
             }
             stream = None if sr_seed is None else GroupStream(
-                keys, step_row, *(_window(table, start // group_size, end // group_size) for table in tables)
+                keys, step_row, *(_window(table, start // group_size, end // group_size) for table in tables), group_size
             )
             return StepCall(
                 grid(param, start, end), grid(grad, start, end), state,

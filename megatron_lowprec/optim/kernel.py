@@ -201,12 +201,16 @@ class GroupStream(NamedTuple):
     """[groups] int32: the high word of the global index of each group's first element."""
     start_low: torch.Tensor
     """[groups] int32: its low word."""
+    group_size: int
+    """Elements per FP8 group: a constant of the compiled step (the strategy's), so that a call whose
+    other tensors leave it a size symbol (Muon's update, which reads no FP8 state) finds each
+    element's group with a constant shift."""
 
     def words(self, like: torch.Tensor, repeated: torch.Tensor | None = None) -> torch.Tensor:
         """The words of a call of ``like``'s shape [groups, group_size]. ``repeated``: the index in the
         call of the element whose word each element takes (a packed shard's padding,
         :meth:`~megatron_lowprec.optim.buckets.BufferRows.repetition`); itself by default."""
-        groups, group_size = like.shape
+        groups, group_size = like.shape[0], self.group_size
         if repeated is None:
             group = torch.arange(groups, device=like.device).view(-1, 1)
             column = torch.arange(group_size, dtype=torch.int32, device=like.device).view(1, -1)
