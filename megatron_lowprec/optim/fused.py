@@ -651,11 +651,12 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
 
 def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:class:`GroupStream`'s tables of the bucket (built once, kept with it): each FP8 group's entry
-    (:meth:`~megatron_lowprec.optim.buckets.Bucket.group_table`) and the global index in its entry's
+    (as :meth:`~megatron_lowprec.optim.buckets.Bucket.group_table` places them) and the global index in its entry's
     stream of its first element, as int32 high and low words. ``ValueError`` naming the option and
-    the parameter where a group's elements would straddle two rows of its stream layout (a
-    tensor-parallel shard whose rows the group size does not divide): the eager step
-    (``fused=False``) draws every element's word from its own row."""
+    the parameter where a group's elements would straddle two rows of its stream layout whose
+    indices are not consecutive (a tensor-parallel shard whose rows the group size does not divide;
+    rows of one rank's whole tensor follow each other): the eager step (``fused=False``) draws every
+    element's word from its own row."""
     if bucket.group_stream_tables is not None:
         return bucket.group_stream_tables
     group_size = strategy.fp8_group_size
@@ -666,7 +667,7 @@ def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[to
 
     element = per_group(bucket.element_starts) + numpy.arange(entries.size, dtype=numpy.int64) * group_size - per_group(bucket.offsets)
     ends = per_group([start + numel for start, numel in zip(bucket.element_starts, bucket.numels)])
-    row_lengths = per_group([layout.row_length for layout in bucket.streams])
+    row_lengths = per_group([layout.row_length if layout.row_stride != layout.row_length else 2**62 for layout in bucket.streams])
     row = element // row_lengths
     straddles = (element < ends) & ((numpy.minimum(element + group_size, ends) - 1) // row_lengths != row)
     if straddles.any():
@@ -689,36 +690,6 @@ def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[to
     bucket.group_stream_tables = (
         torch.tensor(entries.tolist(), dtype=torch.int32, device=device),
         *(torch.tensor(word.view(numpy.int32).tolist(), dtype=torch.int32, device=device) for word in words),
-    )
-    return bucket.group_stream_tables
-    group_size = strategy.fp8_group_size
-    entries = bucket.group_table(tuple(range(len(bucket.offsets))), torch.int64).cpu()
-    first = torch.arange(entries.numel(), dtype=torch.int64) * group_size
-    starts = torch.tensor(bucket.element_starts, dtype=torch.int64)[entries]
-    offsets = torch.tensor(bucket.offsets, dtype=torch.int64)[entries]
-    ends = torch.tensor([start + numel for start, numel in zip(bucket.element_starts, bucket.numels)])[entries]
-    element = starts + first - offsets
-    row_lengths, row_strides, layout_offsets = (
-        torch.tensor([getattr(layout, name) for layout in bucket.streams], dtype=torch.int64)[entries]
-        for name in ("row_length", "row_stride", "offset")
-    )
-    row = torch.div(element, row_lengths, rounding_mode="floor")
-    last = torch.minimum(element + group_size, ends) - 1
-    straddles = (element < ends) & (torch.div(last, row_lengths, rounding_mode="floor") != row)
-    if straddles.any():
-        index = int(entries[straddles.nonzero()[0, 0]])
-        layout = bucket.streams[index]
-        raise ValueError(
-            f"option {strategy.name!r} steps FP8 groups of {group_size} elements with stochastic rounding in one "
-            f"compiled call, each group inside one row of its parameter's SR stream; the parameter of shape "
-            f"{tuple(bucket.params[index].shape)} has stream rows of {layout.row_length} elements (its elements from "
-            f"{bucket.element_starts[index]}), which its groups straddle: use fused=False (the eager step, the same bits)"
-        )
-    index = layout_offsets + row * row_strides + element - row * row_lengths
-    device = bucket.device
-    bucket.group_stream_tables = (
-        entries.to(torch.int32).to(device), (index >> 32).to(torch.int32).to(device),
-        (index & 0xFFFFFFFF).to(torch.int32).to(device),
     )
     return bucket.group_stream_tables
 

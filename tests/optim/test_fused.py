@@ -534,10 +534,12 @@ def test_sr8_steps_each_bucket_in_one_call_with_the_words_of_split_streams(monke
 def test_sr8_fused_refuses_fp8_groups_that_straddle_stream_rows():
     """A tensor-parallel shard whose stream rows (96 elements) the FP8 group of 128 does not divide:
     the fused step is refused when the optimizer is built, in one line naming the option and the
-    parameter; the eager step takes it."""
+    parameter; the eager step takes it. Rows whose indices follow each other (the one shard at a
+    tensor-parallel size of 1) are one run: the fused step builds."""
     from megatron_lowprec.numerics.rounding import StreamLayout
 
     param = torch.nn.Parameter(torch.randn(4, 96).bfloat16())
+    AdamW([param], option="sr8", fused=True, stream_layout=lambda p: StreamLayout.shard(5, (4, 96), 1, 0, 1))
     layout = StreamLayout.shard(5, (4, 96), 1, 0, 2)
     with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) has stream rows of 96 elements.*use fused=False"):
         AdamW([param], option="sr8", fused=True, stream_layout=lambda p: layout)
