@@ -356,8 +356,9 @@ def group_statistics_in_kernel(strategy: PrecisionStrategy, device: torch.device
 
 
 def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
-    """Whether a call holds exactly one FP8 group (a bucket of one group). Such a call runs :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`
-    eagerly, the same function uncompiled (so the same bits): compiled, a group count of one
+    """Whether a call holds exactly one FP8 group (a bucket of one group). Such a call runs
+    :func:`~megatron_lowprec.optim.kernel.bucket_kernel_` eagerly, the same function uncompiled (so
+    the same bits): compiled, a group count of one
     specialises the graph (size 1 broadcasts), and one small call would cost a whole second
     compilation of the FP8 step (minutes on 2 CPU cores)."""
     return strategy.moments == "fp8" and state[f"{strategy.moment_names[0]}_scale"].numel() == 1

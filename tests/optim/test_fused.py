@@ -346,18 +346,12 @@ def test_a_new_strategy_is_data_only(strategy, device):
     """Strategies that no option names (FP8 E5M2 moments in groups of 64; stochastic rounding over
     FP8 E4M3 moments in groups of 128; both without range expansion) run through both paths without a
     line of new optimizer code, bit-identically. Without expansion: with it, a CPU compile of the
-    step costs about 140 CPU-seconds more on CI, and the expansion's compiled path is coat's,
-    tested above; stochastic rounding over expanded FP8 moments is traced in
-    ``test_fused_compiler_roundings.py`` and stepped uncompiled below."""
+    step costs about 140 CPU-seconds more on CI, and the expansion's compiled paths are coat's and
+    sr8's, tested above."""
     eager, fused = _twin_optimizers(strategy, device=device)
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
-
-
-SR_FP8_MOMENTS = PrecisionStrategy(
-    "sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"
-)
 
 
 @pytest.mark.parametrize(
@@ -603,11 +597,11 @@ def test_kernel_state_views_fp8_payloads_as_codes_below_sm89(monkeypatch):
             assert state[key].dtype == (torch.uint8 if key.endswith("_payload") else buffer.dtype)
 
 
-@pytest.mark.parametrize("option", ["coat", SR_FP8_MOMENTS], ids=["coat", "sr-fp8-moments"])
+@pytest.mark.parametrize("option", ["coat", "sr8"])
 def test_fp8_payloads_as_codes_step_to_the_eager_bits(option, monkeypatch):
     """The fused step's calls with integer-coded FP8 payloads (as below sm_89; the kernel run
     uncompiled here, its compiled form is checked under Triton's interpreter in tests/kernels) leave
-    the eager reference's bits: a bucket's grid of FP8 groups, and SR's entry-by-entry calls."""
+    the eager reference's bits: a bucket's grid of FP8 groups, with and without stochastic rounding's group stream."""
     from megatron_lowprec.optim.kernel import bucket_kernel_
 
     monkeypatch.setattr(fused_module, "fp8_payloads_as_codes", lambda device: True)
