@@ -652,8 +652,8 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
 
 def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:class:`GroupStream`'s tables of the bucket (built once, kept with it): each FP8 group's entry
-    (as :meth:`~megatron_lowprec.optim.buckets.Bucket.group_table` places them) and the global index in its entry's
-    stream of its first element, as int32 high and low words. ``ValueError`` naming the option and
+    (as :meth:`~megatron_lowprec.optim.buckets.Bucket.group_table` places them) and the global index
+    in its entry's stream of its first element, as int32 high and low words. ``ValueError`` naming the option and
     the parameter where a group's elements would straddle two rows of its stream layout whose
     indices are not consecutive (a tensor-parallel shard whose rows the group size does not divide;
     rows of one rank's whole tensor follow each other): the eager step (``fused=False``) draws every
