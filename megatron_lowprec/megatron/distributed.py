@@ -243,8 +243,6 @@ class DistributedShards(Layout):
         param_groups: list[dict[str, Any]],
         streams: dict[torch.nn.Parameter, StreamLayout],
     ) -> list[tuple[Bucket, list[dict[str, Any]]]]:
-        if strategy.moments == "fp8" and strategy.param_update == "stochastic":
-            raise ValueError(f"option {strategy.name!r}: FP8 groups and stochastic rounding cannot be sharded together")
         group_of = {param: index for index, group in enumerate(param_groups) for param in group["params"]}
         group_size = strategy.fp8_group_size if strategy.moments == "fp8" else 1
         self.shards = [

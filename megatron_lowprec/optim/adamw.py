@@ -21,7 +21,9 @@ from megatron_lowprec.numerics.rounding import (
 )
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, gather_grads, own_grad_buffer
-from megatron_lowprec.optim.fused import bucket_entries, fused_bucket_step_, resolve_fused, warn_eager_fallback
+from megatron_lowprec.optim.fused import (
+    bucket_entries, check_fused_bucket, fused_bucket_step_, resolve_fused, warn_eager_fallback,
+)
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
     RandomSource,
@@ -437,6 +439,9 @@ class AdamW(PrecisionOptimizer):
                 self._laid_out_entries[param] = (bucket, index)
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
         self._layout_fused = self._wants_fused(device)
+        if self._layout_fused:
+            for bucket in self.buckets:
+                check_fused_bucket(bucket, self.strategy)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -478,6 +483,8 @@ class AdamW(PrecisionOptimizer):
                 require_torch_fused_adamw(device, self.strategy.name)
             streams = [self._stream_layouts[param] for param in params]
             bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
+            if self._wants_fused(device):
+                check_fused_bucket(bucket, self.strategy)
             self.buckets.append(bucket)
             for param, state in zip(params, states):
                 self.state[param] = state
@@ -583,12 +590,20 @@ class AdamW(PrecisionOptimizer):
 
     def _eager_parts(self, bucket: Bucket, index: int, step: int, param, grad, state):
         """(parameter, gradient, state, SR words) of each eager call on entry ``index``: the whole
-        entry, or under stochastic rounding each grid of whole stream rows."""
+        entry, or under stochastic rounding each grid of whole stream rows; with FP8 moments, whose
+        groups a grid may cut, the whole entry with the words of every grid in order."""
         if self.strategy.param_update != "stochastic":
             yield param, grad, state, None
             return
         layout, element_start = bucket.streams[index], bucket.element_starts[index]
         keys = counter_round_keys(self.seed, step, layout.stream)
+        if self.strategy.moments == "fp8":
+            words = [
+                grid_random_bits(keys, offset, layout.row_stride, rows, length, param.device).reshape(-1)
+                for _, rows, length, offset in layout.grids(element_start, bucket.numels[index])
+            ]
+            yield param, grad, state, torch.cat(words).view(param.shape)
+            return
         for first, rows, length, offset in layout.grids(element_start, bucket.numels[index]):
             local = slice(first - element_start, first - element_start + rows * length)
             yield (

@@ -12,6 +12,9 @@ whole bucket:
   re-quantized with its new statistics inside one kernel (on GPUs
   :data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`: without bucket-sized FP32
   temporaries);
+  With stochastic rounding too (sr8), on every device: each group finds its entry and its first
+  element's index in its stream in tables of one value per group
+  (:class:`~megatron_lowprec.optim.kernel.GroupStream`);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
   element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
   and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
@@ -67,6 +70,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy
 import torch
 
 from megatron_lowprec.numerics import inductor
@@ -81,6 +85,7 @@ from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
     GroupScalars,
+    GroupStream,
     RandomSource,
     StepScalars,
     beta2_expansion_for,
@@ -100,7 +105,8 @@ for a step only a few percent faster."""
 BUCKET_STREAM_DEVICES = ("cuda",)
 """Device types on which stochastic rounding runs one compiled call per bucket (:class:`BucketStream`:
 a per-row table lookup and an integer division per element, which GPUs have). Elsewhere (CPU vector units
-lack integer division) it runs one call per parameter over its [rows, row_length] grid."""
+lack integer division) it runs one call per parameter over its [rows, row_length] grid. With FP8
+moments it runs one call per bucket on every device (:class:`GroupStream`: lookups per group, no division)."""
 
 
 def warn_eager_fallback(what: str, reason: str) -> None:
@@ -350,9 +356,9 @@ def group_statistics_in_kernel(strategy: PrecisionStrategy, device: torch.device
 
 
 def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
-    """Whether a call holds exactly one FP8 group (a bucket of one group, or under SR an entry of at
-    most one group's elements). Such a call runs :func:`~megatron_lowprec.optim.kernel.bucket_kernel_`
-    eagerly, the same function uncompiled (so the same bits): compiled, a group count of one
+    """Whether a call holds exactly one FP8 group (a bucket of one group). Such a call runs
+    :func:`~megatron_lowprec.optim.kernel.bucket_kernel_` eagerly, the same function uncompiled (so
+    the same bits): compiled, a group count of one
     specialises the graph (size 1 broadcasts), and one small call would cost a whole second
     compilation of the FP8 step (minutes on 2 CPU cores)."""
     return strategy.moments == "fp8" and state[f"{strategy.moment_names[0]}_scale"].numel() == 1
@@ -509,7 +515,9 @@ def fused_call_arguments(
       whole bucket, in windows of at most :data:`MAX_CALL_ELEMENTS` (:class:`BucketStream`);
     - stochastic rounding elsewhere: each entry on its own, as grids of whole stream rows;
     - FP8 moments: the whole bucket as [groups, group_size], so that each group's moments are
-      decoded, updated and re-quantized in one pass over it (the bucket holds whole groups);
+      decoded, updated and re-quantized in one pass over it (the bucket holds whole groups); with
+      stochastic rounding, on every device, each group's words from its entry's stream
+      (:class:`GroupStream`, :func:`group_stream_tables`);
     - otherwise the whole bucket, flat.
     """
     param = bucket.param_buffer if bucket.param_buffer is not None else bucket.param_rows[1]
@@ -526,10 +534,13 @@ def fused_call_arguments(
 
         for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
             yield stream_call(start, min(start + MAX_CALL_ELEMENTS, bucket.numel))
-    elif sr_seed is not None:
+    elif sr_seed is not None and strategy.moments != "fp8":
         yield from _entry_grid_calls(bucket, strategy, entry_grads, scalars, sr_seed, step)
     elif strategy.moments == "fp8":
         group_size = strategy.fp8_group_size
+        if sr_seed is not None:
+            keys, step_row = _group_stream_keys(bucket, sr_seed, step)
+            tables = group_stream_tables(bucket, strategy)
 
         def grid(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
             window = _window(source, start, end)
@@ -541,9 +552,12 @@ def fused_call_arguments(
                 if key.endswith(PER_GROUP_PARTS) else grid(value, start, end)
                 for key, value in buffers.items()
             }
+            stream = None if sr_seed is None else GroupStream(
+                keys, step_row, *(_window(table, start // group_size, end // group_size) for table in tables), group_size
+            )
             return StepCall(
                 grid(param, start, end), grid(grad, start, end), state,
-                _scalars_of(bucket, scalars, start, end, track_update_quality, over_groups=True), None,
+                _scalars_of(bucket, scalars, start, end, track_update_quality, over_groups=True), stream,
                 start, end, group_call, unit,
             )
 
@@ -634,6 +648,73 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
         *(torch.tensor(at_least_two(values), dtype=torch.int32, device=device) for values in (shifts, row_lengths)),
         *(torch.tensor(at_least_two(values), dtype=torch.int64, device=device) for values in (row_starts, row_strides)),
     )
+
+
+def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`GroupStream`'s tables of the bucket (built once, kept with it): each FP8 group's entry
+    (as :meth:`~megatron_lowprec.optim.buckets.Bucket.group_table` places them) and the global index
+    in its entry's stream of its first element, as int32 high and low words. ``ValueError`` naming the option and
+    the parameter where a group's elements would straddle two rows of its stream layout whose
+    indices are not consecutive (a tensor-parallel shard whose rows the group size does not divide;
+    rows of one rank's whole tensor follow each other): the eager step (``fused=False``) draws every
+    element's word from its own row."""
+    if bucket.group_stream_tables is not None:
+        return bucket.group_stream_tables
+    group_size = strategy.fp8_group_size
+    entries = numpy.repeat(numpy.arange(len(bucket.offsets)), bucket.entry_rows(group_size, 0))
+
+    def per_group(values: list[int], dtype: type = numpy.int64) -> numpy.ndarray:
+        return numpy.array(values, dtype=dtype)[entries]
+
+    element = per_group(bucket.element_starts) + numpy.arange(entries.size, dtype=numpy.int64) * group_size - per_group(bucket.offsets)
+    ends = per_group([start + numel for start, numel in zip(bucket.element_starts, bucket.numels)])
+    row_lengths = per_group([layout.row_length if layout.row_stride != layout.row_length else 2**62 for layout in bucket.streams])
+    row = element // row_lengths
+    straddles = (element < ends) & ((numpy.minimum(element + group_size, ends) - 1) // row_lengths != row)
+    if straddles.any():
+        index = int(entries[straddles.argmax()])
+        layout = bucket.streams[index]
+        raise ValueError(
+            f"option {strategy.name!r} steps FP8 groups of {group_size} elements with stochastic rounding in one "
+            f"compiled call, each group inside one row of its parameter's SR stream; the parameter of shape "
+            f"{tuple(bucket.params[index].shape)} has stream rows of {layout.row_length} elements (its elements from "
+            f"{bucket.element_starts[index]}), which its groups straddle: use fused=False (the eager step, the same bits)"
+        )
+    with numpy.errstate(over="ignore"):
+        index = (
+            per_group([layout.offset % 2**64 for layout in bucket.streams], numpy.uint64)
+            + row.astype(numpy.uint64) * per_group([layout.row_stride % 2**64 for layout in bucket.streams], numpy.uint64)
+            + (element - row * row_lengths).astype(numpy.uint64)
+        )
+    words = [(index >> numpy.uint64(32)).astype(numpy.uint32), (index & numpy.uint64(0xFFFFFFFF)).astype(numpy.uint32)]
+    device = bucket.device
+    bucket.group_stream_tables = (
+        torch.tensor(entries.tolist(), dtype=torch.int32, device=device),
+        *(torch.tensor(word.view(numpy.int32).tolist(), dtype=torch.int32, device=device) for word in words),
+    )
+    return bucket.group_stream_tables
+
+
+def check_fused_bucket(bucket: Bucket, strategy: PrecisionStrategy) -> None:
+    """``ValueError`` where the fused step cannot lay out ``bucket``'s calls (stochastic rounding over
+    FP8 groups that straddle rows of a stream: :func:`group_stream_tables`), raised when the
+    optimizer is built, before any step."""
+    if strategy.param_update == "stochastic" and strategy.moments == "fp8":
+        group_stream_tables(bucket, strategy)
+
+
+def _group_stream_keys(bucket: Bucket, sr_seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round keys of every entry's stream for a block of :data:`KEY_BLOCK_STEPS` steps from this
+    one ([steps, entries x 3], kept with the bucket; at least two entries:
+    :func:`~megatron_lowprec.optim.buckets.at_least_two`), and ``step``'s row in it (a kernel scalar)."""
+    first_step, seed, keys = bucket.group_stream_keys or (None, None, None)
+    if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
+        first_step, seed = step, sr_seed
+        streams = at_least_two([layout.stream for layout in bucket.streams])
+        keys = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
+        keys = keys.reshape(KEY_BLOCK_STEPS, -1).to(bucket.device)
+        bucket.group_stream_keys = (first_step, seed, keys)
+    return keys, kernel_scalar(step - first_step, torch.int32)
 
 
 def _signed_int64(value: int) -> int:

@@ -51,6 +51,7 @@ from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
 from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, quantize_fp8_into
 from megatron_lowprec.numerics.rounding import (
     counter_round_keys,
+    hash_words,
     keyed_random_bits,
     row_random_bits,
     signed_word,
@@ -169,9 +170,65 @@ class BucketStream(NamedTuple):
         return keyed_random_bits(keys, index).view(like.shape)
 
 
-RandomSource = torch.Tensor | CounterStream | BucketStream | None
+SR_GROUP_TABLE_BYTES = 4 + 4 + 4 + 3 * 4
+"""Bytes :class:`GroupStream` reads per FP8 group, whose elements share every lookup: the group's
+entry and its first element's global index as two int32 words, and the entry's three round keys (int32)."""
+
+_INT32_SIGN = -(2**31)
+
+
+class GroupStream(NamedTuple):
+    """The counter-based SR words of a call over a bucket as [groups, group_size] (FP8 moments with
+    stochastic rounding, SR paper Alg. 1 with COAT §4's groups), on every device: each group lies
+    inside one row of its entry's stream layout, so element (g, c) has the global index
+    ``start[g] + c`` of its entry's stream (the words of :class:`CounterStream` and
+    :class:`BucketStream`: every replica and shard of an element draws the same word). Per group a
+    table gives its entry and the global index of its first element as int32 high and low words (as
+    :func:`~megatron_lowprec.numerics.rounding.row_start_words`; the column is added with an unsigned
+    carry, as :func:`~megatron_lowprec.numerics.rounding.row_random_bits` does), so that a compiled
+    call does every lookup once per group, in its outer loop, and needs no integer division. The round
+    keys of each entry come from a block of steps kept on the device, as :class:`BucketStream`'s.
+    Padding elements after an entry's last continue its last group's indices (zero, and rounded to
+    zero whatever their word), or, in a packed shard, take the word of the element they repeat."""
+
+    keys: torch.Tensor
+    """[steps, entries x 3] int32 round keys of each entry's stream at each step of a block."""
+    step_row: torch.Tensor
+    """0-d int32 host tensor: this step's row in the block of keys."""
+    group_entries: torch.Tensor
+    """[groups] int32: the entry of each group of the call."""
+    start_high: torch.Tensor
+    """[groups] int32: the high word of the global index of each group's first element."""
+    start_low: torch.Tensor
+    """[groups] int32: its low word."""
+    group_size: int
+    """Elements per FP8 group: a constant of the compiled step (the strategy's), so that a call whose
+    other tensors leave it a size symbol (Muon's update, which reads no FP8 state) finds each
+    element's group with a constant shift."""
+
+    def words(self, like: torch.Tensor, repeated: torch.Tensor | None = None) -> torch.Tensor:
+        """The words of a call of ``like``'s shape [groups, group_size]. ``repeated``: the index in the
+        call of the element whose word each element takes (a packed shard's padding,
+        :meth:`~megatron_lowprec.optim.buckets.BufferRows.repetition`); itself by default."""
+        groups, group_size = like.shape[0], self.group_size
+        if repeated is None:
+            group = torch.arange(groups, device=like.device).view(-1, 1)
+            column = torch.arange(group_size, dtype=torch.int32, device=like.device).view(1, -1)
+        else:
+            group, column = repeated // group_size, repeated % group_size
+        entry = self.group_entries[group]
+        key_base = self.step_row * self.keys.shape[1] + entry * 3
+        flat_keys = self.keys.view(-1)
+        keys = tuple(flat_keys[key_base + part] for part in range(3))
+        start_low = self.start_low[group]
+        low = start_low + column
+        carry = (low ^ _INT32_SIGN) < (start_low ^ _INT32_SIGN)
+        return hash_words(keys, self.start_high[group] + carry.to(torch.int32), low)
+
+
+RandomSource = torch.Tensor | CounterStream | BucketStream | GroupStream | None
 """Precomputed 32-bit words (a generator's draw, or a stream's words), a counter stream over a
-[rows, row_length] view, or nothing (no SR)."""
+[rows, row_length] view, a bucket's stream per row or per FP8 group, or nothing (no SR)."""
 
 
 def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str = "parameter") -> None:
@@ -362,7 +419,8 @@ def _apply_kahan(param, state, update, random_source):
 def _apply_stochastic(param, state, update, random_source: RandomSource):
     """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
     exact = param.float() + update
-    words = random_source.words(exact) if isinstance(random_source, (CounterStream, BucketStream)) else random_source
+    streams = (CounterStream, BucketStream, GroupStream)
+    words = random_source.words(exact) if isinstance(random_source, streams) else random_source
     param.copy_(stochastic_round(exact, float_format(param.dtype), words))
 
 
@@ -488,7 +546,7 @@ def bucket_kernel_(
         own, repeated = param.repetition(shape)
         counted = own if counted is None else own & counted
         values, grad = param.read_repeating(shape), param.read_repeating(shape, grad.source)
-        if isinstance(random_source, BucketStream):
+        if isinstance(random_source, (BucketStream, GroupStream)):
             random_source = random_source.words(like, repeated)
     else:
         values = param

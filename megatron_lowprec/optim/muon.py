@@ -71,6 +71,7 @@ from megatron_lowprec.optim.buckets import (
 )
 from megatron_lowprec.optim.fused import (
     bucket_entries,
+    check_fused_bucket,
     compile_step_function,
     fused_call_arguments,
     group_statistics_in_kernel,
@@ -537,6 +538,8 @@ class Muon(PrecisionOptimizer):
         )
         if in_buffer and in_place is None:
             bucket.param_rows = param_rows_in_place(bucket)
+        if fused:
+            check_fused_bucket(bucket, self.strategy)
         self.buckets.append(bucket)
         for param, state in zip(params, states):
             self.state[param] = state

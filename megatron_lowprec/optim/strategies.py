@@ -7,8 +7,9 @@ Names follow Collage (Table 2): ``A`` pure BF16, ``B`` Collage-light, ``C`` Coll
 ``D`` BF16 + FP32 master weights and states, ``D-MW`` BF16 + FP32 states; plus Kahan summation
 (Collage App. C), stochastic rounding (SR paper, Alg. 1), COAT FP8 optimizer states (COAT §4) and
 ``D-BF16``, an FP32 master with BF16 moments (DeepSeek-V3 report, "Low-Precision Optimizer States").
-The lean option ``res8`` puts these together: COAT's FP8 moments (in COAT's groups of 128) with
-FlashOptim's 8-bit master residual below the BF16 parameter (arXiv 2602.23349).
+The lean options put these together: ``sr8``, stochastically rounded BF16 parameters with COAT's
+FP8 moments (in COAT's groups of 128), and ``res8``, the same moments with FlashOptim's 8-bit master
+residual below the BF16 parameter (arXiv 2602.23349).
 """
 
 from __future__ import annotations
@@ -397,6 +398,16 @@ register_strategy(
         master_weights=True,
         master_storage="remainder",
         weight_decay="multiplicative",
+    )
+)
+register_strategy(
+    PrecisionStrategy(
+        "sr8",
+        "BF16 AdamW with stochastically rounded updates + FP8 E4M3 moments, per-group 1x128 with a BF16 k",
+        aliases=("bf16_sr_fp8_states",),
+        moments="fp8",
+        param_update="stochastic",
+        fp8_exponent_storage="bf16",
     )
 )
 register_strategy(

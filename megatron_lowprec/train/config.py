@@ -101,7 +101,7 @@ class PrecisionConfig:
     """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
 
     option: str = "A"
-    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16, res8 (or an alias)."""
+    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16, sr8, res8 (or an alias)."""
     master_storage: Optional[str] = None
     """How an option with a master (D, coat, D-BF16, res8) stores it: ``fp32`` (whole, 4 bytes),
     ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,

@@ -21,6 +21,7 @@ import torch
 
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
+from megatron_lowprec.optim.strategies import EXPANSION_EXPONENT_BYTES, FP8_BYTES, FP8_SCALE_BYTES
 from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tests.numerics.test_mcf import BF16, round_nearest_even
 from tools.kernel_audit import audit, codegen
@@ -127,6 +128,16 @@ def test_layout_bytes_of_sr_hold_its_stream_tables():
     sr = audit.strategy_for("sr", "fp32")
     assert audit.layout_bytes(sr) == (8 + (4 + 4 + 4 + 8 + 8 + 12) / 128, 6)
     assert audit.layout_bytes(sr, "shard") == (8 + (4 + 4 + 4 + 8 + 8 + 12 + 4) / 64, 6)
+
+
+def test_layout_bytes_of_sr8_hold_its_group_stream_tables():
+    """sr8 reads θ and g at 2 bytes and m, v as FP8 with their groups' metadata, and writes θ, m, v;
+    each FP8 group of 128 reads its entry, its first element's index (two int32 words) and three
+    round keys (int32); a shard's groups also their parameter group."""
+    sr8 = audit.strategy_for("sr8", "fp32")
+    moments = 2 * (FP8_BYTES + (FP8_SCALE_BYTES + EXPANSION_EXPONENT_BYTES["bf16"]) / 128)
+    assert audit.layout_bytes(sr8) == (4 + moments + (4 + 8 + 12) / 128, 2 + moments)
+    assert audit.layout_bytes(sr8, "shard") == (4 + moments + (4 + 8 + 12 + 4) / 128, 2 + moments)
 
 
 SOURCE = """

@@ -77,15 +77,17 @@ def test_exact_accumulation_under_collage_and_master_weights(option, device):
     assert param.item() == 210.0
 
 
-def test_stochastic_rounding_moves_in_expectation(device):
-    """E[SR(x)] = x: the mean over 4096 independently rounded copies tracks 200 + 100 x 0.1.
+@pytest.mark.parametrize("option", ["sr", "sr8"])
+def test_stochastic_rounding_moves_in_expectation(option, device):
+    """E[SR(x)] = x: the mean over 4096 independently rounded copies tracks 200 + 100 x 0.1 (sr8's
+    FP8 moments hold the constant m = -1 and v = 1 exactly).
 
     Each step adds a Bernoulli error of variance <= ulp²/4 = 1/4 per element, so after 100 steps an
     element's variance is <= 25 and the mean of 4096 elements has standard deviation <= 5/64; the test
     allows 5 standard deviations.
     """
     numel, steps = 4096, 100
-    _, param = _run_constant_update("sr", steps, numel=numel, device=device)
+    _, param = _run_constant_update(option, steps, numel=numel, device=device)
     mean = param.double().mean().item()
     exact = 200 + steps * float(torch.tensor(0.1, dtype=torch.float32))
     assert abs(mean - exact) <= 5 * 5 / math.sqrt(numel)

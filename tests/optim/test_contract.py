@@ -15,8 +15,7 @@ compile the fused step only for the options that megatron's own layout packs (FP
 others never run packed in training (their packed eager cells stay). Muon steps weights left in one buffer (``params_in_buffer``) in its fused path only (its eager
 path is the owned one); megatron's layout puts them in place, but FP8 moments, whose groups would
 straddle weights, make them rows: Muon's packed cells are the options with FP8 moments, its in-place
-cells the others. Shards of FP8 groups with stochastic rounding are refused
-(``megatron/distributed.py``), so those options have no AdamW shard cells.
+cells the others.
 """
 
 from __future__ import annotations
@@ -38,11 +37,6 @@ OPTIONS = [strategy.name for strategy in available_strategies()]
 FUSED = fused_available(torch.device("cpu"))
 
 
-def _shardable(option):
-    strategy = get_strategy(option)
-    return not (strategy.moments == "fp8" and strategy.param_update == "stochastic")
-
-
 def _packed_in_megatron(option):
     """Whether megatron's layout (every parameter's start padded to a 64-element row) can make a shard
     of ``option`` packed: only FP8 groups (of 128) straddle those starts."""
@@ -52,7 +46,7 @@ def _packed_in_megatron(option):
 ADAMW_CELLS = [
     ("adamw", layout, option, path)
     for option in OPTIONS for layout in ("owned", "in_place", "packed") for path in ("eager", "fused")
-    if layout == "owned" or (_shardable(option) and ((layout, path) != ("packed", "fused") or _packed_in_megatron(option)))
+    if layout == "owned" or (layout, path) != ("packed", "fused") or _packed_in_megatron(option)
 ]
 MUON_CELLS = [("muon", "owned", option, path) for option in OPTIONS for path in ("eager", "fused")] + [
     ("muon", "packed" if _packed_in_megatron(option) else "in_place", option, "fused") for option in OPTIONS
@@ -148,7 +142,7 @@ def _muon_run(option, layout, path):
     """The Muon of ``option`` stepped :data:`MUON_STEPS` times in ``layout`` by ``path``: its
     weights and the optimizer. Fused, the steps after the first compile nothing more and the last
     enters two compiled regions per bucket (momentum, update), or one per weight for the update under
-    stochastic rounding outside ``BUCKET_STREAM_DEVICES`` (a CPU); in a buffer, the other ranks'
+    stochastic rounding outside ``BUCKET_STREAM_DEVICES`` (a CPU) but with FP8 moments; in a buffer, the other ranks'
     elements stay untouched."""
     from torch._dynamo.utils import counters
 
@@ -173,7 +167,8 @@ def _muon_run(option, layout, path):
             optimizer.step()
         else:
             graphs = counters["stats"]["unique_graphs"]
-            per_weight = get_strategy(option).param_update == "stochastic" and "cpu" not in BUCKET_STREAM_DEVICES
+            strategy = get_strategy(option)
+            per_weight = strategy.param_update == "stochastic" and strategy.moments != "fp8" and "cpu" not in BUCKET_STREAM_DEVICES
             assert _compiled_regions(optimizer) == 1 + (len(params) if per_weight else 1)
             assert counters["stats"]["unique_graphs"] == graphs
     if layout != "owned":

@@ -356,27 +356,21 @@ def test_a_new_strategy_is_data_only(strategy, device):
     """Strategies that no option names (FP8 E5M2 moments in groups of 64; stochastic rounding over
     FP8 E4M3 moments in groups of 128; both without range expansion) run through both paths without a
     line of new optimizer code, bit-identically. Without expansion: with it, a CPU compile of the
-    step costs about 140 CPU-seconds more on CI, and the expansion's compiled path is coat's,
-    tested above; stochastic rounding over expanded FP8 moments is traced in
-    ``test_fused_compiler_roundings.py`` and stepped uncompiled below."""
+    step costs about 140 CPU-seconds more on CI, and the expansion's compiled paths are coat's and
+    sr8's, tested above."""
     eager, fused = _twin_optimizers(strategy, device=device)
     _step_twins(eager, fused, steps=10, seed=6)
     _assert_bit_identical(eager, fused)
     assert ("exp_avg_expansion_exponent" in eager[1].state[eager[0][0]]) == strategy.fp8_expand
 
 
-SR_FP8_MOMENTS = PrecisionStrategy(
-    "sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"
-)
-
-
 @pytest.mark.parametrize(
-    "option, shapes", [("coat", [(100,)]), (SR_FP8_MOMENTS, [(3,), (7, 13)])], ids=["coat-bucket", "sr-entries"]
+    "option, shapes", [("coat", [(100,)]), ("sr8", [(7, 13)])], ids=["coat-bucket", "sr8-bucket"]
 )
 def test_calls_of_one_fp8_group_compile_nothing_and_stay_identical(option, shapes):
-    """A bucket of one FP8 group (coat), and under SR entries of one group each (one call per entry,
-    one row or several), are stepped by the kernel uncompiled: no compilation (a group count of one
-    recompiled the FP8 step, minutes on 2 cores), the eager reference's bits."""
+    """A bucket of one FP8 group (coat; sr8, whose call draws its stochastic rounding's words per
+    group) is stepped by the kernel uncompiled: no compilation (a group count of one recompiled the
+    FP8 step, minutes on 2 cores), the eager reference's bits."""
     from torch._dynamo.utils import counters
 
     generator = torch.Generator().manual_seed(0)
@@ -507,6 +501,57 @@ def test_stochastic_rounding_in_one_call_per_bucket_draws_the_same_words(param_d
     assert len(calls) == 10 * -(-fused[1].buckets[0].numel // max_call_elements)
 
 
+def test_sr8_steps_each_bucket_in_one_call_with_the_words_of_split_streams(monkeypatch):
+    """sr8's compiled step on a CPU: one call per bucket over its FP8 groups, bit for bit the eager
+    step, with a tensor split into rows of its stream (a tensor-parallel shard: rows of 256 elements
+    of a [6, 768] tensor) beside whole ones, across blocks of round keys (here 3 steps each)."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    monkeypatch.setattr(fused_module, "KEY_BLOCK_STEPS", 3)
+    calls, call_arguments = [], fused_module.fused_call_arguments
+
+    def counted(*args, **kwargs):
+        made = list(call_arguments(*args, **kwargs))
+        calls.append(len(made))
+        return iter(made)
+
+    monkeypatch.setattr(fused_module, "fused_call_arguments", counted)
+    shapes = [(6, 256), (300,), (7, 13)]
+
+    def layout(param):
+        if param.dim() == 2 and param.shape[1] == 256:
+            return StreamLayout.shard(77, tuple(param.shape), 1, 1, 3)
+        return StreamLayout.whole(param.numel(), param.numel())
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+    twins = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(values.clone()) for values in start]
+        optimizer = AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option="sr8", seed=3, fused=fused, stream_layout=layout)
+        twins.append((params, optimizer))
+    _step_twins(*twins, steps=4, seed=9)
+    _assert_bit_identical(*twins)
+    assert calls == [1] * 4
+
+
+def test_sr8_fused_refuses_fp8_groups_that_straddle_stream_rows():
+    """A tensor-parallel shard whose stream rows (96 elements) the FP8 group of 128 does not divide:
+    the fused step is refused when the optimizer is built, in one line naming the option and the
+    parameter; the eager step takes it. Rows whose indices follow each other (the one shard at a
+    tensor-parallel size of 1) are one run: the fused step builds."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    param = torch.nn.Parameter(torch.randn(4, 96).bfloat16())
+    AdamW([param], option="sr8", fused=True, stream_layout=lambda p: StreamLayout.shard(5, (4, 96), 1, 0, 1))
+    layout = StreamLayout.shard(5, (4, 96), 1, 0, 2)
+    with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) has stream rows of 96 elements.*use fused=False"):
+        AdamW([param], option="sr8", fused=True, stream_layout=lambda p: layout)
+    optimizer = AdamW([param], option="sr8", fused=False, stream_layout=lambda p: layout)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+
+
 def test_stochastic_rounding_in_one_call_refuses_columns_beyond_int32(monkeypatch):
     """The per-bucket stream counts an element's column in its stream row in int32: a parameter whose
     columns would pass the limit (here lowered to 299) is refused with the column and the way out."""
@@ -562,11 +607,11 @@ def test_kernel_state_views_fp8_payloads_as_codes_below_sm89(monkeypatch):
             assert state[key].dtype == (torch.uint8 if key.endswith("_payload") else buffer.dtype)
 
 
-@pytest.mark.parametrize("option", ["coat", SR_FP8_MOMENTS], ids=["coat", "sr-fp8-moments"])
+@pytest.mark.parametrize("option", ["coat", "sr8"])
 def test_fp8_payloads_as_codes_step_to_the_eager_bits(option, monkeypatch):
     """The fused step's calls with integer-coded FP8 payloads (as below sm_89; the kernel run
     uncompiled here, its compiled form is checked under Triton's interpreter in tests/kernels) leave
-    the eager reference's bits: a bucket's grid of FP8 groups, and SR's entry-by-entry calls."""
+    the eager reference's bits: a bucket's grid of FP8 groups, with and without stochastic rounding's group stream."""
     from megatron_lowprec.optim.kernel import bucket_kernel_
 
     monkeypatch.setattr(fused_module, "fp8_payloads_as_codes", lambda device: True)

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from megatron_lowprec.numerics import elementary, formats, mcf
 from megatron_lowprec.numerics import quant as quant_module
 from megatron_lowprec.numerics.rounding import StreamLayout
-from megatron_lowprec.optim import AdamW, PrecisionStrategy, available_strategies, get_strategy
+from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim import kernel as kernel_module
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_
@@ -322,7 +322,6 @@ class CapturingCompiler:
 
 
 COMPILED_STRATEGIES = [s for s in available_strategies() if s.adam_kernel == "reference"] + [
-    PrecisionStrategy("sr-fp8-moments", "stochastic rounding with COAT's FP8 moments", moments="fp8", param_update="stochastic"),
     get_strategy("coat").with_master_storage("remainder"),
     get_strategy("D-BF16").with_master_storage("fp32"),
 ]

@@ -52,15 +52,16 @@ def test_a_remainder_master_takes_two_bytes_instead_of_four(name, expected):
 
 
 # BF16 parameter + BF16 gradient + two FP8 moments of 1 byte and, per group of 128, an FP32 scale and
-# a BF16 k (+ a 1-byte residual).
-LEAN_BYTES_PER_PARAM = {"res8": 2 + 2 + 2 * (1 + (4 + 2) / 128) + 1}
+# a BF16 k (+ a 1-byte residual for res8).
+LEAN_BYTES_PER_PARAM = {"sr8": (2 + 2 + 2 * (1 + (4 + 2) / 128), 6.1), "res8": (2 + 2 + 2 * (1 + (4 + 2) / 128) + 1, 7.1)}
 
 
-@pytest.mark.parametrize("name, expected", sorted(LEAN_BYTES_PER_PARAM.items()))
-def test_the_lean_option_takes_at_most_7_1_bytes_with_its_bf16_gradient(name, expected):
+@pytest.mark.parametrize("name, expected, bound", [(name, *values) for name, values in sorted(LEAN_BYTES_PER_PARAM.items())])
+def test_the_lean_options_take_at_most_6_1_and_7_1_bytes_with_their_bf16_gradient(name, expected, bound):
     strategy = get_strategy(name)
-    assert strategy.bytes_per_param() == expected == 7.09375 <= 7.1
+    assert strategy.bytes_per_param() == expected <= bound
     assert strategy.bytes_per_param(numel=128 * 1000) == expected
+    assert not strategy.default_grad_reduce_in_fp32
     assert (strategy.moments, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand) == ("fp8", "e4m3", 128, True)
     assert strategy.fp8_exponent_storage == "bf16"
     assert muon_strategy(name).bytes_per_param() == 2 + 2 + 1 + 6 / 128 + 1 == 6.046875 <= 6.1
@@ -105,6 +106,7 @@ def test_coat_bytes_per_param_is_master_plus_fp8_moments_plus_group_metadata():
     "alias, name",
     [("bf16", "A"), ("COLLAGE_LIGHT", "B"), ("collage_plus", "C"), ("c", "C"), ("fp32_master", "D"),
      ("fp32_states", "D-MW"), ("d-mw", "D-MW"), ("KAHAN", "kahan"), ("bf16_sr", "sr"), ("fp8_states", "coat"),
+     ("bf16_sr_fp8_states", "sr8"),
      ("fp32_master_bf16_states", "D-BF16"), ("d-bf16", "D-BF16")],
 )
 def test_names_and_aliases_are_case_insensitive(alias, name):

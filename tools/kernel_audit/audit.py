@@ -73,7 +73,7 @@ from megatron_lowprec.numerics.compiled import inductor_options
 from megatron_lowprec.numerics.elementary import ieee_fp32_division
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.optim.buckets import ALIGNMENT
-from megatron_lowprec.optim.kernel import GROUP_SLOT_TABLE_BYTES, SR_ROW_TABLE_BYTES
+from megatron_lowprec.optim.kernel import GROUP_SLOT_TABLE_BYTES, SR_GROUP_TABLE_BYTES, SR_ROW_TABLE_BYTES
 from megatron_lowprec.optim.strategies import (
     LOW_PRECISION_BYTES,
     PrecisionStrategy,
@@ -142,18 +142,30 @@ def layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> tuple[floa
     replaces it; the parameter and every state buffer written. FP8 group metadata (scale, expansion
     exponent) per group of ``fp8_group_size`` elements. Stochastic rounding with shared randomness:
     the stream tables each row reads (``SR_ROW_TABLE_BYTES``: its entry, and that entry's place in
-    its stream and round keys; rows of ``ALIGNMENT`` elements, of ``ROW`` in a shard). A ``shard`` step (its state laid out in place in
+    its stream and round keys; rows of ``ALIGNMENT`` elements, of ``ROW`` in a shard; with FP8
+    moments ``SR_GROUP_TABLE_BYTES`` per FP8 group: its entry, first index and round keys,
+    :func:`stream_table_bytes`). A ``shard`` step (its state laid out in place in
     megatron's buffers, its entries of several parameter groups) also reads each row's parameter
     group (``GROUP_SLOT_TABLE_BYTES``; per FP8 group where the step runs over groups), but for
     torch's fused AdamW (D), which steps each group's entries apart."""
     group = strategy.fp8_group_size
     state = strategy.state_bytes(group) / group
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
-    row = ROW if kind == "shard" else ALIGNMENT
-    stream_tables = SR_ROW_TABLE_BYTES / row if strategy.param_update == "stochastic" else 0
+    stream_tables = stream_table_bytes(strategy, kind)
     slot_rows = strategy.fp8_group_size if strategy.moments == "fp8" else ROW
     group_slots = GROUP_SLOT_TABLE_BYTES / slot_rows if kind == "shard" and strategy.adam_kernel != "torch_fused" else 0
     return LOW_PRECISION_BYTES + param_read + state + stream_tables + group_slots, LOW_PRECISION_BYTES + state
+
+
+def stream_table_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> float:
+    """Bytes per element of stochastic rounding's stream tables (0 without it): ``SR_ROW_TABLE_BYTES``
+    per row (``ALIGNMENT`` elements, ``ROW`` in a shard), or with FP8 moments, whose step runs over
+    FP8 groups, ``SR_GROUP_TABLE_BYTES`` per group."""
+    if strategy.param_update != "stochastic":
+        return 0
+    if strategy.moments == "fp8":
+        return SR_GROUP_TABLE_BYTES / strategy.fp8_group_size
+    return SR_ROW_TABLE_BYTES / (ROW if kind == "shard" else ALIGNMENT)
 
 
 def muon_layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> dict[str, tuple[float, float]]:
@@ -169,8 +181,7 @@ def muon_layout_bytes(strategy: PrecisionStrategy, kind: str = "plain") -> dict[
     momentum = strategy.moment_bytes(group) / group
     rest = strategy.state_bytes(group) / group - momentum
     param_read = 0 if strategy.master_bytes == 4 else LOW_PRECISION_BYTES
-    row = ROW if kind == "shard" else ALIGNMENT
-    stream_tables = SR_ROW_TABLE_BYTES / row if strategy.param_update == "stochastic" else 0
+    stream_tables = stream_table_bytes(strategy, kind)
     return {
         "momentum": (LOW_PRECISION_BYTES + momentum, momentum + DIRECTION_BYTES),
         "update": (ORTHOGONAL_STEP_BYTES + param_read + rest + stream_tables, LOW_PRECISION_BYTES + rest),
