@@ -539,7 +539,6 @@ def fused_call_arguments(
     elif strategy.moments == "fp8":
         group_size = strategy.fp8_group_size
         if sr_seed is not None:
-            keys, step_row = _group_stream_keys(bucket, sr_seed, step)
             tables = group_stream_tables(bucket, strategy)
 
         def grid(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Tensor | BufferRows:
@@ -552,8 +551,11 @@ def fused_call_arguments(
                 if key.endswith(PER_GROUP_PARTS) else grid(value, start, end)
                 for key, value in buffers.items()
             }
+            # The step's keys are fetched per call, not captured: this function refers to itself (the
+            # call's ``over``), so what it captures lives until a garbage collection.
             stream = None if sr_seed is None else GroupStream(
-                keys, step_row, *(_window(table, start // group_size, end // group_size) for table in tables), group_size
+                *_group_stream_keys(bucket, sr_seed, step),
+                *(_window(table, start // group_size, end // group_size) for table in tables), group_size,
             )
             return StepCall(
                 grid(param, start, end), grid(grad, start, end), state,
