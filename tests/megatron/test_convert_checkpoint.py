@@ -171,10 +171,7 @@ def saved_stock(megatron_rank, tmp_path_factory):
 def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_stock, tmp_path):
     """A checkpoint of megatron-core's own optimizer -> D -> stock gives every stored tensor back bit
     for bit; the D checkpoint loads into this package's optimizer with the same FP32 masters."""
-    from megatron_lowprec.megatron.torch_dist import read_chunk, read_metadata
-    from megatron_lowprec.train.convert import convert_checkpoint
-
-    from megatron_lowprec.train.convert import ConvertError
+    from megatron_lowprec.train.convert import ConvertError, convert_checkpoint
 
     stock, stock_model, stock_optimizer = saved_stock
     shutil.copytree(stock, tmp_path / "stock")
@@ -185,17 +182,7 @@ def test_stock_to_d_and_back_is_bit_exact_and_d_resumes_it(saved_stock, tmp_path
     assert all(line.startswith("converted stock -> D: ") and line.endswith("exact") for line in lines), lines
     convert_checkpoint(tmp_path / "d", tmp_path / "back", "stock")
 
-    def tensors(directory):
-        metadata = read_metadata(directory)
-        return {key: [read_chunk(directory, metadata, key, chunk) for chunk in entry.chunks]
-                for key, entry in metadata.state_dict_metadata.items() if hasattr(entry, "chunks")}
-
-    original, back = tensors(tmp_path / "stock"), tensors(tmp_path / "back")
-    assert sorted(original) == sorted(back)
-    assert any(key.startswith("optimizer.state.fp32_param.") for key in back)
-    for key, chunks in original.items():
-        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(chunks, back[key], strict=True)), key
+    _assert_same_stored_tensors(tmp_path / "stock", tmp_path / "back", "fp32_param")
 
     model, optimizer = _built("D")
     _load(model, optimizer, tmp_path / "d")
@@ -383,6 +370,17 @@ def saved_distributed(tmp_path_factory):
     return directory, ranks, reference
 
 
+def _assert_same_stored_tensors(original_dir, back_dir, master_key: str) -> None:
+    """The checkpoints hold the same tensors, byte for byte and dtype for dtype, FP32 masters among
+    them under ``optimizer.state.<master_key>``."""
+    original, back = _tensors(original_dir), _tensors(back_dir)
+    assert sorted(original) == sorted(back)
+    assert any(key.startswith(f"optimizer.state.{master_key}.") for key in back)
+    for key, chunks in original.items():
+        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(chunks, back[key], strict=True)), key
+
+
 def _tensors(directory):
     """Every stored shard of every tensor of the checkpoint ``directory``, by key (copies made outside
     the CPU bridge's check: a tensor that a rank on the bridge saved keeps the check's record of
@@ -411,12 +409,7 @@ def test_megatrons_distributed_optimizer_checkpoint_converts_to_d_and_back_and_r
     for rank in ranks:
         assert rank["states_identical"] and rank["params_identical"] and rank["continued_identical"], rank
         assert rank["steps"] == rank["loaded_steps"] == [2.0]
-    original, back = _tensors(directory / "fully_reshardable"), _tensors(directory / "back")
-    assert sorted(original) == sorted(back)
-    assert any(key.startswith("optimizer.state.param.") for key in back)
-    for key, chunks in original.items():
-        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(chunks, back[key], strict=True)), key
+    _assert_same_stored_tensors(directory / "fully_reshardable", directory / "back", "param")
     commons = [read_common(path, read_metadata(path)) for path in (directory / "fully_reshardable", directory / "back")]
     assert commons[0]["optimizer"] == commons[1]["optimizer"]
     assert commons[0]["content_metadata"] == commons[1]["content_metadata"]
