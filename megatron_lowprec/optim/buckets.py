@@ -234,8 +234,6 @@ class Bucket:
     group_stream_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     """Per FP8 group, its entry and its first element's global SR index as int32 high and low words
     (the fused step's stream over [groups, group_size] under stochastic rounding)."""
-    group_stream_keys: tuple[int, int, torch.Tensor] | None = field(default=None, repr=False)
-    """The first step and seed of that stream's block of round keys, and the keys on the device."""
     grad_rows: tuple[list[int], BufferRows] | None = field(default=None, repr=False)
     """The gradients' source starts and :class:`BufferRows` when they live in another buffer."""
     per_group_scalars: bool = False

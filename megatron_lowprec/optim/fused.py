@@ -554,7 +554,7 @@ def fused_call_arguments(
             # The step's keys are fetched per call, not captured: this function refers to itself (the
             # call's ``over``), so what it captures lives until a garbage collection.
             stream = None if sr_seed is None else GroupStream(
-                *_group_stream_keys(bucket, sr_seed, step),
+                *_round_key_block(bucket, (0, bucket.numel), range(len(bucket.streams)), sr_seed, step),
                 *(_window(table, start // group_size, end // group_size) for table in tables), group_size,
             )
             return StepCall(
@@ -603,22 +603,30 @@ def _bucket_stream(bucket: Bucket, start: int, end: int, sr_seed: int, step: int
     """The :class:`BucketStream` of the bucket's elements [start, end) at ``step``: the per-row and
     per-entry tables of the window, built at its first step, and the round keys of a block of
     :data:`KEY_BLOCK_STEPS` steps from this one, both kept with the bucket."""
-    device = bucket.device
     entries = bucket.entries_in(start, end)
     if (start, end) not in bucket.stream_tables:
         bucket.stream_tables[(start, end)] = _stream_tables(bucket, entries, start, end)
-    first_step, seed, keys = bucket.stream_keys.get((start, end), (None, None, None))
+    keys, step_row = _round_key_block(bucket, (start, end), entries, sr_seed, step)
+    row_entries, *entry_tables = bucket.stream_tables[(start, end)]
+    phase = kernel_scalar((bucket.row_phase + start) % bucket.row_width, torch.int32)
+    return BucketStream(keys.view(-1), step_row, row_entries, phase, bucket.row_width, *entry_tables)
+
+
+def _round_key_block(
+    bucket: Bucket, window: tuple[int, int], entries: Iterable[int], sr_seed: int, step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round keys of the streams of the bucket's ``entries`` (those of its elements ``window``)
+    for a block of :data:`KEY_BLOCK_STEPS` steps from this one ([steps, entries x 3], at least two
+    entries: :func:`~megatron_lowprec.optim.buckets.at_least_two`), kept with the bucket until a step
+    leaves the block, and ``step``'s row in it (a kernel scalar)."""
+    first_step, seed, keys = bucket.stream_keys.get(window, (None, None, None))
     if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
         first_step, seed = step, sr_seed
         streams = at_least_two([bucket.streams[i].stream for i in entries])
         block = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
-        keys = block.reshape(-1).to(device)
-        bucket.stream_keys[(start, end)] = (first_step, seed, keys)
-    row_entries, *entry_tables = bucket.stream_tables[(start, end)]
-    phase = kernel_scalar((bucket.row_phase + start) % bucket.row_width, torch.int32)
-    return BucketStream(
-        keys, kernel_scalar(step - first_step, torch.int32), row_entries, phase, bucket.row_width, *entry_tables
-    )
+        keys = block.reshape(KEY_BLOCK_STEPS, -1).to(bucket.device)
+        bucket.stream_keys[window] = (first_step, seed, keys)
+    return keys, kernel_scalar(step - first_step, torch.int32)
 
 
 def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
@@ -703,20 +711,6 @@ def check_fused_bucket(bucket: Bucket, strategy: PrecisionStrategy) -> None:
     optimizer is built, before any step."""
     if strategy.param_update == "stochastic" and strategy.moments == "fp8":
         group_stream_tables(bucket, strategy)
-
-
-def _group_stream_keys(bucket: Bucket, sr_seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The round keys of every entry's stream for a block of :data:`KEY_BLOCK_STEPS` steps from this
-    one ([steps, entries x 3], kept with the bucket; at least two entries:
-    :func:`~megatron_lowprec.optim.buckets.at_least_two`), and ``step``'s row in it (a kernel scalar)."""
-    first_step, seed, keys = bucket.group_stream_keys or (None, None, None)
-    if seed != sr_seed or not first_step <= step < first_step + KEY_BLOCK_STEPS:
-        first_step, seed = step, sr_seed
-        streams = at_least_two([layout.stream for layout in bucket.streams])
-        keys = counter_round_keys_table(sr_seed, range(step, step + KEY_BLOCK_STEPS), streams)
-        keys = keys.reshape(KEY_BLOCK_STEPS, -1).to(bucket.device)
-        bucket.group_stream_keys = (first_step, seed, keys)
-    return keys, kernel_scalar(step - first_step, torch.int32)
 
 
 def _signed_int64(value: int) -> int:
