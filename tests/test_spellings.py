@@ -1,4 +1,4 @@
-"""One spelling per setting: ``lowprec-train``'s ``precision`` keys, the Megatron-LM entry's
+"""One spelling per setting, declared once (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`): ``lowprec-train``'s ``precision`` keys, the Megatron-LM entry's
 ``--lowprec-*`` flags, ``build_optimizer``'s keywords and ``LowPrecisionOptimizerConfig``'s fields
 name each setting alike, and Muon's scale modes are megatron-core's ``muon_scale_mode`` names."""
 
@@ -26,9 +26,9 @@ PRECISION_KEYS_WITHOUT_A_FLAG = {
 
 def test_each_lowprec_flag_is_the_precision_key_of_its_name_with_its_default():
     """``--lowprec-KEY`` is ``precision.KEY`` with the same default (``--lowprec-option``: none, for
-    megatron's own optimizer; ``--lowprec-seed``: the app's ``trainer.seed``), a switch
-    ``--lowprec-KEY`` / ``--no-lowprec-KEY``; every other key has a Megatron-LM flag of its own."""
-    from megatron_lowprec.megatron.megatron_lm import add_arguments
+    megatron's own optimizer; ``--lowprec-seed``: Megatron-LM's ``--seed``), a switch ``--lowprec-KEY`` /
+    ``--no-lowprec-KEY``; every other key has a Megatron-LM flag of its own."""
+    from megatron_lowprec.megatron.megatron_lm import PRECISION_FLAG_DEFAULTS, add_arguments
 
     parser = add_arguments(argparse.ArgumentParser())
     fields = {field.name: field for field in dataclasses.fields(PrecisionConfig)}
@@ -39,35 +39,69 @@ def test_each_lowprec_flag_is_the_precision_key_of_its_name_with_its_default():
             continue
         key = action.option_strings[0].removeprefix("--lowprec-").replace("-", "_")
         assert action.dest == f"lowprec_{key}"
-        if key == "seed":
-            continue
         assert key in fields, action.option_strings
         flagged.add(key)
-        if key != "option":
-            assert action.default == getattr(defaults, key), key
+        assert action.default == PRECISION_FLAG_DEFAULTS.get(key, getattr(defaults, key)), key
         switch = "bool" in str(fields[key].type)
         assert switch == isinstance(action, argparse.BooleanOptionalAction), key
         if switch:
             assert action.option_strings == [f"--lowprec-{key.replace('_', '-')}", f"--no-lowprec-{key.replace('_', '-')}"]
     assert set(fields) - flagged == set(PRECISION_KEYS_WITHOUT_A_FLAG)
+    assert set(PRECISION_FLAG_DEFAULTS) == {"option", "seed"}
 
 
-def test_build_optimizers_keywords_and_the_configs_fields_are_the_precision_keys():
-    """``build_optimizer(..., seed=, shared_randomness=, fused=, background_compile=,
-    track_update_quality=, master_storage=)`` and ``LowPrecisionOptimizerConfig.lowprec_*`` name the
-    settings as the ``precision`` keys do (``seed``: the app's ``trainer.seed``)."""
+def test_every_way_in_takes_every_optimizer_setting_under_its_one_declaration():
+    """Each :class:`OptimizerPrecision` field is a ``precision`` key, a ``--lowprec-`` flag whose help
+    is the field's docstring, a ``lowprec_`` field of ``LowPrecisionOptimizerConfig`` (Bridge's config)
+    and, but the option that names the optimizer, a keyword of ``build_optimizer``."""
+    from megatron_lowprec.megatron.megatron_lm import add_arguments
     from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig, build_optimizer
+    from megatron_lowprec.optim.settings import OptimizerPrecision, field_docs, plain_text
+    from megatron_lowprec.train.reference import config_keys
 
-    keywords = [
+    names = [field.name for field in dataclasses.fields(OptimizerPrecision)]
+    docs = field_docs(OptimizerPrecision)
+    assert set(names) <= set(docs)
+    app_keys = {key.key: key for key in config_keys()}
+    helps = {action.dest: action.help for action in add_arguments(argparse.ArgumentParser())._actions if action.help != argparse.SUPPRESS}
+    config_fields = {field.name for field in dataclasses.fields(LowPrecisionOptimizerConfig)}
+    keywords = {
         name for name, parameter in inspect.signature(build_optimizer).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    keys = {field.name for field in dataclasses.fields(PrecisionConfig)}
-    assert set(keywords) - {"seed"} <= keys
-    config_fields = {field.name for field in dataclasses.fields(LowPrecisionOptimizerConfig) if field.name.startswith("lowprec_")}
-    call_only = {"convert_checkpoint"}
-    """A keyword of the call that loads a state dict, not a setting of Bridge's config object."""
-    assert config_fields == {f"lowprec_{name}" for name in ["option", *keywords] if name not in call_only}
+    }
+    for name in names:
+        assert app_keys[f"precision.{name}"].doc == docs[name]
+        assert helps[f"lowprec_{name}"].replace("%%", "%").startswith(plain_text(docs[name]))
+    assert keywords == set(names) - {"option"}
+    assert {name for name in config_fields if name.startswith("lowprec_")} == {f"lowprec_{name}" for name in names}
+
+
+def test_a_setting_that_cannot_apply_is_named_as_each_caller_spells_it():
+    """A master storage for an option without a master is refused once, by the settings' check, in one
+    line that names the setting as the caller wrote it and the options that have a master."""
+    from megatron_lowprec.megatron import megatron_lm
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+    from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError
+    from megatron_lowprec.train.config import ConfigError, TrainConfig, validate
+
+    reason = "option 'A' keeps no FP32 master, so master_storage='remainder' cannot apply; options with one: D, coat"
+    with pytest.raises(SettingError, match=reason) as raised:
+        OptimizerPrecision(option="a", master_storage="remainder").check()
+    assert raised.value.field == "master_storage"
+    config = TrainConfig()
+    config.precision.master_storage = "remainder"
+    with pytest.raises(ConfigError, match=f"^precision.master_storage: {reason}"):
+        validate(config, world_size=1)
+    with pytest.raises(ValueError, match=f"^lowprec_master_storage: {reason}"):
+        LowPrecisionOptimizerConfig(lowprec_option="A", lowprec_master_storage="remainder")
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--lowprec-option", "A", "--lowprec-master-storage", "remainder"]
+    )
+    with pytest.raises(SystemExit, match=f"^megatron-lowprec: --lowprec-master-storage: {reason}"):
+        megatron_lm._check_precision_flags(args)
+    config.precision.master_storage = "half"
+    with pytest.raises(ConfigError, match=r"^precision.master_storage='half' is not valid; choose one of: fp32, remainder, residual8$"):
+        validate(config, world_size=1)
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(64, 16), (16, 64), (48, 48)])

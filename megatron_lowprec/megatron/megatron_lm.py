@@ -87,22 +87,25 @@ import importlib.util
 import os
 import runpy
 import sys
+import typing
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from packaging.version import Version
 
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
+from megatron_lowprec.optim.settings import (
+    OptimizerPrecision, SettingError, field_docs, lowprec_field, plain_text, precision_fields, precision_of,
+    spelled_fields,
+)
 from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
-PRECISION_FIELDS = (
-    "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_background_compile",
-    "lowprec_track_update_quality", "lowprec_master_storage",
-)
-"""The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
+PRECISION_FLAG_DEFAULTS = {"option": None, "seed": None}
+"""The flags whose default is not :class:`OptimizerPrecision`'s: without ``--lowprec-option`` the
+optimizer is megatron's own, and ``--lowprec-seed`` is ``--seed`` unless given."""
 
 
 def _option_name(name: str) -> str:
@@ -167,28 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     _one_line_errors_for_our_flags(parser)
     group = parser.add_argument_group(title="megatron-lowprec precision options")
-    group.add_argument(
-        "--lowprec-option", type=_option_name, default=None, metavar="OPTION",
-        help=f"precision option of the optimizer: {', '.join(strategy_names())}; without it megatron's own optimizer",
-    )
-    group.add_argument("--lowprec-seed", type=int, default=None,
-                       help="seed of stochastic rounding's random stream (default: --seed)")
-    group.add_argument("--lowprec-shared-randomness", action=argparse.BooleanOptionalAction, default=True,
-                       help="every replica of a parameter draws the same stochastic-rounding bits (SR paper Alg. 1; default: on); "
-                            "--no-lowprec-shared-randomness: each rank its own (the SR paper's ablation)")
-    group.add_argument("--lowprec-fused", action=argparse.BooleanOptionalAction, default=None,
-                       help="compiled optimizer step (default: where it is available)")
-    group.add_argument("--lowprec-background-compile", action=argparse.BooleanOptionalAction, default=True,
-                       help="the first steps run the fused step uncompiled (the same bits) while a child process "
-                            "compiles it into Inductor's cache (default: on)")
-    group.add_argument("--lowprec-track-update-quality", action=argparse.BooleanOptionalAction, default=False,
-                       help="measure EDQ and imprecision every step (optimizer.update_quality())")
-    group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
-                       help="master of D, coat, D-BF16 or res8 kept whole (FP32), as a 16-bit remainder (FP32) or as "
-                            "an 8-bit residual (16 significant bits) below the BF16 parameter (default: the option's own)")
-    group.add_argument("--lowprec-convert-checkpoint", action=argparse.BooleanOptionalAction, default=False,
-                       help="resume (--load) a checkpoint of another option or of megatron's own optimizer, its "
-                            "optimizer state converted by meaning into --lowprec-option's formats")
+    _add_precision_flags(group)
     group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
                        help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
     group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
@@ -206,6 +188,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _flag(name: str) -> str:
+    """The flag of an :class:`OptimizerPrecision` field: ``--lowprec-master-storage``."""
+    return "--lowprec-" + name.replace("_", "-")
+
+
+def _add_precision_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per :class:`OptimizerPrecision` field, its help the field's docstring: a switch for a
+    boolean, the option's name checked as it is parsed, a choice for the master's storage."""
+    hints, docs = typing.get_type_hints(OptimizerPrecision), field_docs(OptimizerPrecision)
+    for field in precision_fields():
+        spelling = {"help": plain_text(docs[field.name]).replace("%", "%%"), "default": PRECISION_FLAG_DEFAULTS.get(field.name, field.default)}
+        if hints[field.name] in (bool, Optional[bool]):
+            spelling["action"] = argparse.BooleanOptionalAction
+        elif field.name == "option":
+            spelling.update(type=_option_name, metavar="OPTION")
+            spelling["help"] += f" One of {', '.join(strategy_names())}; without it megatron's own optimizer."
+        elif field.name == "master_storage":
+            spelling["choices"] = MASTER_STORAGES
+        else:
+            spelling["type"] = typing.get_args(hints[field.name])[0]
+        group.add_argument(_flag(field.name), **spelling)
+
+
+def _check_precision_flags(args: argparse.Namespace) -> None:
+    """With ``--lowprec-option``, the ``--lowprec-*`` settings checked together, as the config that
+    builds the optimizer will check them, before Megatron-LM builds anything: one line otherwise."""
+    if getattr(args, "lowprec_option", None) is None:
+        return
+    try:
+        precision_of(args, lowprec_field).check()
+    except SettingError as error:
+        _stop(f"megatron-lowprec: {error.spelled(_flag)}")
+
+
 def _with_precision_arguments(parse_args):
     @functools.wraps(parse_args)
     def parse_args_with_precision(extra_args_provider=None, *args, **kwargs):
@@ -215,6 +231,7 @@ def _with_precision_arguments(parse_args):
             return add_arguments(parser)
 
         parsed = parse_args(providers, *args, **kwargs)
+        _check_precision_flags(parsed)
         _refuse_muon_with_megatrons_distributed_optimizer(parsed)
         _print_rank_0(requested_optimizer(parsed))
         return parsed
@@ -285,7 +302,7 @@ def _stop(line: str) -> None:
 
 def precision_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ``lowprec_*`` fields of :class:`LowPrecisionOptimizerConfig` from Megatron-LM's ``args``."""
-    settings = {name: getattr(args, name) for name in PRECISION_FIELDS}
+    settings = spelled_fields(precision_of(args, lowprec_field), lowprec_field)
     if settings["lowprec_seed"] is None:
         settings["lowprec_seed"] = args.seed
     return settings
@@ -311,10 +328,6 @@ def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
     precision_config = _precision_config(config)
     if precision_config is None:
         return _original(TRAINING_MODULE, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
-    from megatron.training import get_args
-
-    if getattr(get_args(), "lowprec_convert_checkpoint", False):
-        kwargs["convert_checkpoint"] = True
     return build_optimizer(precision_config, model_chunks, *args, **kwargs)
 
 

@@ -54,8 +54,9 @@ from megatron_lowprec.megatron.distributed import (
     skip_if_any_rank_non_finite,
 )
 from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
-from megatron_lowprec.optim import AdamW, Muon, get_strategy
+from megatron_lowprec.optim import AdamW, Muon
 from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
+from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError, lowprec_field, precision_of
 from megatron_lowprec.optim.strategies import (
     EXPONENT_STORAGE_RECORD,
     PrecisionStrategy,
@@ -602,27 +603,32 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     caller passing only megatron's arguments gets the option: ``build_optimizer(config, model_chunks,
     ...)`` as ``get_megatron_optimizer`` is called, and :meth:`provide` as Megatron-Bridge calls it.
 
-    ``lowprec_option`` names the option (``A``, ``B``, ``C``, ``D``, ``D-MW``, ``kahan``, ``sr``,
-    ``coat``, ``D-BF16``, or an alias); ``lowprec_seed`` seeds stochastic rounding's stream, shared by all replicas unless
-    ``lowprec_shared_randomness`` is False; ``lowprec_fused`` picks the compiled step (None: where
-    it is available), and ``lowprec_background_compile`` lets the first steps run it uncompiled (the
-    same bits) while a child process compiles it into Inductor's cache (see ``AdamW``; off here as in
-    ``AdamW``, on in ``lowprec-train`` and the Megatron-LM entry); ``lowprec_track_update_quality``
-    measures EDQ and imprecision every step
-    (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"``, ``"remainder"`` or
-    ``"residual8"``; None: the option's own) stores the master of ``D``, ``coat``, ``D-BF16`` or ``res8``
-    whole, as a 16-bit remainder or as an 8-bit residual below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
-    ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*`` settings, ``clip_grad``,
-    ``use_distributed_optimizer``, ``decoupled_lr``; ``muon_coefficient_type`` on megatron-core 0.16 too.
+    Each ``lowprec_KEY`` field is :class:`~megatron_lowprec.optim.settings.OptimizerPrecision`'s
+    ``KEY`` (:meth:`precision`), checked when the config is made. Everything else is megatron's:
+    ``optimizer`` (``"adam"`` or ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*``
+    settings, ``clip_grad``, ``use_distributed_optimizer``, ``decoupled_lr``;
+    ``muon_coefficient_type`` on megatron-core 0.16 too.
     """
 
     lowprec_option: str | None = None
-    lowprec_seed: int = 0
-    lowprec_shared_randomness: bool = True
-    lowprec_fused: bool | None = None
-    lowprec_background_compile: bool = False
-    lowprec_track_update_quality: bool = False
+    """:attr:`OptimizerPrecision.option <megatron_lowprec.optim.settings.OptimizerPrecision.option>`; required."""
     lowprec_master_storage: str | None = None
+    """:attr:`OptimizerPrecision.master_storage <megatron_lowprec.optim.settings.OptimizerPrecision.master_storage>`."""
+    lowprec_convert_checkpoint: bool = False
+    """:attr:`OptimizerPrecision.convert_checkpoint <megatron_lowprec.optim.settings.OptimizerPrecision.convert_checkpoint>`:
+    the optimizer's ``load_state_dict`` converts another option's state (AdamW, not distributed)."""
+    lowprec_fused: bool | None = None
+    """:attr:`OptimizerPrecision.fused <megatron_lowprec.optim.settings.OptimizerPrecision.fused>`."""
+    lowprec_background_compile: bool = False
+    """:attr:`OptimizerPrecision.background_compile <megatron_lowprec.optim.settings.OptimizerPrecision.background_compile>`;
+    off by default here, as in ``AdamW`` (on in ``lowprec-train`` and the Megatron-LM entry)."""
+    lowprec_shared_randomness: bool = True
+    """:attr:`OptimizerPrecision.shared_randomness <megatron_lowprec.optim.settings.OptimizerPrecision.shared_randomness>`."""
+    lowprec_track_update_quality: bool = False
+    """:attr:`OptimizerPrecision.track_update_quality <megatron_lowprec.optim.settings.OptimizerPrecision.track_update_quality>`
+    (``optimizer.update_quality()``)."""
+    lowprec_seed: int = 0
+    """:attr:`OptimizerPrecision.seed <megatron_lowprec.optim.settings.OptimizerPrecision.seed>`."""
     muon_coefficient_type: str = "quintic"
     """megatron's own field from megatron-core 0.17 (its default), declared here for 0.16."""
 
@@ -630,7 +636,14 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
         super().__post_init__()
         if self.lowprec_option is None:
             raise ValueError(f"LowPrecisionOptimizerConfig needs lowprec_option, one of {', '.join(strategy_names())}")
-        get_strategy(self.lowprec_option)
+        try:
+            self.precision().check()
+        except SettingError as error:
+            raise ValueError(error.spelled(lowprec_field)) from None
+
+    def precision(self) -> OptimizerPrecision:
+        """The ``lowprec_*`` fields as the settings they spell."""
+        return precision_of(self, lowprec_field)
 
     @classmethod
     def from_optimizer_config(cls, config: OptimizerConfig, **changes: Any) -> LowPrecisionOptimizerConfig:
@@ -765,7 +778,7 @@ def build_optimizer(
     background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
-    convert_checkpoint: bool = False,
+    convert_checkpoint: bool | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
 
@@ -776,8 +789,8 @@ def build_optimizer(
 
     with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
-    The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality`` and
-    ``master_storage`` override the config's ``lowprec_*`` settings in either form.
+    The keywords (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`'s fields but ``option``)
+    override the config's ``lowprec_*`` settings in either form.
     ``convert_checkpoint=True`` lets the optimizer's ``load_state_dict`` take the state of another
     option, converted into this one by its meaning (:mod:`megatron_lowprec.optim.convert`; load the
     model's state first); for ``dist_checkpointing``, read such a checkpoint with
@@ -819,17 +832,15 @@ def build_optimizer(
             f"build_optimizer got a {type(config).__name__} without a precision option: pass a "
             "LowPrecisionOptimizerConfig(lowprec_option=..., ...) or build_optimizer(option, model_chunks, config)"
         )
-    given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
-             "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
-             "lowprec_master_storage": master_storage}
-    config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
+    given = {"seed": seed, "shared_randomness": shared_randomness, "fused": fused, "background_compile": background_compile,
+             "track_update_quality": track_update_quality, "master_storage": master_storage,
+             "convert_checkpoint": convert_checkpoint}
+    config = dataclasses.replace(config, **{lowprec_field(name): value for name, value in given.items() if value is not None})
     layer_wise = config.optimizer == "dist_muon" or getattr(config, "use_layer_wise_distributed_optimizer", False)
     if config.optimizer == "dist_muon":
         config = dataclasses.replace(config, optimizer="muon")
     model_chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    strategy = get_strategy(config.lowprec_option)
-    if config.lowprec_master_storage is not None:
-        strategy = strategy.with_master_storage(config.lowprec_master_storage)
+    strategy = config.precision().strategy()
     _check_config(config)
     _check_process_groups(pg_collection)
     if (config.use_distributed_optimizer or layer_wise) and not config.lowprec_shared_randomness:
@@ -853,7 +864,7 @@ def build_optimizer(
         for group in megatron_groups
         if group["params"]
     ]
-    if convert_checkpoint and (config.use_distributed_optimizer or config.optimizer == "muon"):
+    if config.lowprec_convert_checkpoint and (config.use_distributed_optimizer or config.optimizer == "muon"):
         raise ValueError(
             "convert_checkpoint=True converts into the AdamW optimizer (use_distributed_optimizer=False, optimizer='adam'); "
             "lowprec-train's precision.convert_checkpoint converts into the others"
@@ -868,7 +879,7 @@ def build_optimizer(
     if config.optimizer == "muon":
         return _build_muon(config, strategy, model_chunks, groups, seed_offset, layer_wise)
     return LowPrecisionOptimizer(
-        _adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset, convert_checkpoint
+        _adamw(config, strategy, model_chunks, groups, seed_offset), config, seed_offset, config.lowprec_convert_checkpoint
     )
 
 

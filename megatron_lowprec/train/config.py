@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_lowprec.data.tokenizer import BYTE_BPE_FILE, TOKENIZER_KINDS
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError
+from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -97,30 +98,11 @@ class ModelConfig:
 
 
 @dataclass
-class PrecisionConfig:
-    """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`)."""
+class PrecisionConfig(OptimizerPrecision):
+    """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`): its
+    optimizer's settings (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`, which
+    Megatron-LM's flags and ``build_optimizer`` take too), the layers' and the gradient buffer's."""
 
-    option: str = "A"
-    """Precision option: A, B, C, D, D-MW, kahan, sr, coat, D-BF16, sr8, res8 (or an alias)."""
-    master_storage: Optional[str] = None
-    """How an option with a master (D, coat, D-BF16, res8) stores it: ``fp32`` (whole, 4 bytes),
-    ``remainder`` (the BF16 parameter is its upper half, an int16 remainder its lower half: 2 bytes,
-    the same masters bit for bit) or ``residual8`` (the BF16 parameter plus an int8 residual: 1 byte,
-    masters of 16 significant bits); ``None``: the option's own (``D-BF16``: remainder, ``res8``:
-    residual8)."""
-    convert_checkpoint: bool = False
-    """Resume from a checkpoint written with another option, or with megatron-core's own optimizer
-    (``baseline=megatron``): its optimizer state is carried by its meaning into this option's
-    formats (exactly where they represent it, else correctly rounded; :mod:`megatron_lowprec.optim.convert`), one line per state kind saying its largest error.
-    ``false``: such a checkpoint stops the run with one line."""
-    fused: Optional[bool] = None
-    """Fused (compiled) optimizer step; ``None`` uses it where a compiler is available."""
-    background_compile: bool = True
-    """Run the fused step uncompiled (the same bits) until a child process has compiled it into
-    Inductor's on-disk cache, so that the first steps do not wait for the compiler; the step then
-    compiles from that cache (a few seconds). ``false``: the first step compiles it."""
-    shared_randomness: bool = True
-    """Stochastic rounding draws the same bits on every replica of a parameter (SR paper Alg. 1)."""
     grad_reduce_in_fp32: Optional[bool] = None
     """Keep megatron-core's DDP gradient buffer in FP32: gradients accumulate over micro-batches and are
     reduced over data-parallel ranks in FP32 (megatron-core's ``grad_reduce_in_fp32``). ``None``: the
@@ -129,8 +111,6 @@ class PrecisionConfig:
     more than BF16 (a 4-byte gradient buffer instead of a 2-byte one, counted in the reported
     bytes/param) and twice the bytes of every gradient all-reduce or reduce-scatter; BF16 rounds each
     micro-batch's accumulation and the reduction to BF16."""
-    track_update_quality: bool = False
-    """Compute Collage's EDQ and imprecision % at every step (costs an extra pass over the state)."""
     fp8_layers: Optional[bool] = None
     """COAT's FP8 layer flow (§5.2): E4M3 linears with E5M2 output gradients, norms and activations
     that save their input in FP8 with 1x16 groups; ``None``: the option's own (on with ``coat``,
@@ -397,11 +377,8 @@ STOCK_OPTIMIZER_LABEL = "megatron"
 
 def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
     """The strategy of ``precision.option`` with its ``master_storage`` applied (``ValueError`` if
-    the option keeps no master)."""
-    strategy = get_strategy(precision.option)
-    if precision.master_storage is None:
-        return strategy
-    return strategy.with_master_storage(precision.master_storage)
+    it cannot apply)."""
+    return precision.strategy()
 
 
 def uses_fp8_layers(precision: PrecisionConfig) -> bool:
@@ -648,15 +625,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
     """Fail fast, before any work, on a config that cannot run on ``world_size`` ranks."""
     model, trainer = config.model, config.trainer
     try:
-        get_strategy(config.precision.option)
-    except ValueError as error:
-        raise ConfigError(f"precision.option: {error}") from None
-    if config.precision.master_storage is not None:
-        _choice("precision.master_storage", config.precision.master_storage, MASTER_STORAGES)
-        try:
-            precision_strategy(config.precision)
-        except ValueError as error:
-            raise ConfigError(f"precision.master_storage: {error}") from None
+        config.precision.check()
+    except SettingError as error:
+        raise ConfigError(error.spelled(lambda name: f"precision.{name}")) from None
     _choice("model.normalization", model.normalization, NORMALIZATIONS)
     _choice("model.activation", model.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)

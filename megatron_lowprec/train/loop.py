@@ -34,6 +34,7 @@ import numpy
 import torch
 
 from megatron_lowprec.megatron.exit_signals import start_writer_service
+from megatron_lowprec.optim.settings import lowprec_field, precision_of, spelled_fields
 from megatron_lowprec.train import checkpoint, profiling
 from megatron_lowprec.train.config import (
     ConfigError, TrainConfig, data_parallel_size, precision_strategy, reduces_grads_in_fp32,
@@ -188,6 +189,22 @@ def megatron_optimizer_config(optim: AppOptimizerConfig):
     return config
 
 
+def lowprec_optimizer_config(optimizer_config, config: TrainConfig):
+    """megatron's optimizer config with the ``precision`` group's optimizer settings
+    (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`) as ``lowprec_*`` fields, the form
+    Megatron-Bridge passes too. The seed is ``trainer.seed`` unless ``precision.seed`` is given; a
+    checkpoint of another option is converted by the app's own load (``train/checkpoint.py``), for
+    every optimizer, so the optimizer's ``load_state_dict`` is not asked to."""
+    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizerConfig
+
+    settings = dataclasses.replace(precision_of(config.precision), convert_checkpoint=False)
+    if settings.seed is None:
+        settings.seed = config.trainer.seed
+    return LowPrecisionOptimizerConfig.from_optimizer_config(
+        optimizer_config, **spelled_fields(settings, lowprec_field)
+    )
+
+
 def build_run(config: TrainConfig, run_dir: Path) -> Run:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -229,17 +246,7 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
     if config.precision.megatron_optimizer:
         optimizer = get_megatron_optimizer(optimizer_config, [model])
     else:
-        optimizer = build_optimizer(
-            strategy.name,
-            [model],
-            optimizer_config,
-            seed=trainer.seed,
-            shared_randomness=config.precision.shared_randomness,
-            fused=config.precision.fused,
-            background_compile=config.precision.background_compile,
-            track_update_quality=config.precision.track_update_quality,
-            master_storage=config.precision.master_storage,
-        )
+        optimizer = build_optimizer(lowprec_optimizer_config(optimizer_config, config), [model])
         optimizer_in_use(optimizer, [model], strategy.name, asked_by="precision.option", path="lowprec-train's build_run",
                          remedy="build_optimizer left them to another optimizer: report this line", error=ConfigError)
     module.config.finalize_model_grads_func = finalize_model_grads

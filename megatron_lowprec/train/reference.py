@@ -15,10 +15,8 @@ Written by ``python -m megatron_lowprec.train.reference docs/reference``; ``lowp
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
-import re
 import sys
 import textwrap
 import types
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megatron_lowprec.optim.muon import muon_strategy
+from megatron_lowprec.optim.settings import ROLE, field_docs, plain_text
 from megatron_lowprec.optim.strategies import LOW_PRECISION_BYTES, MASTER_STORAGES, PrecisionStrategy, available_strategies
 from megatron_lowprec.train.config import TrainConfig
 
@@ -47,23 +46,6 @@ class ConfigKey(NamedTuple):
     """As YAML writes it: ``null``, ``true``, ``[output_layer]``."""
     doc: str
     """The field's docstring on one line, reStructuredText roles and literals as written."""
-
-
-def field_docs(schema: type) -> dict[str, str]:
-    """The docstring under each field of a schema dataclass, read from its source, on one line
-    (dataclass field docstrings are no runtime attributes)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(schema))).body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
 
 
 def _type_name(annotation: object) -> str:
@@ -111,9 +93,6 @@ def config_keys(schema: type = TrainConfig) -> list[ConfigKey]:
     return keys
 
 
-ROLE = re.compile(r":(?:func|meth|attr|class|data|mod|obj):`(~?)([^`]+)`")
-
-
 def _markdown(text: str) -> str:
     """A docstring's reStructuredText as Markdown for a table cell: roles and ````literals```` as code
     spans, ``<`` and ``>`` outside them escaped, ``|`` escaped."""
@@ -122,11 +101,6 @@ def _markdown(text: str) -> str:
     for index in range(0, len(pieces), 2):
         pieces[index] = pieces[index].replace("<", "&lt;").replace(">", "&gt;")
     return "`".join(pieces).replace("|", "\\|")
-
-
-def _plain(text: str) -> str:
-    """A docstring's reStructuredText as plain text for the terminal."""
-    return ROLE.sub(lambda match: match[2].split(".")[-1] if match[1] else match[2], text).replace("``", "")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -297,7 +271,7 @@ def config_help_text() -> str:
     lines = ["lowprec-train config keys (KEY=VALUE; type, default):"]
     for key in config_keys():
         lines.append(f"  {key.key} ({key.type}, default {key.default})")
-        lines += textwrap.wrap(_plain(key.doc), HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines += textwrap.wrap(plain_text(key.doc), HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 
@@ -331,7 +305,7 @@ def megatron_lm_flags_page() -> str:
     kept = [flag for action in actions if action.help == argparse.SUPPRESS for flag in action.option_strings]
     rows = [
         [", ".join(f"`{flag}`" for flag in action.option_strings), _flag_type(action), _flag_default(action),
-         _markdown(action.help or "—")]
+         _markdown(action.help.replace("%%", "%") if action.help else "—")]
         for action in shown
     ]
     lines = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_lowprec.optim.strategies import get_strategy
 from megatron_lowprec.train.config import TrainConfig
-from megatron_lowprec.train.reference import field_docs
+from megatron_lowprec.optim.settings import field_docs
 
 HELP_WIDTH = 100
 HELP_LINES = 2

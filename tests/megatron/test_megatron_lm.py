@@ -58,6 +58,7 @@ def test_arguments_parse_into_the_configs_fields():
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
         "lowprec_background_compile": False, "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
+        "lowprec_convert_checkpoint": False,
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])
