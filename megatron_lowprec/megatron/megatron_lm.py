@@ -94,13 +94,13 @@ from typing import Any
 from packaging.version import Version
 
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
+from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 PRECISION_FIELDS = (
     "lowprec_option", "lowprec_seed", "lowprec_shared_randomness", "lowprec_fused", "lowprec_background_compile",
-    "lowprec_track_update_quality", "lowprec_master_storage",
+    "lowprec_track_update_quality", "lowprec_master_storage", "lowprec_moment_storage",
 )
 """The ``--lowprec-*`` arguments that :class:`LowPrecisionOptimizerConfig` takes under the same names."""
 
@@ -186,6 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lowprec-master-storage", choices=MASTER_STORAGES, default=None,
                        help="master of D, coat, D-BF16 or res8 kept whole (FP32), as a 16-bit remainder (FP32) or as "
                             "an 8-bit residual (16 significant bits) below the BF16 parameter (default: the option's own)")
+    group.add_argument("--lowprec-moment-storage", choices=GROUPED_MOMENT_STORAGES, default=None,
+                       help="8-bit moments of coat, sr8 or res8 as COAT's FP8 groups or as companded INT8 groups "
+                            "(FlashOptim's codec, a BF16 scale per group; default: the option's own)")
     group.add_argument("--lowprec-convert-checkpoint", action=argparse.BooleanOptionalAction, default=False,
                        help="resume (--load) a checkpoint of another option or of megatron's own optimizer, its "
                             "optimizer state converted by meaning into --lowprec-option's formats")
@@ -386,7 +389,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron_lowprec.optim.convert import (
         STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target, with_saved_exponent_storage,
     )
-    from megatron_lowprec.optim.strategies import saved_exponent_storage, stores_other_exponents
+    from megatron_lowprec.optim.strategies import storage_difference, stores_other_exponents
 
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     saved = saved_optimizer_option(common)
@@ -398,8 +401,9 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
     if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
-        _stop(f"{checkpoint_dir} stores the FP8 expansion exponents of --lowprec-option {running} in "
-              f"{saved_exponent_storage(extra)}, this run in {strategy.fp8_exponent_storage}: "
+        what, saved_storage, own_storage = storage_difference(extra, strategy)
+        _stop(f"{checkpoint_dir} stores the {what} of --lowprec-option {running} in "
+              f"{saved_storage}, this run in {own_storage}: "
               "--lowprec-convert-checkpoint converts its optimizer state (its FP8 moments quantized afresh)")
     if running is None:
         _stop(f"{checkpoint_dir} was saved with --lowprec-option {saved}; megatron's own optimizer cannot resume it: "

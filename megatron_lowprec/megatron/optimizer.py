@@ -57,7 +57,7 @@ from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon, get_strategy
 from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
 from megatron_lowprec.optim.strategies import (
-    EXPONENT_STORAGE_RECORD,
+    STORAGE_RECORDS,
     PrecisionStrategy,
     check_exponent_storage,
     exponent_storage_record,
@@ -467,7 +467,8 @@ def convert_loaded_state_(
         }
         param.copy_(new_param)
     extra = state_dict.setdefault("lowprec", {})
-    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    for key in STORAGE_RECORDS:
+        extra.pop(key, None)
     extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     return report
 
@@ -611,7 +612,9 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     measures EDQ and imprecision every step
     (``optimizer.update_quality()``); ``lowprec_master_storage`` (``"fp32"``, ``"remainder"`` or
     ``"residual8"``; None: the option's own) stores the master of ``D``, ``coat``, ``D-BF16`` or ``res8``
-    whole, as a 16-bit remainder or as an 8-bit residual below the BF16 parameter. Everything else is megatron's: ``optimizer`` (``"adam"`` or
+    whole, as a 16-bit remainder or as an 8-bit residual below the BF16 parameter;
+    ``lowprec_moment_storage`` (``"fp8"`` or ``"int8"``; None: the option's own) stores the 8-bit
+    moments of ``coat``, ``sr8`` or ``res8`` as COAT's FP8 groups or as companded INT8. Everything else is megatron's: ``optimizer`` (``"adam"`` or
     ``"muon"``), lr, weight decay, Adam's betas and eps, the ``muon_*`` settings, ``clip_grad``,
     ``use_distributed_optimizer``, ``decoupled_lr``; ``muon_coefficient_type`` on megatron-core 0.16 too.
     """
@@ -623,6 +626,7 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     lowprec_background_compile: bool = False
     lowprec_track_update_quality: bool = False
     lowprec_master_storage: str | None = None
+    lowprec_moment_storage: str | None = None
     muon_coefficient_type: str = "quintic"
     """megatron's own field from megatron-core 0.17 (its default), declared here for 0.16."""
 
@@ -765,6 +769,7 @@ def build_optimizer(
     background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
+    moment_storage: str | None = None,
     convert_checkpoint: bool = False,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
@@ -776,8 +781,8 @@ def build_optimizer(
 
     with ``config`` a :class:`LowPrecisionOptimizerConfig`, which names the option; or with the
     option by name and a plain ``OptimizerConfig``: ``build_optimizer("C", model_chunks, config)``.
-    The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality`` and
-    ``master_storage`` override the config's ``lowprec_*`` settings in either form.
+    The keywords ``seed``, ``shared_randomness``, ``fused``, ``background_compile``, ``track_update_quality``,
+    ``master_storage`` and ``moment_storage`` override the config's ``lowprec_*`` settings in either form.
     ``convert_checkpoint=True`` lets the optimizer's ``load_state_dict`` take the state of another
     option, converted into this one by its meaning (:mod:`megatron_lowprec.optim.convert`; load the
     model's state first); for ``dist_checkpointing``, read such a checkpoint with
@@ -821,7 +826,7 @@ def build_optimizer(
         )
     given = {"lowprec_seed": seed, "lowprec_shared_randomness": shared_randomness, "lowprec_fused": fused,
              "lowprec_background_compile": background_compile, "lowprec_track_update_quality": track_update_quality,
-             "lowprec_master_storage": master_storage}
+             "lowprec_master_storage": master_storage, "lowprec_moment_storage": moment_storage}
     config = dataclasses.replace(config, **{name: value for name, value in given.items() if value is not None})
     layer_wise = config.optimizer == "dist_muon" or getattr(config, "use_layer_wise_distributed_optimizer", False)
     if config.optimizer == "dist_muon":
@@ -830,6 +835,8 @@ def build_optimizer(
     strategy = get_strategy(config.lowprec_option)
     if config.lowprec_master_storage is not None:
         strategy = strategy.with_master_storage(config.lowprec_master_storage)
+    if config.lowprec_moment_storage is not None:
+        strategy = strategy.with_moment_storage(config.lowprec_moment_storage)
     _check_config(config)
     _check_process_groups(pg_collection)
     if (config.use_distributed_optimizer or layer_wise) and not config.lowprec_shared_randomness:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_lowprec.data.tokenizer import BYTE_BPE_FILE, TOKENIZER_KINDS
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_STORAGES, PrecisionStrategy, get_strategy
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -108,6 +108,10 @@ class PrecisionConfig:
     the same masters bit for bit) or ``residual8`` (the BF16 parameter plus an int8 residual: 1 byte,
     masters of 16 significant bits); ``None``: the option's own (``D-BF16``: remainder, ``res8``:
     residual8)."""
+    moment_storage: Optional[str] = None
+    """How an option with 8-bit moments (coat, sr8, res8) stores them: ``fp8`` (COAT's FP8 E4M3 groups
+    of 128 with range expansion) or ``int8`` (companded INT8 on the same groups with a BF16 scale
+    each, FlashOptim's codec: m softsign-companded, v square-rooted); ``None``: the option's own (fp8)."""
     convert_checkpoint: bool = False
     """Resume from a checkpoint written with another option, or with megatron-core's own optimizer
     (``baseline=megatron``): its optimizer state is carried by its meaning into this option's
@@ -396,12 +400,14 @@ STOCK_OPTIMIZER_LABEL = "megatron"
 
 
 def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
-    """The strategy of ``precision.option`` with its ``master_storage`` applied (``ValueError`` if
-    the option keeps no master)."""
+    """The strategy of ``precision.option`` with its ``master_storage`` and ``moment_storage`` applied
+    (``ValueError`` if the option keeps no master, or no 8-bit moments)."""
     strategy = get_strategy(precision.option)
-    if precision.master_storage is None:
-        return strategy
-    return strategy.with_master_storage(precision.master_storage)
+    if precision.master_storage is not None:
+        strategy = strategy.with_master_storage(precision.master_storage)
+    if precision.moment_storage is not None:
+        strategy = strategy.with_moment_storage(precision.moment_storage)
+    return strategy
 
 
 def uses_fp8_layers(precision: PrecisionConfig) -> bool:
@@ -657,6 +663,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
             precision_strategy(config.precision)
         except ValueError as error:
             raise ConfigError(f"precision.master_storage: {error}") from None
+    if config.precision.moment_storage is not None:
+        _choice("precision.moment_storage", config.precision.moment_storage, GROUPED_MOMENT_STORAGES)
+        try:
+            precision_strategy(config.precision)
+        except ValueError as error:
+            raise ConfigError(f"precision.moment_storage: {error}") from None
     _choice("model.normalization", model.normalization, NORMALIZATIONS)
     _choice("model.activation", model.activation, ACTIVATIONS)
     _choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDINGS)

@@ -239,6 +239,7 @@ def build_run(config: TrainConfig, run_dir: Path) -> Run:
             background_compile=config.precision.background_compile,
             track_update_quality=config.precision.track_update_quality,
             master_storage=config.precision.master_storage,
+            moment_storage=config.precision.moment_storage,
         )
         optimizer_in_use(optimizer, [model], strategy.name, asked_by="precision.option", path="lowprec-train's build_run",
                          remedy="build_optimizer left them to another optimizer: report this line", error=ConfigError)
