@@ -1,7 +1,7 @@
 """The bytes/param that ``lowprec-train`` reports are the bytes megatron-core and the optimizer allocate.
 
 For every registered option (each of its master storages, and the gradient buffer in its default
-and its other format; with Muon in its default), a tiny GPT is built as ``lowprec-train`` builds it
+and its other format; with Muon in its default; the lean options with companded INT8 moments too), a tiny GPT is built as ``lowprec-train`` builds it
 (``train/model.py``, megatron-core's DDP with ``precision.grad_reduce_in_fp32`` resolved by the app's
 own rule, the option's optimizer from ``build_optimizer``) in one gloo rank on the CPU bridge. The
 storages its parameters, DDP's gradient buffer and the optimizer's state tensors hold, counted each
@@ -31,13 +31,15 @@ MODEL = ["model.hidden_size=128", "model.num_layers=1", "model.seq_length=16", "
 """A GPT whose every weight, bias and norm has a multiple of 128 elements."""
 
 
-def _cases() -> list[tuple[str, str, str | None, bool]]:
-    """(optimizer, option, master storage or None for the option's own, flip the default gradient format)."""
+def _cases() -> list[tuple[str, str, str | None, bool, str | None]]:
+    """(optimizer, option, master storage or None for the option's own, flip the default gradient
+    format, moment storage or None for the option's own)."""
     cases = []
     for strategy in available_strategies():
         storages = MASTER_STORAGES if strategy.master_weights else (None,)
-        cases += [("adamw", strategy.name, storage, flip) for storage in storages for flip in (False, True)]
-        cases.append(("muon", strategy.name, None, False))
+        cases += [("adamw", strategy.name, storage, flip, None) for storage in storages for flip in (False, True)]
+        cases.append(("muon", strategy.name, None, False, None))
+    cases += [("adamw", "sr8", None, False, "int8"), ("adamw", "res8", None, False, "int8"), ("muon", "sr8", None, False, "int8")]
     return cases
 
 
@@ -60,9 +62,9 @@ def _state_tensors(megatron_optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("optimizer, option, master_storage, flip_gradient_format", _cases())
+@pytest.mark.parametrize("optimizer, option, master_storage, flip_gradient_format, moment_storage", _cases())
 def test_reported_bytes_per_param_are_the_bytes_megatron_and_the_optimizer_allocate(
-    megatron_rank, optimizer, option, master_storage, flip_gradient_format
+    megatron_rank, optimizer, option, master_storage, flip_gradient_format, moment_storage
 ):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -77,6 +79,8 @@ def test_reported_bytes_per_param_are_the_bytes_megatron_and_the_optimizer_alloc
     overrides = [f"precision={option}", f"optimizer={optimizer}", *MODEL]
     if master_storage is not None:
         overrides.append(f"precision.master_storage={master_storage}")
+    if moment_storage is not None:
+        overrides.append(f"precision.moment_storage={moment_storage}")
     default_fp32 = reduces_grads_in_fp32(compose(overrides).precision)
     if flip_gradient_format:
         overrides.append(f"precision.grad_reduce_in_fp32={str(not default_fp32).lower()}")
@@ -95,6 +99,7 @@ def test_reported_bytes_per_param_are_the_bytes_megatron_and_the_optimizer_alloc
         lambda: build_optimizer(
             strategy.name, [model], megatron_optimizer_config(config.optimizer), fused=False,
             background_compile=False, master_storage=config.precision.master_storage,
+            moment_storage=config.precision.moment_storage,
         )
     )
     parameters = list(model.parameters())

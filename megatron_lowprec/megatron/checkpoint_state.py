@@ -2,12 +2,13 @@
 
 ``dist_checkpointing`` reshards tensors that follow their parameter's shape. Most states do; COAT's
 FP8 moments keep a float8 payload per element but a scale (and an expansion exponent k) per group
-of the parameter's flattened elements, and how a tensor-parallel or data-parallel shard cuts those
+of the parameter's flattened elements (companded INT8 moments: an int8 or uint8 payload and a scale), and how a tensor-parallel or data-parallel shard cuts those
 groups depends on the layout. In checkpoint form each element carries its payload (as uint8, which
 every checkpoint backend stores) and its group's scale and k. Restored at a layout whose groups
 hold elements of one saved group each, the payload, scale and k come back exactly, so the moments'
 values are unchanged; a group that gathers elements of several saved groups (another TP layout
-with rows that are not whole groups) is quantized afresh from the saved values (COAT §3).
+with rows that are not whole groups) is quantized afresh from the saved values (COAT §3), in its
+own codec.
 
 An FP32 master is saved as the FP32 master under ``master`` whichever its storage: a master stored
 as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``) or an int8 residual
@@ -22,7 +23,13 @@ import math
 
 import torch
 
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, quantize_fp8_into
+from megatron_lowprec.numerics.quant import (
+    QuantizedTensor,
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8_into,
+    quantize_int8_into,
+)
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, state_dtypes
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
@@ -57,7 +64,7 @@ def checkpoint_state(
                 if is_loading
                 else value.repeat_interleave(strategy.fp8_group_size)[:numel]
             )
-        elif value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+        elif key.endswith("_payload"):
             result[key] = value.reshape(-1).view(torch.uint8)
         else:
             result[key] = value.reshape(-1)
@@ -108,27 +115,31 @@ def restore_checkpoint_state(
     for key, value in state.items():
         if key in SPLIT_MASTER_KEYS:
             store_master_(_flat_param(param, numel), value.view(-1), loaded[MASTER_KEYS["fp32"]].reshape(-1))
-        elif not key.endswith(PER_GROUP_PARTS) and not (value.dtype.itemsize == 1 and value.dtype.is_floating_point):
+        elif not key.endswith((*PER_GROUP_PARTS, "_payload")):
             value.copy_(loaded[key].reshape(value.shape))
-    if strategy.moments != "fp8":
+    if not strategy.grouped_moments:
         return
+    expand = strategy.moments == "fp8" and strategy.fp8_expand
     group_size = strategy.fp8_group_size
     for moment in strategy.moment_names:
         payload = state[f"{moment}_payload"]
         saved_payload = loaded[f"{moment}_payload"].reshape(-1).view(payload.dtype)
-        parts = [f"{moment}_scale"] + ([f"{moment}_expansion_exponent"] if strategy.fp8_expand else [])
+        parts = [f"{moment}_scale"] + ([f"{moment}_expansion_exponent"] if expand else [])
         grouped = {part: _groups(loaded[part].reshape(-1), group_size) for part in parts}
         whole = torch.stack([(values == values[:, :1]).all(dim=1) for values in grouped.values()]).all(dim=0)
-        if not bool(whole.all()):
+        if not bool(whole.all()) and strategy.moments == "int8":
+            values = dequantize_int8(saved_payload, loaded[parts[0]].reshape(-1), 1, torch.Size([numel]))
+            quantize_int8_into(values, payload, state[parts[0]], group_size)
+        elif not bool(whole.all()):
             values = dequantize_fp8(
                 QuantizedTensor(
                     saved_payload, loaded[parts[0]].reshape(-1),
-                    loaded[parts[1]].reshape(-1) if strategy.fp8_expand else None,
+                    loaded[parts[1]].reshape(-1) if expand else None,
                     1, torch.Size([numel]), payload.dtype,
                 )
             )
             quantize_fp8_into(
-                values, payload, state[parts[0]], state[parts[1]] if strategy.fp8_expand else None, group_size
+                values, payload, state[parts[0]], state[parts[1]] if expand else None, group_size
             )
         payload_groups = _groups(payload.view(torch.uint8), group_size)
         payload_groups[whole] = _groups(saved_payload.view(torch.uint8), group_size)[whole]

@@ -99,7 +99,7 @@ from megatron_lowprec.optim.settings import (
     OptimizerPrecision, SettingError, field_docs, lowprec_field, plain_text, precision_fields, precision_of,
     spelled_fields,
 )
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, get_strategy, strategy_names
+from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_STORAGES, get_strategy, strategy_names
 
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
@@ -188,6 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+STORAGE_CHOICES = {"master_storage": MASTER_STORAGES, "moment_storage": GROUPED_MOMENT_STORAGES}
+"""The settings whose flag takes one of a few names, checked as it is parsed."""
+
+
 def _flag(name: str) -> str:
     """The flag of an :class:`OptimizerPrecision` field: ``--lowprec-master-storage``."""
     return "--lowprec-" + name.replace("_", "-")
@@ -204,8 +208,8 @@ def _add_precision_flags(group: argparse._ArgumentGroup) -> None:
         elif field.name == "option":
             spelling.update(type=_option_name, metavar="OPTION")
             spelling["help"] += f" One of {', '.join(strategy_names())}; without it megatron's own optimizer."
-        elif field.name == "master_storage":
-            spelling["choices"] = MASTER_STORAGES
+        elif field.name in STORAGE_CHOICES:
+            spelling["choices"] = STORAGE_CHOICES[field.name]
         else:
             spelling["type"] = typing.get_args(hints[field.name])[0]
         group.add_argument(_flag(field.name), **spelling)
@@ -399,7 +403,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     from megatron_lowprec.optim.convert import (
         STOCK, STOCK_MASTER_KEY, as_shaped_like, resolve_target, with_saved_exponent_storage,
     )
-    from megatron_lowprec.optim.strategies import saved_exponent_storage, stores_other_exponents
+    from megatron_lowprec.optim.strategies import storage_difference, stores_other_exponents
 
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     saved = saved_optimizer_option(common)
@@ -411,8 +415,9 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
     if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
-        _stop(f"{checkpoint_dir} stores the FP8 expansion exponents of --lowprec-option {running} in "
-              f"{saved_exponent_storage(extra)}, this run in {strategy.fp8_exponent_storage}: "
+        what, saved_storage, own_storage = storage_difference(extra, strategy)
+        _stop(f"{checkpoint_dir} stores the {what} of --lowprec-option {running} in "
+              f"{saved_storage}, this run in {own_storage}: "
               "--lowprec-convert-checkpoint converts its optimizer state (its FP8 moments quantized afresh)")
     if running is None:
         _stop(f"{checkpoint_dir} was saved with --lowprec-option {saved}; megatron's own optimizer cannot resume it: "

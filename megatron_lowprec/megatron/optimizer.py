@@ -58,7 +58,7 @@ from megatron_lowprec.optim import AdamW, Muon
 from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
 from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError, lowprec_field, precision_of
 from megatron_lowprec.optim.strategies import (
-    EXPONENT_STORAGE_RECORD,
+    STORAGE_RECORDS,
     PrecisionStrategy,
     check_exponent_storage,
     exponent_storage_record,
@@ -468,7 +468,8 @@ def convert_loaded_state_(
         }
         param.copy_(new_param)
     extra = state_dict.setdefault("lowprec", {})
-    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    for key in STORAGE_RECORDS:
+        extra.pop(key, None)
     extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     return report
 
@@ -614,6 +615,8 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     """:attr:`OptimizerPrecision.option <megatron_lowprec.optim.settings.OptimizerPrecision.option>`; required."""
     lowprec_master_storage: str | None = None
     """:attr:`OptimizerPrecision.master_storage <megatron_lowprec.optim.settings.OptimizerPrecision.master_storage>`."""
+    lowprec_moment_storage: str | None = None
+    """:attr:`OptimizerPrecision.moment_storage <megatron_lowprec.optim.settings.OptimizerPrecision.moment_storage>`."""
     lowprec_convert_checkpoint: bool = False
     """:attr:`OptimizerPrecision.convert_checkpoint <megatron_lowprec.optim.settings.OptimizerPrecision.convert_checkpoint>`:
     the optimizer's ``load_state_dict`` converts another option's state (AdamW, not distributed)."""
@@ -778,6 +781,7 @@ def build_optimizer(
     background_compile: bool | None = None,
     track_update_quality: bool | None = None,
     master_storage: str | None = None,
+    moment_storage: str | None = None,
     convert_checkpoint: bool | None = None,
 ) -> LowPrecisionOptimizer | DistributedLowPrecisionOptimizer | LowPrecisionMuonOptimizer:
     """A precision option as the Megatron optimizer of ``model_chunks`` (after megatron DDP wrapping).
@@ -834,7 +838,7 @@ def build_optimizer(
         )
     given = {"seed": seed, "shared_randomness": shared_randomness, "fused": fused, "background_compile": background_compile,
              "track_update_quality": track_update_quality, "master_storage": master_storage,
-             "convert_checkpoint": convert_checkpoint}
+             "moment_storage": moment_storage, "convert_checkpoint": convert_checkpoint}
     config = dataclasses.replace(config, **{lowprec_field(name): value for name, value in given.items() if value is not None})
     layer_wise = config.optimizer == "dist_muon" or getattr(config, "use_layer_wise_distributed_optimizer", False)
     if config.optimizer == "dist_muon":

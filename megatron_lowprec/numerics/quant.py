@@ -28,6 +28,24 @@ Every division is correctly rounded and ``log``/``pow`` are this package's own
 (:mod:`megatron_lowprec.numerics.elementary`), so that eager code and code that Inductor compiles
 for a CPU or a GPU quantize to the same FP8 codes, scales and exponents; ``k`` is computed as
 ``log2(R_fmt) / -log2(min|x| / M)``.
+
+Companded INT8 groups (FlashOptim, arXiv 2602.23349: a spec per optimizer state) are the other
+8-bit moment codec, on the same 1 x G groups. Each group stores one BF16 scale ``s``, its largest
+magnitude rounded toward zero to BF16 (2 bytes; at least the smallest normal FP32 value, 1 for an
+all-zero group), and per element one byte:
+
+* a signed state (AdamW's m, Muon's momentum) as an int8 code of FlashOptim's softsign companding of
+  ``n = x / s`` (clamped to [-1, 1]): ``q = RNE(127 · 2n / (1 + |n|))`` in [-127, 127], decoded by
+  its inverse ``n = q / (254 - |q|)``, ``x ~ s · n``. The companding's slope is 2 at zero and 1/2
+  at the group's maximum, so small elements get steps four times finer than large ones;
+* a non-negative state (AdamW's v) as a uint8 code of its square root, linear:
+  ``q = RNE(255 · sqrt(x) / s)`` with ``s`` the group's largest square root, decoded as
+  ``x ~ (q · s / 255)^2``.
+
+FlashOptim's scales are FP16 per 32 values; here they are BF16 per group of G (128 for the lean
+options, the FP8 groups' grid), since groups of small gradients have scales below FP16's smallest
+subnormal (2^-24), and 2 bytes per 128 values keep the lean options under their byte budgets. The
+scale is rounded before it is used, so decoding with the stored scale inverts what was encoded.
 """
 
 import math
@@ -36,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lowprec.numerics.compiled import compiled_where_fp8_converts
-from megatron_lowprec.numerics.elementary import div_rn, log2, power
+from megatron_lowprec.numerics.elementary import div_rn, log2, power, sqrt_rn
 from megatron_lowprec.numerics.formats import from_fp8_codes, round_to_bfloat16_toward_zero, to_fp8_codes
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -376,3 +394,93 @@ def dequantize_fp8(q: QuantizedTensor) -> torch.Tensor:
             div_rn(groups, _fp8_max_divisor(q.fp8_dtype)), q.expansion_exponent.view(-1, 1).float()
         )
     return _ungrouped(values, q.payload).view(q.shape)
+
+
+INT8_SCALE_DTYPE = torch.bfloat16
+"""The dtype of a companded INT8 group's scale (2 bytes)."""
+SIGNED_CODE_MAX = 127
+"""Largest magnitude of a signed companded code (int8, symmetric: -128 is never written)."""
+SQUARE_ROOT_CODE_MAX = 255
+"""Largest code of a square-rooted non-negative state (uint8)."""
+INT8_CODE_DTYPES = (torch.int8, torch.uint8)
+
+_CODE_DIVISORS = {SQUARE_ROOT_CODE_MAX: torch.tensor(float(SQUARE_ROOT_CODE_MAX))}
+
+
+def _code_divisor(value: int) -> "torch.Tensor | float":
+    """``value`` as :func:`div_rn`'s divisor, as :func:`_fp8_max_divisor` passes the FP8 maximum."""
+    return _CODE_DIVISORS[value] if torch.compiler.is_compiling() else float(value)
+
+
+def int8_scale_of(group_max: torch.Tensor) -> torch.Tensor:
+    """The FP32 value of the BF16 scale of a companded INT8 group whose largest magnitude is
+    ``group_max``: rounded toward zero to BF16 (an integer operation that compiled code keeps), at
+    least the smallest normal FP32 value; 1 for an all-zero group."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(group_max > 0, round_to_bfloat16_toward_zero(group_max).clamp_min(tiny), 1.0)
+
+
+def _check_int8_buffers(x: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor, group_size: "int | None") -> None:
+    if payload.dtype not in INT8_CODE_DTYPES:
+        raise ValueError(f"an INT8 payload is int8 (signed, companded) or uint8 (square-rooted), got {payload.dtype}")
+    if payload.numel() != x.numel():
+        raise ValueError(f"payload has {payload.numel()} elements, x has {x.numel()}")
+    groups_count = num_groups(x.numel(), group_size)
+    if scale.dtype != INT8_SCALE_DTYPE or scale.numel() != groups_count:
+        raise ValueError(f"scale must be bfloat16 with {groups_count} elements, got {scale.dtype} with {scale.numel()}")
+
+
+def quantize_int8_into(
+    x: torch.Tensor,
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: "int | None" = None,
+    check_finite: bool = True,
+) -> None:
+    """Encode FP32 ``x`` into preallocated companded INT8 buffers (see the module's docstring): an
+    int8 ``payload`` holds a signed state as softsign-companded codes, a uint8 one a non-negative
+    state (negative values are taken as zero) as codes of its square root; ``scale`` (bfloat16) has
+    one element per group of ``group_size`` consecutive elements. Every code is rounded to nearest,
+    ties to even. Raises ValueError on mismatched buffers, and on non-finite input unless
+    ``check_finite=False`` (a compiled caller that has checked its inputs skips the sync)."""
+    _check_int8_buffers(x, payload, scale, group_size)
+    groups = _grouped(x.detach().float(), _resolved_group_size(x.numel(), group_size))
+    square_root = payload.dtype == torch.uint8
+    if square_root:
+        groups = sqrt_rn(groups.clamp_min(0.0))
+    group_max = groups.abs().amax(dim=1, keepdim=True)
+    if check_finite and not bool(torch.isfinite(group_max).all()):
+        raise ValueError("cannot quantize a tensor holding NaN or infinity")
+    group_scale = int8_scale_of(group_max)
+    normalized = div_rn(groups, group_scale).clamp(-1.0, 1.0)
+    if square_root:
+        codes = torch.round(normalized * float(SQUARE_ROOT_CODE_MAX))
+    else:
+        codes = torch.round(div_rn(normalized, 1.0 + normalized.abs()) * float(2 * SIGNED_CODE_MAX))
+    payload.copy_(_ungrouped(codes.to(payload.dtype), payload))
+    scale.view(-1).copy_(group_scale.view(-1))
+
+
+def dequantize_int8(payload: torch.Tensor, scale: torch.Tensor, group_size: "int | None", shape: torch.Size) -> torch.Tensor:
+    """FP32 values of companded INT8 codes (:func:`quantize_int8_into`) in ``shape``: an int8 payload
+    decodes as ``s · q / (254 - |q|)``, a uint8 one as ``(q · s / 255)^2`` (``q · s`` is exact: 8
+    significant bits each), each division correctly rounded."""
+    codes = _grouped(payload.float(), _resolved_group_size(payload.numel(), group_size))
+    group_scale = scale.view(-1, 1).float()
+    if payload.dtype == torch.uint8:
+        root = div_rn(codes * group_scale, _code_divisor(SQUARE_ROOT_CODE_MAX))
+        values = root * root
+    else:
+        values = div_rn(codes, float(2 * SIGNED_CODE_MAX) - codes.abs()) * group_scale
+    return _ungrouped(values, payload).view(shape)
+
+
+def int8_zeros(
+    numel: int, group_size: "int | None", signed: bool, device: torch.device, groups: "int | None" = None
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """What :func:`quantize_int8_into` gives ``numel`` zeros, built without encoding: zero codes
+    (int8 if ``signed``, else uint8) and the scale 1 of an all-zero group per group (``groups``
+    defaults to ``numel`` cut into groups of ``group_size``)."""
+    groups = num_groups(numel, group_size) if groups is None else groups
+    payload = torch.zeros(numel, dtype=torch.int8 if signed else torch.uint8, device=device)
+    return payload, torch.ones(groups, dtype=INT8_SCALE_DTYPE, device=device)

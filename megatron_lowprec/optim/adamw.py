@@ -352,6 +352,9 @@ class AdamW(PrecisionOptimizer):
     parameter is its upper half, an int16 remainder its lower half: 2 bytes; BF16 parameters only;
     the same masters bit for bit) or ``"residual8"`` (the BF16 parameter plus an int8 residual, 1
     byte: masters of 16 significant bits); ``None`` keeps the strategy's own (``optim/master.py``).
+    ``moment_storage`` stores the 8-bit moments of a strategy that has them (coat, sr8, res8) as
+    ``"fp8"`` (COAT's FP8 groups) or ``"int8"`` (companded INT8 on the same groups with a BF16 scale,
+    FlashOptim); ``None`` keeps the strategy's own.
     Stochastic rounding draws its bits from a counter-based stream
     keyed by (``seed``, step, stream, element index), which needs no state and gives every replica of
     an element the same bits; a ``generator`` (a ``torch.Generator`` or a callable returning one,
@@ -392,6 +395,7 @@ class AdamW(PrecisionOptimizer):
         option: str | PrecisionStrategy,
         master_weights: bool | None = None,
         master_storage: str | None = None,
+        moment_storage: str | None = None,
         fused: bool | None = None,
         background_compile: bool = False,
         generator: GeneratorSource | None = None,
@@ -403,7 +407,7 @@ class AdamW(PrecisionOptimizer):
         layout: Layout | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        strategy = resolve_option(option, master_weights, master_storage)
+        strategy = resolve_option(option, master_weights, master_storage, moment_storage)
         if fused and generator is not None and strategy.param_update == "stochastic":
             raise ValueError("fused=True draws SR bits from the counter stream; a generator needs fused=False")
         self.strategy = strategy
@@ -597,7 +601,7 @@ class AdamW(PrecisionOptimizer):
             return
         layout, element_start = bucket.streams[index], bucket.element_starts[index]
         keys = counter_round_keys(self.seed, step, layout.stream)
-        if self.strategy.moments == "fp8":
+        if self.strategy.grouped_moments:
             words = [
                 grid_random_bits(keys, offset, layout.row_stride, rows, length, param.device).reshape(-1)
                 for _, rows, length, offset in layout.grids(element_start, bucket.numels[index])

@@ -38,10 +38,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_lowprec.numerics.quant import quantized_zeros
+from megatron_lowprec.numerics.quant import int8_zeros, quantized_zeros
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim.master import master_key, new_master, reset_master_
-from megatron_lowprec.optim.strategies import PrecisionStrategy
+from megatron_lowprec.optim.strategies import NON_NEGATIVE_MOMENTS, PrecisionStrategy
 
 ALIGNMENT = 128
 """Elements between parameter starts in a bucket are a multiple of this (and of the FP8 group size)."""
@@ -54,8 +54,8 @@ LOW_COMPONENTS = ("param_lo", "exp_avg_sq_lo", "kahan_compensation")
 
 def state_keys(strategy: PrecisionStrategy) -> list[str]:
     """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these)."""
-    if strategy.moments == "fp8":
-        parts = FP8_PARTS if strategy.fp8_expand else FP8_PARTS[:2]
+    if strategy.grouped_moments:
+        parts = FP8_PARTS if strategy.moments == "fp8" and strategy.fp8_expand else FP8_PARTS[:2]
         keys = [f"{moment}_{part}" for moment in strategy.moment_names for part in parts]
     else:
         keys = list(strategy.moment_names)
@@ -76,7 +76,7 @@ def elements_per_value(key: str, strategy: PrecisionStrategy) -> int:
 
 
 def bucket_alignment(strategy: PrecisionStrategy) -> int:
-    if strategy.moments == "fp8":
+    if strategy.grouped_moments:
         return math.lcm(ALIGNMENT, strategy.fp8_group_size)
     return ALIGNMENT
 
@@ -425,7 +425,7 @@ def in_place_offsets(
     if any(first % row for first in starts[1:]):
         return None
     offsets = [first - start for first in starts]
-    if strategy.moments == "fp8":
+    if strategy.grouped_moments:
         group = strategy.fp8_group_size
         if any(offset % group for offset in offsets) or (end - start) % group:
             return None
@@ -479,8 +479,8 @@ def at_least_two(values: list) -> list:
 def zero_state(
     strategy: PrecisionStrategy, numel: int, like: torch.Tensor, fp8_groups: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every flat state buffer of ``strategy`` but the master, zero (FP8: zero payloads, scale and k of
-    an all-zero group), for ``numel`` elements of 16-bit parameters like ``like``, on its device.
+    """Every flat state buffer of ``strategy`` but the master, zero (8-bit moments: zero payloads, and
+    the scale, and for FP8 the k, of an all-zero group), for ``numel`` elements of 16-bit parameters like ``like``, on its device.
     ``fp8_groups`` defaults to ``numel`` cut into consecutive groups."""
     state: dict[str, torch.Tensor] = {}
     for moment in strategy.moment_names:
@@ -492,6 +492,11 @@ def zero_state(
             for part in FP8_PARTS:
                 if getattr(zeros, part) is not None:
                     state[f"{moment}_{part}"] = getattr(zeros, part)
+        elif strategy.moments == "int8":
+            payload, scale = int8_zeros(
+                numel, strategy.fp8_group_size, moment not in NON_NEGATIVE_MOMENTS, like.device, fp8_groups
+            )
+            state[f"{moment}_payload"], state[f"{moment}_scale"] = payload, scale
         else:
             state[moment] = like.new_zeros(numel, dtype=like.dtype if strategy.moments == "low" else torch.float32)
     for key in LOW_COMPONENTS:
@@ -544,7 +549,7 @@ def build_bucket(
         group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
         per_group_scalars=entry_groups is not None,
-        state_group_size=strategy.fp8_group_size if strategy.moments == "fp8" else 1,
+        state_group_size=strategy.fp8_group_size if strategy.grouped_moments else 1,
         row_width=in_place.row_width if in_place is not None else ALIGNMENT,
         row_phase=in_place.row_phase if in_place is not None else 0,
     )

@@ -35,15 +35,26 @@ from typing import Any
 
 import torch
 
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, num_groups, quantize_fp8
+from megatron_lowprec.numerics.quant import (
+    QuantizedTensor,
+    dequantize_fp8,
+    dequantize_int8,
+    fp8_dtype_of,
+    int8_zeros,
+    num_groups,
+    quantize_fp8,
+    quantize_int8_into,
+)
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, new_master, store_master_, stored_master
 from megatron_lowprec.optim.strategies import (
-    EXPONENT_STORAGE_RECORD,
+    NON_NEGATIVE_MOMENTS,
+    STORAGE_RECORDS,
     PrecisionStrategy,
     exponent_storage_record,
     get_strategy,
     resolve_option,
     saved_exponent_storage,
+    saved_int8_moments,
     strategy_names,
 )
 
@@ -120,6 +131,9 @@ def moment_format(strategy: PrecisionStrategy, moment: str, param_dtype: torch.d
         exponent = strategy.fp8_exponent_storage.upper()
         expansion = f" with range expansion (k in {exponent})" if strategy.fp8_expand else ""
         return f"FP8 {strategy.fp8_format} 1x{strategy.fp8_group_size} groups{expansion}"
+    if strategy.moments == "int8":
+        codec = "square root, unsigned" if moment in NON_NEGATIVE_MOMENTS else "companded, signed"
+        return f"INT8 ({codec}) 1x{strategy.fp8_group_size} groups with a BF16 scale"
     if moment == "exp_avg_sq" and strategy.second_moment_mcf:
         return f"{_dtype_word(param_dtype)} pair (v, δv)"
     return _dtype_word(param_dtype)
@@ -170,6 +184,11 @@ def _fp8_moment(strategy: PrecisionStrategy, moment: str, state: dict[str, Any],
     )
 
 
+def _int8_code_dtype(moment: str) -> torch.dtype:
+    """The dtype of ``moment``'s INT8 codes (a checkpoint stores every 8-bit payload as uint8)."""
+    return torch.uint8 if moment in NON_NEGATIVE_MOMENTS else torch.int8
+
+
 def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The FP64 meaning of ``param``'s ``state`` under ``strategy`` (flat, one value per element):
     :data:`VALUE`, the parameter's full-precision value, and each of ``strategy.moment_names``."""
@@ -186,6 +205,11 @@ def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, An
     for moment in strategy.moment_names:
         if strategy.moments == "fp8":
             meaning[moment] = dequantize_fp8(_fp8_moment(strategy, moment, state, numel)).double()
+        elif strategy.moments == "int8":
+            scale = state[f"{moment}_scale"].reshape(-1)
+            payload = state[f"{moment}_payload"].reshape(-1).view(_int8_code_dtype(moment))
+            group_size = _fp8_group_size(strategy, scale, numel)
+            meaning[moment] = dequantize_int8(payload, scale, group_size, torch.Size([numel])).double()
         else:
             meaning[moment] = state[moment].reshape(-1).double()
     for kind in (VALUE, *strategy.moment_names):
@@ -253,6 +277,12 @@ def encode(
                 if quantized.expansion_exponent is not None:
                     parts["expansion_exponent"] = quantized.expansion_exponent
             state.update({f"{moment}_{part}": tensor for part, tensor in parts.items()})
+        elif strategy.moments == "int8":
+            payload, scale = int8_zeros(
+                value.numel(), strategy.fp8_group_size, moment not in NON_NEGATIVE_MOMENTS, value.device
+            )
+            quantize_int8_into(meaning[moment].float(), payload, scale, strategy.fp8_group_size)
+            state.update({f"{moment}_payload": payload, f"{moment}_scale": scale})
         else:
             state[moment] = round_to(meaning[moment], torch.float32 if strategy.moments == "fp32" else param_dtype)
     for kind in (VALUE, *strategy.moment_names):
@@ -347,9 +377,11 @@ def saved_strategy(state_dict: dict[str, Any], like: PrecisionStrategy) -> Preci
 
 
 def with_saved_exponent_storage(strategy: PrecisionStrategy, extra: dict[str, Any]) -> PrecisionStrategy:
-    """``strategy`` with the FP8 exponent storage that a state dict's ``lowprec`` section ``extra``
+    """``strategy`` with the INT8 moments or FP8 exponent storage that a state dict's ``lowprec`` section ``extra``
     records (:func:`~megatron_lowprec.optim.strategies.saved_exponent_storage`): the strategy that
     wrote it, where it has FP8 moments."""
+    if strategy.grouped_moments and saved_int8_moments(extra):
+        return replace(strategy, moments="int8")
     if strategy.moments != "fp8":
         return strategy
     return replace(strategy, fp8_exponent_storage=saved_exponent_storage(extra))
@@ -384,7 +416,8 @@ def convert_state_dict(
         report.add(param, errors)
     converted = {**state_dict, "state": new_states}
     extra = dict(state_dict.get("lowprec") or {"skipped_steps": 0, "seed": 0, "generator_state": None})
-    extra.pop(EXPONENT_STORAGE_RECORD, None)
+    for key in STORAGE_RECORDS:
+        extra.pop(key, None)
     extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
     converted["lowprec"] = extra
     return converted, new_params, report.lines()

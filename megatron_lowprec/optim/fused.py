@@ -352,7 +352,7 @@ def _compiled_or_eager(
 def group_statistics_in_kernel(strategy: PrecisionStrategy, device: torch.device) -> bool:
     """Whether the compiled step of ``strategy`` on ``device`` recomputes its FP8 groups' statistics
     from the payloads (:data:`~megatron_lowprec.numerics.inductor.GROUP_STATISTICS_OPTIONS`) rather than storing them."""
-    return strategy.moments == "fp8" and device.type in GROUP_STATISTICS_DEVICES
+    return strategy.grouped_moments and device.type in GROUP_STATISTICS_DEVICES
 
 
 def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
@@ -361,7 +361,7 @@ def _one_fp8_group(strategy: PrecisionStrategy, state: dict[str, Any]) -> bool:
     the same bits): compiled, a group count of one
     specialises the graph (size 1 broadcasts), and one small call would cost a whole second
     compilation of the FP8 step (minutes on 2 CPU cores)."""
-    return strategy.moments == "fp8" and state[f"{strategy.moment_names[0]}_scale"].numel() == 1
+    return strategy.grouped_moments and state[f"{strategy.moment_names[0]}_scale"].numel() == 1
 
 
 def _join_master_window(param: torch.Tensor | BufferRows, stored: torch.Tensor) -> torch.Tensor:
@@ -534,9 +534,9 @@ def fused_call_arguments(
 
         for start in range(0, bucket.numel, MAX_CALL_ELEMENTS):
             yield stream_call(start, min(start + MAX_CALL_ELEMENTS, bucket.numel))
-    elif sr_seed is not None and strategy.moments != "fp8":
+    elif sr_seed is not None and not strategy.grouped_moments:
         yield from _entry_grid_calls(bucket, strategy, entry_grads, scalars, sr_seed, step)
-    elif strategy.moments == "fp8":
+    elif strategy.grouped_moments:
         group_size = strategy.fp8_group_size
         if sr_seed is not None:
             tables = group_stream_tables(bucket, strategy)
@@ -591,7 +591,7 @@ def _window(source: torch.Tensor | BufferRows, start: int, end: int) -> torch.Te
 def _whole_bucket_step(strategy: PrecisionStrategy) -> bool:
     """Whether the step is elementwise FP32 and integer arithmetic over flat buffers (no torch kernel,
     no per-group FP8 statistics), so that one call can take the whole bucket under any stream."""
-    return strategy.adam_kernel == "reference" and strategy.moments != "fp8"
+    return strategy.adam_kernel == "reference" and not strategy.grouped_moments
 
 
 KEY_BLOCK_STEPS = 256
@@ -709,7 +709,7 @@ def check_fused_bucket(bucket: Bucket, strategy: PrecisionStrategy) -> None:
     """``ValueError`` where the fused step cannot lay out ``bucket``'s calls (stochastic rounding over
     FP8 groups that straddle rows of a stream: :func:`group_stream_tables`), raised when the
     optimizer is built, before any step."""
-    if strategy.param_update == "stochastic" and strategy.moments == "fp8":
+    if strategy.param_update == "stochastic" and strategy.grouped_moments:
         group_stream_tables(bucket, strategy)
 
 

@@ -31,8 +31,8 @@ Rounding points of the reference, for every strategy:
   and :func:`~megatron_lowprec.optim.master.store_master_`: stored whole (the 16-bit parameter is
   its nearest rounding, a cast) or as the BF16 parameter plus an int16 remainder (integer
   operations on the bit pattern), the same FP32 master either way.
-* FP8 moments are decoded and re-quantized by ``numerics/quant.py``, whose divisions, ``log`` and
-  ``pow`` are likewise the same function on every backend.
+* FP8 and companded INT8 moments are decoded and re-quantized by ``numerics/quant.py``, whose
+  divisions, square roots, ``log`` and ``pow`` are likewise the same function on every backend.
 * ``adam_kernel="torch_fused"`` (option D) does not run this specification: torch's own fused AdamW
   kernel updates the FP32 master (``torch_fused.py``), in the eager and in the fused step alike.
 """
@@ -48,7 +48,14 @@ from megatron_lowprec.metrics.update_quality import update_quality_pieces
 from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
 from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
 from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, quantize_fp8_into
+from megatron_lowprec.numerics.quant import (
+    QuantizedTensor,
+    dequantize_fp8,
+    dequantize_int8,
+    fp8_dtype_of,
+    quantize_fp8_into,
+    quantize_int8_into,
+)
 from megatron_lowprec.numerics.rounding import (
     counter_round_keys,
     hash_words,
@@ -262,6 +269,8 @@ def decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strat
     """The moment as an FP32 tensor: the stored tensor itself when it is FP32 (updated in place), else a copy."""
     if strategy.moments == "fp8":
         return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
+    if strategy.moments == "int8":
+        return dequantize_int8(state[f"{moment}_payload"], state[f"{moment}_scale"], strategy.fp8_group_size, param.shape)
     return state[moment].float()
 
 
@@ -273,8 +282,10 @@ def encode_moment(
     strategy: PrecisionStrategy,
     check_finite: bool = True,
 ) -> None:
-    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8 (which, with
-    ``check_finite`` and not compiling, refuses non-finite values with a host synchronisation)."""
+    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8 and INT8
+    (which, with ``check_finite`` and not compiling, refuses non-finite values with a host
+    synchronisation)."""
+    check_finite = check_finite and not torch.compiler.is_compiling()
     if strategy.moments == "fp8":
         stored = _fp8_moment(state, moment, param, strategy)
         quantize_fp8_into(
@@ -283,8 +294,12 @@ def encode_moment(
             stored.scale,
             stored.expansion_exponent,
             strategy.fp8_group_size,
-            check_finite=check_finite and not torch.compiler.is_compiling(),
+            check_finite=check_finite,
             fp8_dtype=stored.fp8_dtype,
+        )
+    elif strategy.moments == "int8":
+        quantize_int8_into(
+            values, state[f"{moment}_payload"], state[f"{moment}_scale"], strategy.fp8_group_size, check_finite
         )
     elif values is not state[moment]:
         state[moment].copy_(values)

@@ -412,7 +412,7 @@ class Muon(PrecisionOptimizer):
     ``ns_coefficients`` is torch's one (a, b, c) for every Newton-Schulz iteration or, as
     megatron-core's coefficient types, a sequence of triples taken in turn (:func:`coefficient_schedule`).
     Parameters must be 2-D and bfloat16 or float16 (others: :class:`~megatron_lowprec.optim.AdamW`
-    with the same option). ``master_weights`` and ``master_storage`` act as for AdamW. Stochastic
+    with the same option). ``master_weights``, ``master_storage`` and ``moment_storage`` act as for AdamW. Stochastic
     rounding draws the counter-based words of (``seed``, step, stream, element): every replica of an
     element draws the same; ``stream_layout(param)`` places a parameter in the stream (default: a
     whole stream per parameter, numbered by its position). A step with a non-finite gradient is
@@ -457,6 +457,7 @@ class Muon(PrecisionOptimizer):
         option: str | PrecisionStrategy,
         master_weights: bool | None = None,
         master_storage: str | None = None,
+        moment_storage: str | None = None,
         fused: bool | None = None,
         params_in_buffer: bool = False,
         buffer_row: int | None = None,
@@ -467,7 +468,7 @@ class Muon(PrecisionOptimizer):
         sharded_matrix: Callable[[torch.nn.Parameter], ShardedMatrix | None] | None = None,
         split_rows: Callable[[torch.nn.Parameter], tuple[int, ...] | None] | None = None,
     ) -> None:
-        self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage))
+        self.strategy = muon_strategy(resolve_option(option, master_weights, master_storage, moment_storage))
         self.sharded_matrix = sharded_matrix or (lambda param: None)
         self.split_rows = split_rows or (lambda param: None)
         self._fused_request = fused

@@ -16,7 +16,7 @@ import re
 import textwrap
 from typing import Callable, Optional
 
-from megatron_lowprec.optim.strategies import MASTER_STORAGES, PrecisionStrategy, get_strategy
+from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_STORAGES, PrecisionStrategy, get_strategy
 
 
 class SettingError(ValueError):
@@ -49,6 +49,10 @@ class OptimizerPrecision:
     the same masters bit for bit) or ``residual8`` (the BF16 parameter plus an int8 residual: 1 byte,
     masters of 16 significant bits); unset: the option's own (``D-BF16``: remainder, ``res8``:
     residual8)."""
+    moment_storage: Optional[str] = None
+    """How an option with 8-bit moments (coat, sr8, res8) stores them: ``fp8`` (COAT's FP8 E4M3 groups
+    of 128 with range expansion) or ``int8`` (companded INT8 on the same groups with a BF16 scale
+    each, FlashOptim's codec: m softsign-companded, v square-rooted); unset: the option's own (fp8)."""
     convert_checkpoint: bool = False
     """Resume from a checkpoint written with another option, or with megatron-core's own optimizer:
     its optimizer state is carried by its meaning into this option's formats (exactly where they
@@ -70,23 +74,27 @@ class OptimizerPrecision:
     Megatron-LM's ``--seed``; 0 where there is none)."""
 
     def strategy(self) -> PrecisionStrategy:
-        """The option's strategy with :attr:`master_storage` applied; :class:`SettingError` where a
-        setting cannot apply."""
+        """The option's strategy with :attr:`master_storage` and :attr:`moment_storage` applied;
+        :class:`SettingError` where a setting cannot apply."""
         try:
             strategy = get_strategy(self.option)
         except ValueError as error:
             raise SettingError("option", str(error)) from None
-        if self.master_storage is None:
-            return strategy
-        if self.master_storage not in MASTER_STORAGES:
-            raise SettingError(
-                "master_storage", f"{self.master_storage!r} is not valid; choose one of: {', '.join(MASTER_STORAGES)}",
-                MASTER_STORAGES,
-            )
-        try:
-            return strategy.with_master_storage(self.master_storage)
-        except ValueError as error:
-            raise SettingError("master_storage", str(error)) from None
+        storages = (
+            ("master_storage", MASTER_STORAGES, PrecisionStrategy.with_master_storage),
+            ("moment_storage", GROUPED_MOMENT_STORAGES, PrecisionStrategy.with_moment_storage),
+        )
+        for name, choices, apply in storages:
+            storage = getattr(self, name)
+            if storage is None:
+                continue
+            if storage not in choices:
+                raise SettingError(name, f"{storage!r} is not valid; choose one of: {', '.join(choices)}", choices)
+            try:
+                strategy = apply(strategy, storage)
+            except ValueError as error:
+                raise SettingError(name, str(error)) from None
+        return strategy
 
     def check(self) -> None:
         """Every setting valid, or :class:`SettingError` naming the first that is not."""

@@ -17,7 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-MOMENT_STORAGES = ("low", "fp32", "fp8")
+MOMENT_STORAGES = ("low", "fp32", "fp8", "int8")
+GROUPED_MOMENT_STORAGES = ("fp8", "int8")
+"""The 8-bit moment storages: per element one byte, per group of ``fp8_group_size`` a scale (and for FP8 an exponent)."""
+NON_NEGATIVE_MOMENTS = ("exp_avg_sq",)
+"""Moments that are never negative: an INT8 codec stores their square root, unsigned (FlashOptim)."""
 PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
@@ -34,6 +38,8 @@ RESIDUAL8_BYTES = 1
 """The int8 residual that, below the BF16 parameter, stores a master of 16 significant bits (``master_storage="residual8"``)."""
 FP8_SCALE_BYTES = 4
 """Per FP8 group: its FP32 scale (COAT §3)."""
+INT8_SCALE_BYTES = 2
+"""Per companded INT8 group: its BF16 scale (:mod:`~megatron_lowprec.numerics.quant`)."""
 EXPANSION_EXPONENT_BYTES = {"fp32": 4, "bf16": 2}
 """Per FP8 group under range expansion: its exponent k (COAT §4.2), by ``fp8_exponent_storage``."""
 
@@ -57,8 +63,10 @@ class PrecisionStrategy:
     """Other accepted names, e.g. ``("collage_plus",)``."""
 
     moments: str = "low"
-    """Storage of m and v: ``"low"`` (the parameter's own 16-bit dtype), ``"fp32"``, or ``"fp8"``
-    (per-group FP8 with dynamic range expansion, COAT §4)."""
+    """Storage of m and v: ``"low"`` (the parameter's own 16-bit dtype), ``"fp32"``, ``"fp8"``
+    (per-group FP8 with dynamic range expansion, COAT §4), or ``"int8"`` (companded INT8 on the same
+    groups with a BF16 scale each, FlashOptim's spec per state: m signed and softsign-companded, v
+    square-rooted and unsigned; :func:`~megatron_lowprec.numerics.quant.quantize_int8_into`)."""
 
     master_weights: bool = False
     """Keep an FP32 master copy that AdamW updates; the 16-bit parameter is its nearest rounding
@@ -106,7 +114,7 @@ class PrecisionStrategy:
     """FP8 format of both moments when ``moments == "fp8"``."""
 
     fp8_group_size: int = 128
-    """Elements per quantization group (1 x G along the flattened state, COAT §4)."""
+    """Elements per quantization group of 8-bit moments, FP8 or INT8 (1 x G along the flattened state, COAT §4)."""
 
     fp8_expand: bool = True
     """Apply COAT's dynamic range expansion before FP8 quantization (COAT §4.2)."""
@@ -159,6 +167,26 @@ class PrecisionStrategy:
             raise ValueError(f"fp8_group_size must be >= 1, got {self.fp8_group_size}")
 
     @property
+    def grouped_moments(self) -> bool:
+        """The moments are stored in 8 bits per element with per-group metadata (FP8 or INT8), in
+        groups of ``fp8_group_size`` tied to the same offsets of the buffers."""
+        return self.moments in GROUPED_MOMENT_STORAGES
+
+    def with_moment_storage(self, moment_storage: str) -> PrecisionStrategy:
+        """The same strategy with its 8-bit moments stored as ``moment_storage`` (``"fp8"`` or
+        ``"int8"``, :data:`GROUPED_MOMENT_STORAGES`); the name stays, and a state dict records the
+        storage (:func:`exponent_storage_record`). ``ValueError`` for a strategy whose moments are
+        not 8-bit, naming those that are, or for another storage."""
+        if not self.grouped_moments:
+            eight_bit = ", ".join(s.name for s in _CANONICAL if s.grouped_moments)
+            raise ValueError(
+                f"option {self.name!r} keeps {self.moments} moments, so moment_storage={moment_storage!r} cannot apply; "
+                f"options with 8-bit moments: {eight_bit}"
+            )
+        _check_choice("moment_storage", moment_storage, GROUPED_MOMENT_STORAGES)
+        return replace(self, moments=moment_storage)
+
+    @property
     def keeps_param_low_component(self) -> bool:
         """The parameter is an MCF expansion (θ, δθ)."""
         return self.param_update == "mcf"
@@ -204,8 +232,11 @@ class PrecisionStrategy:
 
     @property
     def fp8_group_metadata_bytes(self) -> int:
-        """Bytes each FP8 group stores besides its payload: its FP32 scale, and under range expansion
-        its exponent k as ``fp8_exponent_storage`` says (8 with an FP32 k, 6 with a BF16 one)."""
+        """Bytes each 8-bit group stores besides its payload: an INT8 group its BF16 scale (2); an FP8
+        group its FP32 scale, and under range expansion its exponent k as ``fp8_exponent_storage``
+        says (8 with an FP32 k, 6 with a BF16 one)."""
+        if self.moments == "int8":
+            return INT8_SCALE_BYTES
         exponent = EXPANSION_EXPONENT_BYTES[self.fp8_exponent_storage] if self.fp8_expand else 0
         return FP8_SCALE_BYTES + exponent
 
@@ -262,10 +293,18 @@ EXPONENT_STORAGE_RECORD = "fp8_exponent_storage"
 """The key under which a state dict's ``lowprec`` section records an ``fp8_exponent_storage`` other
 than ``"fp32"``. Absent, the storage is ``"fp32"``: coat's state dicts hold no such key, and a
 state dict without it holds FP32 exponents."""
+MOMENT_STORAGE_RECORD = "moment_storage"
+"""The key under which a state dict's ``lowprec`` section records moments stored as companded INT8
+(:meth:`PrecisionStrategy.with_moment_storage`). Absent, they are stored as the option registers them."""
+STORAGE_RECORDS = (EXPONENT_STORAGE_RECORD, MOMENT_STORAGE_RECORD)
+"""Every key of :func:`exponent_storage_record`: a converted state drops the source's before recording its own."""
 
 
 def exponent_storage_record(strategy: PrecisionStrategy) -> dict[str, str]:
-    """What a state dict of ``strategy`` records of its FP8 exponent storage (:data:`EXPONENT_STORAGE_RECORD`)."""
+    """What a state dict of ``strategy`` records of its 8-bit moments' storage: INT8 moments
+    (:data:`MOMENT_STORAGE_RECORD`), or an FP8 exponent storage other than FP32 (:data:`EXPONENT_STORAGE_RECORD`)."""
+    if strategy.moments == "int8":
+        return {MOMENT_STORAGE_RECORD: strategy.moments}
     if strategy.moments != "fp8" or strategy.fp8_exponent_storage == "fp32":
         return {}
     return {EXPONENT_STORAGE_RECORD: strategy.fp8_exponent_storage}
@@ -276,22 +315,40 @@ def saved_exponent_storage(extra: dict) -> str:
     return extra.get(EXPONENT_STORAGE_RECORD, "fp32")
 
 
+def saved_int8_moments(extra: dict) -> bool:
+    """Whether a state dict's ``lowprec`` section ``extra`` records companded INT8 moments."""
+    return extra.get(MOMENT_STORAGE_RECORD) == "int8"
+
+
 def stores_other_exponents(extra: dict, strategy: PrecisionStrategy) -> bool:
-    """Whether a state dict whose ``lowprec`` section is ``extra`` holds FP8 expansion exponents in
-    another format than ``strategy`` stores them (a res8 state saved while they were FP32)."""
+    """Whether a state dict whose ``lowprec`` section is ``extra`` holds its 8-bit moments in another
+    form than ``strategy`` stores them: INT8 against FP8, or FP8 expansion exponents in another
+    format (a res8 state saved while they were FP32)."""
+    if strategy.grouped_moments and saved_int8_moments(extra) != (strategy.moments == "int8"):
+        return True
     return strategy.moments == "fp8" and saved_exponent_storage(extra) != strategy.fp8_exponent_storage
+
+
+def storage_difference(extra: dict, strategy: PrecisionStrategy) -> tuple[str, str, str]:
+    """(what differs, as saved, as ``strategy`` stores it) for a state dict whose ``lowprec`` section
+    ``extra`` :func:`stores_other_exponents`: ``("moments", "int8", "fp8")`` or the reverse, or
+    ``("FP8 expansion exponents", saved, own)``."""
+    saved_int8 = saved_int8_moments(extra)
+    if strategy.grouped_moments and saved_int8 != (strategy.moments == "int8"):
+        return ("moments", "int8", "fp8") if saved_int8 else ("moments", "fp8", "int8")
+    return "FP8 expansion exponents", saved_exponent_storage(extra), strategy.fp8_exponent_storage
 
 
 def check_exponent_storage(extra: dict, strategy: PrecisionStrategy, remedy: str) -> None:
     """``ValueError`` in one line, ending with ``remedy``, where a state dict whose ``lowprec`` section
-    is ``extra`` stores FP8 expansion exponents in another format than ``strategy`` does (a res8
-    state saved while its exponents were FP32): loading it as it is would pair each payload with
-    another k than it was quantized with."""
+    is ``extra`` stores its 8-bit moments in another form than ``strategy`` does (INT8 against FP8, or
+    a res8 state saved while its exponents were FP32): loading it as it is would decode each payload
+    with another codec, or pair it with another k, than it was quantized with."""
     if stores_other_exponents(extra, strategy):
+        what, saved, own = storage_difference(extra, strategy)
         raise ValueError(
-            f"the optimizer state of option {strategy.name!r} was saved with its FP8 expansion exponents in "
-            f"{saved_exponent_storage(extra)}, "
-            f"this optimizer stores them in {strategy.fp8_exponent_storage}; {remedy}"
+            f"the optimizer state of option {strategy.name!r} was saved with its {what} in {saved}, "
+            f"this optimizer stores them in {own}; {remedy}"
         )
 
 
@@ -332,11 +389,15 @@ def get_strategy(name: str | PrecisionStrategy) -> PrecisionStrategy:
 
 
 def resolve_option(
-    option: str | PrecisionStrategy, master_weights: bool | None = None, master_storage: str | None = None
+    option: str | PrecisionStrategy,
+    master_weights: bool | None = None,
+    master_storage: str | None = None,
+    moment_storage: str | None = None,
 ) -> PrecisionStrategy:
     """The strategy an optimizer runs for ``option``: ``master_weights=False`` drops the FP32 master
-    of a strategy that has one, ``master_storage`` stores it as ``"fp32"``, ``"remainder"`` or ``"residual8"``
-    (``None`` keeps both as the strategy has them). ``ValueError`` where they cannot apply."""
+    of a strategy that has one, ``master_storage`` stores it as ``"fp32"``, ``"remainder"`` or ``"residual8"``,
+    ``moment_storage`` stores 8-bit moments as ``"fp8"`` or ``"int8"`` (``None`` keeps each as the
+    strategy has it). ``ValueError`` where they cannot apply."""
     strategy = get_strategy(option)
     if master_weights is False:
         if master_storage is not None:
@@ -347,6 +408,8 @@ def resolve_option(
         raise ValueError(f"option {strategy.name!r} has no FP32 master weights to keep; options with one: {with_master}")
     if master_storage is not None:
         strategy = strategy.with_master_storage(master_storage)
+    if moment_storage is not None:
+        strategy = strategy.with_moment_storage(moment_storage)
     return strategy
 
 

@@ -54,7 +54,7 @@ from megatron_lowprec.megatron.torch_dist import (
     unread_distributed_form,
 )
 from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, as_shaped_like, with_saved_exponent_storage
-from megatron_lowprec.optim.strategies import get_strategy, saved_exponent_storage, stores_other_exponents
+from megatron_lowprec.optim.strategies import get_strategy, storage_difference, stores_other_exponents
 from megatron_lowprec.train.config import (
     RESUME_CHANGEABLE, STOCK_OPTIMIZER_LABEL, ConfigError, option_label, run_shape,
 )
@@ -511,9 +511,9 @@ def load(run, path: Path) -> None:
         sources = _conversion_sources(run, path, common["option"], common)
     elif _other_exponent_storages(run, common):
         if not run.config.precision.convert_checkpoint:
-            saved, own = min(_other_exponent_storages(run, common))
+            what, saved, own = min(_other_exponent_storages(run, common))
             raise ResumeError(
-                f"{path} stores the FP8 expansion exponents of option {option!r} in {saved}, this run in {own}; "
+                f"{path} stores the {what} of option {option!r} in {saved}, this run in {own}; "
                 "precision.convert_checkpoint=true converts its optimizer state (its FP8 moments quantized afresh)"
             )
         sources = _conversion_sources(run, path, common["option"], common)
@@ -624,12 +624,12 @@ def _saved_sections(run, common: dict) -> list[tuple[object, int | None, dict]]:
     return sections
 
 
-def _other_exponent_storages(run, common: dict) -> set[tuple[str, str]]:
-    """(saved, the run's) FP8 exponent storage of each optimizer of the run whose section in
-    ``common`` records another storage than it keeps (a res8 checkpoint written while its
-    exponents were FP32)."""
+def _other_exponent_storages(run, common: dict) -> set[tuple[str, str, str]]:
+    """(what, saved, the run's) storage of the 8-bit moments of each optimizer of the run whose
+    section in ``common`` records another storage than it keeps (a res8 checkpoint written while
+    its exponents were FP32, INT8 moments against FP8: :func:`storage_difference`)."""
     return {
-        (saved_exponent_storage(extra), optimizer.optimizer.strategy.fp8_exponent_storage)
+        storage_difference(extra, optimizer.optimizer.strategy)
         for optimizer, _, extra in _saved_sections(run, common)
         if extra and stores_other_exponents(extra, optimizer.optimizer.strategy)
     }

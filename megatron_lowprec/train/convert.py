@@ -53,7 +53,7 @@ from megatron_lowprec.optim.convert import (
 )
 from megatron_lowprec.optim.master import MASTER_KEYS
 from megatron_lowprec.optim.strategies import (
-    EXPONENT_STORAGE_RECORD, PrecisionStrategy, exponent_storage_record, get_strategy,
+    STORAGE_RECORDS, PrecisionStrategy, exponent_storage_record, get_strategy,
 )
 from megatron_lowprec.train.checkpoint import COMPLETE_FILE, checkpoint_files, checkpoint_problem, file_entries
 from megatron_lowprec.train.config import STOCK_OPTIMIZER_LABEL
@@ -164,7 +164,8 @@ def converted_common(
             "state": {"common_step": torch.tensor(float(step))},
         }}
     else:
-        record.pop(EXPONENT_STORAGE_RECORD, None)
+        for key in STORAGE_RECORDS:
+            record.pop(key, None)
         record.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
         new_optimizer = {"param_groups": groups, "state": {"common_step": step}, "lowprec": record}
     new = {**common, "optimizer": new_optimizer}

@@ -122,6 +122,9 @@ def _moments(strategy: PrecisionStrategy) -> str:
         return "BF16"
     if strategy.moments == "fp32":
         return "FP32"
+    if strategy.moments == "int8":
+        return (f"INT8 in 1x{strategy.fp8_group_size} groups, each with a BF16 scale: m softsign-companded (int8), "
+                "v as its square root (uint8)")
     exponent = strategy.fp8_exponent_storage.upper()
     expansion = f" and its range-expansion exponent in {exponent}" if strategy.fp8_expand else ""
     return f"FP8 {strategy.fp8_format.upper()} in 1x{strategy.fp8_group_size} groups, each with an FP32 scale{expansion}"
@@ -238,6 +241,24 @@ def options_page() -> str:
          "Muon (hidden weights)"],
         rows,
     )
+    lines += [
+        "",
+        "The options with 8-bit moments store them as companded INT8 instead of FP8 with",
+        "`precision.moment_storage=int8` (`--lowprec-moment-storage int8`): the same groups, one byte",
+        "per element and a BF16 scale per group ([INT8 moments](../explanation/lean-options.md#int8-moments)).",
+        "",
+    ]
+    int8_rows = [
+        [
+            f"`{variant.name}`",
+            _moments(variant),
+            _number(variant.bytes_per_param()),
+            _number(variant.bytes_per_param(state_shards=DISTRIBUTED_DP)),
+            _number(muon_strategy(variant).bytes_per_param()),
+        ]
+        for variant in (strategy.with_moment_storage("int8") for strategy in strategies if strategy.grouped_moments)
+    ]
+    lines += _table(["option", "moments", "bytes/param", f"distributed, DP={DISTRIBUTED_DP}", "Muon (hidden weights)"], int8_rows)
     return "\n".join(lines) + "\n"
 
 

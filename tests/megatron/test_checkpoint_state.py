@@ -1,4 +1,5 @@
-"""Optimizer state in checkpoint form: coat's FP8 groups per element, restored exactly or regrouped."""
+"""Optimizer state in checkpoint form: coat's FP8 groups (and companded INT8 groups) per element,
+restored exactly or regrouped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_lowprec.numerics.quant import dequantize_fp8, quantize_fp8
+from megatron_lowprec.numerics.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8_into
 from megatron_lowprec.optim import AdamW, get_strategy
 from megatron_lowprec.optim.kernel import init_state
 
@@ -16,6 +17,7 @@ from ..options import MASTER_OPTIONS
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed")
 
 COAT = get_strategy("coat")
+SR8_INT8 = get_strategy("sr8").with_moment_storage("int8")
 
 
 def _coat_state(values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -66,6 +68,41 @@ def test_groups_that_gather_two_saved_groups_are_quantized_afresh():
         expected = quantize_fp8(saved_values, COAT.fp8_format, group_size=COAT.fp8_group_size, expand=COAT.fp8_expand)
         assert torch.equal(_bits(restored[f"{moment}_payload"]), _bits(expected.payload)), moment
         assert torch.equal(restored[f"{moment}_scale"], expected.scale), moment
+
+
+def _int8_state(values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An sr8 state with companded INT8 moments holding ``values`` (v: their magnitudes) per 1x128 group."""
+    state = {key: value for key, value in init_state(torch.zeros(values.numel(), dtype=torch.bfloat16), SR8_INT8).items()
+             if torch.is_tensor(value)}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        quantize_int8_into(values.abs() if moment == "exp_avg_sq" else values, state[f"{moment}_payload"],
+                           state[f"{moment}_scale"], SR8_INT8.fp8_group_size)
+    return state
+
+
+def test_int8_moments_restore_exactly_in_the_same_groups_and_are_encoded_afresh_across_them():
+    """Companded INT8 moments in checkpoint form (payloads as uint8, the BF16 scale per element):
+    the same groups restore every bit; elements 64..319 of a 428-element run, loaded as a run of
+    their own, hold the INT8 encoding of the saved (decoded) values."""
+    from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
+
+    values = torch.randn(428, generator=torch.Generator().manual_seed(2)) * torch.logspace(-4, 0, 428)
+    saved = _int8_state(values)
+    form = {key: value.clone() for key, value in checkpoint_state(saved, 428, SR8_INT8).items()}
+    assert {key: value.dtype for key, value in form.items()} == checkpoint_dtypes(SR8_INT8, torch.bfloat16)
+    restored = _int8_state(torch.zeros(428))
+    restore_checkpoint_state(restored, form, 428, SR8_INT8)
+    for key, value in saved.items():
+        assert torch.equal(_bits(restored[key]), _bits(value)), key
+    window = {key: value[64:320].clone() for key, value in form.items()}
+    restored = _int8_state(torch.zeros(256))
+    restore_checkpoint_state(restored, window, 256, SR8_INT8)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        decoded = dequantize_int8(saved[f"{moment}_payload"], saved[f"{moment}_scale"], 128, torch.Size([428]))[64:320]
+        expected = _int8_state(torch.zeros(256))
+        quantize_int8_into(decoded, expected[f"{moment}_payload"], expected[f"{moment}_scale"], 128)
+        assert torch.equal(restored[f"{moment}_payload"], expected[f"{moment}_payload"]), moment
+        assert torch.equal(restored[f"{moment}_scale"], expected[f"{moment}_scale"]), moment
 
 
 def _remainder_state(option: str, numel: int, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -52,13 +52,15 @@ def test_arguments_parse_into_the_configs_fields():
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--lowprec-option", "sr", "--lowprec-seed", "3", "--no-lowprec-shared-randomness", "--no-lowprec-fused",
-        "--no-lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
+        "--no-lowprec-background-compile", "--lowprec-track-update-quality", "--lowprec-master-storage", "remainder",
+        "--lowprec-moment-storage", "int8", "--lowprec-emulate", "E8M5", "--lowprec-emulate-rounding", "stochastic",
         "--lowprec-layers-exclude", "output_layer", "linear_fc2",
     ])
     assert megatron_lm.precision_settings(args) == {
         "lowprec_option": "sr", "lowprec_seed": 3, "lowprec_shared_randomness": False, "lowprec_fused": False,
         "lowprec_background_compile": False, "lowprec_track_update_quality": True, "lowprec_master_storage": "remainder",
         "lowprec_convert_checkpoint": False,
+        "lowprec_moment_storage": "int8",
     }
     assert (args.lowprec_emulate, args.lowprec_emulate_rounding, args.lowprec_layers_exclude) == (
         "E8M5", "stochastic", ["output_layer", "linear_fc2"])

@@ -1,5 +1,6 @@
 """FP8 quantization and COAT dynamic range expansion, checked against torch's own float8 casts and
-float64 arithmetic; the COAT Table 1 experiment on AdamW states of a small trained model."""
+float64 arithmetic; the COAT Table 1 experiment on AdamW states of a small trained model; companded
+INT8 groups against float64 arithmetic."""
 
 import math
 import re
@@ -14,12 +15,15 @@ from megatron_lowprec.numerics.quant import (
     QuantizedTensor,
     contract_dynamic_range,
     dequantize_fp8,
+    dequantize_int8,
     dequantize_rows,
     expand_dynamic_range,
     fp8_dtype_of,
     fp8_dynamic_range,
+    int8_zeros,
     quantize_fp8,
     quantize_fp8_into,
+    quantize_int8_into,
     quantize_matrix,
     quantize_rows,
     quantized_zeros,
@@ -529,3 +533,137 @@ def test_quantized_zeros_are_the_quantization_of_zeros(numel, group_size, expand
             assert torch.equal(built_part, quantized_part) and built_part.device == quantized_part.device
             assert built_part.dtype == quantized_part.dtype
 
+
+
+# Companded INT8 groups (FlashOptim's codec on 1 x G groups with a BF16 scale), against float64
+# arithmetic in numpy.
+
+
+def _bf16_toward_zero(values: np.ndarray) -> np.ndarray:
+    """FP64 ``values`` (FP32-representable) truncated to bfloat16, as float64."""
+    bits = values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def _reference_int8(x: np.ndarray, group_size: int, square_root: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, per-group scale) of the codec in float64: scale = max (of the square roots) truncated to
+    BF16, at least 2^-126, 1 for zeros; n = clip(x / scale, -1, 1); signed codes rint(254 n / (1 + |n|)),
+    square-rooted ones rint(255 n)."""
+    padded = np.concatenate([x, np.zeros(-len(x) % group_size)]).reshape(-1, group_size)
+    if square_root:
+        padded = np.sqrt(padded)
+    group_max = np.abs(padded).max(axis=1, keepdims=True)
+    scale = np.where(group_max > 0, np.maximum(_bf16_toward_zero(group_max), 2.0**-126), 1.0)
+    normalized = np.clip(padded / scale, -1.0, 1.0)
+    codes = np.rint(255 * normalized) if square_root else np.rint(254 * normalized / (1 + np.abs(normalized)))
+    return codes.reshape(-1)[: len(x)], scale.reshape(-1)
+
+
+def _encode_int8(x: torch.Tensor, group_size: int, square_root: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    payload, scale = int8_zeros(x.numel(), group_size, not square_root, x.device)
+    quantize_int8_into(x, payload, scale, group_size)
+    return payload, scale
+
+
+def test_int8_encodes_known_values_to_the_companded_and_square_rooted_codes():
+    signed = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.25, -0.125, 0.75, 3.0 / 1024])
+    payload, scale = _encode_int8(signed, 8, square_root=False)
+    # 254 n / (1 + |n|): 127, -127, 84.67, 0, 50.8, -28.2, 108.9, 0.74
+    assert payload.tolist() == [127, -127, 85, 0, 51, -28, 109, 1]
+    assert payload.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.tolist() == [1.0]
+    decoded = dequantize_int8(payload, scale, 8, signed.shape)
+    assert decoded.tolist() == pytest.approx([1, -1, 85 / 169, 0, 51 / 203, -28 / 226, 109 / 145, 1 / 253], rel=2**-23)
+
+    variance = torch.tensor([4.0, 1.0, 0.25, 0.0, 2.25])
+    payload, scale = _encode_int8(variance, 5, square_root=True)
+    # 255 sqrt(v) / 2: 255, 127.5 (ties to even), 63.75, 0, 191.25
+    assert payload.tolist() == [255, 128, 64, 0, 191] and payload.dtype == torch.uint8 and scale.tolist() == [2.0]
+    decoded = dequantize_int8(payload, scale, 5, variance.shape)
+    assert decoded.tolist() == pytest.approx([(code * 2 / 255) ** 2 for code in (255, 128, 64, 0, 191)], rel=2**-22)
+
+
+@pytest.mark.parametrize("square_root", [False, True], ids=["signed", "square-root"])
+def test_int8_codes_and_scales_match_a_float64_reference(square_root):
+    values = wide_range_sample(128 * 40 + 37, seed=11)
+    if square_root:
+        values = values * values
+    payload, scale = _encode_int8(values, 128, square_root)
+    codes, reference_scale = _reference_int8(values.double().numpy(), 128, square_root)
+    assert np.array_equal(scale.double().numpy(), reference_scale)
+    difference = np.abs(payload.double().numpy() - codes)
+    # FP32 rounds the companding before the code is rounded: at most a near-tie lands on its neighbour.
+    assert difference.max() <= 1 and (difference == 0).mean() > 0.999
+
+
+def test_int8_decoding_is_within_half_a_code_and_companding_refines_small_values():
+    group_size = 128
+    values = wide_range_sample(group_size * 64, seed=5)
+    payload, scale = _encode_int8(values, group_size, square_root=False)
+    decoded = dequantize_int8(payload, scale, group_size, values.shape).double().view(-1, group_size)
+    exact = values.double().view(-1, group_size)
+    group_max = exact.abs().amax(dim=1, keepdim=True)
+    stored = scale.double().view(-1, 1)
+    # Half a step of 1/127 in y = 2n / (1 + |n|) is at most 1/127 in n (dn/dy <= 2), plus the
+    # truncated scale's clamp of the elements above it.
+    assert ((decoded - exact).abs() <= stored / 127 * (1 + 2**-20) + (group_max - stored)).all()
+    small = exact.abs() <= 0.05 * stored
+    # Near zero dn/dy is about 1/2: four times finer than a linear int8 code's half step of 1/254.
+    assert ((decoded - exact).abs()[small] <= (stored / 400).expand_as(exact)[small]).all()
+
+    variance = values * values
+    payload, scale = _encode_int8(variance, group_size, square_root=True)
+    roots = dequantize_int8(payload, scale, group_size, values.shape).double().sqrt().view(-1, group_size)
+    exact_roots = variance.double().sqrt().view(-1, group_size)
+    root_max = exact_roots.amax(dim=1, keepdim=True)
+    stored = scale.double().view(-1, 1)
+    assert ((roots - exact_roots).abs() <= stored / 510 * (1 + 2**-20) + (root_max - stored)).all()
+
+
+@pytest.mark.parametrize("square_root", [False, True], ids=["signed", "square-root"])
+def test_int8_round_trip_is_idempotent(square_root):
+    values = wide_range_sample(128 * 16 + 5, seed=3)
+    if square_root:
+        values = values.abs()
+    payload, scale = _encode_int8(values, 128, square_root)
+    again, again_scale = _encode_int8(dequantize_int8(payload, scale, 128, values.shape), 128, square_root)
+    assert torch.equal(again, payload) and torch.equal(again_scale, scale)
+
+
+@pytest.mark.parametrize("square_root", [False, True], ids=["signed", "square-root"])
+def test_int8_zero_equal_and_tiny_groups(square_root):
+    sign = 1.0 if square_root else -1.0
+    groups = torch.cat([
+        torch.zeros(128),                                      # all zero: codes 0, scale 1
+        torch.full((128,), 0.3 * sign),                        # all equal
+        torch.linspace(0, 1, 128) * 1e-40,                     # FP32 subnormals: a signed scale stays 2^-126
+        torch.linspace(-1, 1, 128).abs() * 1e-30,
+        torch.zeros(60),                                       # a partial last group
+    ])
+    payload, scale = _encode_int8(groups, 128, square_root)
+    expected_zeros = int8_zeros(128, 128, not square_root, groups.device)
+    assert torch.equal(payload[:128], expected_zeros[0]) and scale[0] == 1 and scale[4] == 1
+    assert set(payload[128:256].tolist()) == {255 if square_root else -127}
+    decoded = dequantize_int8(payload, scale, 128, groups.shape)
+    assert not decoded.isnan().any() and torch.equal(decoded[:128], torch.zeros(128))
+    assert decoded[128:256].tolist() == pytest.approx([0.3 * sign] * 128, rel=2**-6)
+    subnormal, stored = groups[256:384].double(), float(scale[2])
+    if square_root:  # their square roots are normal: the scale is theirs
+        roots, root_max = decoded[256:384].double().sqrt(), float(subnormal.sqrt().max())
+        assert (roots - subnormal.sqrt()).abs().max() <= stored / 510 * (1 + 2**-20) + (root_max - stored)
+    else:
+        assert stored == 2.0**-126 and (decoded[256:384].double() - subnormal).abs().max() <= stored / 127
+    tiny = groups[384:512].double()
+    assert ((decoded[384:512].double() - tiny).abs() <= 2 * tiny.max() / 127).all()
+
+
+def test_int8_refuses_mismatched_buffers_and_non_finite_values():
+    values = torch.ones(256)
+    payload, scale = int8_zeros(256, 128, True, values.device)
+    with pytest.raises(ValueError, match=r"^an INT8 payload is int8 \(signed, companded\) or uint8 \(square-rooted\), got torch.float32$"):
+        quantize_int8_into(values, values.clone(), scale, 128)
+    with pytest.raises(ValueError, match=r"^scale must be bfloat16 with 2 elements, got torch.float32 with 2$"):
+        quantize_int8_into(values, payload, scale.float(), 128)
+    values[7] = math.inf
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        quantize_int8_into(values, payload, scale, 128)
+    assert torch.equal(payload, torch.zeros_like(payload)) and torch.equal(scale, torch.ones_like(scale))

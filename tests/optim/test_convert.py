@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
-from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, fp8_dtype_of, quantize_fp8
+from megatron_lowprec.numerics.quant import QuantizedTensor, dequantize_fp8, dequantize_int8, fp8_dtype_of, quantize_fp8
 from megatron_lowprec.optim import AdamW, available_strategies
 from megatron_lowprec.optim.convert import STOCK, STOCK_MASTER_KEY, convert_state_dict, resolve_target, round_to
 from megatron_lowprec.optim.muon import Muon
@@ -218,6 +218,33 @@ def test_a_res8_state_saved_with_fp32_exponents_is_refused_as_it_is_and_converts
     assert converted["state"][0]["exp_avg_expansion_exponent"].dtype == torch.bfloat16
     assert lines[0].endswith("exact") and converted["lowprec"]["fp8_exponent_storage"] == "bf16"
     loading.load_state_dict(converted)
+
+
+def test_int8_moments_are_recorded_refused_by_the_fp8_optimizer_and_convert_to_it():
+    """An sr8 state with companded INT8 moments records them in its section: an INT8 optimizer loads
+    it bit for bit, sr8's FP8 optimizer refuses it in one line (it would read the INT8 codes as FP8),
+    and it converts: each FP8 moment is the FP8 quantization of the INT8 moment's values."""
+    int8 = resolve_target("sr8").with_moment_storage("int8")
+    state_dict, param = _trained(int8)
+    assert state_dict["lowprec"]["moment_storage"] == "int8"
+    same = AdamW([torch.nn.Parameter(param.clone())], lr=0.01, option="sr8", moment_storage="int8", fused=False)
+    same.load_state_dict(state_dict)
+    for key, value in state_dict["state"][0].items():
+        if torch.is_tensor(value):
+            assert torch.equal(same.state_dict()["state"][0][key].view(torch.uint8), value.view(torch.uint8)), key
+    fp8 = AdamW([torch.nn.Parameter(param.clone())], lr=0.01, option="sr8", fused=False)
+    with pytest.raises(ValueError, match=r"^the optimizer state of option 'sr8' was saved with its moments in int8, "
+                                         r"this optimizer stores them in fp8; .*convert_state_dict converts it$"):
+        fp8.load_state_dict(state_dict)
+    converted, _, lines = convert_state_dict(state_dict, [param], resolve_target("sr8"))
+    source = state_dict["state"][0]
+    for moment in int8.moment_names:
+        values = dequantize_int8(source[f"{moment}_payload"], source[f"{moment}_scale"], 128, torch.Size([param.numel()]))
+        expected = quantize_fp8(values, "e4m3", 128, expand=True, exponent_storage="bf16")
+        assert torch.equal(converted["state"][0][f"{moment}_payload"].view(torch.uint8), expected.payload.view(torch.uint8))
+    assert any("INT8 (companded, signed) 1x128 groups" in line for line in lines)
+    assert "moment_storage" not in converted["lowprec"]
+    fp8.load_state_dict(converted)
 
 
 def test_muon_momentum_converts():

@@ -4,6 +4,7 @@ import pytest
 
 from megatron_lowprec.optim import PrecisionStrategy, available_strategies, get_strategy, strategy_names
 from megatron_lowprec.optim.muon import muon_strategy
+from megatron_lowprec.optim.strategies import resolve_option
 
 # Collage Table 2 (A-D) with a 16-bit gradient; D-MW, Kahan and SR from their components: 2 (BF16
 # parameter) + 2 (BF16 gradient) + moments (2 + 2 in BF16, 4 + 4 in FP32) + master (4) + δθ, δv or
@@ -80,6 +81,27 @@ def test_fp8_group_metadata_follows_the_exponent_storage():
     assert replace(coat, fp8_exponent_storage="bf16").moment_bytes(300) == 300 + 6 * 3
     with pytest.raises(ValueError, match="fp8_exponent_storage='fp16' is not valid; choose one of fp32, bf16"):
         replace(coat, fp8_exponent_storage="fp16")
+
+
+@pytest.mark.parametrize("name, bound", [("sr8", 6.1), ("res8", 7.1)])
+def test_int8_moments_take_one_byte_and_a_bf16_scale_per_group_under_the_lean_ceilings(name, bound):
+    """Companded INT8 moments on the FP8 groups of 128: per moment 1 byte and 2 bytes of scale per group."""
+    strategy = get_strategy(name).with_moment_storage("int8")
+    assert (strategy.name, strategy.moments, strategy.fp8_group_size) == (name, "int8", 128)
+    assert strategy.fp8_group_metadata_bytes == 2 and strategy.moment_bytes(300) == 300 + 2 * 3
+    expected = get_strategy(name).bytes_per_param() - 2 * (4 + 2 - 2) / 128
+    assert strategy.bytes_per_param() == expected <= bound
+    assert muon_strategy(strategy).bytes_per_param() == expected - 1 - 2 / 128 <= bound - 1
+    assert strategy.with_moment_storage("fp8") == get_strategy(name)
+
+
+def test_moment_storage_applies_to_8_bit_moments_only_and_names_the_valid_choices():
+    with pytest.raises(ValueError, match=r"^option 'D' keeps fp32 moments, so moment_storage='int8' cannot apply; "
+                                         r"options with 8-bit moments: coat, sr8, res8$"):
+        get_strategy("D").with_moment_storage("int8")
+    with pytest.raises(ValueError, match=r"^moment_storage='int4' is not valid; choose one of fp8, int8$"):
+        get_strategy("sr8").with_moment_storage("int4")
+    assert resolve_option("coat", moment_storage="int8").moments == "int8"
 
 
 def test_a_residual_master_takes_one_byte():

@@ -164,7 +164,7 @@ def test_a_res8_checkpoint_with_fp32_exponents_is_told_apart_and_read_with_them(
     old = {"optimizer": {"lowprec": {"option": "res8", "master_storage": "residual8"}}}
     new = {"optimizer": {"lowprec": {"option": "res8", "master_storage": "residual8", "fp8_exponent_storage": "bf16"}}}
     coat = {"optimizer": {"lowprec": {"option": "coat", "master_storage": "fp32"}}}
-    assert checkpoint._other_exponent_storages(run("res8"), old) == {("fp32", "bf16")}
+    assert checkpoint._other_exponent_storages(run("res8"), old) == {("FP8 expansion exponents", "fp32", "bf16")}
     assert checkpoint._other_exponent_storages(run("res8"), new) == set()
     assert checkpoint._other_exponent_storages(run("coat"), coat) == set()
     [(_, index, source)] = checkpoint._conversion_sources(run("res8"), Path("iter_0000002"), "res8", old)

@@ -330,6 +330,19 @@ def test_master_storage_is_checked_before_any_work(capsys, monkeypatch):
     assert "sharded over DP 2 (optimizer.use_distributed_optimizer=true: sharded)" in capsys.readouterr().out
 
 
+def test_moment_storage_stores_8_bit_moments_as_int8_and_is_checked_before_any_work(capsys, tmp_path):
+    from megatron_lowprec.train.config import precision_strategy
+
+    precision = compose(["precision=sr8", "precision.moment_storage=int8"]).precision
+    assert precision_strategy(precision).moments == "int8"
+    assert precision_strategy(precision).bytes_per_param() == 2 + 2 + 2 * (1 + 2 / 128)
+    assert "precision.moment_storage='int4' is not valid; choose one of: fp8, int8" in _fails(
+        capsys, "precision=sr8", "precision.moment_storage=int4"
+    )
+    message = _fails(capsys, "precision=A", "precision.moment_storage=int8")
+    assert "option 'A' keeps low moments, so moment_storage='int8' cannot apply; options with 8-bit moments: coat, sr8, res8" in message
+
+
 def test_help_lists_the_groups_the_most_used_keys_and_where_every_key_is(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
