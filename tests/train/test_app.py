@@ -73,8 +73,8 @@ def _train_losses(result: dict) -> list[float]:
 
 COMPILED_IN_APP = one_per_kind(OPTIONS, lambda strategy: strategy.moments)
 """The options whose step ``test_every_option_trains_in_one_process`` compiles (the app's default,
-``precision.fused=true``): one with 16-bit moments, one with FP8 moments (A and coat, whose steps
-``tests/optim/test_fused.py``'s shared-buffer test compiles alike, so CI compiles each once). The
+``precision.fused=true``): one with 16-bit moments, one with FP8 moments (A and coat; coat's step
+is the one ``tests/optim/test_fused.py``'s shared-buffer test compiles, so CI compiles it once). The
 other options run there uncompiled: each one's compiled step is its eager step bit for bit (the
 contract matrix, ``tests/optim/test_contract.py``), and the app code around the step is the same."""
 
