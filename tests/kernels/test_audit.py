@@ -22,7 +22,7 @@ import torch
 
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
-from megatron_lowprec.optim import fused, kernel
+from megatron_lowprec.optim import fused, kernel, muon
 from megatron_lowprec.optim.strategies import EXPANSION_EXPONENT_BYTES, FP8_BYTES, FP8_SCALE_BYTES, get_strategy
 from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tests.numerics.test_mcf import BF16, round_nearest_even
@@ -70,14 +70,14 @@ def audited_arches(option: str, storage: str, kind: str, optimizer: str) -> tupl
 
 
 def test_the_fused_step_depends_on_the_architecture_only_through_its_fp8_payloads():
-    """What :func:`audited_arches` relies on: the fused step's modules ask for the compute capability
+    """What :func:`audited_arches` relies on: the fused steps' modules (AdamW's, Muon's) ask for the compute capability
     only to tell whether they can compile (``fused_unavailable_reason``) and whether FP8 payloads are
     codes (``fp8_payloads_as_codes``), whose one caller, ``kernel_state``, views the ``_payload``
     buffers as uint8 and hands every other buffer over as it is."""
     capability = "get_device_capability("
     deciders = (fused.fused_unavailable_reason, fused.fp8_payloads_as_codes)
     assert inspect.getsource(fused).count(capability) == sum(inspect.getsource(f).count(capability) for f in deciders) == 2
-    assert capability not in inspect.getsource(kernel)
+    assert all(capability not in inspect.getsource(module) for module in (kernel, muon))
     callers = [line for line in inspect.getsource(fused).splitlines() if "fp8_payloads_as_codes(" in line and "def " not in line]
     assert len(callers) == 1 and callers[0].strip() in inspect.getsource(fused.kernel_state)
     assert 'value.view(torch.uint8) if key.endswith("_payload") else value' in inspect.getsource(fused.kernel_state)
