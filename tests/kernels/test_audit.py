@@ -2,14 +2,15 @@
 
 The module generates every step once (:func:`audits`, the slow part: every configuration of AdamW's
 step and of Muon's, issue 28 item 5, each in a plain bucket and in megatron's distributed layout:
-AdamW's shard, Muon's layer-wise layout) and each test reads one rule of one (optimizer, option,
-master storage, kind, arch). Defects of the kernels as they are today are strict xfails that name
+AdamW's shard, Muon's layer-wise layout, for the architectures of :func:`audited_arches`) and each
+test reads one rule of one (optimizer, option, master storage, kind, arch). Defects of the kernels as they are today are strict xfails that name
 the defect (:data:`KNOWN_DEFECTS`, :data:`KNOWN_MUON_DEFECTS`): they pass, and must then be
 removed, once fixed.
 """
 
 import ctypes
 import importlib
+import inspect
 import operator
 import os
 import re
@@ -21,7 +22,8 @@ import torch
 
 from megatron_lowprec.numerics import formats
 from megatron_lowprec.optim.muon import muon_strategy
-from megatron_lowprec.optim.strategies import EXPANSION_EXPONENT_BYTES, FP8_BYTES, FP8_SCALE_BYTES
+from megatron_lowprec.optim import fused, kernel, muon
+from megatron_lowprec.optim.strategies import EXPANSION_EXPONENT_BYTES, FP8_BYTES, FP8_SCALE_BYTES, get_strategy
 from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tests.numerics.test_mcf import BF16, round_nearest_even
 from tools.kernel_audit import audit, codegen
@@ -45,9 +47,51 @@ def _stamped(text: str) -> bool:
     ))
 
 
+FIRST_FP8_CONFIGURATION = next(pair for pair in audit.configurations() if audit.strategy_for(*pair).moments == "fp8")
+
+
+def audited_arches(option: str, storage: str, kind: str, optimizer: str) -> tuple[int, ...]:
+    """The architectures this module audits a configuration for: every one of ``codegen.ARCHES``
+    where they share one trace (:func:`~tools.kernel_audit.codegen.trace_groups`: each arch costs a
+    compile of the traced kernels only). FP8 moments trace the step once more below sm_89, whose
+    payloads are uint8 codes converted by integer arithmetic (``fused.fp8_payloads_as_codes``): that
+    trace is audited for each FP8 option's AdamW step over a plain bucket in the option's registered
+    master storage (each option's coding in its own kernel; the steps that ``test_interpret.py`` runs
+    on sm_80 too) and for :data:`FIRST_FP8_CONFIGURATION` in every (optimizer, kind) (each layout's
+    and Muon's momentum coding). Its other configurations are left to sm_90: there a step differs
+    from its sm_80 twin only in how its payloads are loaded and stored, which is one function
+    (``formats.to_fp8_codes``, ``from_fp8_codes``) in every FP8 configuration, audited above, while
+    master storage, rounding and layout are the same code on both."""
+    groups = codegen.trace_groups(audit.strategy_for(option, storage), codegen.ARCHES)
+    registered = storage == get_strategy(option).master_storage
+    if len(groups) == 1 or ((optimizer, kind) == ("adamw", "plain") and registered) or (option, storage) == FIRST_FP8_CONFIGURATION:
+        return codegen.ARCHES
+    return groups[0]
+
+
+def test_the_fused_step_depends_on_the_architecture_only_through_its_fp8_payloads():
+    """What :func:`audited_arches` relies on: the fused steps' modules (AdamW's, Muon's) ask for the compute capability
+    only to tell whether they can compile (``fused_unavailable_reason``) and whether FP8 payloads are
+    codes (``fp8_payloads_as_codes``), whose one caller, ``kernel_state``, views the ``_payload``
+    buffers as uint8 and hands every other buffer over as it is."""
+    capability = "get_device_capability("
+    deciders = (fused.fused_unavailable_reason, fused.fp8_payloads_as_codes)
+    assert inspect.getsource(fused).count(capability) == sum(inspect.getsource(f).count(capability) for f in deciders) == 2
+    assert all(capability not in inspect.getsource(module) for module in (kernel, muon))
+    callers = [line for line in inspect.getsource(fused).splitlines() if "fp8_payloads_as_codes(" in line and "def " not in line]
+    assert len(callers) == 1 and callers[0].strip() in inspect.getsource(fused.kernel_state)
+    assert 'value.view(torch.uint8) if key.endswith("_payload") else value' in inspect.getsource(fused.kernel_state)
+
+
 CASES = [
     (option, storage, kind, arch)
-    for option, storage in audit.configurations() for kind in codegen.KINDS for arch in codegen.ARCHES
+    for option, storage in audit.configurations() for kind in codegen.KINDS
+    for arch in audited_arches(option, storage, kind, "adamw")
+]
+MUON_CASES = [
+    (option, storage, kind, arch)
+    for option, storage in audit.configurations() for kind in codegen.KINDS
+    for arch in audited_arches(option, storage, kind, "muon")
 ]
 
 KNOWN_DEFECTS: list = []
@@ -73,23 +117,24 @@ def audits():
         for a in audit.run_audit(
             audit.configurations(), codegen.KINDS, codegen.ARCHES, workers=WORKERS,
             muon_pairs=audit.configurations(), muon_kinds=codegen.KINDS, fx_cache=os.environ[KERNEL_FX_CACHE_VARIABLE],
+            arches_for=audited_arches,
         )
     }
 
 
-def _params(defects):
+def _params(defects, cases):
     return [
         pytest.param(rule, *case, marks=_marks(rule, case, defects), id="-".join(map(str, (rule, *case))))
         for rule in audit.RULES
-        for case in CASES
+        for case in cases
     ]
 
 
-@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_DEFECTS))
+@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_DEFECTS, CASES))
 def test_every_rule_holds_for_every_generated_step(audits, rule, option, storage, kind, arch):
     """Each rule of :data:`~tools.kernel_audit.audit.RULES` (compiles; no approximate, flushing or
     contracted instruction; no FP64; one launch per bucket; no recompilation; global bytes equal to
-    the layout's minimum) for each option, storage, kind and architecture."""
+    the layout's minimum) for each option, storage and kind, on each architecture of :func:`audited_arches`."""
     check = audits[("adamw", option, storage, kind, arch)].check(rule)
     assert check.passed, f"{rule}: {check.detail}"
 
@@ -408,13 +453,13 @@ KNOWN_MUON_DEFECTS: list = []
 """(rule, the cases it fails in today, the defect) of Muon's kernels on main: none."""
 
 
-@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_MUON_DEFECTS))
+@pytest.mark.parametrize("rule,option,storage,kind,arch", _params(KNOWN_MUON_DEFECTS, MUON_CASES))
 def test_every_rule_holds_for_muon_s_fused_step(audits, rule, option, storage, kind, arch):
     """Muon's element-wise calls (momentum before Newton-Schulz, update after it), for every option
     and master storage, in a plain bucket and in megatron's layer-wise layout: every kernel compiles;
     no approximate, flushing or contracted instruction; no FP64; one launch per call (two per
     bucket); a later step with another lr and a bucket of another parameter group compile nothing;
-    each call moves its layout's least bytes."""
+    each call moves its layout's least bytes; on each architecture of :func:`audited_arches`."""
     check = audits[("muon", option, storage, kind, arch)].check(rule)
     assert check.passed, f"{rule}: {check.detail}"
 

@@ -211,16 +211,16 @@ def _sharded_masters(optimizer) -> torch.Tensor | None:
     ])
 
 
-def load_elsewhere(options: list[str], checkpoint_dir: str, tensor_parallel_sizes: list[int], steps: int) -> dict:
-    """Other layouts, one after another in the same processes (``tensor_parallel_sizes``), load each
-    option's checkpoint with and without the distributed optimizer (:func:`_load_at`), per tensor-parallel
-    size."""
+def load_elsewhere(options_at: dict[str, list[str]], checkpoint_dir: str, steps: int) -> dict:
+    """Other layouts, one after another in the same processes (the tensor-parallel sizes of
+    ``options_at``), load the checkpoint of each of their options with and without the distributed
+    optimizer (:func:`_load_at`), per tensor-parallel size."""
     from megatron.core import parallel_state
 
     results = {}
-    for tensor_parallel in tensor_parallel_sizes:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-        results[str(tensor_parallel)] = _load_at(options, checkpoint_dir, tensor_parallel, steps)
+    for tensor_parallel, options in options_at.items():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=int(tensor_parallel))
+        results[tensor_parallel] = _load_at(options, checkpoint_dir, int(tensor_parallel), steps)
         parallel_state.destroy_model_parallel()
     return results
 

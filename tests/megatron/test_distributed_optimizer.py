@@ -89,31 +89,44 @@ def test_sharded_states_train_bit_identically_and_hold_their_share(
         assert max(shares) - min(shares) <= unit, option
 
 
+SAVED_OPTIONS = OPTIONS + OTHER_MASTER_STORAGES
+"""The options whose dist checkpoints ``test_dist_checkpoint_resumes_bit_identically_and_reshards`` saves."""
+RESHARDED_AT_DP4 = one_per_kind(
+    SAVED_OPTIONS,
+    lambda strategy: (strategy.moments == "fp8", strategy.master_weights and strategy.master_storage,
+                      strategy.param_update == "stochastic"),
+)
+"""One option of each checkpoint form (``megatron/checkpoint_state.py``: FP8 moments' per-group
+parts, a master stored below the parameter, joined when saved) and each shard layout (stochastic
+rounding's row grids): what loading at DP=4 cuts differently. The other options' states are
+per-element tensors of these forms, which DP=4 cuts alike; TP=2 x DP=2 loads every option."""
+
+
 def test_dist_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
     """Every option, and masters stored as remainders: a dist checkpoint saved at DP=2 with the
-    distributed optimizer resumes at DP=2 bit-identically to a straight run; at DP=4 and at TP=2 x
-    DP=2, the distributed and the unsharded optimizer load the same state bit for bit from it and
-    take the same first step, and a checkpoint of whole FP32 masters loads into remainders (and
-    back) as the same masters bit for bit. At TP=2 x DP=2 their later losses are identical too; at
-    DP=4 they agree to 1e-4 (gloo's reduce-scatter and all-reduce add four ranks' BF16 gradients in
-    different orders, which the unsharded run at DP=4 also shows without any checkpoint)."""
+    distributed optimizer resumes at DP=2 bit-identically to a straight run; at TP=2 x DP=2 (every
+    option) and at DP=4 (:data:`RESHARDED_AT_DP4`), the distributed and the unsharded optimizer load
+    the same state bit for bit from it and take the same first step, and (TP=2 x DP=2) a checkpoint
+    of whole FP32 masters loads into remainders (and back) as the same masters bit for bit. At TP=2
+    x DP=2 their later losses are identical too; at DP=4 they agree to 1e-4 (gloo's reduce-scatter
+    and all-reduce add four ranks' BF16 gradients in different orders, which the unsharded run at
+    DP=4 also shows without any checkpoint)."""
     checkpoint = tmp_path / "checkpoint"
-    saved_options = OPTIONS + OTHER_MASTER_STORAGES
-    saved = _run(tmp_path / "save", 2, "save_and_resume", options=saved_options, checkpoint_dir=str(checkpoint), steps=6)
+    saved = _run(tmp_path / "save", 2, "save_and_resume", options=SAVED_OPTIONS, checkpoint_dir=str(checkpoint), steps=6)
     for rank in saved:
-        for option in saved_options:
+        for option in SAVED_OPTIONS:
             assert rank[option] == {"losses_identical": True, "params_identical": True}, option
     across_storages = [f"{other}<-{other.partition(':')[0]}" for other in OTHER_MASTER_STORAGES]
-    ranks = _run(tmp_path / "load", 4, "load_elsewhere", options=saved_options + across_storages,
-                 checkpoint_dir=str(checkpoint), tensor_parallel_sizes=[1, 2], steps=2)
-    for tensor_parallel in (1, 2):
+    options_at = {"1": RESHARDED_AT_DP4, "2": SAVED_OPTIONS + across_storages}
+    ranks = _run(tmp_path / "load", 4, "load_elsewhere", options_at=options_at, checkpoint_dir=str(checkpoint), steps=2)
+    for tensor_parallel, options in options_at.items():
         for rank in ranks:
-            for option in saved_options + across_storages:
-                result = rank[str(tensor_parallel)][option]
+            for option in options:
+                result = rank[tensor_parallel][option]
                 assert result["same_state"], (tensor_parallel, option)
                 assert result.get("same_masters", True), (tensor_parallel, option)
                 assert result["sharded"][:2] == result["unsharded"][:2], (tensor_parallel, option)
-                if tensor_parallel == 2:
+                if tensor_parallel == "2":
                     assert result["sharded"] == result["unsharded"], option
                 else:
                     assert result["sharded"] == pytest.approx(result["unsharded"], rel=1e-4), option

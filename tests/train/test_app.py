@@ -16,6 +16,7 @@ import torch
 
 from megatron_lowprec.optim.strategies import available_strategies
 from tests.megatron.launch import run_ranks
+from tests.options import one_per_kind
 
 WORKER = Path(__file__).with_name("_app_worker.py")
 OPTIONS = [strategy.name for strategy in available_strategies()]
@@ -70,13 +71,25 @@ def _train_losses(result: dict) -> list[float]:
     return [row["loss"] for row in result["rows"] if row["split"] == "train"]
 
 
+COMPILED_IN_APP = one_per_kind(OPTIONS, lambda strategy: strategy.moments)
+"""The options whose step ``test_every_option_trains_in_one_process`` compiles (the app's default,
+``precision.fused=true``): one with 16-bit moments, one with FP8 moments (A and coat; coat's step
+is the one ``tests/optim/test_fused.py``'s shared-buffer test compiles, so CI compiles it once). The
+other options run there uncompiled: each one's compiled step is its eager step bit for bit (the
+contract matrix, ``tests/optim/test_contract.py``), and the app code around the step is the same."""
+
 MUON_OPTIONS = ("C", "sr")
 """Options also run with ``optimizer=muon`` (Muon for the hidden weights, AdamW for the rest)."""
 
 
 def test_every_option_trains_in_one_process(tmp_path, cache_dir):
+    """Every option and megatron-core's own optimizer train 3 steps in one process: finite losses and
+    validation loss, the option in the summary (compiled: :data:`COMPILED_IN_APP`; the others
+    uncompiled); Muon with two options, its first loss AdamW's and fewer bytes per parameter; option
+    D close to megatron-core's optimizer."""
     steps = [
-        {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=3")}
+        {"overrides": _tiny(cache_dir, tmp_path / option, f"precision={option}", "trainer.max_steps=3",
+                            *(() if option in COMPILED_IN_APP or option not in OPTIONS else (UNCOMPILED,)))}
         for option in OPTIONS_AND_STOCK
     ] + [
         {"overrides": _tiny(cache_dir, tmp_path / f"muon-{option}", f"precision={option}", "optimizer=muon",
@@ -166,7 +179,7 @@ def test_resume_is_bit_identical_for_every_option(tmp_path, cache_dir):
     checkpoint for the last 2 steps: same losses, same parameters bit for bit (megatron-core's
     optimizer too). Uncompiled: what resumes is the checkpoint's state, which both paths keep alike;
     the compiled step's own resume is tests/optim/test_adamw.py's state dict round trip (each kind of
-    state), and test_every_option_trains_in_one_process runs each option's compiled step in the app."""
+    state), and test_every_option_trains_in_one_process runs compiled steps in the app (:data:`COMPILED_IN_APP`)."""
     steps = []
     for option in OPTIONS_AND_STOCK:
         straight, resumed = tmp_path / f"{option}-straight", tmp_path / f"{option}-resumed"

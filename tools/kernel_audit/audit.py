@@ -532,15 +532,24 @@ def run_audit(
     muon_pairs: Iterable[tuple[str, str]] = (),
     muon_kinds: Iterable[str] = ("plain",),
     fx_cache: str | None = None,
+    arches_for: Callable[[str, str, str, str], tuple[int, ...]] | None = None,
 ) -> list[StepAudit]:
     """Generate and audit every (option, master storage) of ``pairs`` (default :func:`configurations`)
     for each kind and arch, and Muon's step for each of ``muon_pairs`` and ``muon_kinds``, in
     ``workers`` processes (each generates whole configurations; results in the order of
     ``muon_pairs`` and ``muon_kinds``, then ``pairs`` and ``kinds``: Muon's first, so that the pool
-    starts its longest tasks early); ``fx_cache``: :func:`~tools.kernel_audit.codegen.cuda_codegen`'s."""
-    tasks = [(option, storage, kind, tuple(arches), "muon", fx_cache) for option, storage in muon_pairs for kind in muon_kinds]
+    starts its longest tasks early); ``fx_cache``: :func:`~tools.kernel_audit.codegen.cuda_codegen`'s.
+    ``arches_for(option, master_storage, kind, optimizer)``: the arches of one configuration, where
+    not all of ``arches``."""
+    def arches_of(option: str, storage: str, kind: str, optimizer: str) -> tuple[int, ...]:
+        return tuple(arches) if arches_for is None else arches_for(option, storage, kind, optimizer)
+
+    tasks = [
+        (option, storage, kind, arches_of(option, storage, kind, "muon"), "muon", fx_cache)
+        for option, storage in muon_pairs for kind in muon_kinds
+    ]
     tasks += [
-        (option, storage, kind, tuple(arches), "adamw", fx_cache)
+        (option, storage, kind, arches_of(option, storage, kind, "adamw"), "adamw", fx_cache)
         for option, storage in (configurations() if pairs is None else pairs) for kind in kinds
     ]
     if workers <= 1:
