@@ -1,6 +1,8 @@
 """``lowprec-convert SRC DST --to OPTION|stock``: a checkpoint's optimizer state in another option's formats.
 
-SRC is a ``torch_dist`` checkpoint of the AdamW optimizer: one of ``lowprec-train``
+SRC is a ``torch_dist`` checkpoint of the AdamW optimizer, or of this package's Muon chain (Muon
+for the hidden weights, AdamW for the rest: each optimizer's states under ``chained_<i>.``, converted
+between options; megatron-core's own Muon is not read): one of ``lowprec-train``
 (``<run_dir>/checkpoints/iter_<N>``), or one that Megatron-LM or megatron-core saved with this
 package's optimizer or with megatron-core's own (``stock``: an FP32 master under ``fp32_param`` and
 FP32 moments; or its ``DistributedOptimizer``'s per-parameter form, the master under ``param``:
@@ -37,6 +39,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,10 @@ from megatron_lowprec.megatron.torch_dist import (
     read_common, read_metadata, unread_distributed_form,
 )
 from megatron_lowprec.optim.convert import (
-    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
+    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target, saved_strategy,
+    with_saved_exponent_storage,
 )
+from megatron_lowprec.optim.muon import MUON_MOMENTS, muon_strategy
 from megatron_lowprec.optim.master import MASTER_KEYS
 from megatron_lowprec.optim.strategies import (
     STORAGE_RECORDS, PrecisionStrategy, exponent_storage_record, get_strategy,
@@ -73,6 +78,58 @@ class ConvertError(ValueError):
     """A conversion that cannot be made, said in one line."""
 
 
+CHAIN_PREFIX = "chained_{}."
+"""How megatron-core's ``ChainedOptimizer`` keys the states of its ``i``-th optimizer in a
+checkpoint; the chain's common state is ``{i: that optimizer's}`` under ``optimizer``."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One optimizer's state in a checkpoint: the prefix of its state keys, where its common state
+    is (its index in a chain; ``None``: the checkpoint's one optimizer), the strategy it was saved
+    with and the target, each shaped like that optimizer (AdamW's m and v, or Muon's momentum)."""
+
+    prefix: str
+    index: int | None
+    saved: PrecisionStrategy
+    target: PrecisionStrategy
+    label: str
+    """What the report's lines name it by: ``""`` alone, else ``Muon`` or ``AdamW``."""
+
+
+def chain_indices(common: dict) -> list[int]:
+    """The indices of a chain's optimizers whose common states ``common`` holds, ``[]`` where the
+    checkpoint holds one optimizer."""
+    optimizer = common.get("optimizer")
+    if not isinstance(optimizer, dict) or not optimizer or not all(isinstance(index, int) for index in optimizer):
+        return []
+    return sorted(optimizer)
+
+
+def _chain_parts(common: dict, keys: set[str], target: PrecisionStrategy, to_stock: bool, given: str | None) -> list[Part]:
+    """The parts of a chain (this package's Muon and AdamW), each converted into ``target``."""
+    if to_stock:
+        raise ConvertError(
+            "it holds a chain of optimizers (Muon for the hidden weights, AdamW for the rest): lowprec-convert converts "
+            "it into another option, not into megatron-core's own Muon (--to stock)"
+        )
+    if given is not None:
+        raise ConvertError("it holds a chain of optimizers, which record their options: leave --from out")
+    parts = []
+    for index in chain_indices(common):
+        sub = common["optimizer"][index]
+        if not isinstance(sub, dict) or "lowprec" not in sub:
+            raise ConvertError(
+                f"optimizer {index} of its chain records no option: lowprec-convert converts chains of this package's "
+                "Muon and AdamW"
+            )
+        prefix = CHAIN_PREFIX.format(index) + STATE_PREFIX
+        muon = any(key.startswith(f"{prefix}{moment}.") for key in keys for moment in MUON_MOMENTS)
+        like = muon_strategy(_adamw_like()) if muon else _adamw_like()
+        parts.append(Part(prefix, index, saved_strategy(sub, like), as_shaped_like(target, like), "Muon" if muon else "AdamW"))
+    return parts
+
+
 def _adamw_like() -> PrecisionStrategy:
     """A strategy with AdamW's moments, which :func:`as_shaped_like` gives the source and target."""
     return get_strategy("D")
@@ -88,8 +145,8 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
         raise ConvertError(unread_distributed_form(form))
     if not isinstance(optimizer, dict) or not ("lowprec" in optimizer or STOCK_FORM_KEY in optimizer):
         raise ConvertError(
-            "its optimizer state is not one AdamW's (none, Muon's or several optimizers chained): lowprec-convert "
-            "converts the state of this package's AdamW and of megatron-core's own"
+            "it holds no optimizer state of an optimizer lowprec-convert reads: it converts the state of this "
+            "package's AdamW and Muon and of megatron-core's own AdamW"
         )
     record = optimizer.get("lowprec")
     if given is not None:
@@ -113,14 +170,19 @@ def source_of(common: dict, keys: set[str], given: str | None) -> tuple[Precisio
     return as_shaped_like(resolve_target(STOCK), _adamw_like()), True
 
 
-def _state_keys(keys: list[str], names: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Per parameter key, its optimizer states' keys (``optimizer.state.<state>.<parameter>``) by
-    state name, renamed by ``names`` (megatron's distributed optimizer's ``param``: an FP32 master)."""
-    found: dict[str, dict[str, str]] = {}
+def _state_keys(keys: list[str], names: dict[str, str], parts: list[Part]) -> dict[str, tuple[Part, dict[str, str]]]:
+    """Per parameter key, the part whose optimizer steps it and its states' keys
+    (``<prefix><state>.<parameter>``) by state name, renamed by ``names`` (megatron's distributed
+    optimizer's ``param``: an FP32 master)."""
+    found: dict[str, tuple[Part, dict[str, str]]] = {}
     for key in keys:
-        if key.startswith(STATE_PREFIX):
-            state, parameter = key[len(STATE_PREFIX):].split(".", 1)
-            found.setdefault(parameter, {})[names.get(state, state)] = key
+        for part in parts:
+            if key.startswith(part.prefix):
+                state, parameter = key[len(part.prefix):].split(".", 1)
+                owner, states = found.setdefault(parameter, (part, {}))
+                if owner is not part:
+                    raise ConvertError(f"{parameter} has states of two optimizers of its chain ({owner.label}, {part.label})")
+                states[names.get(state, state)] = key
     return found
 
 
@@ -140,6 +202,9 @@ def converted_common(
     group, the form named in the state and in the content metadata, which Megatron-LM's resume reads);
     a non-distributed stock target drops the content metadata's distributed-optimizer entries."""
     optimizer = common["optimizer"]
+    if chain_indices(common):
+        return {**common, "optimizer": {index: _option_common(sub, target) for index, sub in optimizer.items()},
+                **({"option": target.name} if "option" in common else {})}
     if from_stock:
         inner = optimizer["optimizer"]
         if "state" in inner:
@@ -164,10 +229,7 @@ def converted_common(
             "state": {"common_step": torch.tensor(float(step))},
         }}
     else:
-        for key in STORAGE_RECORDS:
-            record.pop(key, None)
-        record.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
-        new_optimizer = {"param_groups": groups, "state": {"common_step": step}, "lowprec": record}
+        new_optimizer = _option_common({"param_groups": groups, "state": {"common_step": step}, "lowprec": record}, target)
     new = {**common, "optimizer": new_optimizer}
     if "option" in common:
         new["option"] = STOCK_OPTIMIZER_LABEL if to_stock else target.name
@@ -177,6 +239,16 @@ def converted_common(
     elif to_stock and CONTENT_METADATA_KEY in common:
         new[CONTENT_METADATA_KEY] = {key: value for key, value in content.items() if key not in DISTRIBUTED_CONTENT_METADATA}
     return new
+
+
+def _option_common(optimizer: dict, target: PrecisionStrategy) -> dict:
+    """One optimizer's common state (its parameter groups, step and ``lowprec`` record) with the
+    record naming ``target`` and its storages."""
+    record = dict(optimizer["lowprec"])
+    for key in STORAGE_RECORDS:
+        record.pop(key, None)
+    record.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
+    return {**optimizer, "lowprec": record}
 
 
 def _matching_chunk(metadata, key: str, chunk) -> Any:
@@ -218,7 +290,7 @@ def convert_checkpoint(
     _check_source(source)
     _check_destination(destination)
     try:
-        target = as_shaped_like(resolve_target(target_name), _adamw_like())
+        target = resolve_target(target_name)
     except ValueError as error:
         raise ConvertError(f"--to: {error}") from None
     to_stock = target_name.lower() == STOCK
@@ -235,9 +307,13 @@ def convert_checkpoint(
             raise
         raise ConvertError(f"{source}: its common state cannot be read ({error})") from None
     keys = list(metadata.state_dict_metadata)
-    saved, from_stock = source_of(common, set(keys), source_name)
+    if chain_indices(common):
+        parts, from_stock = _chain_parts(common, set(keys), target, to_stock, source_name), False
+    else:
+        saved, from_stock = source_of(common, set(keys), source_name)
+        parts = [Part(STATE_PREFIX, None, saved, as_shaped_like(target, _adamw_like()), "")]
     names = {DISTRIBUTED_MASTER_KEY: STOCK_MASTER_KEY} if distributed_form(common) == MODEL_SPACE_FORM else {}
-    states = _state_keys(keys, names)
+    states = _state_keys(keys, names, parts)
     missing = sorted(parameter for parameter in states if parameter not in metadata.state_dict_metadata)
     if missing:
         raise ConvertError(f"optimizer states without their parameter in the checkpoint: {', '.join(missing[:3])}")
@@ -247,7 +323,7 @@ def convert_checkpoint(
     try:
         new_common = converted_common(common, target, to_stock, from_stock, use_distributed_optimizer)
         master_key = DISTRIBUTED_MASTER_KEY if use_distributed_optimizer else STOCK_MASTER_KEY
-        report = _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, new_common, master_key)
+        reports = _write(source, partial, metadata, states, parts, to_stock, from_stock, progress, new_common, master_key)
         if (source / COMMON_FILE).is_file():
             torch.save(new_common, partial / COMMON_FILE)
         for name in sorted(os.listdir(source)):
@@ -261,17 +337,22 @@ def convert_checkpoint(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return report.lines()
+    return [
+        f"{part.label}: {line}" if part.label else line for part, report in zip(parts, reports) for line in report.lines()
+    ]
 
 
-def _write(source, partial, metadata, states, saved, target, to_stock, from_stock, progress, common, master_key) -> ConversionReport:
+def _write(source, partial, metadata, states, parts, to_stock, from_stock, progress, common, master_key) -> list[ConversionReport]:
     writer = ShardWriter(partial, metadata)
     common_index = None if (source / COMMON_FILE).is_file() else common_object_index(metadata)
     if common_index is not None:
         writer.write_object(common_index, metadata.state_dict_metadata[common_index.fqn], common)
-    report = ConversionReport(saved, target, STOCK if from_stock else None, STOCK if to_stock else None)
+    reports = {
+        part: ConversionReport(part.saved, part.target, STOCK if from_stock else None, STOCK if to_stock else None)
+        for part in parts
+    }
     renamed = {MASTER_KEYS["fp32"]: master_key} if to_stock else {}
-    state_keys = {key for keys in states.values() for key in keys.values()}
+    state_keys = {key for _, keys in states.values() for key in keys.values()}
     total = len(metadata.state_dict_metadata)
     started = shown = time.monotonic()
     for done, key in enumerate(metadata.state_dict_metadata):
@@ -281,26 +362,27 @@ def _write(source, partial, metadata, states, saved, target, to_stock, from_stoc
         if key not in states or not is_tensor_entry(entry):
             writer.copy(source, metadata, key)
             continue
+        part, state_keys_of = states[key]
         for chunk in entry.chunks:
             param = read_chunk(source, metadata, key, chunk)
             saved_state = {
                 name: read_chunk(source, metadata, state_key, _matching_chunk(metadata, state_key, chunk)).reshape(-1)
-                for name, state_key in states[key].items()
+                for name, state_key in state_keys_of.items()
             }
             try:
-                new_param, new_state, errors = convert_entry(saved, target, param.reshape(-1), saved_state)
+                new_param, new_state, errors = convert_entry(part.saved, part.target, param.reshape(-1), saved_state)
             except (KeyError, ValueError) as error:
                 raise ConvertError(
-                    f"{key}: its states ({', '.join(sorted(saved_state))}) are not option {saved.name}'s ({error}); "
+                    f"{key}: its states ({', '.join(sorted(saved_state))}) are not option {part.saved.name}'s ({error}); "
                     "name the option it was saved with by --from"
                 ) from None
             del saved_state
-            report.add(param, errors)
+            reports[part].add(param, errors)
             tensors = {name: value.reshape(-1) for name, value in new_state.items() if torch.is_tensor(value)}
-            form = checkpoint_state(tensors, param.numel(), target, param=new_param)
+            form = checkpoint_state(tensors, param.numel(), part.target, param=new_param)
             writer.write_chunk(key, new_param.view(param.shape), chunk.offsets, entry.size)
             for name, value in form.items():
-                writer.write_chunk(f"{STATE_PREFIX}{renamed.get(name, name)}.{key}", value.view(param.shape), chunk.offsets, entry.size)
+                writer.write_chunk(f"{part.prefix}{renamed.get(name, name)}.{key}", value.view(param.shape), chunk.offsets, entry.size)
             del param, new_param, new_state, tensors, form
         if progress is not None and time.monotonic() - shown > 1.0:
             shown = time.monotonic()
@@ -308,7 +390,7 @@ def _write(source, partial, metadata, states, saved, target, to_stock, from_stoc
     writer.close()
     if progress is not None:
         progress(f"{total}/{total} keys, {time.monotonic() - started:.0f} s")
-    return report
+    return [reports[part] for part in parts]
 
 
 def _complete(source: Path, partial: Path) -> None:

@@ -527,3 +527,74 @@ def test_an_option_b_checkpoint_converted_for_the_distributed_optimizer_resumes_
         assert torch.equal(tensors["exp_avg"].view(-1), expected["exp_avg"].view(-1).float())
         assert torch.equal(tensors["exp_avg_sq"].view(-1), expected["exp_avg_sq"].view(-1).float())
         assert float(tensors["step"]) == 1.0
+
+
+def _built_muon(option: str):
+    """The tiny GPT with this package's Muon chain under ``option`` (Muon for the hidden weights,
+    AdamW for the rest), stepping eagerly."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+    from megatron_lowprec.train.app import compose
+    from megatron_lowprec.train.loop import megatron_optimizer_config
+    from megatron_lowprec.train.model import gpt_model
+
+    config = compose([f"precision={option}", "optimizer=muon", *MODEL])
+    torch.manual_seed(3)
+    module = gpt_model(config, config.model.vocab_size)
+    model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+    optimizer = build_optimizer(option, [model], megatron_optimizer_config(config.optimizer), fused=False, background_compile=False)
+    return model, optimizer
+
+
+def _chain_states(model, optimizer) -> dict[str, tuple[str, torch.Tensor, dict]]:
+    """Per parameter name: (``Muon`` or ``AdamW``, the parameter, its state) in the chain."""
+    names = {param: name for name, param in model.module.named_parameters()}
+    return {
+        names[param]: (type(chained.optimizer).__name__, param, chained.optimizer.state[param])
+        for chained in optimizer.chained_optimizers
+        for param in chained.get_parameters()
+    }
+
+
+def test_a_muon_checkpoint_converts_into_another_option_and_resumes(megatron_rank, tmp_path):
+    """The Muon chain of option B -> D offline: each optimizer's states converted by their meaning
+    (the FP32 master θ + δθ correctly rounded from FP64, the BF16 momentum and moments exactly), one
+    line per state kind and optimizer; D's Muon chain loads it and steps on. Into megatron-core's own
+    Muon (``stock``) it stops in one line."""
+    from megatron_lowprec.optim.master import MASTER_KEYS
+    from megatron_lowprec.train.convert import ConvertError, convert_checkpoint
+
+    model, optimizer = _built_muon("B")
+    _step(model, optimizer, 0)
+    _save(model, optimizer, tmp_path / "b")
+    saved = {
+        name: (kind, param.double() + state["param_lo"].double(),
+               {moment: state[moment].double() for moment in ("momentum", "exp_avg", "exp_avg_sq") if moment in state})
+        for name, (kind, param, state) in _chain_states(model, optimizer).items()
+    }
+    assert {kind for kind, _, _ in saved.values()} == {"Muon", "AdamW"}
+    lines = convert_checkpoint(tmp_path / "b", tmp_path / "d", "D")
+    assert [line.split(": ")[:3] for line in lines] == [
+        ["Muon", "converted B -> D", "value"], ["Muon", "converted B -> D", "momentum"],
+        ["AdamW", "converted B -> D", "value"], ["AdamW", "converted B -> D", "exp_avg"],
+        ["AdamW", "converted B -> D", "exp_avg_sq"],
+    ]
+    assert all(line.endswith("exact") for line in lines if ": value: " not in line), lines
+    resumed_model, resumed = _built_muon("D")
+    _load(resumed_model, resumed, tmp_path / "d")
+    states = _chain_states(resumed_model, resumed)
+    assert states.keys() == saved.keys()
+    for name, (kind, param, state) in states.items():
+        saved_kind, value, moments = saved[name]
+        assert kind == saved_kind, name
+        master = state[MASTER_KEYS["fp32"]]
+        assert torch.equal(master.view(-1), value.view(-1).float()), name
+        assert torch.equal(param.view(-1), master.view(-1).bfloat16()), name
+        for moment, expected in moments.items():
+            assert torch.equal(state[moment].view(-1), expected.view(-1).float()), (name, moment)
+    _step(resumed_model, resumed, 1)
+    assert all(state[MASTER_KEYS["fp32"]].isfinite().all() for _, _, state in states.values())
+    with pytest.raises(ConvertError, match=r"^it holds a chain of optimizers .*not into megatron-core's own Muon \(--to stock\)$"):
+        convert_checkpoint(tmp_path / "b", tmp_path / "stock", "stock")
+    assert not (tmp_path / "stock").exists()
