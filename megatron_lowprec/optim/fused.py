@@ -14,7 +14,8 @@ whole bucket:
   temporaries);
   With stochastic rounding too (sr8), on every device: each group finds its entry and its first
   element's index in its stream in tables of one value per group
-  (:class:`~megatron_lowprec.optim.kernel.GroupStream`);
+  (:class:`~megatron_lowprec.optim.kernel.GroupStream`); a parameter whose groups would straddle
+  rows of its stream takes the eager step instead (:func:`fused_entries`);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
   element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
   and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
