@@ -22,7 +22,7 @@ from megatron_lowprec.numerics.rounding import (
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, gather_grads, own_grad_buffer
 from megatron_lowprec.optim.fused import (
-    bucket_entries, check_fused_bucket, fused_bucket_step_, resolve_fused, warn_eager_fallback,
+    bucket_entries, fused_bucket_step_, fused_entries, resolve_fused, warn_eager_fallback,
 )
 from megatron_lowprec.optim.kernel import (
     SUPPORTED_GRAD_DTYPES,
@@ -426,6 +426,8 @@ class AdamW(PrecisionOptimizer):
         self._own_generator: torch.Generator | None = None
         self.layout = layout
         self._layout_fused: bool | None = None
+        # The ids of a fused layout's buckets that the fused step cannot serve (fused_entries): they step eagerly.
+        self._eager_layout_buckets: set[int] = set()
         self._laid_out_entries: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -445,7 +447,11 @@ class AdamW(PrecisionOptimizer):
         self._layout_fused = self._wants_fused(device)
         if self._layout_fused:
             for bucket in self.buckets:
-                check_fused_bucket(bucket, self.strategy)
+                served = fused_entries(
+                    self.strategy, self._fused_request, bucket.params, bucket.streams, bucket.element_starts, bucket.numels
+                )
+                if not all(served):
+                    self._eager_layout_buckets.add(id(bucket))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -485,13 +491,21 @@ class AdamW(PrecisionOptimizer):
         for (device, _, _), params in by_layout.items():
             if self.strategy.adam_kernel == "torch_fused":
                 require_torch_fused_adamw(device, self.strategy.name)
-            streams = [self._stream_layouts[param] for param in params]
-            bucket, states = build_bucket(self.strategy, group_index, params, self._wants_fused(device), streams)
-            if self._wants_fused(device):
-                check_fused_bucket(bucket, self.strategy)
-            self.buckets.append(bucket)
-            for param, state in zip(params, states):
-                self.state[param] = state
+            if not self._wants_fused(device):
+                self._add_bucket(group_index, params, fused=False)
+                continue
+            served = fused_entries(self.strategy, self._fused_request, params, [self._stream_layouts[param] for param in params])
+            for fused in (True, False):
+                self._add_bucket(group_index, [param for param, takes_fused in zip(params, served) if takes_fused == fused], fused)
+
+    def _add_bucket(self, group_index: int, params: list[torch.nn.Parameter], fused: bool) -> None:
+        """A bucket of ``params`` (none: no bucket), owning their flat buffer where it takes the fused step."""
+        if not params:
+            return
+        bucket, states = build_bucket(self.strategy, group_index, params, fused, [self._stream_layouts[param] for param in params])
+        self.buckets.append(bucket)
+        for param, state in zip(params, states):
+            self.state[param] = state
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -537,12 +551,13 @@ class AdamW(PrecisionOptimizer):
     def _step_bucket(self, bucket: Bucket, generator: torch.Generator | None) -> torch.Tensor | None:
         hyper = {index: self._group_hyper(index) for index in sorted(set(bucket.entry_groups))}
         if self.layout is not None:
-            if self._layout_fused or self.strategy.adam_kernel == "torch_fused":
+            fused = self._layout_fused and id(bucket) not in self._eager_layout_buckets
+            if fused or self.strategy.adam_kernel == "torch_fused":
                 grad, entry_grads = self.layout.bucket_grads(bucket)
                 return fused_bucket_step_(
                     bucket, self.strategy, grad, entry_grads, hyper, step=self._advance_steps(bucket), sr_seed=self._sr_seed,
                     track_update_quality=self.track_update_quality, background_compile=self.background_compile,
-                    compile_master_codec=self._layout_fused,
+                    compile_master_codec=fused,
                 )
             return self._step_entries_eagerly(bucket, hyper)
         grad, step = self._fused_step_grads(bucket)

@@ -14,7 +14,8 @@ whole bucket:
   temporaries);
   With stochastic rounding too (sr8), on every device: each group finds its entry and its first
   element's index in its stream in tables of one value per group
-  (:class:`~megatron_lowprec.optim.kernel.GroupStream`);
+  (:class:`~megatron_lowprec.optim.kernel.GroupStream`); a parameter whose groups would straddle
+  rows of its stream takes the eager step instead (:func:`fused_entries`);
 * stochastic rounding on GPUs likewise (:class:`~megatron_lowprec.optim.kernel.BucketStream`: each
   element finds its entry in a table of one value per row of the bucket's ``row_width`` elements,
   and its stream row by an integer division), in windows of at most :data:`MAX_CALL_ELEMENTS`
@@ -76,7 +77,7 @@ import torch
 from megatron_lowprec.numerics import inductor
 from megatron_lowprec.numerics.compiled import FP8_CONVERSION_CAPABILITY, compile_exact, inductor_options
 from megatron_lowprec.numerics.inductor import EagerFallbackWarning
-from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, counter_round_keys_table, row_start_words
+from megatron_lowprec.numerics.rounding import INT32_GRID_MAX_ROW, StreamLayout, counter_round_keys_table, row_start_words
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, BackgroundCompileWarning, CompileRecipe
 from megatron_lowprec.optim.buckets import (
     FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, at_least_two, bucket_alignment, elements_per_value,
@@ -663,54 +664,112 @@ def _stream_tables(bucket: Bucket, entries: list[int], start: int, end: int) -> 
 def group_stream_tables(bucket: Bucket, strategy: PrecisionStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:class:`GroupStream`'s tables of the bucket (built once, kept with it): each FP8 group's entry
     (as :meth:`~megatron_lowprec.optim.buckets.Bucket.group_table` places them) and the global index
-    in its entry's stream of its first element, as int32 high and low words. ``ValueError`` naming the option and
-    the parameter where a group's elements would straddle two rows of its stream layout whose
-    indices are not consecutive (a tensor-parallel shard whose rows the group size does not divide;
-    rows of one rank's whole tensor follow each other): the eager step (``fused=False``) draws every
-    element's word from its own row."""
+    in its entry's stream of its first element, as int32 high and low words. ``ValueError`` where the
+    fused step cannot serve an entry (:func:`check_fused_entries`: its groups straddle rows of its stream)."""
     if bucket.group_stream_tables is not None:
         return bucket.group_stream_tables
+    check_fused_entries(strategy, bucket.params, bucket.streams, bucket.element_starts, bucket.numels)
     group_size = strategy.fp8_group_size
-    entries = numpy.repeat(numpy.arange(len(bucket.offsets)), bucket.entry_rows(group_size, 0))
+    groups = bucket.entry_rows(group_size, 0)
 
-    def per_group(values: list[int], dtype: type = numpy.int64) -> numpy.ndarray:
-        return numpy.array(values, dtype=dtype)[entries]
+    def per_group(values: Iterable[int], dtype: type = numpy.int64) -> numpy.ndarray:
+        return numpy.repeat(numpy.array(values, dtype=dtype), groups)
 
+    entries = per_group(range(len(groups)), numpy.int32)
     element = per_group(bucket.element_starts) + numpy.arange(entries.size, dtype=numpy.int64) * group_size - per_group(bucket.offsets)
-    ends = per_group([start + numel for start, numel in zip(bucket.element_starts, bucket.numels)])
     row_lengths = per_group([layout.row_length if layout.row_stride != layout.row_length else 2**62 for layout in bucket.streams])
     row = element // row_lengths
-    straddles = (element < ends) & ((numpy.minimum(element + group_size, ends) - 1) // row_lengths != row)
-    if straddles.any():
-        index = int(entries[straddles.argmax()])
-        layout = bucket.streams[index]
-        raise ValueError(
-            f"option {strategy.name!r} steps FP8 groups of {group_size} elements with stochastic rounding in one "
-            f"compiled call, each group inside one row of its parameter's SR stream; the parameter of shape "
-            f"{tuple(bucket.params[index].shape)} has stream rows of {layout.row_length} elements (its elements from "
-            f"{bucket.element_starts[index]}), which its groups straddle: use fused=False (the eager step, the same bits)"
-        )
     with numpy.errstate(over="ignore"):
         index = (
             per_group([layout.offset % 2**64 for layout in bucket.streams], numpy.uint64)
             + row.astype(numpy.uint64) * per_group([layout.row_stride % 2**64 for layout in bucket.streams], numpy.uint64)
             + (element - row * row_lengths).astype(numpy.uint64)
         )
-    words = [(index >> numpy.uint64(32)).astype(numpy.uint32), (index & numpy.uint64(0xFFFFFFFF)).astype(numpy.uint32)]
-    device = bucket.device
-    bucket.group_stream_tables = (
-        torch.tensor(entries.tolist(), dtype=torch.int32, device=device),
-        *(torch.tensor(word.view(numpy.int32).tolist(), dtype=torch.int32, device=device) for word in words),
+    words = ((index >> numpy.uint64(32)).astype(numpy.uint32), (index & numpy.uint64(0xFFFFFFFF)).astype(numpy.uint32))
+    bucket.group_stream_tables = tuple(
+        torch.from_numpy(table.view(numpy.int32)).to(bucket.device) for table in (entries, *words)
     )
     return bucket.group_stream_tables
 
 
-def check_fused_bucket(bucket: Bucket, strategy: PrecisionStrategy) -> None:
-    """``ValueError`` where the fused step cannot lay out ``bucket``'s calls (stochastic rounding over
-    FP8 groups that straddle rows of a stream: :func:`group_stream_tables`), raised when the
-    optimizer is built, before any step."""
-    if strategy.param_update == "stochastic" and strategy.grouped_moments:
-        group_stream_tables(bucket, strategy)
+def fp8_groups_straddle_rows(strategy: PrecisionStrategy, layout: StreamLayout, element_start: int, numel: int) -> bool:
+    """Whether an entry (a parameter's elements [element_start, element_start + numel), in 8-bit moment groups
+    of the strategy's size from its first element: a bucket starts every entry on a group) has a group
+    whose elements lie in two rows of its stream ``layout`` whose indices are not consecutive (a
+    tensor-parallel shard whose row length the group size does not divide; the rows of one rank's
+    whole tensor follow each other). The fused step under stochastic rounding draws each group's words
+    from one run of its stream (:class:`GroupStream`), so it cannot serve such an entry; the eager step
+    draws every element's word from its own row."""
+    if strategy.param_update != "stochastic" or not strategy.grouped_moments or layout.row_stride == layout.row_length:
+        return False
+    group_size, end = strategy.fp8_group_size, element_start + numel
+    firsts = numpy.arange(element_start, end, group_size, dtype=numpy.int64)
+    lasts = numpy.minimum(firsts + group_size, end) - 1
+    return bool((firsts // layout.row_length != lasts // layout.row_length).any())
+
+
+def _straddling_entries(
+    strategy: PrecisionStrategy, streams: list[StreamLayout], element_starts: list[int] | None, numels: list[int],
+) -> list[int]:
+    starts = element_starts or [0] * len(streams)
+    return [
+        index for index, (layout, start, numel) in enumerate(zip(streams, starts, numels))
+        if fp8_groups_straddle_rows(strategy, layout, start, numel)
+    ]
+
+
+def _straddle_reason(strategy: PrecisionStrategy, param: torch.Tensor, layout: StreamLayout, element_start: int) -> str:
+    return (
+        f"option {strategy.name!r} steps FP8 groups of {strategy.fp8_group_size} elements with stochastic rounding in one "
+        f"compiled call, each group inside one row of its parameter's SR stream; the parameter of shape "
+        f"{tuple(param.shape)} has stream rows of {layout.row_length} elements (its elements from {element_start}), "
+        "which its groups straddle"
+    )
+
+
+def check_fused_entries(
+    strategy: PrecisionStrategy, params: list[torch.Tensor], streams: list[StreamLayout],
+    element_starts: list[int] | None = None, numels: list[int] | None = None,
+) -> None:
+    """``ValueError`` in one line naming the option and the first parameter whose entry the fused step
+    cannot serve (:func:`fp8_groups_straddle_rows`), and the way out; entries are whole parameters
+    unless ``element_starts`` and ``numels`` say which of their elements."""
+    numels = numels or [param.numel() for param in params]
+    straddling = _straddling_entries(strategy, streams, element_starts, numels)
+    if straddling:
+        index = straddling[0]
+        start = element_starts[index] if element_starts else 0
+        raise ValueError(
+            f"{_straddle_reason(strategy, params[index], streams[index], start)}: use fused=False or None "
+            "(the eager step, the same bits)"
+        )
+
+
+def fused_entries(
+    strategy: PrecisionStrategy, requested: bool | None, params: list[torch.Tensor], streams: list[StreamLayout],
+    element_starts: list[int] | None = None, numels: list[int] | None = None,
+) -> list[bool]:
+    """Which of the entries that a fused bucket would hold (whole parameters, or their elements
+    ``element_starts`` and ``numels``) the fused step can serve, decided from their stream layouts
+    before any bucket or compiled call is built: all but those whose FP8 groups straddle stream rows
+    under stochastic rounding (:func:`fp8_groups_straddle_rows`). With ``requested=True`` such an entry
+    is refused (:func:`check_fused_entries`); with ``None`` it takes the eager step (the same bits),
+    with one :class:`EagerFallbackWarning` line naming the shapes and why."""
+    numels = numels or [param.numel() for param in params]
+    straddling = _straddling_entries(strategy, streams, element_starts, numels)
+    if not straddling:
+        return [True] * len(params)
+    if requested:
+        check_fused_entries(strategy, params, streams, element_starts, numels)
+    shapes = ", ".join(dict.fromkeys(str(tuple(params[index].shape)) for index in straddling))
+    rows = ", ".join(dict.fromkeys(str(streams[index].row_length) for index in straddling))
+    warn_eager_fallback(
+        f"the parameters of shapes {shapes}",
+        f"the compiled step of option {strategy.name!r} draws the stochastic-rounding words of each FP8 group of "
+        f"{strategy.fp8_group_size} elements from one row of its parameter's SR stream, and their stream rows "
+        f"(tensor-parallel shards: rows of {rows} elements) split their groups",
+    )
+    return [index not in straddling for index in range(len(params))]
 
 
 def _signed_int64(value: int) -> int:

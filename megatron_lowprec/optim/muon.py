@@ -71,9 +71,9 @@ from megatron_lowprec.optim.buckets import (
 )
 from megatron_lowprec.optim.fused import (
     bucket_entries,
-    check_fused_bucket,
     compile_step_function,
     fused_call_arguments,
+    fused_entries,
     group_statistics_in_kernel,
     resolve_fused,
     run_calls,
@@ -511,6 +511,14 @@ class Muon(PrecisionOptimizer):
             by_layout.setdefault((param.device, param.dtype, buffer), []).append(param)
         for (device, _, _), params in by_layout.items():
             fused = resolve_fused(device, self._fused_request)
+            if fused:
+                served = fused_entries(self.strategy, self._fused_request, params, [self._stream_layouts[param] for param in params])
+                eager = [param for param, takes_fused in zip(params, served) if not takes_fused]
+                if eager:
+                    self._add_bucket(group_index, eager, False, in_buffer=False)
+                params = [param for param, takes_fused in zip(params, served) if takes_fused]
+                if not params:
+                    continue
             if fused and self.params_in_buffer:
                 self._check_in_buffer(params, group_index)
                 runs = in_place_runs(params, self.buffer_row) if self.buffer_row else [list(range(len(params)))]
@@ -539,8 +547,6 @@ class Muon(PrecisionOptimizer):
         )
         if in_buffer and in_place is None:
             bucket.param_rows = param_rows_in_place(bucket)
-        if fused:
-            check_fused_bucket(bucket, self.strategy)
         self.buckets.append(bucket)
         for param, state in zip(params, states):
             self.state[param] = state

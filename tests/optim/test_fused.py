@@ -2,6 +2,8 @@
 every device (Inductor compiles C++ on the CPU, Triton on CUDA). The tiling tests at the end reach into
 Inductor's C++ code generator and are CPU-only."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -558,21 +560,92 @@ def test_sr8_steps_each_bucket_in_one_call_with_the_words_of_split_streams(monke
     assert calls == [1] * 4
 
 
+def _sr8_shard_layout(param):
+    """A tensor-parallel shard of stream rows of 96 elements (rank 0 of 2: the rows' indices are not
+    consecutive), which FP8 groups of 128 straddle, for a [4, 96] parameter; a whole stream otherwise."""
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    return StreamLayout.shard(5, (4, 96), 1, 0, 2) if tuple(param.shape) == (4, 96) else StreamLayout.whole(7, param.numel())
+
+
 def test_sr8_fused_refuses_fp8_groups_that_straddle_stream_rows():
     """A tensor-parallel shard whose stream rows (96 elements) the FP8 group of 128 does not divide:
-    the fused step is refused when the optimizer is built, in one line naming the option and the
+    fused=True is refused when the optimizer is built, in one line naming the option and the
     parameter; the eager step takes it. Rows whose indices follow each other (the one shard at a
     tensor-parallel size of 1) are one run: the fused step builds."""
     from megatron_lowprec.numerics.rounding import StreamLayout
 
     param = torch.nn.Parameter(torch.randn(4, 96).bfloat16())
     AdamW([param], option="sr8", fused=True, stream_layout=lambda p: StreamLayout.shard(5, (4, 96), 1, 0, 1))
-    layout = StreamLayout.shard(5, (4, 96), 1, 0, 2)
     with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) has stream rows of 96 elements.*use fused=False"):
-        AdamW([param], option="sr8", fused=True, stream_layout=lambda p: layout)
-    optimizer = AdamW([param], option="sr8", fused=False, stream_layout=lambda p: layout)
+        AdamW([param], option="sr8", fused=True, stream_layout=_sr8_shard_layout)
+    optimizer = AdamW([param], option="sr8", fused=False, stream_layout=_sr8_shard_layout)
     param.grad = torch.ones_like(param)
     optimizer.step()
+
+
+def _sr8_twins(fused, params_of, **kwargs):
+    """fused=False's and ``fused``'s AdamW of sr8 over ``params_of()``'s parameters (the same values each
+    call) and its layout source (``None``: owned), three steps on the same gradients (written into
+    gradients already set, the layout's buffer); the warnings of building and stepping the second."""
+    twins, caught = [], []
+    for request in (False, fused):
+        params, source = params_of()
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            optimizer = AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, option="sr8", seed=3, fused=request,
+                              stream_layout=_sr8_shard_layout, layout=source(params) if source else None, **kwargs)
+            generator = torch.Generator().manual_seed(9)
+            for _ in range(3):
+                for param in params:
+                    grad = torch.randn(param.shape, generator=generator).bfloat16()
+                    if param.grad is None:
+                        param.grad = grad
+                    else:
+                        param.grad.copy_(grad)
+                optimizer.step()
+        twins.append((params, optimizer))
+        caught = [warning for warning in recorded if issubclass(warning.category, EagerFallbackWarning)]
+    return twins, caught
+
+
+def test_sr8_steps_parameters_whose_groups_straddle_stream_rows_eagerly_by_default(monkeypatch):
+    """fused=None (the default): the shard whose stream rows (96 elements) split FP8 groups of 128
+    takes the eager step, decided when the optimizer is built, with one warning line naming its shape
+    and why; the parameter beside it keeps its fused bucket (its kernel run uncompiled here: the same
+    function). Every bit after three steps is fused=False's."""
+    from megatron_lowprec.optim.kernel import bucket_kernel_
+
+    monkeypatch.setattr(fused_module, "compiled_kernel", lambda group_statistics=False: bucket_kernel_)
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator).bfloat16() for shape in ((300,), (4, 96))]
+    (eager, fallback), caught = _sr8_twins(None, lambda: ([torch.nn.Parameter(values.clone()) for values in start], None))
+    _assert_bit_identical(eager, fallback)
+    assert [bucket.laid_out for bucket in fallback[1].buckets] == [True, False]
+    assert [bucket.params[0].shape for bucket in fallback[1].buckets] == [(300,), (4, 96)]
+    assert len(caught) == 1, [str(warning.message) for warning in caught]
+    message = str(caught[0].message)
+    assert "\n" not in message and "(4, 96)" in message and "rows of 96 elements" in message and "'sr8'" in message
+
+
+def test_sr8_distributed_shard_whose_groups_straddle_stream_rows_steps_eagerly_by_default():
+    """A distributed optimizer's shard (a layout source) holding that parameter: fused=None steps the
+    shard eagerly, with one warning line, to fused=False's bits; fused=True is refused."""
+    from .references import BufferShard
+
+    values = torch.randn(4, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def params_of():
+        param_data, grad_data = values.reshape(-1).clone(), torch.zeros(values.numel(), dtype=torch.bfloat16)
+        param = torch.nn.Parameter(param_data.view(4, 96))
+        param.grad = grad_data.view(4, 96)
+        return [param], lambda params: BufferShard(param_data, grad_data, 0)
+
+    (eager, fallback), caught = _sr8_twins(None, params_of)
+    _assert_bit_identical(eager, fallback)
+    assert len(caught) == 1 and "(4, 96)" in str(caught[0].message)
+    with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) .*use fused=False"):
+        _sr8_twins(True, params_of)
 
 
 def test_stochastic_rounding_in_one_call_refuses_columns_beyond_int32(monkeypatch):

@@ -177,6 +177,39 @@ def test_stochastic_rounding_bits_are_the_counter_stream_shared_by_replicas(devi
     assert torch.equal(optimizer.random_bits(first[1], 2).cpu(), expected)
 
 
+def test_sr8_steps_a_shard_whose_groups_straddle_stream_rows_eagerly_by_default():
+    """A tensor-parallel shard whose stream rows (96 elements, rank 0 of 2) split sr8's FP8 groups of
+    128: with fused=None Muon steps it eagerly, decided when it is built, with one warning line naming
+    its shape, to fused=False's bits; fused=True is refused in one line."""
+    import warnings
+
+    from megatron_lowprec.numerics.inductor import EagerFallbackWarning
+    from megatron_lowprec.numerics.rounding import StreamLayout
+
+    def layout(param):
+        return StreamLayout.shard(5, (4, 96), 1, 0, 2)
+
+    def trained(fused):
+        param = _param(_random((4, 96), 0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer = Muon([param], lr=0.01, option="sr8", seed=3, fused=fused, stream_layout=layout)
+            for step in range(2):
+                param.grad = _random((4, 96), step + 1).bfloat16()
+                optimizer.step()
+        return param, optimizer, [warning for warning in caught if issubclass(warning.category, EagerFallbackWarning)]
+
+    eager, eager_optimizer, _ = trained(False)
+    fallback, optimizer, caught = trained(None)
+    assert torch.equal(eager.view(torch.int16), fallback.view(torch.int16))
+    for key, value in eager_optimizer.state[eager].items():
+        other = optimizer.state[fallback][key]
+        assert torch.equal(value.view(torch.uint8), other.view(torch.uint8)) if torch.is_tensor(value) else value == other
+    assert len(caught) == 1 and "(4, 96)" in str(caught[0].message)
+    with pytest.raises(ValueError, match=r"option 'sr8' .* shape \(4, 96\) has stream rows of 96 elements.*use fused=False"):
+        Muon([_param(_random((4, 96), 0))], option="sr8", fused=True, stream_layout=layout)
+
+
 MUON_BYTES_PER_PARAM = {
     "A": 6, "B": 8, "C": 8, "D": 12, "D-MW": 8, "kahan": 8, "sr": 6, "coat": 2 + 2 + 4 + 1 + 8 / 128, "D-BF16": 8,
     "sr8": 2 + 2 + 1 + (4 + 2) / 128, "res8": 2 + 2 + 1 + (4 + 2) / 128 + 1,
