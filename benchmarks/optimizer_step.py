@@ -248,7 +248,7 @@ def run(
                         "params": numel, "option": option + suffix, "bytes_per_param": bytes_per_param,
                         "param_bytes": tensor_bytes(params) / numel,
                         "grad_bytes": tensor_bytes(p.grad for p in params) / numel,
-                        "megatron_grad_bytes": 4 if strategy.master_weights else 2,
+                        "megatron_grad_bytes": strategy.grad_bytes(),
                         "state_bytes": (state_bytes - master_bytes) / numel, "master_bytes": master_bytes / numel,
                         "seconds": seconds, "baseline_seconds": baseline_time, "traffic": traffic,
                         "copy_bandwidth": bandwidth, "peak_bytes": peak, "baseline_peak_bytes": baseline_peak,
@@ -328,9 +328,9 @@ def write_markdown(
         "Bytes per parameter, measured from the tensors the optimizer holds (parameter, gradient, state):",
         memory,
         "The gradient here is the BF16 gradient this benchmark allocates. `lowprec-train` reduces gradients in FP32 "
-        "(`precision.grad_reduce_in_fp32`) by default where the option keeps an FP32 master, so megatron-core's "
-        "gradient buffer there holds 4 B per parameter; the Megatron-path columns count it so (from that rule, not "
-        "measured here).",
+        "(`precision.grad_reduce_in_fp32`) by default where the option keeps an FP32 master (not one stored as an "
+        "8-bit residual), so megatron-core's gradient buffer there holds 4 B per parameter; the Megatron-path columns "
+        "count it so (from that rule, `PrecisionStrategy.default_grad_reduce_in_fp32`, not measured here).",
     ]
 
     def step_against_copy(figure) -> None:
