@@ -143,6 +143,7 @@ def test_every_way_in_takes_every_layer_setting_under_its_one_declaration():
          "{emulate_rounding}='up' is not valid; choose one of: nearest, stochastic"),
         ({"option": "C", "emulate": "E9M9"}, None, "{emulate}='E9M9': "),
     ],
+    ids=["coat-emulated", "fp8-layers-emulated", "rounding", "format"],
 )
 def test_a_layer_setting_that_cannot_apply_is_named_as_each_caller_spells_it(settings, flags, line):
     """A layer setting is refused once, by :meth:`LayerPrecision.check`, in one line naming it as the
