@@ -1,6 +1,8 @@
-"""One spelling per setting, declared once (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`): ``lowprec-train``'s ``precision`` keys, the Megatron-LM entry's
-``--lowprec-*`` flags, ``build_optimizer``'s keywords and ``LowPrecisionOptimizerConfig``'s fields
-name each setting alike, and Muon's scale modes are megatron-core's ``muon_scale_mode`` names."""
+"""One spelling per setting, declared once (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`,
+:class:`~megatron_lowprec.layers.settings.LayerPrecision`): ``lowprec-train``'s ``precision`` keys,
+the Megatron-LM entry's ``--lowprec-*`` flags, ``build_optimizer``'s keywords,
+``LowPrecisionOptimizerConfig``'s fields and the layer converters name each setting alike, and Muon's
+scale modes are megatron-core's ``muon_scale_mode`` names."""
 
 from __future__ import annotations
 
@@ -102,6 +104,75 @@ def test_a_setting_that_cannot_apply_is_named_as_each_caller_spells_it():
     config.precision.master_storage = "half"
     with pytest.raises(ConfigError, match=r"^precision.master_storage='half' is not valid; choose one of: fp32, remainder, residual8$"):
         validate(config, world_size=1)
+
+
+def test_every_way_in_takes_every_layer_setting_under_its_one_declaration():
+    """Each :class:`LayerPrecision` field is a ``precision`` key and a ``--lowprec-`` flag whose help is
+    the field's docstring, with the field's default; the app's config and the flags build the same
+    settings."""
+    from megatron_lowprec.layers.settings import LayerPrecision, layer_precision_of
+    from megatron_lowprec.megatron.megatron_lm import add_arguments
+    from megatron_lowprec.optim.settings import field_docs, lowprec_field, plain_text
+    from megatron_lowprec.train.reference import config_keys
+
+    names = [field.name for field in dataclasses.fields(LayerPrecision)]
+    docs = field_docs(LayerPrecision)
+    assert set(names) <= set(docs)
+    app_keys = {key.key: key for key in config_keys()}
+    parser = add_arguments(argparse.ArgumentParser())
+    helps = {action.dest: action.help for action in parser._actions if action.help != argparse.SUPPRESS}
+    for name in names:
+        assert app_keys[f"precision.{name}"].doc == docs[name]
+        assert helps[f"lowprec_{name}"].replace("%%", "%") == plain_text(docs[name])
+    assert layer_precision_of(parser.parse_args([]), lowprec_field) == LayerPrecision() == layer_precision_of(PrecisionConfig())
+    given = ["--lowprec-emulate", "E5M2", "--lowprec-emulate-rounding", "stochastic", "--no-lowprec-emulate-clamp-inner-range",
+             "--lowprec-layers-exclude", "output_layer", "linear_fc2"]
+    assert layer_precision_of(parser.parse_args(given), lowprec_field) == LayerPrecision(
+        emulate="E5M2", emulate_rounding="stochastic", emulate_clamp_inner_range=False, layers_exclude=["output_layer", "linear_fc2"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "flags", "line"),
+    [
+        ({"option": "coat", "emulate": "E4M3"}, ["--lowprec-option", "coat", "--lowprec-emulate", "E4M3"],
+         "{emulate} and {fp8_layers} replace the same matmuls; choose one"),
+        ({"option": "C", "emulate": "E8M5", "fp8_layers": True}, ["--lowprec-emulate", "E8M5", "--lowprec-fp8-layers"],
+         "{emulate} and {fp8_layers} replace the same matmuls; choose one"),
+        ({"option": "C", "emulate_rounding": "up"}, None,
+         "{emulate_rounding}='up' is not valid; choose one of: nearest, stochastic"),
+        ({"option": "C", "emulate": "E9M9"}, None, "{emulate}='E9M9': "),
+    ],
+    ids=["coat-emulated", "fp8-layers-emulated", "rounding", "format"],
+)
+def test_a_layer_setting_that_cannot_apply_is_named_as_each_caller_spells_it(settings, flags, line):
+    """A layer setting is refused once, by :meth:`LayerPrecision.check`, in one line naming it as the
+    app's config (``precision.KEY``), Megatron-LM's flags (``--lowprec-KEY``, checked as they are
+    parsed) and the converters (``LayerPrecision.KEY``) spell it; an unset ``fp8_layers`` is the option's."""
+    import re
+
+    from megatron_lowprec.layers.settings import LayerPrecision
+    from megatron_lowprec.megatron import megatron_lm
+    from megatron_lowprec.megatron.layers import pre_wrap_hook
+    from megatron_lowprec.train.config import ConfigError, TrainConfig, validate
+
+    def spelled(spelling, opening: str = "") -> str:
+        keys = ("emulate", "fp8_layers", "emulate_rounding")
+        return "^" + re.escape(opening + line.format(**{key: spelling(key) for key in keys}))
+
+    config = TrainConfig()
+    for key, value in settings.items():
+        setattr(config.precision, key, value)
+    with pytest.raises(ConfigError, match=spelled(lambda key: f"precision.{key}")):
+        validate(config, world_size=1)
+    layer_settings = {key: value for key, value in settings.items() if key != "option"}
+    with pytest.raises(ValueError, match=spelled(lambda key: f"LayerPrecision.{key}")):
+        pre_wrap_hook(LayerPrecision(**layer_settings), option=settings["option"])
+    if flags is not None:
+        args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
+        flag = spelled(lambda key: "--lowprec-" + key.replace("_", "-"), opening="megatron-lowprec: ")
+        with pytest.raises(SystemExit, match=flag):
+            megatron_lm._check_precision_flags(args)
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(64, 16), (16, 64), (48, 48)])

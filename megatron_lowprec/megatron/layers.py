@@ -30,7 +30,7 @@ training in "To FP8 and Back Again" (section 4.2), so emulation excludes it too 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,9 @@ from megatron_lowprec.layers import (
     fp8_linear,
     fp8_swiglu,
 )
+from megatron_lowprec.layers.settings import LayerPrecision, layer_precision_of
 from megatron_lowprec.megatron import compat
+from megatron_lowprec.optim.settings import SettingError
 
 NORM_NAMES = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")
 LAST_STAGE_MODULES = ("output_layer", "final_layernorm")
@@ -182,9 +184,26 @@ def _matches(name: str, entry: str) -> bool:
     return f".{entry}." in f".{name}."
 
 
+def _check(precision: LayerPrecision, option: str | None) -> LayerPrecision:
+    """``precision``'s fields (of a :class:`LayerPrecision` or a config derived from it) as a
+    :class:`LayerPrecision`, checked; a ValueError naming the bad setting as the dataclass's field."""
+    precision = layer_precision_of(precision)
+    try:
+        precision.check(option)
+    except SettingError as error:
+        raise ValueError(error.spelled(lambda name: f"LayerPrecision.{name}")) from None
+    return precision
+
+
+KEYWORD_DEFAULTS = {"fp8_layers": False, "emulation": None, "exclude": ("output_layer",)}
+""":func:`apply_layer_precision`'s keywords and their defaults, which a :class:`LayerPrecision` replaces."""
+
+
 def apply_layer_precision(
     model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    precision: LayerPrecision | None = None,
     *,
+    option: str | None = None,
     fp8_layers: bool = False,
     emulation: EmulationConfig | None = None,
     exclude: Sequence[str] = ("output_layer",),
@@ -193,14 +212,28 @@ def apply_layer_precision(
 
     Every module is checked before any is converted, so a ValueError leaves the model unchanged.
 
-    ``fp8_layers``: COAT's FP8 flow (FP8 linears, FP8-saving norms and activations). ``emulation``:
-    the linears' matmuls emulated in ExMy formats (an EmulationConfig or what ``EmulationConfig.parse``
-    reads, e.g. "E8M5"); the two are exclusive. Modules whose qualified name contains an entry of
+    ``precision``: the layers' settings (:class:`~megatron_lowprec.layers.settings.LayerPrecision`,
+    as ``lowprec-train``'s ``precision`` keys and Megatron-LM's flags give them), checked first with
+    the precision ``option``, which decides an unset ``fp8_layers``; settings that ask for neither
+    flow convert nothing. In place of it, the keywords: ``fp8_layers``: COAT's FP8 flow (FP8
+    linears, FP8-saving norms and activations). ``emulation``: the linears' matmuls emulated in ExMy
+    formats (an EmulationConfig or what ``EmulationConfig.parse`` reads, e.g. "E8M5", or a mapping
+    with one format per role); the two are exclusive. Modules whose qualified name contains an entry of
     ``exclude`` as whole dotted components ("output_layer", "decoder.layers.0", "linear_fc2") stay
     as they are; an entry that matches no convertible module raises ValueError listing the valid
     names (the last pipeline stage's LAST_STAGE_MODULES are valid on every stage). Names are those
     of ``named_modules()``, prefixed with the chunk index ("0.", "1.") when there are several chunks.
     """
+    if precision is not None:
+        given = {"fp8_layers": fp8_layers, "emulation": emulation, "exclude": exclude}
+        keywords = [name for name, value in given.items() if value != KEYWORD_DEFAULTS[name]]
+        if keywords:
+            raise ValueError(f"give a LayerPrecision or the keywords {', '.join(keywords)}, not both")
+        precision = _check(precision, option)
+        fp8_layers, emulation = precision.uses_fp8_layers(option), precision.emulation()
+        if not fp8_layers and emulation is None:
+            return []
+        exclude = precision.layers_exclude
     if fp8_layers and emulation is not None:
         raise ValueError("choose fp8_layers=True or an emulation config, not both: they replace the same matmuls")
     if isinstance(exclude, str):
@@ -242,3 +275,19 @@ def apply_layer_precision(
             module.__class__ = EMULATED_LINEARS[type(module)]
             module.emulation = emulation
     return [name for name, *_ in plan]
+
+
+def pre_wrap_hook(
+    precision: LayerPrecision, option: str | None = None
+) -> Callable[[list[torch.nn.Module]], list[torch.nn.Module]]:
+    """``precision`` as a model converter for Megatron-Bridge, which runs each hook its model
+    provider registers on the built model chunks before wrapping them:
+    ``cfg.model.register_pre_wrap_hook(pre_wrap_hook(LayerPrecision(fp8_layers=True)))``. The
+    settings are checked here, when the hook is made (ValueError naming the bad one)."""
+    precision = _check(precision, option)
+
+    def convert(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        apply_layer_precision(model_chunks, precision, option=option)
+        return model_chunks
+
+    return convert

@@ -82,6 +82,7 @@ Everything else is Megatron-LM's: checkpoints (``--ckpt-format torch_dist``), th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -94,9 +95,11 @@ from typing import Any, Optional
 
 from packaging.version import Version
 
+from megatron_lowprec.layers.emulation import ROUNDING_MODES
+from megatron_lowprec.layers.settings import LayerPrecision, layer_precision_of
 from megatron_lowprec.optim.compile_cache import keep_inductor_cache
 from megatron_lowprec.optim.settings import (
-    OptimizerPrecision, SettingError, field_docs, lowprec_field, plain_text, precision_fields, precision_of,
+    OptimizerPrecision, SettingError, field_docs, lowprec_field, plain_text, precision_of,
     spelled_fields,
 )
 from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_STORAGES, get_strategy, strategy_names
@@ -117,13 +120,12 @@ def _option_name(name: str) -> str:
 
 
 def _emulation_format(spec: str) -> str:
-    """An ExMy format name the emulation accepts (``E8M5``), checked while the arguments are parsed."""
-    from megatron_lowprec.layers import EmulationConfig
-
+    """An ExMy format name the emulation accepts (``E8M5``), checked while the arguments are parsed
+    by :meth:`LayerPrecision.check <megatron_lowprec.layers.settings.LayerPrecision.check>`."""
     try:
-        EmulationConfig.parse(spec)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        LayerPrecision(emulate=spec).check()
+    except SettingError as error:
+        raise argparse.ArgumentTypeError(error.reason) from None
     return spec
 
 
@@ -170,58 +172,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     _one_line_errors_for_our_flags(parser)
     group = parser.add_argument_group(title="megatron-lowprec precision options")
-    _add_precision_flags(group)
-    group.add_argument("--lowprec-fp8-layers", action=argparse.BooleanOptionalAction, default=None,
-                       help="COAT's FP8 linears, norms and activations (default: on with --lowprec-option coat)")
-    group.add_argument("--lowprec-emulate", type=_emulation_format, default=None, metavar="EXMY",
-                       help="emulate the linear layers' matmuls in this format, e.g. E8M5")
-    group.add_argument("--lowprec-emulate-rounding", choices=("nearest", "stochastic"), default="nearest",
-                       help="how the emulation drops mantissa bits: round to nearest even, or stochastically")
-    group.add_argument("--lowprec-emulate-clamp-outer-range", action=argparse.BooleanOptionalAction, default=True,
-                       help="the emulation saturates magnitudes above the format's largest value")
-    group.add_argument("--lowprec-emulate-clamp-inner-range", action=argparse.BooleanOptionalAction, default=True,
-                       help="the emulation flushes magnitudes below the format's subnormals")
-    group.add_argument("--lowprec-layers-exclude", nargs="*", default=["output_layer"], metavar="MODULE",
-                       help="modules kept in BF16 by the FP8 layers and the emulation (default: output_layer)")
+    _add_flags(group, OptimizerPrecision)
+    _add_flags(group, LayerPrecision)
     for earlier, (current, dest, value) in RENAMED_FLAGS.items():
         group.add_argument(earlier, dest=dest, action=_EarlierSpelling, current=current, const=value)
     return parser
 
 
-STORAGE_CHOICES = {"master_storage": MASTER_STORAGES, "moment_storage": GROUPED_MOMENT_STORAGES}
-"""The settings whose flag takes one of a few names, checked as it is parsed."""
+FLAG_SPELLINGS = {
+    "option": {"type": _option_name, "metavar": "OPTION"},
+    "master_storage": {"choices": MASTER_STORAGES},
+    "moment_storage": {"choices": GROUPED_MOMENT_STORAGES},
+    "emulate": {"type": _emulation_format, "metavar": "EXMY"},
+    "emulate_rounding": {"choices": ROUNDING_MODES},
+    "layers_exclude": {"nargs": "*", "metavar": "MODULE"},
+}
+"""How the flags that are neither a switch nor a plain number take their value: a name checked as
+it is parsed, one of a few names, or a list."""
 
 
 def _flag(name: str) -> str:
-    """The flag of an :class:`OptimizerPrecision` field: ``--lowprec-master-storage``."""
+    """The flag of a settings field: ``--lowprec-master-storage``."""
     return "--lowprec-" + name.replace("_", "-")
 
 
-def _add_precision_flags(group: argparse._ArgumentGroup) -> None:
-    """A flag per :class:`OptimizerPrecision` field, its help the field's docstring: a switch for a
-    boolean, the option's name checked as it is parsed, a choice for the master's storage."""
-    hints, docs = typing.get_type_hints(OptimizerPrecision), field_docs(OptimizerPrecision)
-    for field in precision_fields():
-        spelling = {"help": plain_text(docs[field.name]).replace("%", "%%"), "default": PRECISION_FLAG_DEFAULTS.get(field.name, field.default)}
+def _add_flags(group: argparse._ArgumentGroup, settings: type) -> None:
+    """A flag per field of the ``settings`` dataclass (:class:`OptimizerPrecision`,
+    :class:`LayerPrecision`), its help the field's docstring and its default the field's: a switch for
+    a boolean, else as :data:`FLAG_SPELLINGS` says or the field's type."""
+    hints, docs = typing.get_type_hints(settings), field_docs(settings)
+    for field in dataclasses.fields(settings):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        spelling = {"help": plain_text(docs[field.name]).replace("%", "%%"), "default": PRECISION_FLAG_DEFAULTS.get(field.name, default)}
         if hints[field.name] in (bool, Optional[bool]):
             spelling["action"] = argparse.BooleanOptionalAction
-        elif field.name == "option":
-            spelling.update(type=_option_name, metavar="OPTION")
-            spelling["help"] += f" One of {', '.join(strategy_names())}; without it megatron's own optimizer."
-        elif field.name in STORAGE_CHOICES:
-            spelling["choices"] = STORAGE_CHOICES[field.name]
+        elif field.name in FLAG_SPELLINGS:
+            spelling.update(FLAG_SPELLINGS[field.name])
         else:
             spelling["type"] = typing.get_args(hints[field.name])[0]
+        if field.name == "option":
+            spelling["help"] += f" One of {', '.join(strategy_names())}; without it megatron's own optimizer."
         group.add_argument(_flag(field.name), **spelling)
 
 
 def _check_precision_flags(args: argparse.Namespace) -> None:
-    """With ``--lowprec-option``, the ``--lowprec-*`` settings checked together, as the config that
-    builds the optimizer will check them, before Megatron-LM builds anything: one line otherwise."""
-    if getattr(args, "lowprec_option", None) is None:
-        return
+    """The ``--lowprec-*`` settings checked together, as the configs that build the optimizer and
+    convert the layers will check them, before Megatron-LM builds anything: one line otherwise. The
+    optimizer's only with ``--lowprec-option``; the layers' always (the emulation runs with
+    megatron's own optimizer too)."""
+    option = getattr(args, "lowprec_option", None)
     try:
-        precision_of(args, lowprec_field).check()
+        if option is not None:
+            precision_of(args, lowprec_field).check()
+        layer_precision_of(args, lowprec_field).check(option)
     except SettingError as error:
         _stop(f"megatron-lowprec: {error.spelled(_flag)}")
 
@@ -523,24 +526,10 @@ def layer_precision_hook(model_chunks) -> list[str]:
     """FP8 layers or ExMy emulation in ``model_chunks`` as Megatron-LM's ``args`` ask; converted names."""
     from megatron.training import get_args
 
-    from megatron_lowprec.layers import EmulationConfig
     from megatron_lowprec.megatron.layers import apply_layer_precision
 
     args = get_args()
-    fp8_layers = args.lowprec_fp8_layers
-    if fp8_layers is None:
-        fp8_layers = args.lowprec_option is not None and get_strategy(args.lowprec_option).fp8_layers
-    if not fp8_layers and args.lowprec_emulate is None:
-        return []
-    emulation = None
-    if args.lowprec_emulate is not None:
-        emulation = EmulationConfig.parse({
-            "format": args.lowprec_emulate,
-            "rounding": args.lowprec_emulate_rounding,
-            "clamp_outer_range": args.lowprec_emulate_clamp_outer_range,
-            "clamp_inner_range": args.lowprec_emulate_clamp_inner_range,
-        })
-    return apply_layer_precision(model_chunks, fp8_layers=fp8_layers, emulation=emulation, exclude=args.lowprec_layers_exclude)
+    return apply_layer_precision(model_chunks, layer_precision_of(args, lowprec_field), option=args.lowprec_option)
 
 
 def _original(module_name: str, name: str):

@@ -20,20 +20,36 @@ from megatron_lowprec.optim.strategies import GROUPED_MOMENT_STORAGES, MASTER_ST
 
 
 class SettingError(ValueError):
-    """A setting that cannot apply: ``field`` names it as :class:`OptimizerPrecision` does, the message
+    """A setting that cannot apply: ``field`` names it as the settings' dataclass does, the message
     says why and lists the valid choices."""
 
-    def __init__(self, field: str, reason: str, choices: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        field: str,
+        reason: str,
+        choices: tuple[str, ...] = (),
+        *,
+        value: object = None,
+        along_with: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(reason)
         self.field = field
         self.reason = reason
         self.choices = choices
+        self.value = value
+        self.along_with = along_with
 
     def spelled(self, spelling: Callable[[str], str]) -> str:
-        """One line naming the setting as the caller spells it: ``precision.master_storage: ...``, or,
-        for a value not among its ``choices``, ``precision.master_storage='half' is not valid; ...``."""
+        """One line naming the setting as the caller spells it: ``precision.master_storage: ...``; for
+        a value not among its ``choices``, ``precision.master_storage='half' is not valid; ...``; for a
+        ``value`` the reason is about, ``precision.emulate='E9M9': ...``; for settings that conflict
+        (``along_with``), ``precision.emulate and precision.fp8_layers ...``."""
         if self.choices:
             return f"{spelling(self.field)}={self.reason}"
+        if self.value is not None:
+            return f"{spelling(self.field)}={self.value!r}: {self.reason}"
+        if self.along_with:
+            return " and ".join(spelling(name) for name in (self.field, *self.along_with)) + f" {self.reason}"
         return f"{spelling(self.field)}: {self.reason}"
 
 

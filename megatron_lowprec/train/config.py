@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_lowprec.data.tokenizer import BYTE_BPE_FILE, TOKENIZER_KINDS
+from megatron_lowprec.layers.settings import LayerPrecision, layer_precision_of
 from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError
 from megatron_lowprec.optim.strategies import PrecisionStrategy, get_strategy
 
@@ -33,7 +34,6 @@ OPTIMIZERS = ("adamw", "muon")
 MUON_SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 MUON_TP_MODES = ("blockwise", "duplicated")
 MUON_COEFFICIENT_TYPES = ("simple", "quintic")
-EMULATION_ROUNDINGS = ("nearest", "stochastic")
 TE_FP8_RECIPES = ("delayed", "tensorwise")
 EXIT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGTERM")
 
@@ -98,10 +98,12 @@ class ModelConfig:
 
 
 @dataclass
-class PrecisionConfig(OptimizerPrecision):
+class PrecisionConfig(LayerPrecision, OptimizerPrecision):
     """The precision option (one registry entry of :mod:`megatron_lowprec.optim.strategies`): its
     optimizer's settings (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`, which
-    Megatron-LM's flags and ``build_optimizer`` take too), the layers' and the gradient buffer's."""
+    Megatron-LM's flags and ``build_optimizer`` take too), the layers'
+    (:class:`~megatron_lowprec.layers.settings.LayerPrecision`, which Megatron-LM's layer flags and
+    ``apply_layer_precision`` take too) and the gradient buffer's."""
 
     grad_reduce_in_fp32: Optional[bool] = None
     """Keep megatron-core's DDP gradient buffer in FP32: gradients accumulate over micro-batches and are
@@ -111,22 +113,6 @@ class PrecisionConfig(OptimizerPrecision):
     more than BF16 (a 4-byte gradient buffer instead of a 2-byte one, counted in the reported
     bytes/param) and twice the bytes of every gradient all-reduce or reduce-scatter; BF16 rounds each
     micro-batch's accumulation and the reduction to BF16."""
-    fp8_layers: Optional[bool] = None
-    """COAT's FP8 layer flow (§5.2): E4M3 linears with E5M2 output gradients, norms and activations
-    that save their input in FP8 with 1x16 groups; ``None``: the option's own (on with ``coat``,
-    see :func:`uses_fp8_layers`)."""
-    emulate: Optional[str] = None
-    """Emulate an ExMy format (e.g. ``E8M5``) on the inputs, weights, outputs and gradients of the
-    linear layers' matmuls, accumulating in FP32 ("To FP8 and Back Again" §3.2)."""
-    emulate_rounding: str = "nearest"
-    """Rounding of the emulation: ``nearest`` or ``stochastic``."""
-    emulate_clamp_outer_range: bool = True
-    """Emulation saturates magnitudes above the format's largest value (the paper's outer range)."""
-    emulate_clamp_inner_range: bool = True
-    """Emulation flushes magnitudes below the format's subnormals (the paper's inner range)."""
-    layers_exclude: list[str] = field(default_factory=lambda: ["output_layer"])
-    """Modules (dotted name parts, e.g. ``output_layer``, ``decoder.layers.0``) that the FP8 flow and
-    the emulation leave in BF16; the LM head by default. ``[]`` converts every linear."""
     te_fp8_recipe: Optional[str] = None
     """Transformer Engine's own FP8 linears (megatron-core's ``fp8="hybrid"``) with this ``fp8_recipe``:
     ``delayed`` (DelayedScaling) or ``tensorwise`` (Float8CurrentScaling); needs Transformer Engine.
@@ -139,6 +125,12 @@ class PrecisionConfig(OptimizerPrecision):
     hidden weights, its Adam for the rest), where NVIDIA's emerging-optimizers imports."""
     emulate_exclude: Optional[list[str]] = None
     """Deprecated spelling of ``layers_exclude``, accepted with a warning."""
+
+    def check(self) -> None:
+        """The optimizer's settings, then the layers' with this option; :class:`SettingError` naming
+        the first that cannot apply."""
+        OptimizerPrecision.check(self)
+        layer_precision_of(self).check(self.option)
 
 
 @dataclass
@@ -383,10 +375,8 @@ def precision_strategy(precision: PrecisionConfig) -> PrecisionStrategy:
 
 def uses_fp8_layers(precision: PrecisionConfig) -> bool:
     """Whether the model runs COAT's FP8 layer flow: ``precision.fp8_layers`` if given, else the
-    option's own (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.fp8_layers`)."""
-    if precision.fp8_layers is not None:
-        return precision.fp8_layers
-    return get_strategy(precision.option).fp8_layers
+    option's own (:meth:`~megatron_lowprec.layers.settings.LayerPrecision.uses_fp8_layers`)."""
+    return precision.uses_fp8_layers(precision.option)
 
 
 def reduces_grads_in_fp32(precision: PrecisionConfig) -> bool:
@@ -436,17 +426,8 @@ def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     return world_size // model_parallel
 
 
-def _validate_layer_precision(precision: PrecisionConfig) -> None:
-    from megatron_lowprec.numerics.formats import float_format
-
-    _choice("precision.emulate_rounding", precision.emulate_rounding, EMULATION_ROUNDINGS)
-    if precision.emulate is not None:
-        try:
-            float_format(precision.emulate)
-        except ValueError as error:
-            raise ConfigError(f"precision.emulate={precision.emulate!r}: {error}") from None
-        if uses_fp8_layers(precision):
-            raise ConfigError("precision.emulate and precision.fp8_layers replace the same matmuls; choose one")
+def _validate_te_fp8(precision: PrecisionConfig) -> None:
+    """Transformer Engine's FP8 linears: a recipe it has, installed, and no other layer flow."""
     if precision.te_fp8_recipe is not None:
         _choice("precision.te_fp8_recipe", precision.te_fp8_recipe, TE_FP8_RECIPES)
         if importlib.util.find_spec("transformer_engine") is None:
@@ -715,7 +696,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
                 "optimizer.use_distributed_optimizer=true updates each element on one rank only, so replicas cannot drift; "
                 "precision.shared_randomness=false needs optimizer.use_distributed_optimizer=false"
             )
-    _validate_layer_precision(config.precision)
+    _validate_te_fp8(config.precision)
     _validate_optimizer(config.optimizer)
     if config.data.kind == "indexed":
         _validate_indexed_data(config.data)

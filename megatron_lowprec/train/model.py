@@ -7,7 +7,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_lowprec.train.config import TrainConfig, uses_fp8_layers
+from megatron_lowprec.train.config import TrainConfig
 
 
 def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel: int) -> int:
@@ -123,24 +123,9 @@ def layer_spec(config: TrainConfig):
 def apply_layer_precision(config: TrainConfig, module) -> list[str]:
     """COAT's FP8 layer flow or the ExMy emulation in the built model (model converters); the
     names of the converted modules."""
-    precision = config.precision
-    fp8_layers = uses_fp8_layers(precision)
-    if not fp8_layers and precision.emulate is None:
-        return []
-    from megatron_lowprec.layers import EmulationConfig
     from megatron_lowprec.megatron.layers import apply_layer_precision as convert
 
-    emulation = None
-    if precision.emulate is not None:
-        emulation = EmulationConfig.parse(
-            {
-                "format": precision.emulate,
-                "rounding": precision.emulate_rounding,
-                "clamp_outer_range": precision.emulate_clamp_outer_range,
-                "clamp_inner_range": precision.emulate_clamp_inner_range,
-            }
-        )
-    return convert([module], fp8_layers=fp8_layers, emulation=emulation, exclude=precision.layers_exclude)
+    return convert([module], config.precision, option=config.precision.option)
 
 
 def gpt_model(config: TrainConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):

@@ -69,10 +69,12 @@ def _error_message(action: Callable[[], object]) -> str:
 
 
 def conversion_tp1() -> dict:
-    """What fp8_layers and emulation convert, that parameters stay, and the errors for bad requests."""
+    """What fp8_layers and emulation convert (by keywords, by a LayerPrecision and through the
+    Megatron-Bridge hook), that parameters stay, and the errors for bad requests."""
     from megatron.core import parallel_state
 
-    from megatron_lowprec.megatron.layers import apply_layer_precision
+    from megatron_lowprec.layers.settings import LayerPrecision
+    from megatron_lowprec.megatron.layers import apply_layer_precision, pre_wrap_hook
 
     parallel_state.initialize_model_parallel()
     model = _seeded_model(_config())
@@ -83,7 +85,22 @@ def conversion_tp1() -> dict:
     llama, llama_names = _converted(_config(llama=True), fp8_layers=True)
     _, partial_names = _converted(_config(), fp8_layers=True, exclude=("output_layer", "decoder.layers.0"))
     emulated, emulated_names = _converted(_config(), emulation="E8M5", exclude=())
+    by_option, by_option_names = _converted(_config(), precision=LayerPrecision(), option="coat")
+    hooked = _seeded_model(_config())
+    hook = pre_wrap_hook(LayerPrecision(emulate="E8M5", emulate_rounding="stochastic", layers_exclude=[]))
+    hooked_chunks = hook([hooked])
+    hooked_types = {name: type(module).__name__ for name, module in hooked.named_modules() if "Emulated" in type(module).__name__}
     return {
+        "settings_types": {name: type(by_option.get_submodule(name)).__name__ for name in by_option_names},
+        "hook_returns_its_chunks": hooked_chunks == [hooked],
+        "hook_types": hooked_types,
+        "hook_roundings": sorted({hooked.get_submodule(name).emulation.rounding for name in hooked_types}),
+        "settings_without_a_flow": apply_layer_precision(
+            _seeded_model(_config()), LayerPrecision(layers_exclude=["lm_head"]), option="C"
+        ),
+        "settings_and_keywords_error": _error_message(
+            lambda: apply_layer_precision(_seeded_model(_config()), LayerPrecision(), fp8_layers=True)
+        ),
         "fp8_types": fp8_types,
         "llama_types": {name: type(llama.get_submodule(name)).__name__ for name in llama_names},
         "parameters_kept": [id(param) for param in model.parameters()] == parameters_before,

@@ -76,6 +76,19 @@ def test_emulation_converts_every_linear_and_only_linears(ranks):
     assert result["emulated_formats"] == ["FloatFormat(name='E8M5', exponent_bits=8, mantissa_bits=5, specials='ieee')"]
 
 
+def test_layer_settings_convert_as_their_keywords_and_through_the_bridge_hook(ranks):
+    """A :class:`LayerPrecision` converts what its keywords convert: unset ``fp8_layers`` is the
+    option's (coat: the FP8 flow), Megatron-Bridge's pre-wrap hook emulates with its rounding and
+    returns the chunks, settings that ask for no flow convert nothing (their exclude unchecked), and
+    settings with keywords are refused."""
+    result = scenario_results(ranks, "conversion_tp1")[0]
+    assert result["settings_types"] == result["fp8_types"]
+    assert result["hook_returns_its_chunks"] and result["hook_roundings"] == ["stochastic"]
+    assert set(result["hook_types"]) == set(result["emulated_types"])
+    assert result["settings_without_a_flow"] == []
+    assert result["settings_and_keywords_error"] == "give a LayerPrecision or the keywords fp8_layers, not both"
+
+
 def test_bad_requests_raise_naming_the_valid_choices(ranks):
     result = scenario_results(ranks, "conversion_tp1")[0]
     assert "'lm_head' matches no convertible module" in result["unknown_exclude_error"]
