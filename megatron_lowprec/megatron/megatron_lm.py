@@ -44,10 +44,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   blocked, so that the signal sent to every process of the job (SLURM, ``kill -TERM -<group>``) does
   not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`);
 - ``load_checkpoint`` reads a ``torch_dist`` checkpoint of another option, or of megatron's own
-  optimizer saved without ``--use-distributed-optimizer``, with that option's state keys and has the
-  optimizer convert it with ``--lowprec-convert-checkpoint`` (:func:`optimizer_template_for`); without
-  the flag it stops with one line naming it (megatron's own optimizer given an option's checkpoint:
-  naming ``lowprec-convert``), where Megatron-LM would stop on a missing key.
+  AdamW (with ``--use-distributed-optimizer`` in its per-parameter form), with that option's state
+  keys and has the optimizer convert it with ``--lowprec-convert-checkpoint``
+  (:func:`optimizer_template_for`): the plain or the distributed optimizer, or each optimizer of the
+  Muon chain from its part of a chain's checkpoint; without the flag it stops with one line naming it
+  (megatron's own optimizer given an option's checkpoint: naming ``lowprec-convert``), where
+  Megatron-LM would stop on a missing key.
 
 Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
 refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
