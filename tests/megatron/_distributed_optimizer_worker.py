@@ -417,7 +417,8 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     per optimizer the states that are not D's rounded as B keeps them (:func:`_converted_as_rounded`:
     on every rank, each owned run of each parameter, and every whole parameter), the conversion's lines
     (rank 0), the step's success and loss, and what a B optimizer without the setting says, through
-    Megatron-LM's load and through ``load_state_dict``."""
+    Megatron-LM's load and through ``load_state_dict``, and what the distributed optimizer given the
+    chain's checkpoint says."""
     from megatron.core import dist_checkpointing, parallel_state
     from _build_optimizer_worker import _model as _muon_model, _muon_config
 
@@ -497,6 +498,8 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     }
     model, refusing = muon_chain("B")
     _, refusal = load(model, refusing, directory)
+    model = _ddp(config, True)
+    _, single = load(model, _optimizer("B", model, True, convert_checkpoint=True), directory)
     model, converted = muon_chain("B", lowprec_convert_checkpoint=True)
     lines, _ = load(model, converted, directory)
     names = {param: name for name, param in model.module.named_parameters()}
@@ -511,7 +514,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     result["muon"] = {
         "wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
         "elements": {inner.label: sum(param.numel() for param in inner.get_parameters()) for inner in converted.chained_optimizers},
-        "step": after, "refusals": {"megatron_lm": refusal},
+        "step": after, "refusals": {"megatron_lm": refusal, "into_one_optimizer": single},
     }
     return result
 
