@@ -46,8 +46,8 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
 from megatron_lowprec.megatron.conversion import convert_saved_otherwise_, say_conversion
-from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.megatron.layout import build_shard_bucket, owned_bounds
+from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim import statistics
