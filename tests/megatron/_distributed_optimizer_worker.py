@@ -411,7 +411,7 @@ def _conversion_lines(load) -> tuple[list[str], str | None]:
 
 def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     """DP=2: option D's distributed optimizer, and D's Muon chain, train ``steps`` steps and save a
-    dist checkpoint; option B's (the distributed optimizer, the chain) built with
+    dist checkpoint; option B's (the distributed optimizer, the chain and the layer-wise chain) built with
     ``convert_checkpoint=True`` load it as Megatron-LM's entry reads it
     (:func:`~megatron_lowprec.megatron.megatron_lm.optimizer_template_for`) and take a step. Returns
     per optimizer the states that are not D's rounded as B keeps them (:func:`_converted_as_rounded`:
@@ -420,7 +420,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     Megatron-LM's load and through ``load_state_dict``, and what the distributed optimizer given the
     chain's checkpoint says."""
     from megatron.core import dist_checkpointing, parallel_state
-    from _build_optimizer_worker import _model as _muon_model, _muon_config
+    from _build_optimizer_worker import _layer_wise_fields, _model as _muon_model, _muon_config
 
     from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
     from megatron_lowprec.megatron.optimizer import build_optimizer, saved_option_template
@@ -516,6 +516,22 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
         "elements": {inner.label: sum(param.numel() for param in inner.get_parameters()) for inner in converted.chained_optimizers},
         "step": after, "refusals": {"megatron_lm": refusal, "into_one_optimizer": single},
     }
+    model, converted = muon_chain("B", lowprec_convert_checkpoint=True, **_layer_wise_fields())
+    load(model, converted, directory)
+    names = {param: name for name, param in model.module.named_parameters()}
+    wrong = {
+        names[param]: _converted_as_rounded(
+            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
+            source[names[param]],
+        )
+        for inner in converted.chained_optimizers for param, state in inner.optimizer.state.items()
+    }
+    wrong.update({
+        name: ["whole value"] for name, param in model.module.named_parameters()
+        if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())
+    })
+    result["layer_wise_muon"] = {"wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong),
+                                 "step": _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)}
     return result
 
 

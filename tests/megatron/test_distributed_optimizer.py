@@ -265,7 +265,8 @@ CONVERSION_REFUSAL = "the optimizer state was saved with option 'D', this optimi
 
 def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_path):
     """At DP=2, dist checkpoints of option D's distributed optimizer and of its Muon chain load, as
-    Megatron-LM's entry reads them, into option B's built with ``convert_checkpoint=True``: on every
+    Megatron-LM's entry reads them, into option B's built with ``convert_checkpoint=True`` (the chain's
+    into B's chain and its layer-wise chain, each rank holding its parameters' states): on every
     rank each owned run of each parameter, and every whole parameter, holds D's FP32 master and
     moments as torch's casts round them (θ the master's nearest BF16, δθ the exact rest's, each
     moment its nearest BF16), one line per state kind over both ranks' elements (the chain's per
@@ -274,7 +275,7 @@ def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_pat
     stops Megatron-LM's load in one line."""
     ranks = _run(tmp_path, 2, "converting_loads", checkpoint_dir=str(tmp_path / "checkpoints"), steps=1)
     for rank in ranks:
-        for optimizer in ("distributed", "muon"):
+        for optimizer in ("distributed", "muon", "layer_wise_muon"):
             result = rank[optimizer]
             assert result["runs"] > 0 and result["wrong"] == {}, (optimizer, result["wrong"])
             assert result["step"]["successes"] == [True] and all(math.isfinite(loss) for loss in result["step"]["losses"])
