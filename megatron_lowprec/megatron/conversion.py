@@ -20,7 +20,7 @@ import torch
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_state
 from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY, stock_step
 from megatron_lowprec.optim.convert import (
-    STOCK, ConversionReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
+    STOCK, ConversionReport, KindReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
 )
 from megatron_lowprec.optim.strategies import (
     STORAGE_RECORDS, PrecisionStrategy, check_exponent_storage, exponent_storage_record, stores_other_exponents,
@@ -93,6 +93,23 @@ def convert_saved_otherwise_(
         state_dict.update(own_common_state())
     source = as_shaped_like(with_saved_exponent_storage(resolve_target(saved_option), extra), strategy)
     return convert_loaded_state_(state_dict, params, source, strategy, saved_option)
+
+
+def agreed_over(report: ConversionReport, elements: int, group: torch.distributed.ProcessGroup) -> ConversionReport:
+    """``report`` of this rank's conversion over the ranks of ``group`` (collective), where each rank
+    converted its own share of the parameters (``elements`` of them): per state kind the ranks'
+    elements summed and the largest error of any rank."""
+    kinds = {kind: (found.source_format, found.target_format, found.largest_error) for kind, found in report.kinds.items()}
+    gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, (elements, kinds), group=group)
+    merged: dict[str, KindReport] = {}
+    for rank_elements, rank_kinds in gathered:
+        for kind, (source_format, target_format, error) in rank_kinds.items():
+            found = merged.setdefault(kind, KindReport(kind, source_format, target_format))
+            found.elements += rank_elements
+            found.largest_error = max(found.largest_error, error)
+    report.kinds = merged
+    return report
 
 
 def say_conversion(lines: list[str], label: str | None = None) -> None:

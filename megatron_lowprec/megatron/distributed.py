@@ -45,7 +45,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
-from megatron_lowprec.megatron.conversion import convert_saved_otherwise_, say_conversion
+from megatron_lowprec.megatron.conversion import agreed_over, convert_saved_otherwise_, say_conversion
 from megatron_lowprec.megatron.layout import build_shard_bucket, owned_bounds
 from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.metrics import UpdateQuality
@@ -53,7 +53,6 @@ from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim import statistics
 from megatron_lowprec.optim.adamw import AdamW, non_finite_flag
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, elements_per_value
-from megatron_lowprec.optim.convert import ConversionReport, KindReport
 from megatron_lowprec.optim.layouts import BucketGrads, Layout
 from megatron_lowprec.optim.master import reset_master_, stored_master
 from megatron_lowprec.optim.statistics import Reduce
@@ -503,27 +502,12 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
                 state_dict, self.get_parameters(), self.optimizer.strategy, self.convert_checkpoint, self._own_common_state
             )
             if report is not None:
-                say_conversion(self._data_parallel_report(report).lines(), self.label)
+                owned = sum(piece.numel for shard in self.shards for piece in shard.pieces)
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                say_conversion(agreed_over(report, owned, group).lines(), self.label)
             self._load_sharded(state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)
-
-    def _data_parallel_report(self, report: ConversionReport) -> ConversionReport:
-        """``report`` of this rank's conversion over every data-parallel rank (collective): per state
-        kind the elements the ranks own, summed (each once), and the largest error of any rank."""
-        owned = sum(piece.numel for shard in self.shards for piece in shard.pieces)
-        kinds = {kind: (found.source_format, found.target_format, found.largest_error) for kind, found in report.kinds.items()}
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(gathered, (owned, kinds), group=group)
-        merged: dict[str, KindReport] = {}
-        for rank_owned, rank_kinds in gathered:
-            for kind, (source_format, target_format, error) in rank_kinds.items():
-                found = merged.setdefault(kind, KindReport(kind, source_format, target_format))
-                found.elements += rank_owned
-                found.largest_error = max(found.largest_error, error)
-        report.kinds = merged
-        return report
 
     def _own_common_state(self) -> dict[str, Any]:
         """This optimizer's parameter groups (without their parameters) and ``lowprec`` section."""

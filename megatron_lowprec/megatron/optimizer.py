@@ -45,7 +45,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron import compat
-from megatron_lowprec.megatron.conversion import convert_saved_otherwise_, say_conversion
+from megatron_lowprec.megatron.conversion import agreed_over, convert_saved_otherwise_, say_conversion
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
@@ -77,6 +77,9 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         """:meth:`load_state_dict` converts the state of another option (:func:`convert_saved_otherwise_`)."""
         self.label = label
         """What the conversion's lines name this optimizer by in a chain (``Muon``, ``AdamW``); ``None`` alone."""
+        self.conversion_group: torch.distributed.ProcessGroup | None = None
+        """Where each rank holds its own share of the parameters (a layer-wise chain's optimizers): the
+        ranks whose conversions the lines count together."""
 
     def state_dict(self):
         """The AdamW state dict with the run's SR seed, without this rank's offset
@@ -194,6 +197,8 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
             state_dict, params, self.optimizer.strategy, self.convert_checkpoint, self._own_common_state
         )
         if report is not None:
+            if self.conversion_group is not None:
+                report = agreed_over(report, sum(param.numel() for param in params), self.conversion_group)
             say_conversion(report.lines(), self.label)
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
@@ -310,6 +315,7 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         self.sharded_by_layer = sharded_by_layer
         for optimizer in chained_optimizers[:sharded_by_layer]:
             optimizer.grad_stats_parallel_group = torch.distributed.group.WORLD
+            optimizer.conversion_group = data_parallel_group
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

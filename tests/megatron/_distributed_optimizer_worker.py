@@ -517,7 +517,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
         "step": after, "refusals": {"megatron_lm": refusal, "into_one_optimizer": single},
     }
     model, converted = muon_chain("B", lowprec_convert_checkpoint=True, **_layer_wise_fields())
-    load(model, converted, directory)
+    lines, _ = load(model, converted, directory)
     names = {param: name for name, param in model.module.named_parameters()}
     wrong = {
         names[param]: _converted_as_rounded(
@@ -530,7 +530,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
         name: ["whole value"] for name, param in model.module.named_parameters()
         if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())
     })
-    result["layer_wise_muon"] = {"wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong),
+    result["layer_wise_muon"] = {"wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
                                  "step": _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)}
     return result
 

@@ -270,8 +270,8 @@ def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_pat
     rank each owned run of each parameter, and every whole parameter, holds D's FP32 master and
     moments as torch's casts round them (θ the master's nearest BF16, δθ the exact rest's, each
     moment its nearest BF16), one line per state kind over both ranks' elements (the chain's per
-    optimizer), and a further step succeeds. Without the setting, Megatron-LM's load stops and
-    ``load_state_dict`` raises, in one line naming it; the chain's checkpoint given to one optimizer
+    optimizer, the layer-wise chain's the same as the chain's), and a further step succeeds. Without
+    the setting, Megatron-LM's load stops and ``load_state_dict`` raises, in one line naming it; the chain's checkpoint given to one optimizer
     stops Megatron-LM's load in one line."""
     ranks = _run(tmp_path, 2, "converting_loads", checkpoint_dir=str(tmp_path / "checkpoints"), steps=1)
     for rank in ranks:
@@ -295,6 +295,7 @@ def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_pat
     for line in muon["lines"]:
         label = line.split(": ")[1]
         assert "converted D -> B: " in line and f", {muon['elements'][label]} elements, " in line, line
+    assert ranks[0]["layer_wise_muon"]["lines"] == muon["lines"]
     assert muon["refusals"] == {
         "megatron_lm": f"{tmp_path / 'checkpoints' / 'muon'} was saved with --lowprec-option D, this run has "
                        "--lowprec-option B: --lowprec-convert-checkpoint converts its optimizer state to B",
