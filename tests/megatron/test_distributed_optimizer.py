@@ -271,8 +271,8 @@ def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_pat
     moments as torch's casts round them (θ the master's nearest BF16, δθ the exact rest's, each
     moment its nearest BF16), one line per state kind over both ranks' elements (the chain's per
     optimizer, the layer-wise chain's the same as the chain's), and a further step succeeds. Without
-    the setting, Megatron-LM's load stops and ``load_state_dict`` raises, in one line naming it; the chain's checkpoint given to one optimizer
-    stops Megatron-LM's load in one line."""
+    the setting, Megatron-LM's load stops and ``load_state_dict`` raises, in one line naming it; the
+    chain's checkpoint given to one optimizer stops Megatron-LM's load in one line."""
     ranks = _run(tmp_path, 2, "converting_loads", checkpoint_dir=str(tmp_path / "checkpoints"), steps=1)
     for rank in ranks:
         for optimizer in ("distributed", "muon", "layer_wise_muon"):
