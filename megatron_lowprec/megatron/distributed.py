@@ -45,7 +45,9 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
 from megatron_lowprec.megatron.compat import GradNormInterface
+from megatron_lowprec.megatron.conversion import agreed_over, convert_saved_otherwise_, say_conversion
 from megatron_lowprec.megatron.layout import build_shard_bucket, owned_bounds
+from megatron_lowprec.megatron.torch_dist import STOCK_FORM_KEY
 from megatron_lowprec.metrics import UpdateQuality
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim import statistics
@@ -319,8 +321,15 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
     parameters all-gathered (at once, or overlapped with the next forward pass when DDP's
     ``overlap_param_gather`` is set, as megatron does)."""
 
-    def __init__(self, optimizer: AdamW, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> None:
+    def __init__(
+        self, optimizer: AdamW, config: OptimizerConfig, model_chunks: list[torch.nn.Module], convert_checkpoint: bool = False,
+        label: str | None = None,
+    ) -> None:
         super().__init__(optimizer, config)
+        self.convert_checkpoint = convert_checkpoint
+        """:meth:`load_state_dict` converts a checkpoint of another option (:func:`convert_saved_otherwise_`)."""
+        self.label = label
+        """What the conversion's lines name this optimizer by in a chain (``AdamW``); ``None`` alone."""
         self.shards: list[Shard] = optimizer.layout.shards
         self.is_stub_optimizer = False
         self.model_chunks = model_chunks
@@ -481,13 +490,36 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A per-rank :meth:`state_dict` (or one in the earlier per-shard format: :meth:`_load_per_shard`),
-        or what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        or what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`: where another option
+        or megatron-core's own optimizer saved it (read with
+        :func:`~megatron_lowprec.megatron.optimizer.saved_option_template`), converted into this option
+        where :attr:`convert_checkpoint` is set (load the model first), one line per state kind over
+        every data-parallel rank; else refused with ``ValueError`` in one line."""
         if "shards" in state_dict:
             self._load_per_shard(state_dict)
-        elif "common_step" in state_dict["state"]:
+        elif STOCK_FORM_KEY in state_dict or "common_step" in state_dict.get("state", {}):
+            report = convert_saved_otherwise_(
+                state_dict, self.get_parameters(), self.optimizer.strategy, self.convert_checkpoint, self._own_common_state
+            )
+            if report is not None:
+                owned = sum(piece.numel for shard in self.shards for piece in shard.pieces)
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                say_conversion(agreed_over(report, owned, group).lines(), self.label)
             self._load_sharded(state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)
+
+    def _own_common_state(self) -> dict[str, Any]:
+        """This optimizer's parameter groups (without their parameters) and ``lowprec`` section."""
+        return {
+            "param_groups": [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups],
+            "lowprec": self._lowprec_section(),
+        }
+
+    def _lowprec_section(self) -> dict[str, Any]:
+        """The option, its 8-bit moments' storage, the skipped steps and the SR seed, as saved."""
+        return {"option": self.optimizer.strategy.name, **exponent_storage_record(self.optimizer.strategy),
+                "skipped_steps": self.optimizer.skipped_steps, "seed": self.optimizer.seed, "generator_state": None}
 
     def _load_per_shard(self, state_dict: dict[str, Any]) -> None:
         """Restore a per-rank state dict in the per-shard format (each shard's state bucket's
@@ -567,9 +599,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
         return {
             "state": state,
             "param_groups": groups,
-            "lowprec": {"option": self.optimizer.strategy.name, **exponent_storage_record(self.optimizer.strategy),
-                        "skipped_steps": self.optimizer.skipped_steps,
-                        "seed": self.optimizer.seed, "generator_state": None},
+            "lowprec": self._lowprec_section(),
         }
 
     def _loading_tensors(self, shard: Shard) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
@@ -615,9 +645,6 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
     def _load_sharded(self, loaded: dict[str, Any]) -> None:
         """Copy what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` into the shards."""
         extra = loaded["lowprec"]
-        if extra["option"] != self.optimizer.strategy.name:
-            raise ValueError(f"checkpoint was saved for option {extra['option']!r}, this optimizer runs {self.optimizer.strategy.name!r}")
-        check_exponent_storage(extra, self.optimizer.strategy, EXPONENT_STORAGE_REMEDY)
         param_ids = {param: index for index, param in enumerate(self.get_parameters())}
         for shard in self.shards:
             for piece, param in zip(shard.pieces, shard.params()):
@@ -656,10 +683,13 @@ def build_distributed_optimizer(
     track_update_quality: bool,
     stream_layouts: dict[torch.nn.Parameter, StreamLayout],
     background_compile: bool = False,
+    convert_checkpoint: bool = False,
+    label: str | None = None,
     buffers: list[Any] | None = None,
 ) -> DistributedLowPrecisionOptimizer:
     """Checks that the chunks are megatron DDP with the distributed optimizer, then builds it over
-    ``buffers`` (default: every buffer of the chunks)."""
+    ``buffers`` (default: every buffer of the chunks); ``convert_checkpoint`` and ``label``:
+    :class:`DistributedLowPrecisionOptimizer`'s."""
     megatron_sharding_api()
     for index, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
@@ -683,4 +713,4 @@ def build_distributed_optimizer(
         track_update_quality=track_update_quality, check_grads_finite=False, stream_layout=stream_layouts.__getitem__,
         layout=DistributedShards(buffers),
     )
-    return DistributedLowPrecisionOptimizer(adamw, config, model_chunks)
+    return DistributedLowPrecisionOptimizer(adamw, config, model_chunks, convert_checkpoint, label)

@@ -44,10 +44,12 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core package from 0.17
   blocked, so that the signal sent to every process of the job (SLURM, ``kill -TERM -<group>``) does
   not stop the save it asks for (:mod:`~megatron_lowprec.megatron.exit_signals`);
 - ``load_checkpoint`` reads a ``torch_dist`` checkpoint of another option, or of megatron's own
-  optimizer saved without ``--use-distributed-optimizer``, with that option's state keys and has the
-  optimizer convert it with ``--lowprec-convert-checkpoint`` (:func:`optimizer_template_for`); without
-  the flag it stops with one line naming it (megatron's own optimizer given an option's checkpoint:
-  naming ``lowprec-convert``), where Megatron-LM would stop on a missing key.
+  AdamW (with ``--use-distributed-optimizer`` in its per-parameter form), with that option's state
+  keys and has the optimizer convert it with ``--lowprec-convert-checkpoint``
+  (:func:`optimizer_template_for`): the plain or the distributed optimizer, or each optimizer of the
+  Muon chain from its part of a chain's checkpoint; without the flag it stops with one line naming it
+  (megatron's own optimizer given an option's checkpoint: naming ``lowprec-convert``), where
+  Megatron-LM would stop on a missing key.
 
 Muon with ``--use-distributed-optimizer`` before megatron-core 0.18: Megatron-LM's ``validate_args``
 refuses the pair, and with ``--lowprec-option`` this module says so in one line that names the
@@ -376,9 +378,9 @@ def _precision_config(config, **changes):
 
 def saved_optimizer_option(common_state: dict) -> str | None:
     """The option a checkpoint's optimizer state was saved with, from its common state (what
-    ``dist_checkpointing.load_common_state_dict`` returns): this package's ``lowprec`` record,
-    :data:`~megatron_lowprec.optim.convert.STOCK` for megatron-core's own optimizers, ``None`` for
-    anything else (a chained or Muon optimizer, none saved)."""
+    ``dist_checkpointing.load_common_state_dict`` returns, or one optimizer's part of a chain's):
+    this package's ``lowprec`` record, :data:`~megatron_lowprec.optim.convert.STOCK` for
+    megatron-core's own optimizers, ``None`` for anything else (a whole chain, none saved)."""
     from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY
     from megatron_lowprec.optim.convert import STOCK
 
@@ -395,11 +397,46 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     ``template`` where the checkpoint holds the running optimizer's option, else (with
     ``--lowprec-convert-checkpoint``) the saved option's states
     (:func:`~megatron_lowprec.megatron.optimizer.saved_option_template`), which the optimizer's
-    ``load_state_dict`` converts; without the flag, or into megatron's own optimizer, one line that
-    says what converts it."""
+    ``load_state_dict`` converts: the plain and the distributed optimizer, and each optimizer of the
+    Muon chain from its part of a chain's checkpoint. Without the flag, into megatron's own
+    optimizer, from megatron-core's own Muon, or between a chain and a single optimizer, one line
+    that says what converts it."""
     from megatron.core import dist_checkpointing
 
-    from megatron_lowprec.megatron.optimizer import LowPrecisionOptimizer, saved_option_template
+    common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    saved = common.get("optimizer") if isinstance(common, dict) else None
+    chained = getattr(optimizer, "chained_optimizers", None)
+    saved_chain = isinstance(saved, dict) and bool(saved) and all(isinstance(index, int) for index in saved)
+    if chained is None or len(chained) == 1:
+        if saved_chain:
+            _stop(f"{checkpoint_dir} holds the state of a chain of optimizers (Muon and AdamW), this run has one optimizer: "
+                  "resume with the optimizer it was saved with")
+        return _member_template(next(iter(chained or []), optimizer), template, common, checkpoint_dir)
+    if saved is None:
+        return template
+    if not saved_chain or sorted(saved) != list(range(len(chained))):
+        _stop(f"{checkpoint_dir} holds the state of one optimizer, this run chains {len(chained)} (Muon and AdamW): "
+              "resume with the optimizer it was saved with")
+    if any(_project_strategy(member) is not None for member in chained) and not all(
+        isinstance(saved[index], dict) and isinstance(saved[index].get("lowprec"), dict) for index in saved
+    ):
+        _stop(f"{checkpoint_dir} holds the state of megatron-core's own Muon, which the precision options' Muon does not "
+              "convert (neither --lowprec-convert-checkpoint nor lowprec-convert): resume it with megatron's own Muon")
+    return {
+        index: _member_template(member, template[index], {**common, "optimizer": saved[index]}, checkpoint_dir)
+        for index, member in enumerate(chained)
+    }
+
+
+def _project_strategy(optimizer):
+    """The precision strategy of one of this package's optimizers; ``None`` for megatron's own."""
+    return getattr(getattr(optimizer, "optimizer", None), "strategy", None)
+
+
+def _member_template(optimizer, template: dict, common: dict, checkpoint_dir: str) -> dict:
+    """:func:`optimizer_template_for` of one optimizer (alone, or of a chain) whose saved part of
+    the common state is ``common["optimizer"]``."""
+    from megatron_lowprec.megatron.optimizer import saved_option_template
     from megatron_lowprec.megatron.torch_dist import (
         DISTRIBUTED_MASTER_KEY, MODEL_SPACE_FORM, distributed_form, read_metadata, unread_distributed_form,
     )
@@ -408,16 +445,15 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     )
     from megatron_lowprec.optim.strategies import storage_difference, stores_other_exponents
 
-    common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     saved = saved_optimizer_option(common)
-    inner = next(iter(getattr(optimizer, "chained_optimizers", [])), optimizer)
-    strategy = getattr(getattr(inner, "optimizer", None), "strategy", None)
+    strategy = _project_strategy(optimizer)
     running = None if strategy is None else strategy.name
+    converts = getattr(optimizer, "convert_checkpoint", False)
     extra = (common["optimizer"]["lowprec"] or {}) if saved not in (None, STOCK) else {}
     other_storage = saved is not None and saved == running and stores_other_exponents(extra, strategy)
     if saved is None or (saved == (running or STOCK) and not other_storage):
         return template
-    if other_storage and not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
+    if other_storage and not converts:
         what, saved_storage, own_storage = storage_difference(extra, strategy)
         _stop(f"{checkpoint_dir} stores the {what} of --lowprec-option {running} in "
               f"{saved_storage}, this run in {own_storage}: "
@@ -425,7 +461,7 @@ def optimizer_template_for(optimizer, template: dict, checkpoint_dir: str) -> di
     if running is None:
         _stop(f"{checkpoint_dir} was saved with --lowprec-option {saved}; megatron's own optimizer cannot resume it: "
               f"resume with --lowprec-option {saved}, or convert it with `lowprec-convert SRC DST --to stock`")
-    if not (isinstance(optimizer, LowPrecisionOptimizer) and optimizer.convert_checkpoint):
+    if not converts:
         saved_with = "megatron's own optimizer" if saved == STOCK else f"--lowprec-option {saved}"
         _stop(f"{checkpoint_dir} was saved with {saved_with}, this run has --lowprec-option {running}: "
               f"--lowprec-convert-checkpoint converts its optimizer state to {running}")

@@ -44,8 +44,8 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_lowprec.megatron.checkpoint_state import checkpoint_dtypes, checkpoint_state, restore_checkpoint_state
-from megatron_lowprec.megatron.torch_dist import DISTRIBUTED_FORM_KEY, STOCK_FORM_KEY, stock_step
 from megatron_lowprec.megatron import compat
+from megatron_lowprec.megatron.conversion import agreed_over, convert_saved_otherwise_, say_conversion
 from megatron_lowprec.megatron.layout import ROW
 from megatron_lowprec.megatron.distributed import (
     DistributedLowPrecisionOptimizer,
@@ -57,35 +57,29 @@ from megatron_lowprec.numerics.rounding import StreamLayout, stream_id
 from megatron_lowprec.optim import AdamW, Muon
 from megatron_lowprec.optim.muon import NS_COEFFICIENTS, QUINTIC_COEFFICIENT_SETS, ShardedMatrix
 from megatron_lowprec.optim.settings import OptimizerPrecision, SettingError, lowprec_field, precision_of
-from megatron_lowprec.optim.strategies import (
-    STORAGE_RECORDS,
-    PrecisionStrategy,
-    check_exponent_storage,
-    exponent_storage_record,
-    stores_other_exponents,
-    strategy_names,
-)
+from megatron_lowprec.optim.strategies import PrecisionStrategy, strategy_names
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS
 from megatron_lowprec.optim.master import MASTER_KEYS, reset_master_, stored_master
-from megatron_lowprec.optim.convert import (
-    STOCK, STOCK_MASTER_KEY, ConversionReport, as_shaped_like, convert_entry, resolve_target, with_saved_exponent_storage,
-)
-
-CONVERT_REMEDY = "build_optimizer(..., convert_checkpoint=True) converts it"
-"""What a state dict of another option, or of another FP8 exponent storage, takes to load."""
+from megatron_lowprec.optim.convert import STOCK_MASTER_KEY
 
 
 class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
     """megatron-core's ``MegatronOptimizer`` interface around a precision-aware :class:`AdamW` or :class:`Muon`."""
 
     def __init__(
-        self, optimizer: AdamW | Muon, config: OptimizerConfig, seed_offset: int = 0, convert_checkpoint: bool = False
+        self, optimizer: AdamW | Muon, config: OptimizerConfig, seed_offset: int = 0, convert_checkpoint: bool = False,
+        label: str | None = None,
     ) -> None:
         super().__init__(optimizer, config, init_state_fn=lambda optimizer, config: None)
         self._grad_dtypes: dict[torch.nn.Parameter, torch.dtype | None] = {}
         self.seed_offset = seed_offset
         self.convert_checkpoint = convert_checkpoint
-        """:meth:`load_state_dict` converts the state of another option (:func:`convert_loaded_state_`)."""
+        """:meth:`load_state_dict` converts the state of another option (:func:`convert_saved_otherwise_`)."""
+        self.label = label
+        """What the conversion's lines name this optimizer by in a chain (``Muon``, ``AdamW``); ``None`` alone."""
+        self.conversion_group: torch.distributed.ProcessGroup | None = None
+        """Where each rank holds its own share of the parameters (a layer-wise chain's optimizers): the
+        ranks whose conversions the lines count together."""
 
     def state_dict(self):
         """The AdamW state dict with the run's SR seed, without this rank's offset
@@ -199,25 +193,13 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         the model first), else refused with ``ValueError`` in one line; so is a state of this option
         whose FP8 expansion exponents are stored in another format (a res8 state saved while they were FP32)."""
         params = self.get_parameters()
-        from_stock = STOCK_FORM_KEY in state_dict
-        extra = {} if from_stock else state_dict.get("lowprec") or {}
-        saved_option = STOCK if from_stock else extra.get("option")
-        strategy = self.optimizer.strategy
-        if saved_option is not None and (saved_option != strategy.name or stores_other_exponents(extra, strategy)):
-            if not self.convert_checkpoint:
-                if saved_option == strategy.name:
-                    check_exponent_storage(extra, strategy, CONVERT_REMEDY)
-                raise ValueError(
-                    f"the optimizer state was saved with option {saved_option!r}, this optimizer runs "
-                    f"{strategy.name!r}; {CONVERT_REMEDY}"
-                )
-            if from_stock:
-                self._as_own_form_(state_dict)
-            source = as_shaped_like(with_saved_exponent_storage(resolve_target(saved_option), extra), strategy)
-            report = convert_loaded_state_(state_dict, params, source, strategy, saved_option)
-            if torch.distributed.get_rank() == 0:
-                for line in report.lines():
-                    print(f"megatron-lowprec: {line}", flush=True)
+        report = convert_saved_otherwise_(
+            state_dict, params, self.optimizer.strategy, self.convert_checkpoint, self._own_common_state
+        )
+        if report is not None:
+            if self.conversion_group is not None:
+                report = agreed_over(report, sum(param.numel() for param in params), self.conversion_group)
+            say_conversion(report.lines(), self.label)
         for index, entry in state_dict["state"].items():
             if index == "common_step" or not any(key.endswith(PER_GROUP_PARTS) for key in entry):
                 continue
@@ -235,18 +217,11 @@ class LowPrecisionOptimizer(ExactGradientStatistics, FP32Optimizer):
         self.optimizer.seed += self.seed_offset
 
 
-    def _as_own_form_(self, state_dict: dict) -> None:
-        """What ``dist_checkpointing`` loaded from a checkpoint of megatron-core's own optimizer (its
-        common part under ``optimizer``: the shared step, torch's parameter groups; the
-        ``DistributedOptimizer``'s step in each group, its form beside them) in this optimizer's
-        form: the step under ``common_step``, this optimizer's parameter groups (their learning
-        rates are the scheduler's) and ``lowprec`` section."""
-        stock = state_dict.pop(STOCK_FORM_KEY)
-        state_dict.pop(DISTRIBUTED_FORM_KEY, None)
+    def _own_common_state(self) -> dict[str, Any]:
+        """This optimizer's parameter groups and ``lowprec`` section, which a converted state of
+        megatron-core's own optimizer takes (:func:`convert_saved_otherwise_`)."""
         own = self.state_dict()
-        state_dict.setdefault("state", {})["common_step"] = stock_step(stock)
-        state_dict["param_groups"] = own["param_groups"]
-        state_dict["lowprec"] = own["lowprec"]
+        return {"param_groups": own["param_groups"], "lowprec": own["lowprec"]}
 
 
 class LowPrecisionMuonOptimizer(ExactGradientStatistics, ChainedOptimizer):
@@ -340,6 +315,7 @@ class LayerWiseLowPrecisionMuonOptimizer(LowPrecisionMuonOptimizer):
         self.sharded_by_layer = sharded_by_layer
         for optimizer in chained_optimizers[:sharded_by_layer]:
             optimizer.grad_stats_parallel_group = torch.distributed.group.WORLD
+            optimizer.conversion_group = data_parallel_group
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -409,7 +385,8 @@ def saved_option_template(
     with each parameter's states replaced by those a run of ``source`` saves, in checkpoint form
     (:func:`~megatron_lowprec.megatron.checkpoint_state.checkpoint_dtypes`, each of its parameter's
     shape, under ``optimizer.state.<key>.<parameter key>``): what ``dist_checkpointing.load`` reads
-    a checkpoint of another option with, before :func:`convert_loaded_state_`; a chained optimizer's
+    a checkpoint of another option with, before the optimizer's ``load_state_dict`` converts it
+    (:func:`~megatron_lowprec.megatron.conversion.convert_saved_otherwise_`); a chained optimizer's
     prefix (``chained_<i>.``) is kept. ``stock``: megatron-core's
     own optimizer wrote it, its FP32 master under
     :data:`~megatron_lowprec.optim.convert.STOCK_MASTER_KEY` (``source`` is then option D's formats),
@@ -440,38 +417,6 @@ def saved_option_template(
             },
         }
     return {**sharded_optimizer_state, "state": states}
-
-
-@torch.no_grad()
-def convert_loaded_state_(
-    state_dict: dict, params: list[torch.nn.Parameter], source: PrecisionStrategy, target: PrecisionStrategy,
-    source_label: str | None = None,
-) -> ConversionReport:
-    """Carry an optimizer state dict of ``source`` (either form: a :meth:`LowPrecisionOptimizer.state_dict`
-    or what ``dist_checkpointing`` loaded) into ``target``'s checkpoint form in place, and ``params``
-    (indexed as the state dict's entries, holding the saved model's values) with it
-    (:func:`~megatron_lowprec.optim.convert.convert_entry`); the ``lowprec`` section then names
-    ``target``. The report says per state kind what was converted and its largest error, naming the
-    source ``source_label`` (default: its option)."""
-    report = ConversionReport(source, target, source_label)
-    for index, entry in state_dict["state"].items():
-        if index == "common_step" or not any(torch.is_tensor(value) for value in entry.values()):
-            continue
-        param = params[index]
-        new_param, new_state, errors = convert_entry(source, target, param.detach(), entry)
-        report.add(param, errors)
-        tensors = {key: value.reshape(-1) for key, value in new_state.items() if torch.is_tensor(value)}
-        form = checkpoint_state(tensors, param.numel(), target, param=new_param.reshape(-1))
-        state_dict["state"][index] = {
-            **{key: value for key, value in entry.items() if not torch.is_tensor(value)},
-            **{key: value.view(param.shape) for key, value in form.items()},
-        }
-        param.copy_(new_param)
-    extra = state_dict.setdefault("lowprec", {})
-    for key in STORAGE_RECORDS:
-        extra.pop(key, None)
-    extra.update(option=target.name, master_storage=target.master_storage, **exponent_storage_record(target))
-    return report
 
 
 def load_tensors_only(filename: str) -> Any:
@@ -619,7 +564,8 @@ class LowPrecisionOptimizerConfig(OptimizerConfig):
     """:attr:`OptimizerPrecision.moment_storage <megatron_lowprec.optim.settings.OptimizerPrecision.moment_storage>`."""
     lowprec_convert_checkpoint: bool = False
     """:attr:`OptimizerPrecision.convert_checkpoint <megatron_lowprec.optim.settings.OptimizerPrecision.convert_checkpoint>`:
-    the optimizer's ``load_state_dict`` converts another option's state (AdamW, not distributed)."""
+    the optimizer's ``load_state_dict`` converts another option's state, or megatron-core's own
+    AdamW's, in the plain, the distributed and the Muon chain's optimizers."""
     lowprec_fused: bool | None = None
     """:attr:`OptimizerPrecision.fused <megatron_lowprec.optim.settings.OptimizerPrecision.fused>`."""
     lowprec_background_compile: bool = False
@@ -796,10 +742,12 @@ def build_optimizer(
     The keywords (:class:`~megatron_lowprec.optim.settings.OptimizerPrecision`'s fields but ``option``)
     override the config's ``lowprec_*`` settings in either form.
     ``convert_checkpoint=True`` lets the optimizer's ``load_state_dict`` take the state of another
-    option, converted into this one by its meaning (:mod:`megatron_lowprec.optim.convert`; load the
-    model's state first); for ``dist_checkpointing``, read such a checkpoint with
-    :func:`saved_option_template`. It applies to the AdamW optimizer (not Muon, not megatron's
-    distributed optimizer: ``ValueError``).
+    option, or of megatron-core's own AdamW, converted into this one by its meaning
+    (:mod:`megatron_lowprec.megatron.conversion`; load the model's state first), in every optimizer
+    built here: plain, distributed, and each optimizer of the Muon chain (from this package's Muon
+    chain; megatron-core's own Muon is not read); for ``dist_checkpointing``, read such a checkpoint
+    with :func:`saved_option_template` (Megatron-LM's entry does:
+    :func:`~megatron_lowprec.megatron.megatron_lm.optimizer_template_for`).
 
     Parameter groups are megatron's own, built as ``get_megatron_optimizer`` builds them on the
     installed megatron-core (:func:`~megatron_lowprec.megatron.compat.param_groups`): with
@@ -868,16 +816,11 @@ def build_optimizer(
         for group in megatron_groups
         if group["params"]
     ]
-    if config.lowprec_convert_checkpoint and (config.use_distributed_optimizer or config.optimizer == "muon"):
-        raise ValueError(
-            "convert_checkpoint=True converts into the AdamW optimizer (use_distributed_optimizer=False, optimizer='adam'); "
-            "lowprec-train's precision.convert_checkpoint converts into the others"
-        )
     if config.use_distributed_optimizer:
         return build_distributed_optimizer(
             strategy, model_chunks, config, groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
             track_update_quality=config.lowprec_track_update_quality, stream_layouts=stream_layouts(model_chunks),
-            background_compile=config.lowprec_background_compile,
+            background_compile=config.lowprec_background_compile, convert_checkpoint=config.lowprec_convert_checkpoint,
         )
     seed_offset = 0 if config.lowprec_shared_randomness else torch.distributed.get_rank() * 1_000_003
     if config.optimizer == "muon":
@@ -962,16 +905,20 @@ def _build_muon(
         sharded_matrix=sharded_matrices(model_chunks, config.muon_tp_mode).get,
         split_rows=qkv_split_rows(model_chunks, config.muon_split_qkv).get,
     )
-    muon_optimizer = LowPrecisionOptimizer(muon, config, seed_offset)
+    muon_optimizer = LowPrecisionOptimizer(muon, config, seed_offset, config.lowprec_convert_checkpoint, label="Muon")
     if layout_owners is not None:
         adam = build_distributed_optimizer(
             strategy, model_chunks, config, adam_groups, seed=config.lowprec_seed, fused=config.lowprec_fused,
             track_update_quality=False, stream_layouts=stream_layouts(model_chunks),
-            background_compile=config.lowprec_background_compile,
+            background_compile=config.lowprec_background_compile, convert_checkpoint=config.lowprec_convert_checkpoint,
+            label="AdamW",
             buffers=[buffer for chunk in model_chunks for buffer in chunk.buffers if not _in_layer_wise_buffer(buffer.params[0])],
         )
         return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adam], params_by_rank, data_parallel, sharded_by_layer=1)
-    adamw = LowPrecisionOptimizer(_adamw(config, strategy, model_chunks, adam_groups, seed_offset), config, seed_offset)
+    adamw = LowPrecisionOptimizer(
+        _adamw(config, strategy, model_chunks, adam_groups, seed_offset), config, seed_offset,
+        config.lowprec_convert_checkpoint, label="AdamW",
+    )
     if layer_wise:
         return LayerWiseLowPrecisionMuonOptimizer([muon_optimizer, adamw], params_by_rank, data_parallel, sharded_by_layer=2)
     return LowPrecisionMuonOptimizer([muon_optimizer, adamw])

@@ -25,7 +25,7 @@ included) is named in one line with the file and the previous one is tried (``re
 pointed back at the first intact one before it is loaded. A checkpoint written with another option
 (or megatron-core's own AdamW) is read with that option's state keys and converted by meaning
 into this run's, AdamW's or Muon's (each optimizer of the chain), where ``precision.convert_checkpoint`` asks for it
-(:func:`~megatron_lowprec.megatron.optimizer.convert_loaded_state_`). A checkpoint written with
+(:func:`~megatron_lowprec.megatron.conversion.convert_loaded_state_`). A checkpoint written with
 another option without that setting, or with another learning-rate schedule unless ``optimizer.override_opt_param_scheduler`` or
 ``optimizer.use_checkpoint_opt_param_scheduler`` says which to take (Megatron-LM's flags), stops the
 run with :class:`ResumeError`.
@@ -538,7 +538,7 @@ def load(run, path: Path) -> None:
     per_rank = _read_on_every_rank(path, lambda: load_rank_file(rank_file) if same_layout else None)
     run.model.module.load_state_dict(loaded["model"])
     if sources is not None:
-        from megatron_lowprec.megatron.optimizer import convert_loaded_state_
+        from megatron_lowprec.megatron.conversion import convert_loaded_state_
 
         if from_stock:
             _as_project_state_(run, loaded["optimizer"])

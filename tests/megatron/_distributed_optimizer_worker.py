@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import math
 from pathlib import Path
 
 import torch
@@ -366,7 +368,176 @@ def optimizer_costs(options: list[str], stepped_options: list[str], bucket_size:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs)}
+def _whole_states(pieces_by_rank: list[list], numels: dict[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's states, whole, from the (name, first element, states) runs every rank owned."""
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    for name, first, states in (run for pieces in pieces_by_rank for run in pieces):
+        for key, value in states.items():
+            target = whole.setdefault(name, {}).setdefault(key, torch.full((numels[name],), math.nan, dtype=value.dtype, device=value.device))
+            target[first : first + value.numel()] = value
+    return whole
+
+
+def _owned_states(optimizer, names: dict) -> list:
+    """(name, first element, flat copies of its states) for each piece this rank's distributed optimizer owns."""
+    return [
+        (names[piece.param], piece.param_start, {key: value.clone() for key, value in optimizer.piece_state(piece).items()})
+        for shard in optimizer.shards for piece in shard.pieces
+    ]
+
+
+def _converted_as_rounded(value: torch.Tensor, states: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> list[str]:
+    """The states of option B's (θ, δθ) and 16-bit moments that are not the source's FP32 master
+    and moments rounded to nearest even by torch's casts: θ the master's nearest BF16, δθ the
+    nearest BF16 of the exact FP32 rest, each moment its nearest BF16."""
+    master = source["master"]
+    theta = master.bfloat16()
+    wrong = [] if torch.equal(value, theta) else ["value"]
+    if not torch.equal(states["param_lo"], (master - theta.float()).bfloat16()):
+        wrong.append("param_lo")
+    return wrong + [key for key in states if key not in ("param_lo", "step") and not torch.equal(states[key], source[key].bfloat16())]
+
+
+def _conversion_lines(load) -> tuple[list[str], str | None]:
+    """The ``megatron-lowprec:`` lines ``load()`` printed, and the first line of what it raised."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            load()
+    except (ValueError, SystemExit) as error:
+        return [], str(error)
+    return [line for line in printed.getvalue().splitlines() if line.startswith("megatron-lowprec: ")], None
+
+
+def converting_loads(checkpoint_dir: str, steps: int) -> dict:
+    """DP=2: option D's distributed optimizer, and D's Muon chain, train ``steps`` steps and save a
+    dist checkpoint; option B's (the distributed optimizer, the chain and the layer-wise chain) built with
+    ``convert_checkpoint=True`` load it as Megatron-LM's entry reads it
+    (:func:`~megatron_lowprec.megatron.megatron_lm.optimizer_template_for`) and take a step. Returns
+    per optimizer the states that are not D's rounded as B keeps them (:func:`_converted_as_rounded`:
+    on every rank, each owned run of each parameter, and every whole parameter), the conversion's lines
+    (rank 0), the step's success and loss, and what a B optimizer without the setting says, through
+    Megatron-LM's load and through ``load_state_dict``, and what the distributed optimizer given the
+    chain's checkpoint says."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from _build_optimizer_worker import _layer_wise_fields, _model as _muon_model, _muon_config
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+    from megatron_lowprec.megatron.optimizer import build_optimizer, saved_option_template
+    from megatron_lowprec.optim.strategies import get_strategy
+
+    parallel_state.initialize_model_parallel()
+    config = _transformer_config(hidden_dropout=0.0, attention_dropout=0.0)
+    root = Path(checkpoint_dir)
+
+    def save(model, optimizer, name: str) -> str:
+        directory = root / name
+        if torch.distributed.get_rank() == 0:
+            directory.mkdir(parents=True)
+        torch.distributed.barrier()
+        model_state = model.module.sharded_state_dict()
+        dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}, str(directory))
+        return str(directory)
+
+    def load(model, optimizer, directory: str, template=optimizer_template_for):
+        def run():
+            model_state = model.module.sharded_state_dict()
+            sharded = optimizer.sharded_state_dict(model_state, is_loading=True)
+            loaded = dist_checkpointing.load({"model": model_state, "optimizer": template(optimizer, sharded, directory)}, directory)
+            model.module.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+        return _conversion_lines(run)
+
+    result = {}
+    model = _ddp(config, True)
+    names = {param: name for name, param in model.module.named_parameters()}
+    numels = {name: param.numel() for param, name in names.items()}
+    saved = _optimizer("D", model, True)
+    _train(model, saved, steps, _scheduler(saved, steps + 2))
+    directory = save(model, saved, "distributed")
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, _owned_states(saved, names))
+    source = _whole_states(gathered, numels)
+    refusals = {}
+    model = _ddp(config, True)
+    _, refusals["megatron_lm"] = load(model, _optimizer("B", model, True), directory)
+    _, refusals["load_state_dict"] = load(
+        model, _optimizer("B", model, True), directory, lambda _, sharded, __: saved_option_template(sharded, get_strategy("D"))
+    )
+    model = _ddp(config, True)
+    names = {param: name for name, param in model.module.named_parameters()}
+    converted = _optimizer("B", model, True, convert_checkpoint=True)
+    lines, _ = load(model, converted, directory)
+    wrong = {
+        f"{names[piece.param]} {piece.param_start}": _converted_as_rounded(
+            piece.param.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel], converted.piece_state(piece),
+            {key: value[piece.param_start : piece.param_start + piece.numel] for key, value in source[names[piece.param]].items()},
+        )
+        for shard in converted.shards for piece in shard.pieces
+    }
+    wrong.update({
+        name: ["whole value"] for param, name in names.items() if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())
+    })
+    after = _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)
+    result["distributed"] = {
+        "wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
+        "elements": sum(numels.values()), "step": after, "refusals": refusals,
+    }
+
+    def muon_chain(option: str, **fields):
+        model = _muon_model()
+        return model, build_optimizer(_muon_config(option, lowprec_fused=False, **fields), [model])
+
+    model, saved = muon_chain("D")
+    _train(model, saved, steps, _scheduler(saved, steps + 2))
+    directory = save(model, saved, "muon")
+    names = {param: name for name, param in model.module.named_parameters()}
+    source = {
+        names[param]: {key: value.reshape(-1).clone() for key, value in state.items() if torch.is_tensor(value)}
+        for inner in saved.chained_optimizers for param, state in inner.optimizer.state.items()
+    }
+    model, refusing = muon_chain("B")
+    _, refusal = load(model, refusing, directory)
+    model = _ddp(config, True)
+    _, single = load(model, _optimizer("B", model, True, convert_checkpoint=True), directory)
+    model, converted = muon_chain("B", lowprec_convert_checkpoint=True)
+    lines, _ = load(model, converted, directory)
+    names = {param: name for name, param in model.module.named_parameters()}
+    wrong = {
+        names[param]: _converted_as_rounded(
+            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
+            source[names[param]],
+        )
+        for inner in converted.chained_optimizers for param, state in inner.optimizer.state.items()
+    }
+    after = _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)
+    result["muon"] = {
+        "wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
+        "elements": {inner.label: sum(param.numel() for param in inner.get_parameters()) for inner in converted.chained_optimizers},
+        "step": after, "refusals": {"megatron_lm": refusal, "into_one_optimizer": single},
+    }
+    model, converted = muon_chain("B", lowprec_convert_checkpoint=True, **_layer_wise_fields())
+    lines, _ = load(model, converted, directory)
+    names = {param: name for name, param in model.module.named_parameters()}
+    wrong = {
+        names[param]: _converted_as_rounded(
+            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
+            source[names[param]],
+        )
+        for inner in converted.chained_optimizers for param, state in inner.optimizer.state.items()
+    }
+    wrong.update({
+        name: ["whole value"] for name, param in model.module.named_parameters()
+        if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())
+    })
+    result["layer_wise_muon"] = {"wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
+                                 "step": _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)}
+    return result
+
+
+SCENARIOS = {
+    f.__name__: f for f in (sharded_equals_unsharded, save_and_resume, load_elsewhere, optimizer_costs, converting_loads)
+}
 
 
 if __name__ == "__main__":

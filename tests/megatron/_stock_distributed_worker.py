@@ -34,10 +34,10 @@ DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_lo
                   "chained_optim_avoid_prefix": True}
 
 
-def _stock_distributed():
+def _distributed_model():
+    """The tiny GPT in DDP with ``use_distributed_optimizer``, and megatron's optimizer config of the app's baseline."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
 
     from megatron_lowprec.train.app import compose
     from megatron_lowprec.train.loop import megatron_optimizer_config
@@ -52,7 +52,60 @@ def _stock_distributed():
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
     model = DistributedDataParallel(config=module.config, module=module, ddp_config=ddp_config)
     assert parallel_state.get_data_parallel_world_size() == 2
-    return model, get_megatron_optimizer(megatron_optimizer_config(config.optimizer), [model])
+    return model, megatron_optimizer_config(config.optimizer)
+
+
+def _stock_distributed():
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model, config = _distributed_model()
+    return model, get_megatron_optimizer(config, [model])
+
+
+def _into_distributed_b(root: Path) -> dict:
+    """The ``fully_reshardable`` checkpoint loaded, as Megatron-LM's entry reads it with
+    ``--lowprec-convert-checkpoint``, into option B's distributed optimizer: the states of each run
+    this rank owns and of every whole parameter that are not the saved FP32 masters and moments (both
+    ranks' ``rank<N>.pt``) rounded as B keeps them, the lines (rank 0), the step and the next step's success."""
+    from _distributed_optimizer_worker import _conversion_lines, _converted_as_rounded
+    from megatron.core import dist_checkpointing
+
+    from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
+    from megatron_lowprec.megatron.optimizer import build_optimizer
+
+    model, config = _distributed_model()
+    names = {param: name for name, param in model.module.named_parameters()}
+    source = {name: {key: torch.full((param.numel(),), float("nan"), device=torch.cuda.current_device()) for key in ("master", "exp_avg", "exp_avg_sq")}
+              for param, name in names.items()}
+    for rank in range(torch.distributed.get_world_size()):
+        for name, owned in torch.load(root / f"rank{rank}.pt", weights_only=True)["owned"].items():
+            start, end = owned["range"]
+            for key, saved_key in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                source[name][key][start:end] = owned[saved_key].cuda()
+    optimizer = build_optimizer("B", [model], config, convert_checkpoint=True)
+    directory = str(root / "fully_reshardable")
+
+    def load():
+        model_state = model.module.sharded_state_dict()
+        template = optimizer_template_for(optimizer, optimizer.sharded_state_dict(model_state, is_loading=True), directory)
+        loaded = dist_checkpointing.load({"model": model_state, "optimizer": template}, directory)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+
+    lines, _ = _conversion_lines(load)
+    wrong = {
+        f"{names[piece.param]} {piece.param_start}": _converted_as_rounded(
+            piece.param.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel], optimizer.piece_state(piece),
+            {key: value[piece.param_start : piece.param_start + piece.numel] for key, value in source[names[piece.param]].items()},
+        )
+        for shard in optimizer.shards for piece in shard.pieces
+    }
+    wrong.update({name: ["whole value"] for param, name in names.items()
+                  if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())})
+    step = optimizer.common_step()
+    _step(model, optimizer, 2)
+    return {"wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
+            "elements": sum(param.numel() for param in names), "step": step}
 
 
 def _step(model, optimizer, seed: int) -> None:
@@ -164,6 +217,7 @@ def round_trip(directory: str) -> dict:
             resumed["fully_reshardable"][0].module.parameters(), resumed["back"][0].module.parameters(), strict=True)
     )
     return {
+        "into_distributed_b": _into_distributed_b(root),
         "lines": lines, "states_identical": states_identical, "params_identical": params_identical,
         "steps": saved["steps"], "loaded_steps": loaded["steps"], "continued_identical": continued_identical,
     }

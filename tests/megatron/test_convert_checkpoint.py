@@ -466,7 +466,10 @@ def test_a_distributed_optimizer_checkpoint_resumes_into_b_and_into_megatrons_pl
     saved_distributed, megatron_rank, tmp_path, capsys,
 ):
     """The Megatron-LM load with ``--lowprec-convert-checkpoint`` reads megatron's ``DistributedOptimizer``
-    checkpoint (fully_reshardable) into option B, values as offline, the step carried; its bucket form
+    checkpoint (fully_reshardable) into option B, values as offline, the step carried: into the plain
+    optimizer here, and at DP=2 into the distributed one (``_stock_distributed_worker.py``), each rank's
+    runs and every whole parameter the saved FP32 masters and moments rounded by torch's casts, one
+    line per state kind over both ranks' elements; its bucket form
     stops in one line naming the save flag. ``--to stock`` without ``use_distributed_optimizer`` gives
     megatron's ``Float16OptimizerWithFloat16Params`` the same masters and moments, bit for bit."""
     from megatron.core import dist_checkpointing
@@ -474,7 +477,14 @@ def test_a_distributed_optimizer_checkpoint_resumes_into_b_and_into_megatrons_pl
     from megatron_lowprec.megatron.megatron_lm import optimizer_template_for
     from megatron_lowprec.train.convert import convert_checkpoint
 
-    directory, _, reference = saved_distributed
+    directory, ranks, reference = saved_distributed
+    for rank in ranks:
+        into_distributed = rank["into_distributed_b"]
+        assert into_distributed["runs"] > 0 and into_distributed["wrong"] == {} and into_distributed["step"] == 2, into_distributed
+    lines = ranks[0]["into_distributed_b"]["lines"]
+    assert [line.split(": ")[2] for line in lines] == ["value", "exp_avg", "exp_avg_sq"]
+    assert all(line.startswith("megatron-lowprec: converted stock -> B: ") and
+               f", {ranks[0]['into_distributed_b']['elements']} elements, " in line for line in lines), lines
     source = str(directory / "fully_reshardable")
     model, optimizer = _built("B", convert_checkpoint=True)
     model_state = model.module.sharded_state_dict()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,48 @@ def test_model_chunks_without_the_distributed_optimizer_are_refused():
             get_strategy("C"), [chunk], OptimizerConfig(use_distributed_optimizer=True), [],
             seed=0, fused=False, track_update_quality=False, stream_layouts={},
         )
+
+
+CONVERSION_REFUSAL = "the optimizer state was saved with option 'D', this optimizer runs 'B'; build_optimizer(..., convert_checkpoint=True) converts it"
+
+
+def test_option_d_checkpoints_load_into_option_b_with_convert_checkpoint(tmp_path):
+    """At DP=2, dist checkpoints of option D's distributed optimizer and of its Muon chain load, as
+    Megatron-LM's entry reads them, into option B's built with ``convert_checkpoint=True`` (the chain's
+    into B's chain and its layer-wise chain, each rank holding its parameters' states): on every
+    rank each owned run of each parameter, and every whole parameter, holds D's FP32 master and
+    moments as torch's casts round them (θ the master's nearest BF16, δθ the exact rest's, each
+    moment its nearest BF16), one line per state kind over both ranks' elements (the chain's per
+    optimizer, the layer-wise chain's the same as the chain's), and a further step succeeds. Without
+    the setting, Megatron-LM's load stops and ``load_state_dict`` raises, in one line naming it; the
+    chain's checkpoint given to one optimizer stops Megatron-LM's load in one line."""
+    ranks = _run(tmp_path, 2, "converting_loads", checkpoint_dir=str(tmp_path / "checkpoints"), steps=1)
+    for rank in ranks:
+        for optimizer in ("distributed", "muon", "layer_wise_muon"):
+            result = rank[optimizer]
+            assert result["runs"] > 0 and result["wrong"] == {}, (optimizer, result["wrong"])
+            assert result["step"]["successes"] == [True] and all(math.isfinite(loss) for loss in result["step"]["losses"])
+    first = ranks[0]["distributed"]
+    assert [line.split(": ")[2] for line in first["lines"]] == ["value", "exp_avg", "exp_avg_sq"]
+    assert all(line.startswith("megatron-lowprec: converted D -> B: ") for line in first["lines"])
+    assert all(f", {first['elements']} elements, " in line for line in first["lines"]), first["lines"]
+    assert first["refusals"] == {
+        "megatron_lm": f"{tmp_path / 'checkpoints' / 'distributed'} was saved with --lowprec-option D, this run has "
+                       "--lowprec-option B: --lowprec-convert-checkpoint converts its optimizer state to B",
+        "load_state_dict": CONVERSION_REFUSAL,
+    }
+    muon = ranks[0]["muon"]
+    kinds = {"Muon": ["value", "momentum"], "AdamW": ["value", "exp_avg", "exp_avg_sq"]}
+    assert [tuple(line.split(": ")[1:4:2]) for line in muon["lines"]] == [
+        (label, kind) for label, label_kinds in kinds.items() for kind in label_kinds]
+    for line in muon["lines"]:
+        label = line.split(": ")[1]
+        assert "converted D -> B: " in line and f", {muon['elements'][label]} elements, " in line, line
+    assert ranks[0]["layer_wise_muon"]["lines"] == muon["lines"]
+    assert muon["refusals"] == {
+        "megatron_lm": f"{tmp_path / 'checkpoints' / 'muon'} was saved with --lowprec-option D, this run has "
+                       "--lowprec-option B: --lowprec-convert-checkpoint converts its optimizer state to B",
+        "into_one_optimizer": f"{tmp_path / 'checkpoints' / 'muon'} holds the state of a chain of optimizers (Muon and "
+                              "AdamW), this run has one optimizer: resume with the optimizer it was saved with",
+    }
+    assert [rank["distributed"]["refusals"]["load_state_dict"] for rank in ranks] == [CONVERSION_REFUSAL] * 2
