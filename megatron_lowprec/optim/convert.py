@@ -45,7 +45,7 @@ from megatron_lowprec.numerics.quant import (
     quantize_fp8,
     quantize_int8_into,
 )
-from megatron_lowprec.optim.master import MASTER_KEYS, master_value, new_master, store_master_, stored_master
+from megatron_lowprec.optim.master import master_value, new_master, store_master_, stored_master
 from megatron_lowprec.optim.strategies import (
     NON_NEGATIVE_MOMENTS,
     STORAGE_RECORDS,
@@ -145,10 +145,8 @@ def _dtype_word(dtype: torch.dtype) -> str:
 
 def _low_key(strategy: PrecisionStrategy, kind: str) -> str | None:
     """The state key of the low component that ``strategy`` pairs with ``kind``, if it keeps one."""
-    if kind == VALUE and strategy.keeps_param_low_component:
-        return "param_lo"
-    if kind == VALUE and strategy.param_update == "kahan":
-        return "kahan_compensation"
+    if kind == VALUE and not strategy.master_weights:
+        return strategy.param_codec.key
     if kind == "exp_avg_sq" and strategy.second_moment_mcf:
         return "exp_avg_sq_lo"
     return None
@@ -262,7 +260,7 @@ def encode(
         param = torch.empty(value.shape, dtype=param_dtype, device=value.device)
         stored = new_master(strategy, value.numel(), param)
         store_master_(param, stored, value.float())
-        state[MASTER_KEYS[strategy.master_storage]] = stored
+        state[strategy.param_codec.key] = stored
     else:
         param = round_to(value, param_dtype)
     for moment in strategy.moment_names:

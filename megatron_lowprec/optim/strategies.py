@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_lowprec.optim.codecs import (
+# The byte sizes and NON_NEGATIVE_MOMENTS live with the codecs; importers of this module read them here too.
+from megatron_lowprec.optim.codecs import (  # noqa: F401
     EXPANSION_EXPONENT_BYTES,
     FP8_BYTES,
     FP8_SCALE_BYTES,

@@ -258,7 +258,7 @@ TINY_UPDATE = 1e-4
 """Under half a BF16 ULP of 1 (2^-8): lost by the bare parameter's nearest rounding."""
 
 
-def _apply_tiny_updates(codec: ParamCodec, steps: int, random_source=None) -> tuple[torch.Tensor, dict]:
+def _apply_tiny_updates(codec: ParamCodec, steps: int) -> tuple[torch.Tensor, dict]:
     param = torch.ones(4096, dtype=torch.bfloat16)
     state = {} if codec.key is None else {codec.key: torch.zeros(4096, dtype=codec.state_dtype(param.dtype))}
     generator = torch.Generator().manual_seed(8)
