@@ -82,6 +82,11 @@ PER_GROUP_PARTS = ("_scale", "_expansion_exponent")
 """Suffixes of the grouped codecs' state parts that hold one value per group, not per element."""
 
 
+def dtype_word(dtype: torch.dtype) -> str:
+    """The name of a float dtype in words: BF16, FP16, FP32."""
+    return {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
+
+
 def rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` (in a form that no compiler
     drops: :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`), as a ``dtype``
@@ -132,6 +137,10 @@ class MomentCodec:
         device (``groups``: per-group parts' length, default ``numel`` cut into consecutive groups)."""
         raise NotImplementedError
 
+    def describe(self, moment: str, param_dtype: torch.dtype) -> str:
+        """How ``moment`` is stored, in words (a conversion's report)."""
+        raise NotImplementedError
+
     def decode(self, state: Mapping[str, Any], moment: str, shape: torch.Size) -> torch.Tensor:
         """The stored ``moment`` as an FP32 tensor of ``shape``: the stored tensor itself when it is
         FP32 (updated in place), else a new one."""
@@ -153,6 +162,9 @@ class ParamDtypeMoment(MomentCodec):
     def zeros(self, moment, numel, like, groups=None):
         return {moment: like.new_zeros(numel, dtype=like.dtype)}
 
+    def describe(self, moment, param_dtype):
+        return dtype_word(param_dtype)
+
 
 @dataclass(frozen=True)
 class FP32Moment(MomentCodec):
@@ -162,6 +174,9 @@ class FP32Moment(MomentCodec):
 
     def zeros(self, moment, numel, like, groups=None):
         return {moment: like.new_zeros(numel, dtype=torch.float32)}
+
+    def describe(self, moment, param_dtype):
+        return "FP32"
 
 
 @dataclass(frozen=True)
@@ -212,6 +227,10 @@ class FP8GroupMoment(MomentCodec):
         parts = (zeros.payload, zeros.scale, zeros.expansion_exponent)
         return {moment + suffix: part for suffix, part in zip(self.suffixes, parts)}
 
+    def describe(self, moment, param_dtype):
+        expansion = f" with range expansion (k in {self.exponent_storage.upper()})" if self.expand else ""
+        return f"FP8 {self.fp8_format} 1x{self.size} groups{expansion}"
+
     def decode(self, state, moment, shape):
         return dequantize_fp8(self.quantized(state, moment, shape))
 
@@ -241,9 +260,18 @@ class Int8GroupMoment(MomentCodec):
     def group_size(self) -> int:
         return self.size
 
+    @staticmethod
+    def code_dtype(moment: str) -> torch.dtype:
+        """The dtype of ``moment``'s codes: uint8 for a square-rooted non-negative moment, else int8."""
+        return torch.uint8 if moment in NON_NEGATIVE_MOMENTS else torch.int8
+
     def zeros(self, moment, numel, like, groups=None):
-        payload, scale = int8_zeros(numel, self.size, moment not in NON_NEGATIVE_MOMENTS, like.device, groups)
+        payload, scale = int8_zeros(numel, self.size, self.code_dtype(moment) == torch.int8, like.device, groups)
         return {f"{moment}_payload": payload, f"{moment}_scale": scale}
+
+    def describe(self, moment, param_dtype):
+        companding = "square root, unsigned" if self.code_dtype(moment) == torch.uint8 else "companded, signed"
+        return f"INT8 ({companding}) 1x{self.size} groups with a BF16 scale"
 
     def decode(self, state, moment, shape):
         return dequantize_int8(state[f"{moment}_payload"], state[f"{moment}_scale"], self.size, shape)
@@ -280,6 +308,10 @@ class ParamCodec:
     def state_dtype(self, param_dtype: torch.dtype) -> torch.dtype | None:
         """The dtype of the kept tensor for parameters of ``param_dtype`` (``None``: no tensor)."""
         return None
+
+    def describe(self, param_dtype: torch.dtype) -> str:
+        """How the parameter's full-precision value is stored, in words (a conversion's report)."""
+        return dtype_word(param_dtype)
 
     def value(self, param: torch.Tensor, state: Mapping[str, Any]) -> torch.Tensor:
         """The represented θ in FP32 (weight decay shrinks it: Collage App. D)."""
@@ -320,6 +352,9 @@ class MCFPair(ParamCodec):
     def state_dtype(self, param_dtype):
         return param_dtype
 
+    def describe(self, param_dtype):
+        return f"{dtype_word(param_dtype)} pair (θ, δθ)"
+
     def value(self, param, state):
         return param.float() + state[self.key].float()
 
@@ -343,6 +378,9 @@ class KahanCompensation(ParamCodec):
     def state_dtype(self, param_dtype):
         return param_dtype
 
+    def describe(self, param_dtype):
+        return f"{dtype_word(param_dtype)} + Kahan compensation"
+
     def apply_update_(self, param, state, update, random_source):
         """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
         compensated = rounded_to(update + state[self.key].float(), param.dtype)
@@ -365,6 +403,9 @@ class MasterCodec(ParamCodec):
 
     def state_dtype(self, param_dtype):
         return self.dtype
+
+    def describe(self, param_dtype):
+        return f"FP32 master ({self.storage})"
 
     def join(self, param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """The FP32 master of ``param`` and its stored tensor."""

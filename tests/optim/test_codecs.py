@@ -291,3 +291,20 @@ def test_parameter_codecs_keep_what_nearest_rounding_of_the_parameter_loses():
 
     param, _ = _apply_tiny_updates(StochasticParameter(), steps)
     assert abs(param.double().mean().item() - exact) < 1e-3
+
+
+def test_codecs_describe_their_storage_in_the_conversion_reports_words():
+    assert FP32Moment().describe("exp_avg", torch.bfloat16) == "FP32"
+    assert ParamDtypeMoment().describe("exp_avg", torch.float16) == "FP16"
+    assert FP8GroupMoment("e4m3", 128, True, "bf16").describe("exp_avg", torch.bfloat16) == (
+        "FP8 e4m3 1x128 groups with range expansion (k in BF16)"
+    )
+    assert FP8GroupMoment("e5m2", 64, False, "fp32").describe("exp_avg", torch.bfloat16) == "FP8 e5m2 1x64 groups"
+    assert Int8GroupMoment(128).describe("exp_avg", torch.bfloat16) == "INT8 (companded, signed) 1x128 groups with a BF16 scale"
+    assert Int8GroupMoment(128).describe("exp_avg_sq", torch.bfloat16).startswith("INT8 (square root, unsigned)")
+    assert [codec.describe(torch.bfloat16) for codec in (BareParameter(), StochasticParameter(), MCFPair(), KahanCompensation())] == [
+        "BF16", "BF16", "BF16 pair (θ, δθ)", "BF16 + Kahan compensation"
+    ]
+    assert [codec.describe(torch.bfloat16) for codec in MASTER_CODECS.values()] == [
+        f"FP32 master ({storage})" for storage in MASTER_STORAGES
+    ]
