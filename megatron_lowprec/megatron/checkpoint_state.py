@@ -7,8 +7,8 @@ groups depends on the layout. In checkpoint form each element carries its payloa
 every checkpoint backend stores) and its group's scale and k. Restored at a layout whose groups
 hold elements of one saved group each, the payload, scale and k come back exactly, so the moments'
 values are unchanged; a group that gathers elements of several saved groups (another TP layout
-with rows that are not whole groups) is quantized afresh from the saved values (COAT §3), in its
-own codec.
+with rows that are not whole groups) is decoded in checkpoint form (the moment codec with groups of
+one element) and encoded afresh (COAT §3) by the moment codec.
 
 An FP32 master is saved as the FP32 master under ``master`` whichever its storage: a master stored
 as the BF16 parameter plus an int16 remainder (``master_storage="remainder"``) or an int8 residual
@@ -19,22 +19,17 @@ per-element state.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from megatron_lowprec.numerics.quant import (
-    QuantizedTensor,
-    dequantize_fp8,
-    dequantize_int8,
-    quantize_fp8_into,
-    quantize_int8_into,
-)
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, state_dtypes
+from megatron_lowprec.optim.codecs import MASTER_CODECS
 from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
-SPLIT_MASTER_KEYS = (MASTER_KEYS["remainder"], MASTER_KEYS["residual8"])
+SPLIT_MASTER_KEYS = tuple(codec.key for codec in MASTER_CODECS.values() if codec.below_bf16)
 """The state keys of masters stored below the BF16 parameter, saved joined as the FP32 master."""
 
 
@@ -62,7 +57,7 @@ def checkpoint_state(
             result[key] = (
                 torch.empty(numel, dtype=value.dtype, device=value.device)
                 if is_loading
-                else value.repeat_interleave(strategy.fp8_group_size)[:numel]
+                else value.repeat_interleave(strategy.moment_codec.elements_per_value(key))[:numel]
             )
         elif key.endswith("_payload"):
             result[key] = value.reshape(-1).view(torch.uint8)
@@ -117,30 +112,20 @@ def restore_checkpoint_state(
             store_master_(_flat_param(param, numel), value.view(-1), loaded[MASTER_KEYS["fp32"]].reshape(-1))
         elif not key.endswith((*PER_GROUP_PARTS, "_payload")):
             value.copy_(loaded[key].reshape(value.shape))
-    if not strategy.grouped_moments:
+    codec = strategy.moment_codec
+    if not codec.grouped:
         return
-    expand = strategy.moments == "fp8" and strategy.fp8_expand
-    group_size = strategy.fp8_group_size
+    group_size = codec.group_size
+    per_element = dataclasses.replace(codec, size=1)
     for moment in strategy.moment_names:
         payload = state[f"{moment}_payload"]
         saved_payload = loaded[f"{moment}_payload"].reshape(-1).view(payload.dtype)
-        parts = [f"{moment}_scale"] + ([f"{moment}_expansion_exponent"] if expand else [])
+        parts = [key for key in codec.keys(moment) if key.endswith(PER_GROUP_PARTS)]
         grouped = {part: _groups(loaded[part].reshape(-1), group_size) for part in parts}
         whole = torch.stack([(values == values[:, :1]).all(dim=1) for values in grouped.values()]).all(dim=0)
-        if not bool(whole.all()) and strategy.moments == "int8":
-            values = dequantize_int8(saved_payload, loaded[parts[0]].reshape(-1), 1, torch.Size([numel]))
-            quantize_int8_into(values, payload, state[parts[0]], group_size)
-        elif not bool(whole.all()):
-            values = dequantize_fp8(
-                QuantizedTensor(
-                    saved_payload, loaded[parts[0]].reshape(-1),
-                    loaded[parts[1]].reshape(-1) if expand else None,
-                    1, torch.Size([numel]), payload.dtype,
-                )
-            )
-            quantize_fp8_into(
-                values, payload, state[parts[0]], state[parts[1]] if expand else None, group_size
-            )
+        if not bool(whole.all()):
+            saved = {f"{moment}_payload": saved_payload, **{part: loaded[part].reshape(-1) for part in parts}}
+            codec.encode_(state, moment, per_element.decode(saved, moment, torch.Size([numel])), check_finite=True)
         payload_groups = _groups(payload.view(torch.uint8), group_size)
         payload_groups[whole] = _groups(saved_payload.view(torch.uint8), group_size)[whole]
         payload.view(torch.uint8).copy_(payload_groups.reshape(-1)[:numel])

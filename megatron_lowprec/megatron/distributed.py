@@ -246,7 +246,7 @@ class DistributedShards(Layout):
         streams: dict[torch.nn.Parameter, StreamLayout],
     ) -> list[tuple[Bucket, list[dict[str, Any]]]]:
         group_of = {param: index for index, group in enumerate(param_groups) for param in group["params"]}
-        group_size = strategy.fp8_group_size if strategy.grouped_moments else 1
+        group_size = strategy.moment_codec.group_size
         self.shards = [
             self._build_shard(strategy, streams, buffer, bucket, group_of, group_size)
             for buffer in self.buffers for bucket in buffer.buckets
@@ -346,7 +346,7 @@ class DistributedLowPrecisionOptimizer(ExactGradientStatistics, MegatronOptimize
     def group_size(self) -> int:
         """Elements of the strategy's FP8 groups (1 without FP8 state)."""
         strategy = self.optimizer.strategy
-        return strategy.fp8_group_size if strategy.grouped_moments else 1
+        return strategy.moment_codec.group_size
 
     def state_buckets(self) -> list[Bucket]:
         """The state bucket of every shard that has one."""

@@ -21,6 +21,7 @@ from megatron_lowprec.numerics.rounding import (
 )
 from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES
 from megatron_lowprec.optim.buckets import Bucket, BufferRows, build_bucket, gather_grads, own_grad_buffer
+from megatron_lowprec.optim.codecs import MASTER_CODECS
 from megatron_lowprec.optim.fused import (
     bucket_entries, fused_bucket_step_, fused_entries, resolve_fused, warn_eager_fallback,
 )
@@ -34,7 +35,7 @@ from megatron_lowprec.optim.kernel import (
     check_param_dtype,
 )
 from megatron_lowprec.optim.layouts import Layout
-from megatron_lowprec.optim.master import MASTER_DTYPES, MASTER_KEYS, master_value, store_master_, stored_master
+from megatron_lowprec.optim.master import MASTER_KEYS, master_value, store_master_, stored_master
 from megatron_lowprec.optim.statistics import update_quality_by_group
 from megatron_lowprec.optim.strategies import (
     PrecisionStrategy,
@@ -283,9 +284,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     def _check_loaded_master(index: int, param: torch.Tensor, stored: torch.Tensor, saved: dict[str, Any]) -> None:
         """A saved master in either storage fits ``param``'s ``stored`` master (its whole shape, or
         its run's): FP32 of that shape, or an int16 remainder or int8 residual of it below a BF16 parameter."""
-        storage, key = next((storage, key) for storage, key in MASTER_KEYS.items() if key in saved)
-        dtype = MASTER_DTYPES[storage]
-        below = dtype != torch.float32
+        codec = next(codec for codec in MASTER_CODECS.values() if codec.key in saved)
+        key, dtype, below = codec.key, codec.dtype, codec.below_bf16
         if saved[key].shape != stored.shape or saved[key].dtype != dtype or (below and param.dtype != torch.bfloat16):
             raise ValueError(
                 f"state {key!r} of parameter {index}: saved {saved[key].dtype}{tuple(saved[key].shape)} for a "

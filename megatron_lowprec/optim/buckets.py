@@ -38,47 +38,41 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_lowprec.numerics.quant import int8_zeros, quantized_zeros
 from megatron_lowprec.numerics.rounding import StreamLayout
-from megatron_lowprec.optim.master import master_key, new_master, reset_master_
-from megatron_lowprec.optim.strategies import NON_NEGATIVE_MOMENTS, PrecisionStrategy
+from megatron_lowprec.optim.codecs import PER_GROUP_PARTS
+from megatron_lowprec.optim.master import new_master, reset_master_
+from megatron_lowprec.optim.strategies import PrecisionStrategy
 
 ALIGNMENT = 128
 """Elements between parameter starts in a bucket are a multiple of this (and of the FP8 group size)."""
 
 FP8_PARTS = ("payload", "scale", "expansion_exponent")
-PER_GROUP_PARTS = ("_scale", "_expansion_exponent")
-"""Suffixes of the FP8 state parts that hold one value per group, not per element."""
-LOW_COMPONENTS = ("param_lo", "exp_avg_sq_lo", "kahan_compensation")
+"""Suffixes (after the moment's name and an underscore) of the 8-bit moments' state parts, which a
+bucket keeps flat (:class:`~megatron_lowprec.optim.codecs.FP8GroupMoment`'s; INT8 the first two)."""
+SECOND_MOMENT_LOW = "exp_avg_sq_lo"
+"""Collage-plus' δv (``second_moment_mcf``), in the parameter's dtype."""
 
 
 def state_keys(strategy: PrecisionStrategy) -> list[str]:
-    """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these)."""
-    if strategy.grouped_moments:
-        parts = FP8_PARTS if strategy.moments == "fp8" and strategy.fp8_expand else FP8_PARTS[:2]
-        keys = [f"{moment}_{part}" for moment in strategy.moment_names for part in parts]
-    else:
-        keys = list(strategy.moment_names)
-    if strategy.master_weights:
-        keys.append(master_key(strategy))
-    if strategy.keeps_param_low_component:
-        keys.append("param_lo")
+    """Names of the tensor states ``strategy`` keeps per parameter (``step`` is an int besides these):
+    each moment's parts (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.moment_codec`),
+    then the parameter codec's tensor, then Collage-plus' δv."""
+    keys = [key for moment in strategy.moment_names for key in strategy.moment_codec.keys(moment)]
+    if strategy.param_codec.key is not None:
+        keys.append(strategy.param_codec.key)
     if strategy.second_moment_mcf:
-        keys.append("exp_avg_sq_lo")
-    if strategy.param_update == "kahan":
-        keys.append("kahan_compensation")
+        keys.append(SECOND_MOMENT_LOW)
     return keys
 
 
 def elements_per_value(key: str, strategy: PrecisionStrategy) -> int:
-    """Elements of the parameter per stored value of state ``key``: the FP8 group size for scales, else 1."""
-    return strategy.fp8_group_size if key.endswith(PER_GROUP_PARTS) else 1
+    """Elements of the parameter per stored value of state ``key``: the group size for per-group parts, else 1."""
+    return strategy.moment_codec.elements_per_value(key)
 
 
 def bucket_alignment(strategy: PrecisionStrategy) -> int:
-    if strategy.grouped_moments:
-        return math.lcm(ALIGNMENT, strategy.fp8_group_size)
-    return ALIGNMENT
+    """Elements between entry starts: :data:`ALIGNMENT` and a multiple of the moments' groups."""
+    return math.lcm(ALIGNMENT, strategy.moment_codec.group_size)
 
 
 ROW_TABLE_BYTES = 4 + 8 + 8
@@ -425,10 +419,9 @@ def in_place_offsets(
     if any(first % row for first in starts[1:]):
         return None
     offsets = [first - start for first in starts]
-    if strategy.grouped_moments:
-        group = strategy.fp8_group_size
-        if any(offset % group for offset in offsets) or (end - start) % group:
-            return None
+    group = strategy.moment_codec.group_size
+    if any(offset % group for offset in offsets) or (end - start) % group:
+        return None
     return offsets
 
 
@@ -484,24 +477,12 @@ def zero_state(
     ``fp8_groups`` defaults to ``numel`` cut into consecutive groups."""
     state: dict[str, torch.Tensor] = {}
     for moment in strategy.moment_names:
-        if strategy.moments == "fp8":
-            zeros = quantized_zeros(
-                numel, strategy.fp8_format, strategy.fp8_group_size, strategy.fp8_expand, like.device, fp8_groups,
-                strategy.fp8_exponent_storage,
-            )
-            for part in FP8_PARTS:
-                if getattr(zeros, part) is not None:
-                    state[f"{moment}_{part}"] = getattr(zeros, part)
-        elif strategy.moments == "int8":
-            payload, scale = int8_zeros(
-                numel, strategy.fp8_group_size, moment not in NON_NEGATIVE_MOMENTS, like.device, fp8_groups
-            )
-            state[f"{moment}_payload"], state[f"{moment}_scale"] = payload, scale
-        else:
-            state[moment] = like.new_zeros(numel, dtype=like.dtype if strategy.moments == "low" else torch.float32)
-    for key in LOW_COMPONENTS:
-        if key in state_keys(strategy):
-            state[key] = like.new_zeros(numel)
+        state.update(strategy.moment_codec.zeros(moment, numel, like, fp8_groups))
+    codec = strategy.param_codec
+    if codec.key is not None and not strategy.master_weights:
+        state[codec.key] = like.new_zeros(numel, dtype=codec.state_dtype(like.dtype))
+    if strategy.second_moment_mcf:
+        state[SECOND_MOMENT_LOW] = like.new_zeros(numel)
     return state
 
 
@@ -510,7 +491,7 @@ def state_dtypes(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> dict[
     :func:`state_keys` order."""
     dtypes = {key: value.dtype for key, value in zero_state(strategy, 0, torch.empty(0, dtype=param_dtype)).items()}
     if strategy.master_weights:
-        dtypes[master_key(strategy)] = new_master(strategy, 0, torch.empty(0)).dtype
+        dtypes[strategy.param_codec.key] = strategy.param_codec.state_dtype(param_dtype)
     return {key: dtypes[key] for key in state_keys(strategy)}
 
 
@@ -549,7 +530,7 @@ def build_bucket(
         group_index, list(params), offsets, numel, list(streams), zero_state(strategy, numel, params[0]),
         [run_numel for _, run_numel in runs], [start for start, _ in runs], entry_groups or [group_index] * len(params),
         per_group_scalars=entry_groups is not None,
-        state_group_size=strategy.fp8_group_size if strategy.grouped_moments else 1,
+        state_group_size=strategy.moment_codec.group_size,
         row_width=in_place.row_width if in_place is not None else ALIGNMENT,
         row_phase=in_place.row_phase if in_place is not None else 0,
     )
@@ -561,7 +542,7 @@ def build_bucket(
         sources = master_source or [param.detach().reshape(-1) for param in params]
         for index, source in enumerate(sources):
             reset_master_(source, bucket.view(master, index))
-        bucket.state[master_key(strategy)] = master
+        bucket.state[strategy.param_codec.key] = master
     bucket.state = {key: bucket.state[key] for key in state_keys(strategy)}
     if own_params:
         if in_place is not None:

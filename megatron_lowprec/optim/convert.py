@@ -40,14 +40,12 @@ from megatron_lowprec.numerics.quant import (
     dequantize_fp8,
     dequantize_int8,
     fp8_dtype_of,
-    int8_zeros,
     num_groups,
     quantize_fp8,
-    quantize_int8_into,
 )
-from megatron_lowprec.optim.master import MASTER_KEYS, master_value, new_master, store_master_, stored_master
+from megatron_lowprec.optim.codecs import Int8GroupMoment, dtype_word
+from megatron_lowprec.optim.master import master_value, new_master, store_master_, stored_master
 from megatron_lowprec.optim.strategies import (
-    NON_NEGATIVE_MOMENTS,
     STORAGE_RECORDS,
     PrecisionStrategy,
     exponent_storage_record,
@@ -112,43 +110,21 @@ def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def value_format(strategy: PrecisionStrategy, param_dtype: torch.dtype) -> str:
-    """How ``strategy`` stores the parameter's full-precision value, in words."""
-    low = _dtype_word(param_dtype)
-    if strategy.master_weights:
-        return f"FP32 master ({strategy.master_storage})"
-    if strategy.keeps_param_low_component:
-        return f"{low} pair (θ, δθ)"
-    if strategy.param_update == "kahan":
-        return f"{low} + Kahan compensation"
-    return low
+    """How ``strategy`` stores the parameter's full-precision value, in words (its parameter codec's)."""
+    return strategy.param_codec.describe(param_dtype)
 
 
 def moment_format(strategy: PrecisionStrategy, moment: str, param_dtype: torch.dtype) -> str:
-    """How ``strategy`` stores ``moment``, in words."""
-    if strategy.moments == "fp32":
-        return "FP32"
-    if strategy.moments == "fp8":
-        exponent = strategy.fp8_exponent_storage.upper()
-        expansion = f" with range expansion (k in {exponent})" if strategy.fp8_expand else ""
-        return f"FP8 {strategy.fp8_format} 1x{strategy.fp8_group_size} groups{expansion}"
-    if strategy.moments == "int8":
-        codec = "square root, unsigned" if moment in NON_NEGATIVE_MOMENTS else "companded, signed"
-        return f"INT8 ({codec}) 1x{strategy.fp8_group_size} groups with a BF16 scale"
+    """How ``strategy`` stores ``moment``, in words (its moment codec's; Collage-plus' v as a pair)."""
     if moment == "exp_avg_sq" and strategy.second_moment_mcf:
-        return f"{_dtype_word(param_dtype)} pair (v, δv)"
-    return _dtype_word(param_dtype)
-
-
-def _dtype_word(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
+        return f"{dtype_word(param_dtype)} pair (v, δv)"
+    return strategy.moment_codec.describe(moment, param_dtype)
 
 
 def _low_key(strategy: PrecisionStrategy, kind: str) -> str | None:
     """The state key of the low component that ``strategy`` pairs with ``kind``, if it keeps one."""
-    if kind == VALUE and strategy.keeps_param_low_component:
-        return "param_lo"
-    if kind == VALUE and strategy.param_update == "kahan":
-        return "kahan_compensation"
+    if kind == VALUE and not strategy.master_weights:
+        return strategy.param_codec.key
     if kind == "exp_avg_sq" and strategy.second_moment_mcf:
         return "exp_avg_sq_lo"
     return None
@@ -184,11 +160,6 @@ def _fp8_moment(strategy: PrecisionStrategy, moment: str, state: dict[str, Any],
     )
 
 
-def _int8_code_dtype(moment: str) -> torch.dtype:
-    """The dtype of ``moment``'s INT8 codes (a checkpoint stores every 8-bit payload as uint8)."""
-    return torch.uint8 if moment in NON_NEGATIVE_MOMENTS else torch.int8
-
-
 def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The FP64 meaning of ``param``'s ``state`` under ``strategy`` (flat, one value per element):
     :data:`VALUE`, the parameter's full-precision value, and each of ``strategy.moment_names``."""
@@ -207,7 +178,7 @@ def decode(strategy: PrecisionStrategy, param: torch.Tensor, state: dict[str, An
             meaning[moment] = dequantize_fp8(_fp8_moment(strategy, moment, state, numel)).double()
         elif strategy.moments == "int8":
             scale = state[f"{moment}_scale"].reshape(-1)
-            payload = state[f"{moment}_payload"].reshape(-1).view(_int8_code_dtype(moment))
+            payload = state[f"{moment}_payload"].reshape(-1).view(Int8GroupMoment.code_dtype(moment))
             group_size = _fp8_group_size(strategy, scale, numel)
             meaning[moment] = dequantize_int8(payload, scale, group_size, torch.Size([numel])).double()
         else:
@@ -262,7 +233,7 @@ def encode(
         param = torch.empty(value.shape, dtype=param_dtype, device=value.device)
         stored = new_master(strategy, value.numel(), param)
         store_master_(param, stored, value.float())
-        state[MASTER_KEYS[strategy.master_storage]] = stored
+        state[strategy.param_codec.key] = stored
     else:
         param = round_to(value, param_dtype)
     for moment in strategy.moment_names:
@@ -278,11 +249,9 @@ def encode(
                     parts["expansion_exponent"] = quantized.expansion_exponent
             state.update({f"{moment}_{part}": tensor for part, tensor in parts.items()})
         elif strategy.moments == "int8":
-            payload, scale = int8_zeros(
-                value.numel(), strategy.fp8_group_size, moment not in NON_NEGATIVE_MOMENTS, value.device
-            )
-            quantize_int8_into(meaning[moment].float(), payload, scale, strategy.fp8_group_size)
-            state.update({f"{moment}_payload": payload, f"{moment}_scale": scale})
+            parts = strategy.moment_codec.zeros(moment, value.numel(), value)
+            strategy.moment_codec.encode_(parts, moment, meaning[moment].float(), check_finite=True)
+            state.update(parts)
         else:
             state[moment] = round_to(meaning[moment], torch.float32 if strategy.moments == "fp32" else param_dtype)
     for kind in (VALUE, *strategy.moment_names):

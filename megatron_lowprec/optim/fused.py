@@ -82,6 +82,7 @@ from megatron_lowprec.optim.background_compile import BACKGROUND_COMPILES, Backg
 from megatron_lowprec.optim.buckets import (
     FP8_PARTS, PER_GROUP_PARTS, Bucket, BufferRows, at_least_two, bucket_alignment, elements_per_value,
 )
+from megatron_lowprec.optim.codecs import FP8GroupMoment
 from megatron_lowprec.optim.kernel import (
     BucketStream,
     CounterStream,
@@ -166,7 +167,7 @@ def fp8_payloads_as_codes(device: torch.device) -> bool:
 def kernel_state(bucket: Bucket, strategy: PrecisionStrategy) -> dict[str, torch.Tensor]:
     """The bucket's state buffers as the compiled step takes them: FP8 payloads as uint8 views where
     :func:`fp8_payloads_as_codes` (the same memory and bits), every other buffer as it is."""
-    if strategy.moments != "fp8" or not fp8_payloads_as_codes(bucket.device):
+    if not isinstance(strategy.moment_codec, FP8GroupMoment) or not fp8_payloads_as_codes(bucket.device):
         return bucket.state
     return {key: value.view(torch.uint8) if key.endswith("_payload") else value for key, value in bucket.state.items()}
 

@@ -11,7 +11,7 @@ Rounding points of the reference, for every strategy:
 
 * Scalars (bias corrections, step size, ``lr * weight_decay``, ``1 - beta``) are Python floats (fp64)
   and never pass through a low-precision tensor (Collage §4.2, "compute scalars in high precision").
-* Each moment is decoded to FP32, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), every
+* Each moment is decoded to FP32 by the strategy's moment codec, updated there (m = β1·m + (1-β1)·g, v = β2·v + g·g·(1-β2), every
   operation rounded to FP32 on its own, none fused) and rounded once when stored (nearest for
   16-bit, per-group FP8 quantization for COAT). Collage-plus instead updates (v, δv) with Mul and
   Grow, every elementary operation rounded to the 16-bit format (Collage Alg. 2, line 9).
@@ -26,11 +26,11 @@ Rounding points of the reference, for every strategy:
   λ'θ + s·m / (√v + ε̂) with s = -lr √(1-β2^t) / (1-β1^t), ε̂ = ε √(1-β2^t) (Adam §2), a correctly
   rounded square root and a correctly rounded division on every backend
   (:mod:`~megatron_lowprec.numerics.elementary`: Triton's own FP32 division is approximate), then
-  applied as the strategy says: nearest, Grow into (θ, δθ), Kahan, or stochastic rounding.
-* An FP32 master is read and written through :func:`~megatron_lowprec.optim.master.master_value`
-  and :func:`~megatron_lowprec.optim.master.store_master_`: stored whole (the 16-bit parameter is
-  its nearest rounding, a cast) or as the BF16 parameter plus an int16 remainder (integer
-  operations on the bit pattern), the same FP32 master either way.
+  applied as the strategy's parameter codec says (:mod:`~megatron_lowprec.optim.codecs`): nearest,
+  Grow into (θ, δθ), Kahan, stochastic rounding, or into an FP32 master.
+* An FP32 master is read and written through its master codec: stored whole (the 16-bit parameter
+  is its nearest rounding, a cast) or as the BF16 parameter plus an int16 remainder or an int8
+  residual (integer operations on the bit pattern).
 * FP8 and companded INT8 moments are decoded and re-quantized by ``numerics/quant.py``, whose
   divisions, square roots, ``log`` and ``pow`` are likewise the same function on every backend.
 * ``adam_kernel="torch_fused"`` (option D) does not run this specification: torch's own fused AdamW
@@ -46,32 +46,17 @@ import torch
 
 from megatron_lowprec.metrics.update_quality import update_quality_pieces
 from megatron_lowprec.numerics.elementary import div_rn, sqrt_rn
-from megatron_lowprec.numerics.formats import float_format, round_to_16bit_on_device
-from megatron_lowprec.numerics.mcf import expand_scalar, fast2sum, grow, mul
-from megatron_lowprec.numerics.quant import (
-    QuantizedTensor,
-    dequantize_fp8,
-    dequantize_int8,
-    fp8_dtype_of,
-    quantize_fp8_into,
-    quantize_int8_into,
-)
+from megatron_lowprec.numerics.mcf import expand_scalar, grow, mul
 from megatron_lowprec.numerics.rounding import (
     counter_round_keys,
     hash_words,
     keyed_random_bits,
     row_random_bits,
     signed_word,
-    stochastic_round,
 )
 from megatron_lowprec.optim.buckets import PER_GROUP_PARTS, BufferRows, build_bucket
-from megatron_lowprec.optim.master import (
-    check_master_param_dtype,
-    master_key,
-    master_value,
-    store_master_,
-    stored_master,
-)
+from megatron_lowprec.optim.codecs import rounded_to
+from megatron_lowprec.optim.master import check_master_param_dtype
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 from megatron_lowprec.optim.torch_fused import torch_fused_adamw_step_
 
@@ -249,60 +234,9 @@ def check_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: s
     check_master_param_dtype(param, strategy, where)
 
 
-def _fp8_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> QuantizedTensor:
-    return QuantizedTensor(
-        payload=state[f"{moment}_payload"],
-        scale=state[f"{moment}_scale"],
-        expansion_exponent=state[f"{moment}_expansion_exponent"] if strategy.fp8_expand else None,
-        group_size=strategy.fp8_group_size,
-        shape=param.shape,
-        fp8_dtype=fp8_dtype_of(strategy.fp8_format),
-    )
-
-
 def init_state(param: torch.Tensor, strategy: PrecisionStrategy) -> dict[str, Any]:
     """Fresh optimizer state for one ``param``: zero moments and components, an FP32 master if any."""
     return build_bucket(strategy, 0, [param], own_params=False)[1][0]
-
-
-def decode_moment(state: dict[str, Any], moment: str, param: torch.Tensor, strategy: PrecisionStrategy) -> torch.Tensor:
-    """The moment as an FP32 tensor: the stored tensor itself when it is FP32 (updated in place), else a copy."""
-    if strategy.moments == "fp8":
-        return dequantize_fp8(_fp8_moment(state, moment, param, strategy))
-    if strategy.moments == "int8":
-        return dequantize_int8(state[f"{moment}_payload"], state[f"{moment}_scale"], strategy.fp8_group_size, param.shape)
-    return state[moment].float()
-
-
-def encode_moment(
-    state: dict[str, Any],
-    moment: str,
-    values: torch.Tensor,
-    param: torch.Tensor,
-    strategy: PrecisionStrategy,
-    check_finite: bool = True,
-) -> None:
-    """Store an FP32 moment: nearest rounding for 16-bit, per-group quantization for FP8 and INT8
-    (which, with ``check_finite`` and not compiling, refuses non-finite values with a host
-    synchronisation)."""
-    check_finite = check_finite and not torch.compiler.is_compiling()
-    if strategy.moments == "fp8":
-        stored = _fp8_moment(state, moment, param, strategy)
-        quantize_fp8_into(
-            values,
-            stored.payload,
-            stored.scale,
-            stored.expansion_exponent,
-            strategy.fp8_group_size,
-            check_finite=check_finite,
-            fp8_dtype=stored.fp8_dtype,
-        )
-    elif strategy.moments == "int8":
-        quantize_int8_into(
-            values, state[f"{moment}_payload"], state[f"{moment}_scale"], strategy.fp8_group_size, check_finite
-        )
-    elif values is not state[moment]:
-        state[moment].copy_(values)
 
 
 class KernelScalars:
@@ -365,13 +299,6 @@ class MuonScalars(KernelScalars):
         return cls(momentum, 1 - momentum, -lr * weight_decay, 1 - lr * weight_decay)
 
 
-def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP32 ``values`` rounded to nearest-even in the 16-bit ``dtype`` (in a form that no compiler
-    drops: :func:`~megatron_lowprec.numerics.formats.round_to_16bit_on_device`), as a ``dtype`` tensor (an exact conversion, which no compiler pass
-    can make inexact)."""
-    return round_to_16bit_on_device(values, dtype).to(dtype)
-
-
 def _collage_second_moment_(
     state: dict[str, Any], grad: torch.Tensor, scalars: StepScalars, beta2_expansion: tuple[Any, Any], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -379,7 +306,7 @@ def _collage_second_moment_(
 
     Returns the represented v = v + δv in FP32.
     """
-    fresh = _rounded_to(grad * grad * scalars.one_minus_beta2, dtype)
+    fresh = rounded_to(grad * grad * scalars.one_minus_beta2, dtype)
     scaled_hi, scaled_lo = mul(*beta2_expansion, state["exp_avg_sq"], state["exp_avg_sq_lo"])
     v_hi, v_lo = grow(scaled_hi, scaled_lo, fresh)
     state["exp_avg_sq"].copy_(v_hi)
@@ -387,64 +314,10 @@ def _collage_second_moment_(
     return v_hi.float() + v_lo.float()
 
 
-def represented_value(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The exact value the optimizer holds for ``param`` in float64: master (whole, or the parameter
-    joined with its remainder), θ + δθ, or θ."""
-    stored = stored_master(state)
-    if stored is not None:
-        return master_value(param, stored).double()
-    if "param_lo" in state:
-        return param.double() + state["param_lo"].double()
-    return param.double()
-
-
-def decay_base(param: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The represented θ in FP32, which weight decay shrinks (Collage App. D: decay inside the update)."""
-    stored = stored_master(state)
-    if stored is not None:
-        return master_value(param, stored)
-    if "param_lo" in state:
-        return param.float() + state["param_lo"].float()
-    return param.float()
-
-
-def _apply_nearest(param, state, update, random_source):
-    stored = stored_master(state)
-    if stored is not None:
-        store_master_(param, stored, master_value(param, stored) + update)
-    else:
-        param.copy_(param.float() + update)
-
-
-def _apply_mcf(param, state, update, random_source):
-    """(θ, δθ) ← Grow((θ, δθ), Δθ) (Collage Alg. 2, line 13)."""
-    hi, lo = grow(param, state["param_lo"], _rounded_to(update, param.dtype))
-    param.copy_(hi)
-    state["param_lo"].copy_(lo)
-
-
-def _apply_kahan(param, state, update, random_source):
-    """Δ' = Δθ + c; θ ← θ + Δ'; c ← Δ' - (θ_new - θ) (Collage App. C), i.e. Fast2Sum(θ, Δ')."""
-    compensated = _rounded_to(update + state["kahan_compensation"].float(), param.dtype)
-    new_param, compensation = fast2sum(param, compensated)
-    param.copy_(new_param)
-    state["kahan_compensation"].copy_(compensation)
-
-
-def _apply_stochastic(param, state, update, random_source: RandomSource):
-    """θ ← SR(θ + Δθ) (SR paper, Alg. 1)."""
-    exact = param.float() + update
-    streams = (CounterStream, BucketStream, GroupStream)
-    words = random_source.words(exact) if isinstance(random_source, streams) else random_source
-    param.copy_(stochastic_round(exact, float_format(param.dtype), words))
-
-
-PARAM_UPDATES = {
-    "nearest": _apply_nearest,
-    "mcf": _apply_mcf,
-    "kahan": _apply_kahan,
-    "stochastic": _apply_stochastic,
-}
+def represented_value(param: torch.Tensor, state: dict[str, Any], strategy: PrecisionStrategy) -> torch.Tensor:
+    """The exact value the optimizer holds for ``param`` in float64 (its parameter codec's): master
+    (whole, or the parameter joined with its remainder or residual), θ + δθ, or θ."""
+    return strategy.param_codec.represented(param, state)
 
 
 def _adam_term(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars) -> torch.Tensor:
@@ -466,16 +339,18 @@ def apply_update_(
     -lr m̂ / (√v̂ + ε), Muon's -lr·s·O) plus decoupled weight decay, applied as ``strategy`` says.
     ``weight_decay="multiplicative"``: master ← master·(1 - lrλ) + term on the FP32 master (as
     torch's AdamW and Muon decay, with separately rounded operations); otherwise
-    Δθ = -lrλ·θ + term (Collage App. D) reaches the parameter through :data:`PARAM_UPDATES`.
-    Returns Δθ (multiplicative: -lrλ·master + term) when ``track_update_quality``, else ``None``."""
+    Δθ = -lrλ·θ + term (Collage App. D) reaches the parameter as its codec applies it
+    (:attr:`~megatron_lowprec.optim.strategies.PrecisionStrategy.param_codec`: nearest, Grow into
+    (θ, δθ), Kahan, stochastic rounding, or into the master). Returns Δθ (multiplicative:
+    -lrλ·master + term) when ``track_update_quality``, else ``None``."""
+    codec = strategy.param_codec
     if strategy.weight_decay == "multiplicative":
-        stored = state[master_key(strategy)]
-        master = master_value(param, stored)
+        master = codec.value(param, state)
         update = master * scalars.neg_lr_weight_decay + term if track_update_quality else None
-        store_master_(param, stored, master * scalars.decay_factor + term)
+        codec.store_(param, state, master * scalars.decay_factor + term)
         return update
-    update = decay_base(param, state) * scalars.neg_lr_weight_decay + term
-    PARAM_UPDATES[strategy.param_update](param, state, update, random_source)
+    update = codec.value(param, state) * scalars.neg_lr_weight_decay + term
+    codec.apply_update_(param, state, update, random_source)
     return update if track_update_quality else None
 
 
@@ -601,24 +476,26 @@ def adamw_kernel_(
     FP8 moments are then stored without the host synchronisation that refuses non-finite values.
     ``counted``: the elements whose update counts in the update quality (default: all).
     """
-    before = represented_value(param, state) if track_update_quality else None
+    codec = strategy.moment_codec
+    check_finite = check_finite and not torch.compiler.is_compiling()
+    before = represented_value(param, state, strategy) if track_update_quality else None
     grad = grad.float()
-    exp_avg = decode_moment(state, "exp_avg", param, strategy)
+    exp_avg = codec.decode(state, "exp_avg", param.shape)
     exp_avg = exp_avg * scalars.beta1 + grad * scalars.one_minus_beta1
     if strategy.second_moment_mcf:
         exp_avg_sq = _collage_second_moment_(state, grad, scalars, beta2_expansion, param.dtype)
     else:
-        decoded = decode_moment(state, "exp_avg_sq", param, strategy)
+        decoded = codec.decode(state, "exp_avg_sq", param.shape)
         exp_avg_sq = decoded * scalars.beta2 + grad * grad * scalars.one_minus_beta2
     update = apply_update_(
         param, state, strategy, _adam_term(exp_avg, exp_avg_sq, scalars), scalars, random_source, track_update_quality
     )
-    encode_moment(state, "exp_avg", exp_avg, param, strategy, check_finite)
+    codec.encode_(state, "exp_avg", exp_avg, check_finite)
     if not strategy.second_moment_mcf:
-        encode_moment(state, "exp_avg_sq", exp_avg_sq, param, strategy, check_finite)
+        codec.encode_(state, "exp_avg_sq", exp_avg_sq, check_finite)
     if not track_update_quality:
         return None
-    after = represented_value(param, state)
+    after = represented_value(param, state, strategy)
     if counted is not None:
         update, before, after = (torch.where(counted, value, 0) for value in (update, before, after))
     return update_quality_pieces(update, before, after)
@@ -636,15 +513,16 @@ def muon_momentum_kernel_(
     B ← μ·B + (1-μ)·g, with Nesterov M = (1-μ)·g + μ·B, else M = B (torch.optim.Muon's two lerps,
     each here a multiply, a multiply and an add rounded to FP32 apart, so that eager and compiled
     runs round alike: no lerp, whose CPU kernel fuses a multiply-add). B is decoded to FP32 and
-    rounded once when stored (:func:`encode_moment`); M, from the FP32 B, is returned rounded to
+    rounded once when stored (the strategy's moment codec); M, from the FP32 B, is returned rounded to
     BF16 (Newton-Schulz's input). ``grad``: a tensor, or the rows of another buffer (a fused call
     over a bucket, whose gradients the caller has checked: ``check_finite=False``)."""
     if isinstance(grad, BufferRows):
         grad = grad.read(_per_element_state(state).shape)
     grad = grad.float()
-    buffer = decode_moment(state, "momentum", grad, strategy) * scalars.momentum + grad * scalars.one_minus_momentum
+    codec = strategy.moment_codec
+    buffer = codec.decode(state, "momentum", grad.shape) * scalars.momentum + grad * scalars.one_minus_momentum
     direction = grad * scalars.one_minus_momentum + buffer * scalars.momentum if nesterov else buffer
-    encode_moment(state, "momentum", buffer, grad, strategy, check_finite)
+    codec.encode_(state, "momentum", buffer, check_finite and not torch.compiler.is_compiling())
     return direction.to(torch.bfloat16)
 
 
@@ -695,7 +573,7 @@ def adamw_step_(
     state["step"] += 1
     if strategy.adam_kernel == "torch_fused":
         return torch_fused_adamw_step_(
-            [param.view(-1)], [grad.reshape(-1)], state[master_key(strategy)].view(-1), state["exp_avg"].view(-1),
+            [param.view(-1)], [grad.reshape(-1)], state[strategy.param_codec.key].view(-1), state["exp_avg"].view(-1),
             state["exp_avg_sq"].view(-1), [(0, param.numel())], step=state["step"], lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, track_update_quality=track_update_quality,
         )

@@ -20,10 +20,11 @@ A strategy with ``master_weights`` keeps one stored tensor per parameter under :
   AdamW step (about the learning rate in magnitude) is lost only where it falls under 2^-17 of the
   weight, a ten-thousandth of a BF16 ULP's share where BF16 alone loses it.
 
-Every reader and writer of a master (the reference kernel, torch's fused kernel for option D, the
-update-quality pieces, state dicts and checkpoints) goes through :func:`master_value` and
-:func:`store_master_`, which tell the two forms apart by the stored tensor's dtype, so the masters
-are the same bits in either form, eager and compiled.
+Each form is a master codec (:class:`~megatron_lowprec.optim.codecs.MasterCodec`: its key, its
+dtype, join and split). Every reader and writer of a master (the reference kernel, torch's fused
+kernel for option D, the update-quality pieces, state dicts and checkpoints) goes through the codec,
+or through :func:`master_value` and :func:`store_master_`, which find it by the stored tensor's
+dtype, so the masters are the same bits in either form, eager and compiled.
 """
 
 from __future__ import annotations
@@ -32,26 +33,21 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_lowprec.numerics.formats import (
-    join_bf16_remainder,
-    join_bf16_residual8,
-    split_bf16_remainder,
-    split_bf16_residual8,
-)
+from megatron_lowprec.optim.codecs import MASTER_CODECS, RemainderMaster, Residual8Master, master_codec_of
 from megatron_lowprec.optim.strategies import PrecisionStrategy
 
-MASTER_KEYS = {"fp32": "master", "remainder": "master_remainder", "residual8": "master_residual8"}
+MASTER_KEYS = {storage: codec.key for storage, codec in MASTER_CODECS.items()}
 """The state key of the stored master for each ``master_storage``."""
 
-REMAINDER_DTYPE = torch.int16
-RESIDUAL_DTYPE = torch.int8
-MASTER_DTYPES = {"fp32": torch.float32, "remainder": REMAINDER_DTYPE, "residual8": RESIDUAL_DTYPE}
+REMAINDER_DTYPE = RemainderMaster.dtype
+RESIDUAL_DTYPE = Residual8Master.dtype
+MASTER_DTYPES = {storage: codec.dtype for storage, codec in MASTER_CODECS.items()}
 """The dtype of the stored master for each ``master_storage``: the forms are told apart by it."""
 
 
 def master_key(strategy: PrecisionStrategy) -> str:
     """The state key under which ``strategy`` stores its master."""
-    return MASTER_KEYS[strategy.master_storage]
+    return MASTER_CODECS[strategy.master_storage].key
 
 
 def stored_master(state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -65,32 +61,19 @@ def stored_master(state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 def master_value(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """The FP32 master of ``param``: ``stored`` itself when it is the FP32 master (updated in place
     by whoever writes it), else ``param`` joined with the remainder or residual ``stored`` (a new tensor)."""
-    if stored.dtype == torch.float32:
-        return stored
-    if stored.dtype == RESIDUAL_DTYPE:
-        return join_bf16_residual8(param, stored)
-    return join_bf16_remainder(param, stored)
+    return master_codec_of(stored).join(param, stored)
 
 
 def split_master(value: torch.Tensor, stored_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 masters ``value`` as the BF16 parameters and the stored pieces of dtype ``stored_dtype``
     (int16 remainders or int8 residuals) that :func:`master_value` joins."""
-    if stored_dtype == RESIDUAL_DTYPE:
-        return split_bf16_residual8(value)
-    return split_bf16_remainder(value)
+    return master_codec_of(stored_dtype).split(value)
 
 
 def store_master_(param: torch.Tensor, stored: torch.Tensor, value: torch.Tensor) -> None:
     """Make FP32 ``value`` the master of ``param``: the whole form stores it and rounds the parameter
     to nearest (a cast); the remainder and residual forms split it into the parameter and the stored piece."""
-    if stored.dtype == torch.float32:
-        if value is not stored:
-            stored.copy_(value)
-        param.copy_(stored)
-        return
-    upper, low = split_master(value, stored.dtype)
-    param.copy_(upper)
-    stored.copy_(low)
+    master_codec_of(stored).store_tensor_(param, stored, value)
 
 
 def store_masters_(params: list[torch.Tensor], stored: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -119,21 +102,18 @@ def copies_off_nearest_even(param: torch.Tensor, stored: torch.Tensor) -> torch.
 def new_master(strategy: PrecisionStrategy, numel: int, like: torch.Tensor) -> torch.Tensor:
     """A flat, zero stored master of ``strategy`` for ``numel`` elements on ``like``'s device: fill
     it from the parameters with :func:`reset_master_`."""
-    return like.new_zeros(numel, dtype=MASTER_DTYPES[strategy.master_storage])
+    return like.new_zeros(numel, dtype=strategy.param_codec.dtype)
 
 
 def reset_master_(param: torch.Tensor, stored: torch.Tensor) -> None:
     """Restart the master from the 16-bit ``param`` (same shape as ``stored``): its exact FP32 value,
     or a zero remainder or residual (a BF16 value is its own upper half)."""
-    if stored.dtype == torch.float32:
-        stored.copy_(param)
-    else:
-        stored.zero_()
+    master_codec_of(stored).reset_(param, stored)
 
 
 def check_master_param_dtype(param: torch.Tensor, strategy: PrecisionStrategy, where: str) -> None:
     """``ValueError`` if ``strategy`` stores its master below the parameter and ``param`` is not BF16."""
-    if strategy.master_weights and strategy.master_storage != "fp32" and param.dtype != torch.bfloat16:
+    if strategy.master_weights and strategy.param_codec.below_bf16 and param.dtype != torch.bfloat16:
         raise ValueError(
             f"option {strategy.name!r} with master_storage={strategy.master_storage!r} keeps the FP32 master's upper half in "
             f"the BF16 parameter; {where} of shape {tuple(param.shape)} has dtype {param.dtype}: use "

@@ -22,12 +22,12 @@ Every registered option applies (:func:`muon_strategy`), with the fields read as
 
 * ``moments``: the momentum B is stored in the parameter's 16-bit dtype (A, B, C, kahan, sr), FP32
   (D, D-MW) or FP8 E4M3 per 1x128 group with COAT's range expansion (coat). It is decoded to FP32,
-  updated there and rounded once when stored (``kernel.decode_moment`` / ``kernel.encode_moment``);
+  updated there and rounded once when stored (the strategy's moment codec, ``optim/codecs.py``);
   the Nesterov direction uses the FP32 value before that rounding.
 * ``param_update`` and ``master_weights``: the FP32 update Δθ = -lr·λ·θ - lr·s·O reaches the 16-bit
   parameter by nearest rounding, MCF Grow into (θ, δθ), Kahan, or stochastic rounding with the
-  counter-based words shared by every replica (``kernel.PARAM_UPDATES``), or updates an FP32 master
-  stored whole or as a remainder below the BF16 parameter (``optim/master.py``).
+  counter-based words shared by every replica, or updates an FP32 master stored whole or as a
+  remainder or residual below the BF16 parameter: the strategy's parameter codec (``optim/codecs.py``).
 * ``weight_decay="multiplicative"`` (D, coat, D-BF16): θ ← θ(1 - lr·λ) - lr·s·O on the FP32
   master, as ``torch.optim.Muon`` (so D is torch's Muon on the master, but for the roundings above).
 * ``second_moment_mcf`` (C): Muon keeps no second moment, so C's expansion of v has nothing to act

@@ -14,34 +14,32 @@ residual below the BF16 parameter (arXiv 2602.23349).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
+
+# The byte sizes and NON_NEGATIVE_MOMENTS live with the codecs; importers of this module read them here too.
+from megatron_lowprec.optim.codecs import (  # noqa: F401
+    EXPANSION_EXPONENT_BYTES,
+    FP8_BYTES,
+    FP8_SCALE_BYTES,
+    FP32_BYTES,
+    INT8_SCALE_BYTES,
+    LOW_PRECISION_BYTES,
+    NON_NEGATIVE_MOMENTS,
+    MomentCodec,
+    ParamCodec,
+    moment_codec,
+    param_codec,
+)
 
 MOMENT_STORAGES = ("low", "fp32", "fp8", "int8")
 GROUPED_MOMENT_STORAGES = ("fp8", "int8")
 """The 8-bit moment storages: per element one byte, per group of ``fp8_group_size`` a scale (and for FP8 an exponent)."""
-NON_NEGATIVE_MOMENTS = ("exp_avg_sq",)
-"""Moments that are never negative: an INT8 codec stores their square root, unsigned (FlashOptim)."""
 PARAM_UPDATES = ("nearest", "mcf", "kahan", "stochastic")
 WEIGHT_DECAY_PLACEMENTS = ("in_update", "multiplicative")
 ADAM_KERNELS = ("reference", "torch_fused")
 MASTER_STORAGES = ("fp32", "remainder", "residual8")
 FP8_EXPONENT_STORAGES = ("fp32", "bf16")
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-LOW_PRECISION_BYTES = 2
-FP32_BYTES = 4
-FP8_BYTES = 1
-REMAINDER_BYTES = 2
-"""The int16 remainder that, below the BF16 parameter, stores an FP32 master (``master_storage="remainder"``)."""
-RESIDUAL8_BYTES = 1
-"""The int8 residual that, below the BF16 parameter, stores a master of 16 significant bits (``master_storage="residual8"``)."""
-FP8_SCALE_BYTES = 4
-"""Per FP8 group: its FP32 scale (COAT §3)."""
-INT8_SCALE_BYTES = 2
-"""Per companded INT8 group: its BF16 scale (:mod:`~megatron_lowprec.numerics.quant`)."""
-EXPANSION_EXPONENT_BYTES = {"fp32": 4, "bf16": 2}
-"""Per FP8 group under range expansion: its exponent k (COAT §4.2), by ``fp8_exponent_storage``."""
 
 
 def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -165,12 +163,28 @@ class PrecisionStrategy:
             )
         if self.fp8_group_size < 1:
             raise ValueError(f"fp8_group_size must be >= 1, got {self.fp8_group_size}")
+        codec = moment_codec(self.moments, self.fp8_format, self.fp8_group_size, self.fp8_expand, self.fp8_exponent_storage)
+        object.__setattr__(self, "_moment_codec", codec)
+        object.__setattr__(self, "_param_codec", param_codec(self.param_update, self.master_weights, self.master_storage))
+
+    @property
+    def moment_codec(self) -> MomentCodec:
+        """The storage format of every moment (:mod:`~megatron_lowprec.optim.codecs`), from
+        ``moments`` and the 8-bit formats' fields (derived, not a field: the strategy stays the registry's data)."""
+        return self._moment_codec
+
+    @property
+    def param_codec(self) -> ParamCodec:
+        """What the optimizer keeps of θ besides the 16-bit parameter and how an update reaches it
+        (:mod:`~megatron_lowprec.optim.codecs`): the master's codec (``master_storage``) with
+        ``master_weights``, else ``param_update``'s."""
+        return self._param_codec
 
     @property
     def grouped_moments(self) -> bool:
         """The moments are stored in 8 bits per element with per-group metadata (FP8 or INT8), in
         groups of ``fp8_group_size`` tied to the same offsets of the buffers."""
-        return self.moments in GROUPED_MOMENT_STORAGES
+        return self.moment_codec.grouped
 
     def with_moment_storage(self, moment_storage: str) -> PrecisionStrategy:
         """The same strategy with its 8-bit moments stored as ``moment_storage`` (``"fp8"`` or
@@ -218,37 +232,25 @@ class PrecisionStrategy:
     def master_bytes(self) -> int:
         """Bytes per element of the stored master: 4 (FP32), 2 (remainder below the BF16 parameter), 1
         (residual below the BF16 parameter) or 0."""
-        if not self.master_weights:
-            return 0
-        return {"fp32": FP32_BYTES, "remainder": REMAINDER_BYTES, "residual8": RESIDUAL8_BYTES}[self.master_storage]
+        return self.param_codec.state_bytes if self.master_weights else 0
 
     def moment_bytes(self, numel: int) -> float:
         """Bytes of one moment (e.g. m or v) of a tensor with ``numel`` elements, FP8 metadata included."""
-        if self.moments == "low":
-            return LOW_PRECISION_BYTES * numel
-        if self.moments == "fp32":
-            return FP32_BYTES * numel
-        return FP8_BYTES * numel + self.fp8_group_metadata_bytes * math.ceil(numel / self.fp8_group_size)
+        return self.moment_codec.bytes(numel)
 
     @property
     def fp8_group_metadata_bytes(self) -> int:
         """Bytes each 8-bit group stores besides its payload: an INT8 group its BF16 scale (2); an FP8
         group its FP32 scale, and under range expansion its exponent k as ``fp8_exponent_storage``
         says (8 with an FP32 k, 6 with a BF16 one)."""
-        if self.moments == "int8":
-            return INT8_SCALE_BYTES
-        exponent = EXPANSION_EXPONENT_BYTES[self.fp8_exponent_storage] if self.fp8_expand else 0
-        return FP8_SCALE_BYTES + exponent
+        return self.moment_codec.group_metadata_bytes
 
     def state_bytes(self, numel: int) -> float:
         """Bytes of optimizer state for a tensor with ``numel`` elements (no parameter, no gradient)."""
-        extra_components = (
-            self.keeps_param_low_component + self.second_moment_mcf + (self.param_update == "kahan")
-        )
         return (
             len(self.moment_names) * self.moment_bytes(numel)
-            + self.master_bytes * numel
-            + LOW_PRECISION_BYTES * numel * extra_components
+            + self.param_codec.state_bytes * numel
+            + LOW_PRECISION_BYTES * numel * self.second_moment_mcf
         )
 
     @property

@@ -27,6 +27,7 @@ from megatron_lowprec.numerics import elementary, formats, mcf
 from megatron_lowprec.numerics import quant as quant_module
 from megatron_lowprec.numerics.rounding import StreamLayout
 from megatron_lowprec.optim import AdamW, available_strategies, get_strategy
+from megatron_lowprec.optim import codecs as codecs_module
 from megatron_lowprec.optim import fused as fused_module
 from megatron_lowprec.optim import kernel as kernel_module
 from megatron_lowprec.optim.kernel import StepScalars, adamw_kernel_
@@ -182,7 +183,8 @@ def test_the_emulation_sees_a_rounding_done_by_casts_in_mcf(round_trip_free_kern
 def test_the_emulation_sees_a_rounding_done_by_a_cast_in_the_kernel(option, round_trip_free_kernel, monkeypatch):
     """Mutation: the kernel's rounding of an operand (Collage-plus' (1 - β2) g², Kahan's compensated
     update) back to a plain cast."""
-    monkeypatch.setattr(kernel_module, "_rounded_to", lambda values, dtype: values.to(dtype))
+    monkeypatch.setattr(kernel_module, "rounded_to", lambda values, dtype: values.to(dtype))
+    monkeypatch.setattr(codecs_module, "rounded_to", lambda values, dtype: values.to(dtype))
     twins = _run_twins(option, torch.bfloat16, steps=5)
     assert _differing_elements(twins) > 0
 

@@ -8,6 +8,7 @@ import torch
 
 from megatron_lowprec.numerics.formats import split_bf16_remainder
 from megatron_lowprec.optim import AdamW, get_strategy
+from megatron_lowprec.optim import codecs as codecs_module
 from megatron_lowprec.optim import master as master_module
 from megatron_lowprec.optim.fused import fused_available
 from megatron_lowprec.optim.master import master_value, stored_master
@@ -119,7 +120,7 @@ def _drop_remainder_bit(split):
 @pytest.mark.parametrize("option", MASTER_OPTIONS)
 def test_dropping_one_remainder_bit_changes_the_masters(option, monkeypatch):
     """Mutation: the split loses the remainder's lowest bit; the masters then part from the whole form's."""
-    monkeypatch.setattr(master_module, "split_bf16_remainder", _drop_remainder_bit(master_module.split_bf16_remainder))
+    monkeypatch.setattr(codecs_module, "split_bf16_remainder", _drop_remainder_bit(codecs_module.split_bf16_remainder))
     gradients = _gradients(5)
     whole = _optimizer(option, "fp32", False, "cpu")
     remainder = _optimizer(option, "remainder", False, "cpu")
@@ -257,8 +258,8 @@ def test_update_quality_that_drops_one_remainder_bit_is_caught(monkeypatch):
     def join_without_bit(upper, remainder):
         return join(upper, remainder & ~1)
 
-    join = master_module.join_bf16_remainder
-    monkeypatch.setattr(master_module, "join_bf16_remainder", join_without_bit)
+    join = codecs_module.join_bf16_remainder
+    monkeypatch.setattr(codecs_module, "join_bf16_remainder", join_without_bit)
     remainder = _optimizer("D-BF16", "remainder", False, "cpu", track_update_quality=True)
     _train(*remainder, gradients)
     got, expected = remainder[1].bucket_update_pieces[0].tolist(), whole[1].bucket_update_pieces[0].tolist()
