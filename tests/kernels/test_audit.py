@@ -26,7 +26,7 @@ from megatron_lowprec.optim import fused, kernel, muon
 from megatron_lowprec.optim.strategies import EXPANSION_EXPONENT_BYTES, FP8_BYTES, FP8_SCALE_BYTES, get_strategy
 from tests.conftest import KERNEL_FX_CACHE_VARIABLE
 from tests.numerics.test_mcf import BF16, round_nearest_even
-from tools.kernel_audit import audit, codegen
+from tools.kernel_audit import audit, codegen, interpret
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 """The recorded result files: the audit's tables (``--markdown``) and the H200's step kernels."""
@@ -47,26 +47,22 @@ def _stamped(text: str) -> bool:
     ))
 
 
-FIRST_FP8_CONFIGURATION = next(pair for pair in audit.configurations() if audit.strategy_for(*pair).moments == "fp8")
-
-
 def audited_arches(option: str, storage: str, kind: str, optimizer: str) -> tuple[int, ...]:
     """The architectures this module audits a configuration for: every one of ``codegen.ARCHES``
     where they share one trace (:func:`~tools.kernel_audit.codegen.trace_groups`: each arch costs a
     compile of the traced kernels only). FP8 moments trace the step once more below sm_89, whose
     payloads are uint8 codes converted by integer arithmetic (``fused.fp8_payloads_as_codes``): that
-    trace is audited for each FP8 option's AdamW step over a plain bucket in the option's registered
-    master storage (each option's coding in its own kernel; the steps that ``test_interpret.py`` runs
-    on sm_80 too) and for :data:`FIRST_FP8_CONFIGURATION` in every (optimizer, kind) (each layout's
-    and Muon's momentum coding). Its other configurations are left to sm_90: there a step differs
-    from its sm_80 twin only in how its payloads are loaded and stored, which is one function
-    (``formats.to_fp8_codes``, ``from_fp8_codes``) in every FP8 configuration, audited above, while
-    master storage, rounding and layout are the same code on both."""
-    groups = codegen.trace_groups(audit.strategy_for(option, storage), codegen.ARCHES)
-    registered = storage == get_strategy(option).master_storage
-    if len(groups) == 1 or ((optimizer, kind) == ("adamw", "plain") and registered) or (option, storage) == FIRST_FP8_CONFIGURATION:
+    trace is audited where ``test_interpret.py`` also runs it
+    (:func:`~tools.kernel_audit.interpret.compared_arches`: AdamW's plain step of each FP8 option
+    with an FP32 master, coat's with an FP32 exponent k and sr8's with a BF16 one; the two modules
+    share one compile of it through the run's FX graph cache). The other configurations are left to
+    sm_90: there a step differs from its sm_80 twin only in how its payloads are loaded and stored,
+    which is one codec (``codecs.FP8GroupMoment``, through ``formats.to_fp8_codes`` and
+    ``from_fp8_codes``) in every FP8 configuration, layout and optimizer, audited above, while master
+    storage, rounding and layout are the same code on both."""
+    if len(codegen.trace_groups(audit.strategy_for(option, storage), codegen.ARCHES)) == 1:
         return codegen.ARCHES
-    return groups[0]
+    return tuple(arch for arch in codegen.ARCHES if arch in interpret.compared_arches(option, storage, kind, optimizer))
 
 
 def test_the_fused_step_depends_on_the_architecture_only_through_its_fp8_payloads():

@@ -42,7 +42,7 @@ def _run(result_dir: Path, world_size: int, scenario: str, worker: Path = WORKER
 @pytest.mark.parametrize(
     "options, world_size, tensor_parallel, pipeline_parallel, bucket_size, steps, fused, grad_reduce_in_fp32",
     [
-        (OPTIONS + OTHER_MASTER_STORAGES, 2, 1, 1, 3000, 10, False, False),
+        (OPTIONS + OTHER_MASTER_STORAGES, 2, 1, 1, 3000, 6, False, False),
         (OPTIONS, 2, 1, 1, 3000, 6, False, True),
         (OPTIONS, 4, 2, 1, None, 6, False, False),
         (PIPELINE_OPTIONS, 4, 1, 2, None, 4, False, False),
