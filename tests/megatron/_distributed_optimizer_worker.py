@@ -386,6 +386,19 @@ def _owned_states(optimizer, names: dict) -> list:
     ]
 
 
+def _chain_converted_as_rounded(model, chain, source: dict[str, dict[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """Per parameter of a converted Muon ``chain``, its states that are not ``source``'s (by the
+    model's parameter names) rounded as B keeps them (:func:`_converted_as_rounded`)."""
+    names = {param: name for name, param in model.module.named_parameters()}
+    return {
+        names[param]: _converted_as_rounded(
+            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
+            source[names[param]],
+        )
+        for inner in chain.chained_optimizers for param, state in inner.optimizer.state.items()
+    }
+
+
 def _converted_as_rounded(value: torch.Tensor, states: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> list[str]:
     """The states of option B's (θ, δθ) and 16-bit moments that are not the source's FP32 master
     and moments rounded to nearest even by torch's casts: θ the master's nearest BF16, δθ the
@@ -502,14 +515,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     _, single = load(model, _optimizer("B", model, True, convert_checkpoint=True), directory)
     model, converted = muon_chain("B", lowprec_convert_checkpoint=True)
     lines, _ = load(model, converted, directory)
-    names = {param: name for name, param in model.module.named_parameters()}
-    wrong = {
-        names[param]: _converted_as_rounded(
-            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
-            source[names[param]],
-        )
-        for inner in converted.chained_optimizers for param, state in inner.optimizer.state.items()
-    }
+    wrong = _chain_converted_as_rounded(model, converted, source)
     after = _train(model, converted, 1, _scheduler(converted, steps + 2), first_step=steps)
     result["muon"] = {
         "wrong": {key: value for key, value in wrong.items() if value}, "runs": len(wrong), "lines": lines,
@@ -518,14 +524,7 @@ def converting_loads(checkpoint_dir: str, steps: int) -> dict:
     }
     model, converted = muon_chain("B", lowprec_convert_checkpoint=True, **_layer_wise_fields())
     lines, _ = load(model, converted, directory)
-    names = {param: name for name, param in model.module.named_parameters()}
-    wrong = {
-        names[param]: _converted_as_rounded(
-            param.detach().reshape(-1), {key: value.reshape(-1) for key, value in state.items() if torch.is_tensor(value)},
-            source[names[param]],
-        )
-        for inner in converted.chained_optimizers for param, state in inner.optimizer.state.items()
-    }
+    wrong = _chain_converted_as_rounded(model, converted, source)
     wrong.update({
         name: ["whole value"] for name, param in model.module.named_parameters()
         if not torch.equal(param.detach().reshape(-1), source[name]["master"].bfloat16())
